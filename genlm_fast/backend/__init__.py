@@ -1,0 +1,1 @@
+"""genlm.backend-compatible API: vocabulary decoding and tries."""

@@ -1,0 +1,214 @@
+"""genlm.bytes' ``TokenByteTrie`` / ``AsyncTokenByteTrie`` on the fused kernels."""
+
+from __future__ import annotations
+
+import warnings
+from enum import Enum
+
+import numpy as np
+import torch
+
+from genlm_fast.backend.tokenization import Token
+from genlm_fast.backend.trie.async_impl import AutoBatcher, _stack
+from genlm_fast.trie_core import CompiledTrie
+
+EOS = 257  # the edge key of the EOS node under the root
+
+
+class TrieMode(Enum):
+    """How EOS tokens count: as ordinary tokens, or only towards the EOS node (and root)."""
+
+    WITHOUT_EOS = "without_eos"
+    WITH_EOS = "with_eos"
+
+
+class TrieOp(Enum):
+    SUM = "sum"
+    MAX = "max"
+
+
+def as_mode(mode) -> TrieMode:
+    """``None`` -> WITHOUT_EOS; accepts the enum or its string value."""
+    if mode is None:
+        return TrieMode.WITHOUT_EOS
+    if isinstance(mode, TrieMode):
+        return mode
+    try:
+        return TrieMode(mode)
+    except ValueError:
+        raise ValueError(f"unknown trie mode {mode!r}; expected one of "
+                         f"{[m.value for m in TrieMode]} or a TrieMode") from None
+
+
+def _renamed(new_value, old_value, new, old):
+    if old_value is not None:
+        if new_value is not None:
+            raise TypeError(f"pass either {new}= or its older name {old}=, not both")
+        return old_value
+    return new_value
+
+
+class TokenByteTrie(CompiledTrie):
+    """A byte trie over a ``Token`` vocabulary with an EOS node under the root (key 257).
+
+    Args:
+        decode: ``Token`` objects (``decode_vocab``); plain bytes are accepted (deprecated).
+        device: "cpu", "cuda" or None (cuda when available); results live there.
+        atomic_byte_strings (alias ``atomic_tokens``): byte strings kept as one edge.
+        eot_sentinel (alias ``eot_token``): first element of leaf edge keys.
+        eos_byte_strings (alias ``eos_tokens``): tokens whose mass goes to the EOS node
+            in ``TrieMode.WITH_EOS``.
+        max_batch_size: accepted for compatibility (the kernels need no chunking).
+        kernel_backend: "auto", "reference", "cpu", "cuda" or "triton".
+    """
+
+    def __init__(self, decode, device=None, atomic_byte_strings=None, eot_sentinel=None,
+                 eos_byte_strings=None, max_batch_size=64, *, atomic_tokens=None,
+                 eot_token=None, eos_tokens=None, kernel_backend="auto", cache=True,
+                 cache_dir=None):
+        atomic_byte_strings = _renamed(atomic_byte_strings, atomic_tokens,
+                                       "atomic_byte_strings", "atomic_tokens")
+        eot_sentinel = _renamed(eot_sentinel, eot_token, "eot_sentinel", "eot_token")
+        eos_byte_strings = _renamed(eos_byte_strings, eos_tokens, "eos_byte_strings", "eos_tokens")
+        if decode is None or len(decode) == 0:
+            raise ValueError("decode cannot be empty: a trie needs at least one token")
+        if Token.is_plain_bytes(decode[0]):
+            warnings.warn("Passing plain bytes to TokenByteTrie is deprecated; use Token "
+                          "objects from decode_vocab() instead.", DeprecationWarning, stacklevel=2)
+            decode = [Token(i, b) for i, b in enumerate(decode)]
+        for i, token in enumerate(decode):
+            if not isinstance(token, Token):
+                raise TypeError(f"decode must contain Token objects (see decode_vocab()); item "
+                                f"{i} is a {type(token).__name__}")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if str(device) not in ("cpu", "cuda"):
+            raise ValueError(f"Invalid device: {device!r}. Must be 'cpu', 'cuda' or None")
+
+        self.decode = decode
+        self.device = str(device)
+        self.max_batch_size = max_batch_size
+        self.kernel_backend = kernel_backend
+        self._byte_decode = [t.byte_string for t in decode]
+        self.eot_sentinel = eot_sentinel
+        self.eos_byte_strings = set(eos_byte_strings or [])
+        atomic = set(atomic_byte_strings or [])
+        vocab_bytes = set(self._byte_decode)
+        for bs in atomic:
+            if bs not in vocab_bytes:
+                raise ValueError(f"Atomic byte string {bs!r} not in vocabulary")
+        for bs in self.eos_byte_strings:
+            if bs not in vocab_bytes:
+                raise ValueError(f"EOS byte string {bs!r} not in vocabulary")
+        self.eos_token_ids = [t.token_id for t in decode if t.byte_string in self.eos_byte_strings]
+
+        token_ids = [t.token_id for t in decode]
+        if len(set(token_ids)) != len(token_ids):
+            raise ValueError("decode contains two Tokens with the same token_id")
+        words = [[bs] if bs in atomic else bs for bs in self._byte_decode]
+        leaf_keys = [(eot_sentinel, tid) for tid in token_ids]
+        eos_positions = [i for i, bs in enumerate(self._byte_decode) if bs in self.eos_byte_strings]
+        self._compile(
+            words, leaf_keys, np.asarray(token_ids), eos_key=EOS, eos_positions=eos_positions,
+            cache_key=("byte", self._byte_decode, token_ids, sorted(atomic), eot_sentinel,
+                       sorted(self.eos_byte_strings)),
+            cache=cache, cache_dir=cache_dir)
+        self.eos_node = self._layout.eos_node
+        leaf_node = self._layout.leaf_node
+        self.word2leaf = {(bs, tid): int(leaf)
+                          for bs, tid, leaf in zip(self._byte_decode, token_ids, leaf_node)}
+        self.lookup = {(bs, tid): tid for bs, tid in zip(self._byte_decode, token_ids)}
+        self.token_id_to_leaf = np.stack(
+            [np.asarray(token_ids, dtype=np.int32), leaf_node.astype(np.int32)], axis=1)
+        self.leaf2token_id = dict(zip(leaf_node.tolist(), token_ids))
+        self.token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.decode)
+
+    def _edge_letters(self, key) -> list:
+        if isinstance(key, tuple):
+            return []
+        if isinstance(key, bytes):
+            return list(key)
+        return [key]
+
+    def _mode_name(self, mode) -> str:
+        return as_mode(mode).value
+
+    # ---------------------------------------------------------------- weights
+
+    def weight_sum(self, ws, mode=None):
+        """Per-node sum of token weights ``[V]`` -> ``[N]`` (a tensor on the trie's device)."""
+        return self.batch_weight_sum(_one_row(ws), mode=mode)[0]
+
+    def batch_weight_sum(self, ws, mode=None):
+        """``[B, V]`` (or a list of ``[V]``) -> ``[B, N]`` tensor on the trie's device."""
+        return self._reduce(ws, "sum", self._mode_name(mode), device=self.device,
+                            dtype=torch.float32)
+
+    def weight_max(self, ws):
+        """Per-node max of token weights ``[V]`` -> ``[N]``."""
+        return self.batch_weight_max(_one_row(ws))[0]
+
+    def batch_weight_max(self, ws):
+        return self._reduce(ws, "max", "without_eos", device=self.device, dtype=torch.float32)
+
+
+def _one_row(ws):
+    shape = getattr(ws, "shape", None)
+    if shape is not None and len(shape) != 1:
+        raise ValueError(f"expected one weight vector of shape [V], got shape {tuple(shape)}")
+    return [ws]
+
+
+class AsyncTokenByteTrie:
+    """Auto-batching wrapper around ``TokenByteTrie``: concurrent requests are grouped by
+    (operation, mode) and each group is answered by one kernel launch."""
+
+    def __init__(self, trie):
+        self.trie = trie
+        self._batcher = AutoBatcher(self._run_batch)
+
+    @classmethod
+    def from_vocab(cls, vocab, **kwargs):
+        return cls(TokenByteTrie(decode=vocab, **kwargs))
+
+    def _run_batch(self, op, mode, rows):
+        if op == TrieOp.SUM:
+            return self.trie.batch_weight_sum(rows, mode=mode)
+        if op == TrieOp.MAX:
+            return self.trie.batch_weight_max(rows)
+        return self.trie.batch_log_mass(_stack(rows), mode=mode)
+
+    def _check(self, ws):
+        width = ws.shape[-1] if hasattr(ws, "shape") else len(ws)
+        if width != self.trie.vocab_size:
+            raise ValueError(f"expected a weight vector of length {self.trie.vocab_size}, "
+                             f"got {width}")
+
+    async def weight_sum(self, ws, mode=None):
+        self._check(ws)
+        return await self._batcher.submit(TrieOp.SUM, as_mode(mode), ws)
+
+    async def weight_max(self, ws):
+        self._check(ws)
+        return await self._batcher.submit(TrieOp.MAX, TrieMode.WITHOUT_EOS, ws)
+
+    async def log_mass(self, logits, mode=None):
+        """Batched fused log-masses of one logit row (stays on the logits' device)."""
+        return await self._batcher.submit("log_mass", as_mode(mode), logits)
+
+    def start(self):
+        self._batcher.start()
+
+    async def cleanup(self):
+        await self._batcher.cleanup()
+
+    def shutdown(self):
+        self._batcher.shutdown()
+
+    def __del__(self):
+        batcher = getattr(self, "_batcher", None)
+        if batcher is not None:
+            batcher.shutdown()

@@ -1,0 +1,164 @@
+"""One dispatcher: validate the input once, pick a backend, run it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import torch
+
+from genlm_fast.ops.layout import TILE, TrieLayout
+
+logger = logging.getLogger("genlm_fast.ops")
+
+BACKENDS = ("reference", "triton", "cuda", "cpu")
+REDUCTIONS = ("sum", "max", "log_mass")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_warned = set()
+
+
+def _warn_once(key, message):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _triton_usable(device: torch.device) -> bool:
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type in ("cuda", "cpu")
+
+
+def _extension_usable(kind: str, device: torch.device) -> bool:
+    if device.type != kind:
+        return False
+    try:
+        from genlm_fast.ops import extension
+    except ImportError:
+        return False
+    return extension.has(kind)
+
+
+def available_backends(device="cpu") -> list[str]:
+    """Backends that can run on ``device`` in this process, best first."""
+    device = torch.device(device)
+    found = []
+    if device.type == "cuda":
+        if _triton_usable(device):
+            found.append("triton")
+        if _extension_usable("cuda", device):
+            found.append("cuda")
+    else:
+        if _extension_usable("cpu", device):
+            found.append("cpu")
+        if _triton_usable(device):
+            found.append("triton")
+    found.append("reference")
+    return found
+
+
+def resolve_backend(backend: str, device) -> str:
+    """The concrete backend ``backend`` means on ``device`` ("auto" picks the fastest)."""
+    device = torch.device(device)
+    if backend == "auto":
+        if device.type == "cuda":
+            choice = available_backends(device)[0]
+        else:
+            # the Triton interpreter is a correctness tool, never the CPU fast path
+            choice = "cpu" if _extension_usable("cpu", device) else "reference"
+        if choice == "reference":
+            _warn_once(("auto", device.type),
+                       f"genlm_fast: no compiled trie kernel for device {device.type!r}; "
+                       "falling back to the plain-torch reference (slow). Build the extension "
+                       "with `pip install -e .` (needs a C++ compiler) to get the fast path.")
+        return choice
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown trie backend {backend!r}; expected 'auto' or one of {BACKENDS}")
+    if backend == "triton" and not _triton_usable(device):
+        raise RuntimeError(
+            "The 'triton' backend needs triton and a CUDA tensor (or TRITON_INTERPRET=1 set "
+            f"before triton is imported, for CPU tensors); got a {device.type} tensor.")
+    if backend in ("cuda", "cpu"):
+        if device.type != backend:
+            raise ValueError(f"The {backend!r} backend needs a {backend} tensor, got one on {device}.")
+        from genlm_fast.ops import extension
+
+        if not extension.has(backend):
+            raise RuntimeError(f"The {backend!r} backend is not built: {extension.why_missing(backend)}")
+    return backend
+
+
+def _impl(backend: str):
+    if backend == "reference":
+        from genlm_fast.ops import reference
+
+        return reference.trie_reduce
+    if backend == "triton":
+        from genlm_fast.ops import triton_backend
+
+        return triton_backend.trie_reduce
+    from genlm_fast.ops import extension
+
+    return extension.trie_reduce
+
+
+def validate_values(values, layout: TrieLayout, reduction: str, exact_width: int | None = None):
+    """Check a ``[B, C]`` value/logit tensor; raise a clear error naming the problem."""
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor of values, got {type(values).__name__}")
+    if values.dim() != 2:
+        raise ValueError(f"expected a 2-D [batch, vocab] tensor, got shape {tuple(values.shape)}")
+    if values.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"expected a floating-point tensor (float16/bfloat16/float32/float64), "
+                        f"got {values.dtype}")
+    width = values.shape[1]
+    if exact_width is not None and width != exact_width:
+        raise ValueError(f"expected rows of length {exact_width} (the vocabulary size), got {width}")
+    if width < layout.num_columns:
+        raise ValueError(f"rows have {width} entries but the vocabulary needs at least "
+                         f"{layout.num_columns}")
+    if values.shape[0] == 0:
+        return
+    if reduction == "log_mass":
+        peak = values.amax(dim=1)
+        bad = ~torch.isfinite(peak)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0, 0])
+            v = float(peak[row])
+            what = ("contains NaN" if v != v else "contains +inf" if v > 0
+                    else "has no finite logit (all -inf)")
+            raise ValueError(f"logit row {row} {what}: log-masses would be undefined")
+    elif bool(torch.isnan(values).any()):
+        row = int(torch.isnan(values).any(dim=1).nonzero()[0, 0])
+        raise ValueError(f"weight row {row} contains NaN")
+
+
+def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
+                mode: str = "without_eos", backend: str = "auto",
+                exact_width: int | None = None) -> tuple[torch.Tensor, str]:
+    """Per-node values ``[B, N]`` on ``values.device``; returns (result, backend used)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}; expected one of {REDUCTIONS}")
+    if mode not in layout.modes:
+        raise ValueError(f"this trie has no {mode!r} mode (modes: {sorted(layout.modes)})")
+    validate_values(values, layout, reduction, exact_width)
+    chosen = resolve_backend(backend, values.device)
+    if reduction != "log_mass" and values.dtype in (torch.float16, torch.bfloat16):
+        values = values.float()
+    values = values.contiguous()
+    if values.shape[0] == 0:
+        dtype = torch.float64 if values.dtype == torch.float64 and reduction != "log_mass" \
+            else torch.float32
+        return torch.empty(0, layout.num_nodes, dtype=dtype, device=values.device), chosen
+    arrays = layout.device_arrays(mode, values.device)
+    ml = layout.modes[mode]
+    out = _impl(chosen)(values, arrays, reduction, num_nodes=layout.num_nodes,
+                        num_scratch=ml.num_scratch, max_span_tiles=ml.max_span_tiles, tile=TILE)
+    logger.debug("trie_reduce %s %s B=%d N=%d on %s via %s", reduction, mode,
+                 values.shape[0], layout.num_nodes, values.device, chosen)
+    return out, chosen

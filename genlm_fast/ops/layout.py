@@ -1,0 +1,322 @@
+"""The compiled layout of a vocabulary trie: flat index arrays the kernels read.
+
+Numbering. Nodes are numbered in post-order (children before parents, siblings in the
+order they were first created, root last), exactly as genlm numbers them. In post-order
+every subtree is a contiguous id range ``[node_first[n], n]``; sorting the leaves by node
+id therefore makes the leaves beneath any node a contiguous range of *leaf positions*
+``[leaf_start[n], leaf_end[n])``. Every kernel is built on that fact: a node's value is a
+reduction over one contiguous slice of the leaf order, never a difference of prefix sums.
+
+Modes. ``WITH_EOS`` (genlm.bytes) moves the EOS tokens' leaves out of their byte paths and
+under the EOS node; it is just a second leaf order (EOS leaves re-keyed to the EOS node's
+id), so both modes share one kernel.
+
+Tiles (GPU backends). The leaf order is cut into tiles of ``TILE`` positions. A node whose
+range lies inside one tile ("local") is reduced by the program that owns that tile. A node
+whose range crosses tile boundaries ("spanning") is split into a left piece, whole tiles and
+a right piece; pieces and tile totals are themselves local ranges written to a small
+per-row scratch buffer, then combined by a second kernel. Scratch holds ``n_tiles`` tile
+totals followed by the pieces: O(n_tiles * depth) values per row, far below ``V``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+TILE = 64  # leaf positions per tile; a power of two (Triton block shapes)
+LAYOUT_VERSION = 1
+
+
+@dataclass
+class ModeLayout:
+    """Index arrays for one leaf order (one trie mode). All int32 numpy arrays."""
+
+    leaf_token: np.ndarray  # [L] token column of the leaf at each leaf position
+    leaf_start: np.ndarray  # [N] first leaf position beneath each node
+    leaf_end: np.ndarray  # [N] one past the last leaf position beneath each node
+    token_node: np.ndarray  # [L] node that receives each token's value (bottom-up backends)
+    token_of_deposit: np.ndarray  # [L] token column matching token_node
+    # tile decomposition (GPU backends)
+    tile_range_ptr: np.ndarray  # [n_tiles + 1] CSR over local ranges, by tile
+    range_start: np.ndarray  # [R] absolute leaf position (inclusive)
+    range_end: np.ndarray  # [R] absolute leaf position (exclusive)
+    range_dest: np.ndarray  # [R] >= 0: output node column; < 0: scratch slot -1 - dest
+    span_node: np.ndarray  # [S] spanning node ids
+    span_left: np.ndarray  # [S] scratch slot of the left piece, or -1
+    span_right: np.ndarray  # [S] scratch slot of the right piece, or -1
+    span_tile_lo: np.ndarray  # [S] first whole tile (its total is at scratch slot = tile id)
+    span_tile_hi: np.ndarray  # [S] one past the last whole tile
+    num_scratch: int
+    max_span_tiles: int
+
+
+@dataclass
+class TrieLayout:
+    """Structure of a trie in genlm's numbering plus the per-mode kernel layouts.
+
+    ``parent[n]`` is -1 for the root. ``edge_key[n]`` is the dict key under which ``n``
+    hangs from its parent (a byte/char, an atomic byte string, a leaf key, or EOS).
+    """
+
+    num_nodes: int
+    root: int
+    parent: np.ndarray  # [N] int32
+    node_first: np.ndarray  # [N] int32: smallest node id in the subtree of n
+    leaf_node: np.ndarray  # [V] int32: leaf node of vocabulary position i
+    token_column: np.ndarray  # [V] int32: weight column of vocabulary position i
+    edge_key: list
+    eos_node: int | None
+    modes: dict = field(default_factory=dict)  # mode name -> ModeLayout
+    _device_cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_columns(self) -> int:
+        """Smallest width a weight/logit row must have."""
+        return int(self.token_column.max()) + 1 if len(self.token_column) else 0
+
+    def device_arrays(self, mode: str, device) -> dict:
+        """The mode's index arrays as int32 tensors on ``device`` (built once, cached)."""
+        device = torch.device(device)
+        key = (mode, str(device))
+        cached = self._device_cache.get(key)
+        if cached is None:
+            ml = self.modes[mode]
+            cached = {
+                name: torch.from_numpy(np.ascontiguousarray(getattr(ml, name))).to(device)
+                for name in (
+                    "leaf_token", "token_node", "token_of_deposit",
+                    "tile_range_ptr", "range_start", "range_end", "range_dest",
+                    "span_node", "span_left", "span_right", "span_tile_lo", "span_tile_hi",
+                    "leaf_start", "leaf_end",
+                )
+            }
+            cached["parent"] = torch.from_numpy(self.parent).to(device)
+            self._device_cache[key] = cached
+        return cached
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _number_postorder(children, root):
+    """Post-order ids (children in insertion order) and each node's first subtree id."""
+    n = len(children)
+    post = [0] * n
+    first = [0] * n
+    counter = 0
+    stack = [(root, iter(children[root].values()))]
+    while stack:
+        node, it = stack[-1]
+        for child in it:
+            grandchildren = children[child]
+            if grandchildren:
+                first[child] = counter
+                stack.append((child, iter(grandchildren.values())))
+                break
+            first[child] = post[child] = counter  # a leaf: finishes at once
+            counter += 1
+        else:
+            stack.pop()
+            post[node] = counter
+            counter += 1
+    return post, first
+
+
+def build_structure(words, leaf_keys, add_eos_node=False, eos_key=None):
+    """Build the trie over ``words`` (each an iterable of edge keys) in genlm's numbering.
+
+    ``leaf_keys[i]`` is the dict key of word i's leaf edge. With ``add_eos_node`` an empty
+    node hangs from the root under ``eos_key`` after all words (genlm.bytes' EOS node).
+    Returns (parent, node_first, leaf_node, edge_key, eos_node) in post-order ids.
+    """
+    children = [{}]
+    old_leaf = []
+    for word, leaf_key in zip(words, leaf_keys):
+        node = 0
+        for letter in word:
+            nxt = children[node].get(letter)
+            if nxt is None:
+                nxt = len(children)
+                children[node][letter] = nxt
+                children.append({})
+            node = nxt
+        leaf = len(children)
+        children[node][leaf_key] = leaf
+        children.append({})
+        old_leaf.append(leaf)
+    old_eos = None
+    if add_eos_node:
+        old_eos = len(children)
+        children[0][eos_key] = old_eos
+        children.append({})
+
+    post, first = _number_postorder(children, 0)
+    post_arr = np.asarray(post, dtype=np.int64)
+    n = len(children)
+    parent = np.full(n, -1, dtype=np.int32)
+    node_first = np.empty(n, dtype=np.int32)
+    node_first[post_arr] = first
+    edge_key = [None] * n
+    for old, kids in enumerate(children):
+        p = post[old]
+        for key, child in kids.items():
+            c = post[child]
+            parent[c] = p
+            edge_key[c] = key
+    leaf_node = post_arr[np.asarray(old_leaf, dtype=np.int64)].astype(np.int32)
+    eos_node = post[old_eos] if old_eos is not None else None
+    return parent, node_first, leaf_node, edge_key, eos_node
+
+
+def _mode_layout(num_nodes, node_first, leaf_node, token_column, deposit_node, tile):
+    """Leaf order, node ranges and tile decomposition for one mode.
+
+    ``deposit_node[i]`` is the node whose subtree receives vocabulary position i: its own
+    leaf normally, the EOS node for EOS tokens under WITH_EOS.
+    """
+    order = np.argsort(deposit_node, kind="stable")
+    sorted_keys = deposit_node[order]
+    nodes = np.arange(num_nodes, dtype=np.int64)
+    leaf_start = np.searchsorted(sorted_keys, node_first, side="left").astype(np.int64)
+    leaf_end = np.searchsorted(sorted_keys, nodes, side="right").astype(np.int64)
+    L = len(order)
+    n_tiles = max(1, -(-L // tile))
+
+    tile_first = leaf_start // tile
+    tile_last = (leaf_end - 1) // tile
+    empty = leaf_end <= leaf_start
+    local = empty | (tile_first == tile_last)
+
+    # local nodes
+    loc_nodes = nodes[local]
+    loc_start = leaf_start[local]
+    loc_end = leaf_end[local]
+    loc_tile = np.where(empty[local], 0, tile_first[local])
+    loc_dest = loc_nodes
+
+    # tile totals: scratch slots [0, n_tiles)
+    t_ids = np.arange(n_tiles, dtype=np.int64)
+    tot_start = t_ids * tile
+    tot_end = np.minimum(tot_start + tile, L)
+    tot_dest = -1 - t_ids
+
+    # spanning nodes: optional left piece, whole tiles, optional right piece
+    span = nodes[~local]
+    s_start = leaf_start[~local]
+    s_end = leaf_end[~local]
+    lo_tile = -(-s_start // tile)  # first whole tile
+    hi_tile = s_end // tile  # one past the last whole tile
+    has_left = (s_start % tile) != 0
+    has_right = (s_end % tile) != 0
+    n_left = int(has_left.sum())
+    n_right = int(has_right.sum())
+    left_slot = np.full(len(span), -1, dtype=np.int64)
+    right_slot = np.full(len(span), -1, dtype=np.int64)
+    left_slot[has_left] = n_tiles + np.arange(n_left)
+    right_slot[has_right] = n_tiles + n_left + np.arange(n_right)
+    lp_start = s_start[has_left]
+    lp_end = lo_tile[has_left] * tile
+    rp_start = hi_tile[has_right] * tile
+    rp_end = s_end[has_right]
+
+    r_start = np.concatenate([loc_start, tot_start, lp_start, rp_start])
+    r_end = np.concatenate([loc_end, tot_end, lp_end, rp_end])
+    r_dest = np.concatenate([loc_dest, tot_dest, -1 - left_slot[has_left], -1 - right_slot[has_right]])
+    r_tile = np.concatenate([loc_tile, t_ids, lp_start // tile, rp_start // tile])
+    by_tile = np.argsort(r_tile, kind="stable")
+    counts = np.bincount(r_tile, minlength=n_tiles)
+    ptr = np.zeros(n_tiles + 1, dtype=np.int64)
+    np.cumsum(counts, out=ptr[1:])
+
+    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
+    # spanning nodes sorted by how many whole tiles they sum, so a block of them loops alike
+    span_order = np.argsort(hi_tile - lo_tile, kind="stable")
+    return ModeLayout(
+        leaf_token=i32(token_column[order]),
+        leaf_start=i32(leaf_start),
+        leaf_end=i32(leaf_end),
+        token_node=i32(deposit_node),
+        token_of_deposit=i32(token_column),
+        tile_range_ptr=i32(ptr),
+        range_start=i32(r_start[by_tile]),
+        range_end=i32(r_end[by_tile]),
+        range_dest=i32(r_dest[by_tile]),
+        span_node=i32(span[span_order]),
+        span_left=i32(left_slot[span_order]),
+        span_right=i32(right_slot[span_order]),
+        span_tile_lo=i32(lo_tile[span_order]),
+        span_tile_hi=i32(hi_tile[span_order]),
+        num_scratch=int(n_tiles + n_left + n_right),
+        max_span_tiles=int((hi_tile - lo_tile).max()) if len(span) else 0,
+    )
+
+
+def compile_layout(parent, node_first, leaf_node, token_column, edge_key, eos_node,
+                   eos_positions=(), tile=TILE) -> TrieLayout:
+    """Turn a numbered trie into a ``TrieLayout`` with a ``without_eos`` mode and, when
+    the trie has an EOS node, a ``with_eos`` mode where ``eos_positions`` deposit there."""
+    num_nodes = len(parent)
+    token_column = np.asarray(token_column, dtype=np.int64)
+    leaf_node = np.asarray(leaf_node, dtype=np.int64)
+    layout = TrieLayout(
+        num_nodes=num_nodes,
+        root=num_nodes - 1,
+        parent=np.ascontiguousarray(parent, dtype=np.int32),
+        node_first=np.ascontiguousarray(node_first, dtype=np.int32),
+        leaf_node=leaf_node.astype(np.int32),
+        token_column=token_column.astype(np.int32),
+        edge_key=edge_key,
+        eos_node=eos_node,
+    )
+    layout.modes["without_eos"] = _mode_layout(
+        num_nodes, node_first, leaf_node, token_column, leaf_node, tile)
+    if eos_node is not None:
+        deposit = leaf_node.copy()
+        deposit[np.asarray(list(eos_positions), dtype=np.int64)] = eos_node
+        layout.modes["with_eos"] = _mode_layout(
+            num_nodes, node_first, leaf_node, token_column, deposit, tile)
+    return layout
+
+
+# --------------------------------------------------------------------------- disk cache
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("GENLM_FAST_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "genlm_fast")
+    return os.path.join(base, "tries")
+
+
+def vocab_digest(*parts) -> str:
+    """A key for the on-disk cache: a hash of the vocabulary's contents and options."""
+    h = hashlib.sha256(f"v{LAYOUT_VERSION}/tile{TILE}".encode())
+    for part in parts:
+        h.update(pickle.dumps(part, protocol=4))
+    return h.hexdigest()[:32]
+
+
+def load_cached(digest: str, cache_dir: str | None):
+    path = os.path.join(cache_dir or default_cache_dir(), digest + ".pkl")
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
+        return None
+
+
+def store_cached(digest: str, layout: TrieLayout, cache_dir: str | None) -> None:
+    directory = cache_dir or default_cache_dir()
+    try:
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{digest}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump(layout, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, os.path.join(directory, digest + ".pkl"))
+    except OSError:
+        pass  # a read-only home must not break trie construction

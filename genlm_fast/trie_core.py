@@ -1,0 +1,217 @@
+"""What every genlm_fast trie shares: construction into a compiled layout, the lazily
+built genlm-style attributes, input normalisation and the calls into ``genlm_fast.ops``.
+
+The genlm.backend tries (``TokenCharacterTrie`` ...) and the genlm.bytes trie
+(``TokenByteTrie``) differ only in how a vocabulary item becomes a path of edge keys,
+in the keys of their leaf edges, and in what they return; they subclass ``CompiledTrie``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from genlm_fast.ops import dispatch
+from genlm_fast.ops.layout import (
+    build_structure, compile_layout, load_cached, store_cached, vocab_digest,
+)
+
+_TORCH_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class CompiledTrie:
+    """Base class: a trie over a vocabulary, numbered as genlm numbers it.
+
+    Subclasses call ``_compile`` from their constructor. Reductions run through one
+    dispatcher; ``kernel_backend`` ("auto", "reference", "triton", "cuda", "cpu") chooses
+    the implementation and ``last_kernel_backend`` tells which one ran last.
+    """
+
+    kernel_backend: str = "auto"
+    last_kernel_backend: str | None = None
+    build_seconds: float = 0.0
+
+    def _compile(self, words, leaf_keys, token_columns, *, eos_key=None, eos_positions=(),
+                 cache_key=None, cache=True, cache_dir=None):
+        start = time.perf_counter()
+        layout = None
+        digest = None
+        if cache and cache_key is not None:
+            digest = vocab_digest(*cache_key)
+            layout = load_cached(digest, cache_dir)
+        if layout is None:
+            parent, first, leaf_node, edge_key, eos_node = build_structure(
+                words, leaf_keys, add_eos_node=eos_key is not None, eos_key=eos_key)
+            layout = compile_layout(parent, first, leaf_node, token_columns, edge_key, eos_node,
+                                    eos_positions=eos_positions)
+            if digest is not None:
+                store_cached(digest, layout, cache_dir)
+        self._layout = layout
+        self.root = layout.root
+        self.build_seconds = time.perf_counter() - start
+
+    # ---------------------------------------------------------------- genlm attributes
+
+    @property
+    def layout(self):
+        """The compiled ``TrieLayout`` the kernels read."""
+        return self._layout
+
+    @property
+    def num_nodes(self) -> int:
+        return self._layout.num_nodes
+
+    @cached_property
+    def children(self) -> list[dict]:
+        """``children[node][edge_key] -> child``, in genlm's numbering and insertion order."""
+        parent = self._layout.parent.tolist()
+        edge_key = self._layout.edge_key
+        children = [{} for _ in range(len(parent))]
+        for node, p in enumerate(parent):
+            if p >= 0:
+                children[p][edge_key[node]] = node
+        return children
+
+    @cached_property
+    def jump(self) -> list[np.ndarray]:
+        """Sorted child ids of every node (genlm's ``jump``)."""
+        return [np.array(sorted(kids.values()), dtype=np.int32) for kids in self.children]
+
+    @cached_property
+    def node2prefix(self) -> dict:
+        """The path of edge keys from the root to every node (leaf edges add nothing)."""
+        parent = self._layout.parent
+        edge_key = self._layout.edge_key
+        prefix = {self.root: []}
+        for node in range(self.num_nodes - 2, -1, -1):  # parents have larger ids
+            key = edge_key[node]
+            above = prefix[int(parent[node])]
+            prefix[node] = above + self._edge_letters(key)
+        return prefix
+
+    def _edge_letters(self, key) -> list:
+        return [] if isinstance(key, tuple) else [key]
+
+    @cached_property
+    def leaf2word(self) -> dict:
+        return {leaf: word for word, leaf in self.word2leaf.items()}
+
+    # ---------------------------------------------------------------- reductions
+
+    def _as_batch(self, ws, device) -> torch.Tensor:
+        """A list / array / tensor of rows -> one ``[B, C]`` tensor (on ``device`` if given)."""
+        if isinstance(ws, torch.Tensor):
+            batch = ws
+        elif isinstance(ws, np.ndarray):
+            batch = torch.from_numpy(ws)
+        elif isinstance(ws, (list, tuple)):
+            if len(ws) == 0:
+                raise ValueError("empty batch: expected at least one weight row")
+            rows = [self._as_batch(w, device) for w in ws]
+            for i, r in enumerate(rows):
+                if r.dim() != 2 or r.shape[0] != 1:
+                    raise ValueError(f"batch item {i} must be a 1-D weight vector, "
+                                     f"got shape {tuple(r.shape[1:]) if r.dim() == 2 else tuple(r.shape)}")
+            target = device if device is not None else rows[0].device
+            return torch.cat([r.to(target) for r in rows], dim=0)
+        else:
+            raise TypeError(f"expected a torch.Tensor, numpy array or list of them, "
+                            f"got {type(ws).__name__}")
+        if batch.dim() == 1:
+            batch = batch.unsqueeze(0)
+        if batch.dtype not in _TORCH_FLOATS:
+            if batch.dtype.is_floating_point or batch.dtype.is_complex or batch.dtype == torch.bool:
+                raise TypeError(f"expected floating-point weights, got {batch.dtype}")
+            raise TypeError(f"expected floating-point weights, got {batch.dtype}")
+        if device is not None:
+            batch = batch.to(device)
+        return batch
+
+    def _reduce(self, ws, reduction, mode="without_eos", device=None, dtype=None,
+                exact_width=True):
+        batch = self._as_batch(ws, device)
+        if dtype is not None:
+            batch = batch.to(dtype)
+        width = self.vocab_size if exact_width else None
+        out, used = dispatch.trie_reduce(batch, self._layout, reduction, mode=mode,
+                                         backend=self.kernel_backend, exact_width=width)
+        self.last_kernel_backend = used
+        return out
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._layout.token_column)
+
+    def batch_log_mass(self, logits, mode=None) -> torch.Tensor:
+        """Log of the softmax mass of every node, fused: ``[B, V']`` logits -> ``[B, N]``.
+
+        Logits may be float32/float16/bfloat16 on any device and wider than the
+        vocabulary (model padding: the softmax runs over the whole row). The result is
+        float32 on the logits' device.
+        """
+        mode_name = self._mode_name(mode)
+        if isinstance(logits, torch.Tensor) and logits.dim() != 2:
+            raise ValueError(f"batch_log_mass expects [batch, vocab] logits, got shape "
+                             f"{tuple(logits.shape)}")
+        return self._reduce(logits, "log_mass", mode_name, exact_width=False)
+
+    def log_mass(self, logits, mode=None) -> torch.Tensor:
+        """``batch_log_mass`` for one ``[V']`` logit row; returns ``[N]``."""
+        if isinstance(logits, torch.Tensor) and logits.dim() != 1:
+            raise ValueError(f"log_mass expects one [vocab] logit row, got shape "
+                             f"{tuple(logits.shape)}; use batch_log_mass for a batch")
+        return self._reduce(logits, "log_mass", self._mode_name(mode), exact_width=False)[0]
+
+    def _mode_name(self, mode) -> str:
+        return "without_eos"
+
+    # ---------------------------------------------------------------- display
+
+    def visualize(self, ws=None):
+        """A graphviz ``Digraph`` of the trie, optionally labelled with per-node weights."""
+        try:
+            import graphviz
+        except ImportError as e:
+            raise ImportError("visualize() needs the graphviz package: "
+                              "pip install graphviz (or genlm_fast[viz])") from e
+        if ws is not None:
+            ws = np.asarray(ws.detach().cpu() if isinstance(ws, torch.Tensor) else ws)
+            if len(ws) != self.num_nodes:
+                raise ValueError(f"weight vector has length {len(ws)}, the trie has "
+                                 f"{self.num_nodes} nodes")
+        dot = graphviz.Digraph(comment="genlm_fast trie")
+        dot.attr(rankdir="LR")
+        peak = float(ws.max()) if ws is not None else 0.0
+        for node in range(self.num_nodes):
+            label = f"{node}\n{self.node2prefix[node]!r}"
+            fill = "#ffffff"
+            if ws is not None:
+                label += f"\n{float(ws[node]):.4f}"
+                if peak > 0:
+                    shade = int(255 * (1 - max(0.0, float(ws[node])) / peak))
+                    fill = f"#{shade:02x}ff{shade:02x}"
+            shape = "doublecircle" if node in self.leaf2word else "circle"
+            dot.node(str(node), label, shape=shape, style="filled", fillcolor=fill)
+        for node, kids in enumerate(self.children):
+            for key, child in kids.items():
+                text = f"end of token {key[1]}" if isinstance(key, tuple) else str(key)
+                dot.edge(str(node), str(child), label=text)
+        return dot
+
+
+def item_path(item):
+    """The edge keys spelling a vocabulary item, and whether it is plain bytes."""
+    from genlm_fast.backend.tokenization import Token
+
+    if isinstance(item, Token):
+        return item.byte_string, False
+    if isinstance(item, bytes):
+        return item, True
+    if isinstance(item, Iterable):
+        return item, False
+    raise TypeError(f"vocabulary items must be Token, bytes or iterable, got "
+                    f"{type(item).__name__}: {item!r}")

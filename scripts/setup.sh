@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up genlm_fast on a fresh Linux machine and run the main job.
+#   torch first, pinned (an unpinned torch would pull gigabytes of CUDA wheels),
+#   then the package in place, which builds the C++ (and, with CUDA, the CUDA) extension.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+
+$PY -m pip install --quiet --disable-pip-version-check "torch==${TORCH_VERSION}"
+# --no-build-isolation: build against the torch just installed, never a downloaded one
+$PY -m pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[test]"
+$PY -m genlm_fast info
+if [ "${SETUP_ONLY:-0}" != "1" ]; then
+  $PY -m genlm_fast bench --quick
+fi

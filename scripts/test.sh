@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Run the test suite. Triton kernels run under the CPU interpreter unless a GPU is present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  export TRITON_INTERPRET=1
+fi
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec $PY -m pytest tests "$@"

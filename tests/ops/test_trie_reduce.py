@@ -1,0 +1,172 @@
+"""DESIGN.md section 3, on every backend: one test body, parametrized over backends.
+
+Each backend runs through the public tries and the one dispatcher, and is compared with the
+float64 brute-force oracle in tests/oracle.py (which never looks at the kernel layout).
+The Triton backend runs under TRITON_INTERPRET=1 (set in conftest.py), so it gets the
+small shapes; the compiled backends also get the real vocabularies.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from genlm_fast.backend.tokenization import Token
+from genlm_fast.backend.trie import TokenCharacterTrie
+from genlm_fast.bytes import TokenByteTrie, TrieMode
+from tests import oracle
+from tests.vocabs import byte_vocab
+
+BACKENDS = [
+    "reference",
+    "cpu",
+    "triton",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs a CUDA device")),
+]
+REDUCTIONS = ["sum", "max", "log_mass"]
+
+
+def device_for(backend):
+    return "cuda" if backend == "cuda" or (backend == "triton" and torch.cuda.is_available()) \
+        else "cpu"
+
+
+def make_rows(rng, B, C, reduction, spread=10.0, neg_inf=0.0):
+    if reduction == "log_mass":
+        rows = rng.standard_normal((B, C)) * spread
+        if neg_inf:
+            rows[rng.random((B, C)) < neg_inf] = -np.inf
+            rows[:, 0] = 0.0  # keep every row normalisable
+    elif reduction == "sum":
+        rows = rng.random((B, C)) ** 8  # masses over many orders of magnitude
+        rows[rng.random((B, C)) < 0.1] = 0.0
+    else:
+        rows = rng.standard_normal((B, C)) * 5  # negative log-weights included
+        if neg_inf:
+            rows[rng.random((B, C)) < neg_inf] = -np.inf
+    return rows.astype(np.float32)
+
+
+def check_trie(trie, rows, reduction, backend, mode=None, eos_positions=()):
+    with_eos = mode == TrieMode.WITH_EOS
+    pairs = oracle.members(trie, eos_positions, with_eos=with_eos)
+    columns = [t.token_id for t in trie.decode] if isinstance(trie, TokenByteTrie) else None
+    want = oracle.reduce(pairs, trie.num_nodes, rows, reduction, columns)
+    trie.kernel_backend = backend
+    x = torch.from_numpy(rows).to(device_for(backend))
+    if reduction == "log_mass":
+        got = trie.batch_log_mass(x, mode=mode) if isinstance(trie, TokenByteTrie) \
+            else trie.batch_log_mass(x)
+        assert got.dtype == torch.float32 and got.device == x.device
+    elif isinstance(trie, TokenByteTrie):
+        got = trie.batch_weight_sum(x, mode=mode) if reduction == "sum" else trie.batch_weight_max(x)
+    else:
+        got = trie.batch_weight_sum(x) if reduction == "sum" else trie.batch_weight_max(x)
+    assert trie.last_kernel_backend == backend
+    got = got.detach().cpu().numpy() if isinstance(got, torch.Tensor) else got
+    oracle.assert_close(got, want, reduction, f"{backend}/{reduction}/{mode}")
+
+
+# ------------------------------------------------------------------ random tries
+
+words_strategy = st.lists(st.binary(min_size=0, max_size=9).map(lambda b: bytes(x % 4 + 97 for x in b)),
+                          min_size=1, max_size=160)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(words=words_strategy, data=st.data())
+def test_random_byte_tries(backend, reduction, words, data):
+    """Random vocabularies over a 4-letter alphabet: duplicates, empty tokens, deep chains."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    vocab = [Token(i, w) for i, w in enumerate(words)]
+    n_eos = data.draw(st.integers(0, min(3, len(words))))
+    eos = sorted({w for w in words[:n_eos]})
+    trie = TokenByteTrie(vocab, device=device_for(backend), eos_byte_strings=eos, cache=False)
+    eos_positions = [i for i, w in enumerate(words) if w in set(eos)]
+    B = data.draw(st.sampled_from([1, 2, 3]))
+    extra = data.draw(st.sampled_from([0, 0, 7])) if reduction == "log_mass" else 0
+    rows = make_rows(rng, B, len(words) + extra, reduction,
+                     spread=data.draw(st.sampled_from([1.0, 50.0, 400.0])),
+                     neg_inf=data.draw(st.sampled_from([0.0, 0.3])))
+    modes = [TrieMode.WITHOUT_EOS, TrieMode.WITH_EOS] if reduction != "max" else [None]
+    for mode in modes:
+        check_trie(trie, rows, reduction, backend, mode, eos_positions)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("shape", ["one_token", "deep_chain", "wide_fanout", "duplicates"])
+def test_shapes_that_hurt(backend, reduction, shape):
+    rng = np.random.default_rng(7)
+    if shape == "one_token":
+        words = [b"x"]
+    elif shape == "deep_chain":  # one path 300 bytes deep: crosses several tiles
+        words = [b"z" * k for k in range(1, 301)]
+    elif shape == "wide_fanout":  # every 1- and 2-byte string: fan-out 256 at the root
+        words = [bytes([a]) for a in range(256)] + [bytes([a, b]) for a in range(0, 256, 5)
+                                                     for b in range(0, 256, 7)]
+    else:
+        words = [b"ab", b"ab", b"a", b"ab", b"", b"", b"abc", b"b"] * 13
+    trie = TokenCharacterTrie([Token(i, w) for i, w in enumerate(words)], cache=False)
+    rows = make_rows(rng, 3, len(words), reduction, spread=30.0, neg_inf=0.2)
+    check_trie(trie, rows, reduction, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_log_mass_hundreds_of_nats(backend):
+    """The reference underflows to -inf here (genlm-bytes issue #15); we must not."""
+    words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(90)]
+    trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device=device_for(backend),
+                         cache=False)
+    rows = np.zeros((2, 90), dtype=np.float32)
+    rows[0] = np.linspace(0, -900, 90)  # leaf log-probs down to -900
+    rows[1] = -1000.0
+    rows[1, 5] = 0.0
+    rows[1, 40:50] = -np.inf  # nodes with only -inf logits beneath: exactly -inf
+    check_trie(trie, rows, "log_mass", backend, TrieMode.WITHOUT_EOS)
+    trie.kernel_backend = backend
+    got = trie.batch_log_mass(torch.from_numpy(rows).to(device_for(backend))).cpu()
+    assert torch.isfinite(got[0]).all(), "a finite logit must give a finite log-mass"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_log_mass_low_precision_logits(backend, dtype):
+    rng = np.random.default_rng(3)
+    words = [bytes(rng.integers(97, 100, size=rng.integers(1, 6))) for _ in range(150)]
+    trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device=device_for(backend),
+                         cache=False)
+    logits = torch.from_numpy(make_rows(rng, 2, 160, "log_mass", spread=8.0)).to(dtype)
+    want = oracle.reduce(oracle.members(trie), trie.num_nodes, logits.float().numpy(), "log_mass")
+    trie.kernel_backend = backend
+    got = trie.batch_log_mass(logits.to(device_for(backend)))
+    assert got.dtype == torch.float32
+    oracle.assert_close(got.cpu().numpy(), want, "log_mass", f"{backend}/{dtype}")
+
+
+# ------------------------------------------------------------------ real vocabularies
+
+REAL = [("gpt2", 4), ("smollm2", 4), ("llama3", 2)]
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "triton"] +
+                         [pytest.param("triton", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name,B", REAL)
+def test_real_vocabularies(backend, name, B):
+    vocab = byte_vocab(name)
+    eos = [vocab[-1].byte_string]
+    trie = TokenByteTrie(vocab, device=device_for(backend), eos_byte_strings=eos)
+    eos_positions = [i for i, t in enumerate(vocab) if t.byte_string in set(eos)]
+    rng = np.random.default_rng(11)
+    V = len(vocab)
+    for reduction in REDUCTIONS:
+        rows = make_rows(rng, B, V + (17 if reduction == "log_mass" else 0), reduction,
+                         spread=60.0 if reduction == "log_mass" else 5.0, neg_inf=0.01)
+        check_trie(trie, rows, reduction, backend, TrieMode.WITH_EOS if reduction != "max" else None,
+                   eos_positions)

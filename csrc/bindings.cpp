@@ -1,0 +1,293 @@
+// Python bindings of the trie kernels: module genlm_fast._C (or genlm_fast_C when JIT-built).
+//
+//   trie_reduce_cpu(values, parent, leaf_node, leaf_token, empty_nodes, reduction,
+//                   check_indices=True, num_threads=0) -> Tensor[B, N]
+//   trie_reduce_cuda(values, leaf_token, tile_range_ptr, range_start, range_end, range_dest,
+//                    span_node, span_left, span_right, span_tile_lo, span_tile_hi, scratch,
+//                    reduction, num_nodes, num_scratch, max_span_tiles, tile)
+//                    -> Tensor[B, num_nodes]   (only when built with -DWITH_CUDA; scratch is a
+//                    float64 [B, num_scratch + 1] workspace the caller allocates)
+//
+// The index arrays are the int32 arrays of genlm_fast.ops.layout.TrieLayout.device_arrays,
+// plus two the CPU path derives once per layout (genlm_fast/ops/extension.py caches them):
+// `leaf_node[pos]` = the node receiving leaf position pos (non-decreasing), and
+// `empty_nodes` = the nodes with no leaves (they are 0 under "max"). Validation of
+// dtypes, devices, shapes and contiguity always runs; check_indices=True also checks every
+// index (O(N + L)) so that malformed arrays raise instead of reading out of bounds.
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <string>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#ifdef WITH_CUDA
+// c10's stream header (what at::cuda::getCurrentCUDAStream re-exports) instead of
+// ATen/cuda/CUDAContext.h, which also drags in the cuBLAS/cuSPARSE headers.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "trie_reduce_cuda.h"
+#endif
+
+namespace genlm_fast {
+namespace cpu {
+struct Args {
+  const void* values;
+  int in_type;
+  int64_t B, C;
+  const int32_t* parent;
+  const int32_t* leaf_node;
+  const int32_t* leaf_token;
+  int64_t N, L;
+  const int32_t* empty_nodes;
+  int64_t E;
+  void* out;
+  bool out_double;
+  int reduction;
+  int num_threads;
+};
+int64_t trie_reduce(const Args& A);  // trie_reduce_cpu.cpp
+}  // namespace cpu
+}  // namespace genlm_fast
+
+namespace {
+
+// A large fresh output (B x N floats: 52 MB for 32 rows of Llama-3) is mmap'ed by malloc on
+// every call, and faulting it in 4 KiB pages costs more than the kernel. Ask for
+// transparent huge pages on its 2 MiB-aligned interior (a hint; harmless when THP is off).
+void advise_huge_pages(void* data, size_t nbytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(1) << 21;
+  if (nbytes < 4 * kHuge) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + nbytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)nbytes;
+#endif
+}
+
+int parse_reduction(const std::string& r) {
+  if (r == "sum") return 0;
+  if (r == "max") return 1;
+  if (r == "log_mass") return 2;
+  TORCH_CHECK(false, "trie_reduce: unknown reduction '", r,
+              "'; expected 'sum', 'max' or 'log_mass'");
+  return -1;
+}
+
+int dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return 0;
+    case at::kDouble: return 1;
+    case at::kHalf: return 2;
+    case at::kBFloat16: return 3;
+    default: return -1;
+  }
+}
+
+void check_values(const at::Tensor& values, int reduction, const char* device_name) {
+  TORCH_CHECK(values.dim() == 2, "trie_reduce: values must be a 2-D [batch, columns] tensor, got ",
+              values.dim(), " dimensions");
+  TORCH_CHECK(values.is_contiguous(), "trie_reduce: values must be contiguous (call .contiguous())");
+  const int code = dtype_code(values.scalar_type());
+  if (reduction == 2) {
+    TORCH_CHECK(code >= 0, "trie_reduce: log_mass needs float16, bfloat16, float32 or float64 "
+                "logits, got ", values.scalar_type());
+  } else {
+    TORCH_CHECK(code == 0 || code == 1, "trie_reduce: sum/max need float32 or float64 values, got ",
+                values.scalar_type(), " (convert half precision with .float())");
+  }
+  (void)device_name;
+}
+
+void check_index(const at::Tensor& t, const char* name, const at::Device& device) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, "trie_reduce: index array '", name,
+              "' must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1, "trie_reduce: index array '", name, "' must be 1-D, got ", t.dim(),
+              " dimensions");
+  TORCH_CHECK(t.is_contiguous(), "trie_reduce: index array '", name, "' must be contiguous");
+  TORCH_CHECK(t.device() == device, "trie_reduce: index array '", name, "' is on ", t.device(),
+              " but values are on ", device);
+}
+
+at::Tensor trie_reduce_cpu(const at::Tensor& values, const at::Tensor& parent,
+                           const at::Tensor& leaf_node, const at::Tensor& leaf_token,
+                           const at::Tensor& empty_nodes, const std::string& reduction,
+                           bool check_indices, int64_t num_threads) {
+  const int red = parse_reduction(reduction);
+  TORCH_CHECK(values.device().is_cpu(), "trie_reduce_cpu: values must be a CPU tensor, got one on ",
+              values.device());
+  check_values(values, red, "cpu");
+  const at::Device dev = values.device();
+  check_index(parent, "parent", dev);
+  check_index(leaf_node, "leaf_node", dev);
+  check_index(leaf_token, "leaf_token", dev);
+  check_index(empty_nodes, "empty_nodes", dev);
+  const int64_t B = values.size(0), C = values.size(1);
+  const int64_t N = parent.numel(), L = leaf_token.numel(), E = empty_nodes.numel();
+  TORCH_CHECK(N >= 1, "trie_reduce_cpu: the trie has no nodes (parent is empty)");
+  TORCH_CHECK(N < (int64_t(1) << 31) - 1 && L < (int64_t(1) << 31) - 1,
+              "trie_reduce_cpu: too many nodes/leaves for int32 indices");
+  TORCH_CHECK(leaf_node.numel() == L, "trie_reduce_cpu: leaf_node has ", leaf_node.numel(),
+              " entries but leaf_token has ", L);
+  const int32_t* par = parent.data_ptr<int32_t>();
+  const int32_t* ln = leaf_node.data_ptr<int32_t>();
+  const int32_t* lt = leaf_token.data_ptr<int32_t>();
+  const int32_t* en = empty_nodes.data_ptr<int32_t>();
+  if (check_indices) {
+    for (int64_t n = 0; n < N; ++n) {
+      const int32_t p = par[n];
+      TORCH_CHECK(p == -1 || (p > n && p < N), "trie_reduce_cpu: parent[", n, "] = ", p,
+                  " is not a post-order parent (need n < parent < N, or -1 for a root)");
+    }
+    int32_t prev = 0;
+    for (int64_t i = 0; i < L; ++i) {
+      TORCH_CHECK(ln[i] >= prev && ln[i] < N, "trie_reduce_cpu: leaf_node must be "
+                  "non-decreasing node ids in [0, N); leaf_node[", i, "] = ", ln[i]);
+      prev = ln[i];
+      TORCH_CHECK(lt[i] >= 0 && lt[i] < C, "trie_reduce_cpu: leaf_token[", i, "] = ", lt[i],
+                  " is outside the ", C, " value columns");
+    }
+    for (int64_t i = 0; i < E; ++i)
+      TORCH_CHECK(en[i] >= 0 && en[i] < N, "trie_reduce_cpu: empty_nodes[", i, "] = ", en[i],
+                  " is not a node id");
+  }
+  const bool out_double = values.scalar_type() == at::kDouble && red != 2;
+  at::Tensor out = at::empty({B, N}, values.options().dtype(out_double ? at::kDouble : at::kFloat));
+  advise_huge_pages(out.data_ptr(), out.nbytes());
+  genlm_fast::cpu::Args A;
+  A.values = values.data_ptr();
+  A.in_type = dtype_code(values.scalar_type());
+  A.B = B;
+  A.C = C;
+  A.parent = par;
+  A.leaf_node = ln;
+  A.leaf_token = lt;
+  A.N = N;
+  A.L = L;
+  A.empty_nodes = en;
+  A.E = E;
+  A.out = out.data_ptr();
+  A.out_double = out_double;
+  A.reduction = red;
+  A.num_threads = static_cast<int>(num_threads > 0 ? num_threads : at::get_num_threads());
+  int64_t bad;
+  {
+    pybind11::gil_scoped_release no_gil;
+    bad = genlm_fast::cpu::trie_reduce(A);
+  }
+  TORCH_CHECK(bad == 0, "trie_reduce_cpu: log_mass logit row ", bad - 1,
+              " has no finite maximum (all -inf, or +inf / NaN): its log-masses are undefined");
+  return out;
+}
+
+#ifdef WITH_CUDA
+at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_token,
+                            const at::Tensor& tile_range_ptr, const at::Tensor& range_start,
+                            const at::Tensor& range_end, const at::Tensor& range_dest,
+                            const at::Tensor& span_node, const at::Tensor& span_left,
+                            const at::Tensor& span_right, const at::Tensor& span_tile_lo,
+                            const at::Tensor& span_tile_hi, const at::Tensor& scratch,
+                            const std::string& reduction, int64_t num_nodes, int64_t num_scratch,
+                            int64_t max_span_tiles, int64_t tile) {
+  const int red = parse_reduction(reduction);
+  TORCH_CHECK(values.is_cuda(), "trie_reduce_cuda: values must be a CUDA tensor, got one on ",
+              values.device());
+  check_values(values, red, "cuda");
+  const at::Device dev = values.device();
+  check_index(leaf_token, "leaf_token", dev);
+  check_index(tile_range_ptr, "tile_range_ptr", dev);
+  check_index(range_start, "range_start", dev);
+  check_index(range_end, "range_end", dev);
+  check_index(range_dest, "range_dest", dev);
+  check_index(span_node, "span_node", dev);
+  check_index(span_left, "span_left", dev);
+  check_index(span_right, "span_right", dev);
+  check_index(span_tile_lo, "span_tile_lo", dev);
+  check_index(span_tile_hi, "span_tile_hi", dev);
+  const int64_t B = values.size(0), C = values.size(1);
+  const int64_t n_tiles = tile_range_ptr.numel() - 1;
+  const int64_t S = span_node.numel();
+  TORCH_CHECK(n_tiles >= 1, "trie_reduce_cuda: tile_range_ptr needs at least 2 entries");
+  TORCH_CHECK(tile >= 1 && tile <= genlm_fast::cuda::kMaxTile,
+              "trie_reduce_cuda: tile must be in [1, ", genlm_fast::cuda::kMaxTile, "], got ", tile);
+  TORCH_CHECK(range_end.numel() == range_start.numel() && range_dest.numel() == range_start.numel(),
+              "trie_reduce_cuda: range_start/range_end/range_dest lengths differ");
+  TORCH_CHECK(span_left.numel() == S && span_right.numel() == S && span_tile_lo.numel() == S &&
+                  span_tile_hi.numel() == S,
+              "trie_reduce_cuda: span_* arrays have different lengths");
+  TORCH_CHECK(num_nodes >= 1, "trie_reduce_cuda: num_nodes must be positive");
+  TORCH_CHECK(num_scratch >= n_tiles, "trie_reduce_cuda: num_scratch (", num_scratch,
+              ") must cover the ", n_tiles, " tile totals");
+  TORCH_CHECK(scratch.device() == dev && scratch.scalar_type() == at::kDouble &&
+                  scratch.is_contiguous() && scratch.dim() == 2 && scratch.size(0) >= B &&
+                  scratch.size(1) >= num_scratch + 1,
+              "trie_reduce_cuda: scratch must be a contiguous float64 [B, num_scratch + 1] tensor "
+              "on the values' device, got ", scratch.scalar_type(), " ", scratch.sizes(), " on ",
+              scratch.device());
+  const bool out_double = values.scalar_type() == at::kDouble && red != 2;
+  at::Tensor out =
+      at::empty({B, num_nodes}, values.options().dtype(out_double ? at::kDouble : at::kFloat));
+  if (B == 0) return out;
+  const c10::cuda::CUDAGuard guard(dev);
+  genlm_fast::cuda::TrieArgs A;
+  A.values = values.data_ptr();
+  A.dtype = dtype_code(values.scalar_type());
+  A.B = B;
+  A.C = C;
+  A.leaf_token = leaf_token.data_ptr<int32_t>();
+  A.L = leaf_token.numel();
+  A.tile_range_ptr = tile_range_ptr.data_ptr<int32_t>();
+  A.n_tiles = n_tiles;
+  A.range_start = range_start.data_ptr<int32_t>();
+  A.range_end = range_end.data_ptr<int32_t>();
+  A.range_dest = range_dest.data_ptr<int32_t>();
+  A.span_node = span_node.data_ptr<int32_t>();
+  A.span_left = span_left.data_ptr<int32_t>();
+  A.span_right = span_right.data_ptr<int32_t>();
+  A.span_tile_lo = span_tile_lo.data_ptr<int32_t>();
+  A.span_tile_hi = span_tile_hi.data_ptr<int32_t>();
+  A.S = S;
+  A.num_nodes = num_nodes;
+  A.scratch = scratch.data_ptr<double>();
+  A.scratch_stride = scratch.size(1);
+  A.max_span_tiles = max_span_tiles;
+  A.tile = static_cast<int>(tile);
+  A.out = out.data_ptr();
+  A.out_double = out_double;
+  A.reduction = red;
+  const cudaError_t err = genlm_fast::cuda::trie_reduce(A, c10::cuda::getCurrentCUDAStream(dev.index()).stream());
+  TORCH_CHECK(err == cudaSuccess, "trie_reduce_cuda: kernel launch failed: ",
+              cudaGetErrorString(err));
+  return out;
+}
+#endif
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "genlm_fast trie reduction kernels";
+  m.def("trie_reduce_cpu", &trie_reduce_cpu, "Per-node sum/max/log_mass of a vocabulary trie (CPU)",
+        pybind11::arg("values"), pybind11::arg("parent"), pybind11::arg("leaf_node"),
+        pybind11::arg("leaf_token"), pybind11::arg("empty_nodes"), pybind11::arg("reduction"),
+        pybind11::arg("check_indices") = true, pybind11::arg("num_threads") = 0);
+#ifdef WITH_CUDA
+  m.def("trie_reduce_cuda", &trie_reduce_cuda,
+        "Per-node sum/max/log_mass of a vocabulary trie (CUDA, tile decomposition)",
+        pybind11::arg("values"), pybind11::arg("leaf_token"), pybind11::arg("tile_range_ptr"),
+        pybind11::arg("range_start"), pybind11::arg("range_end"), pybind11::arg("range_dest"),
+        pybind11::arg("span_node"), pybind11::arg("span_left"), pybind11::arg("span_right"),
+        pybind11::arg("span_tile_lo"), pybind11::arg("span_tile_hi"), pybind11::arg("scratch"),
+        pybind11::arg("reduction"), pybind11::arg("num_nodes"), pybind11::arg("num_scratch"),
+        pybind11::arg("max_span_tiles"), pybind11::arg("tile"));
+  m.attr("has_cuda") = true;
+#else
+  m.attr("has_cuda") = false;
+#endif
+}

@@ -1,0 +1,290 @@
+// CUDA trie reduction kernels: the tile decomposition of genlm_fast/ops/layout.py (the
+// same algorithm as the Triton backend). No torch headers: plain device pointers, sizes
+// and a cudaStream_t (see trie_reduce_cuda.h); compiles standalone with `nvcc -c`.
+//
+// Layout recap. Leaves are sorted by node id ("leaf order"), so the leaves beneath any node
+// are one contiguous range of leaf positions. The leaf order is cut into tiles of TILE
+// positions. A node whose range lies inside one tile is "local"; the others are "spanning"
+// and are split into an optional left piece, whole tiles, and an optional right piece. The
+// pieces and each tile's total are themselves local ranges that write to a per-row scratch
+// buffer (tile totals at slots [0, n_tiles), pieces after them).
+//
+// Kernels, enqueued in order on one stream:
+//  (a) row_lse (log_mass only): one block per row; lse = max + log(sum exp(x - max)) over
+//      all C columns, in double, stored in the row's last scratch column.
+//  (b) tile: one block per (tile, row). The tile's TILE leaf values x[row, leaf_token[pos]]
+//      are loaded into shared memory once (as double; log_mass: x - lse = log-probs), then
+//      the block's threads each reduce some of the tile's local ranges
+//      [tile_range_ptr[t], tile_range_ptr[t+1]) straight from shared memory: a destination
+//      >= 0 is a node (written to out), < 0 is scratch slot -1 - dest.
+//  (c) span: one warp per (spanning node, row): the lanes stride over the node's whole-tile
+//      totals in scratch, reduce across the warp with shuffles, and lane 0 adds the left and
+//      right pieces. Spanning nodes are sorted by tile count, so a block's warps loop alike.
+// Sums accumulate in double; log_mass ranges use max-shifted sums and the spanning
+// reduction an online (max, scaled sum) log-sum-exp, so no node underflows: a node whose
+// leaves all have log-prob -800 gives -800, all -inf leaves give -inf, never NaN.
+// Empty nodes (no leaves; always local): 0 for sum and max, -inf for log_mass.
+// Templates over the input type (float, double, __half, __nv_bfloat16), the output type
+// (float, double) and the reduction.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "trie_reduce_cuda.h"
+
+namespace genlm_fast {
+namespace cuda {
+namespace {
+
+constexpr int kTileThreads = 128;
+constexpr int kLseThreads = 256;
+constexpr int kSpanWarps = 8;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int64_t kMaxGridY = 65535;
+
+__device__ __forceinline__ double neg_inf() { return -__longlong_as_double(0x7ff0000000000000LL); }
+
+__device__ __forceinline__ double to_double(float v) { return static_cast<double>(v); }
+__device__ __forceinline__ double to_double(double v) { return v; }
+__device__ __forceinline__ double to_double(__half v) {
+  return static_cast<double>(__half2float(v));
+}
+__device__ __forceinline__ double to_double(__nv_bfloat16 v) {
+  return static_cast<double>(__bfloat162float(v));
+}
+
+__device__ __forceinline__ double dmax(double a, double b) { return b > a ? b : a; }
+
+// (m, s) represents m + log(s); merges (m2, s2) into it. m == -inf means "no mass".
+__device__ __forceinline__ void lse_merge(double& m, double& s, double m2, double s2) {
+  if (m2 == neg_inf()) return;
+  if (m2 > m) {
+    s = s * exp(m - m2) + s2;  // exp(-inf) = 0 while m is still -inf
+    m = m2;
+  } else {
+    s += s2 * exp(m2 - m);
+  }
+}
+
+__device__ __forceinline__ double lse_value(double m, double s) {
+  return m == neg_inf() ? neg_inf() : m + log(s);
+}
+
+template <int RED>
+__device__ __forceinline__ double identity() {
+  return RED == kSum ? 0.0 : neg_inf();
+}
+
+// ---------------------------------------------------------------------------- (a) row lse
+
+__device__ __forceinline__ double warp_max(double v) {
+  for (int off = 16; off > 0; off >>= 1) v = dmax(v, __shfl_xor_sync(kFullMask, v, off));
+  return v;
+}
+__device__ __forceinline__ double warp_sum(double v) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
+  return v;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kLseThreads)
+    row_lse_kernel(const T* __restrict__ values, int64_t C, double* __restrict__ scratch,
+                   int64_t stride, int64_t row0) {
+  __shared__ double red[kLseThreads / 32];
+  const int64_t row = row0 + blockIdx.x;
+  const T* x = values + row * C;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  double m = neg_inf();
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) m = dmax(m, to_double(x[c]));
+  m = warp_max(m);
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < kLseThreads / 32 ? red[lane] : neg_inf();
+    m = warp_max(m);
+    if (lane == 0) red[0] = m;
+  }
+  __syncthreads();
+  m = red[0];
+  __syncthreads();
+
+  double s = 0.0;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) s += exp(to_double(x[c]) - m);
+  s = warp_sum(s);
+  if (lane == 0) red[warp] = s;
+  __syncthreads();
+  if (warp == 0) {
+    s = lane < kLseThreads / 32 ? red[lane] : 0.0;
+    s = warp_sum(s);
+    if (lane == 0) scratch[row * stride + stride - 1] = m + log(s);
+  }
+}
+
+// ---------------------------------------------------------------------------- (b) tiles
+
+template <class T, class Out, int RED>
+__global__ void __launch_bounds__(kTileThreads)
+    tile_kernel(const T* __restrict__ values, int64_t C, const int32_t* __restrict__ leaf_token,
+                int64_t L, const int32_t* __restrict__ tile_range_ptr,
+                const int32_t* __restrict__ range_start, const int32_t* __restrict__ range_end,
+                const int32_t* __restrict__ range_dest, double* __restrict__ scratch,
+                int64_t stride, Out* __restrict__ out, int64_t num_nodes, int tile,
+                int64_t row0) {
+  extern __shared__ double vals[];
+  const int t = blockIdx.x;
+  const int64_t row = row0 + blockIdx.y;
+  const int64_t base = static_cast<int64_t>(t) * tile;
+  const T* x = values + row * C;
+  double* sc = scratch + row * stride;
+  const double shift = RED == kLogMass ? sc[stride - 1] : 0.0;
+
+  for (int i = threadIdx.x; i < tile; i += blockDim.x) {
+    const int64_t pos = base + i;
+    double v = identity<RED == kLogMass ? kMax : RED>();
+    if (pos < L) {
+      v = to_double(x[leaf_token[pos]]);
+      if (RED == kLogMass) v -= shift;  // log-probability; -inf stays -inf
+    }
+    vals[i] = v;
+  }
+  __syncthreads();
+
+  const int r0 = tile_range_ptr[t], r1 = tile_range_ptr[t + 1];
+  for (int r = r0 + threadIdx.x; r < r1; r += blockDim.x) {
+    const int64_t a64 = range_start[r] - base, b64 = range_end[r] - base;
+    const int a = static_cast<int>(a64), b = static_cast<int>(b64);
+    double res;
+    if (RED == kSum) {
+      double s = 0.0;
+      for (int i = a; i < b; ++i) s += vals[i];
+      res = s;
+    } else if (RED == kMax) {
+      double m = neg_inf();
+      for (int i = a; i < b; ++i) m = dmax(m, vals[i]);
+      res = m;
+    } else {
+      double m = neg_inf();
+      for (int i = a; i < b; ++i) m = dmax(m, vals[i]);
+      if (m == neg_inf()) {
+        res = m;
+      } else {
+        double s = 0.0;
+        for (int i = a; i < b; ++i) s += exp(vals[i] - m);
+        res = m + log(s);
+      }
+    }
+    const int32_t d = range_dest[r];
+    if (d >= 0) {
+      if (RED == kMax && b <= a) res = 0.0;  // an empty node is 0 under max
+      out[row * num_nodes + d] = static_cast<Out>(res);
+    } else {
+      sc[-1 - static_cast<int64_t>(d)] = res;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------- (c) spanning nodes
+
+template <class Out, int RED>
+__global__ void __launch_bounds__(kSpanWarps * 32)
+    span_kernel(const int32_t* __restrict__ span_node, const int32_t* __restrict__ span_left,
+                const int32_t* __restrict__ span_right, const int32_t* __restrict__ span_tile_lo,
+                const int32_t* __restrict__ span_tile_hi, int64_t S,
+                const double* __restrict__ scratch, int64_t stride, Out* __restrict__ out,
+                int64_t num_nodes, int64_t row0) {
+  const int lane = threadIdx.x & 31;
+  const int64_t s = static_cast<int64_t>(blockIdx.x) * kSpanWarps + (threadIdx.x >> 5);
+  if (s >= S) return;  // uniform per warp
+  const int64_t row = row0 + blockIdx.y;
+  const double* sc = scratch + row * stride;
+  const int32_t t0 = span_tile_lo[s], t1 = span_tile_hi[s];
+  double res;
+  if (RED == kLogMass) {
+    double m = neg_inf(), z = 0.0;
+    for (int32_t t = t0 + lane; t < t1; t += 32) lse_merge(m, z, sc[t], 1.0);
+    for (int off = 16; off > 0; off >>= 1) {
+      const double m2 = __shfl_xor_sync(kFullMask, m, off);
+      const double z2 = __shfl_xor_sync(kFullMask, z, off);
+      lse_merge(m, z, m2, z2);
+    }
+    if (lane != 0) return;
+    const int32_t l = span_left[s], r = span_right[s];
+    if (l >= 0) lse_merge(m, z, sc[l], 1.0);
+    if (r >= 0) lse_merge(m, z, sc[r], 1.0);
+    res = lse_value(m, z);
+  } else {
+    double acc = identity<RED>();
+    for (int32_t t = t0 + lane; t < t1; t += 32)
+      acc = RED == kSum ? acc + sc[t] : dmax(acc, sc[t]);
+    for (int off = 16; off > 0; off >>= 1) {
+      const double o = __shfl_xor_sync(kFullMask, acc, off);
+      acc = RED == kSum ? acc + o : dmax(acc, o);
+    }
+    if (lane != 0) return;
+    const int32_t l = span_left[s], r = span_right[s];
+    if (l >= 0) acc = RED == kSum ? acc + sc[l] : dmax(acc, sc[l]);
+    if (r >= 0) acc = RED == kSum ? acc + sc[r] : dmax(acc, sc[r]);
+    res = acc;
+  }
+  out[row * num_nodes + span_node[s]] = static_cast<Out>(res);
+}
+
+// ---------------------------------------------------------------------------- launch
+
+template <class T, class Out, int RED>
+cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
+  const T* values = static_cast<const T*>(A.values);
+  Out* out = static_cast<Out*>(A.out);
+  const size_t shmem = static_cast<size_t>(A.tile) * sizeof(double);
+  for (int64_t row0 = 0; row0 < A.B; row0 += kMaxGridY) {
+    const int64_t rows = A.B - row0 < kMaxGridY ? A.B - row0 : kMaxGridY;
+    if (RED == kLogMass) {
+      row_lse_kernel<T><<<static_cast<unsigned>(rows), kLseThreads, 0, stream>>>(
+          values, A.C, A.scratch, A.scratch_stride, row0);
+    }
+    const dim3 tgrid(static_cast<unsigned>(A.n_tiles), static_cast<unsigned>(rows));
+    tile_kernel<T, Out, RED><<<tgrid, kTileThreads, shmem, stream>>>(
+        values, A.C, A.leaf_token, A.L, A.tile_range_ptr, A.range_start, A.range_end,
+        A.range_dest, A.scratch, A.scratch_stride, out, A.num_nodes, A.tile, row0);
+    if (A.S > 0) {
+      const dim3 sgrid(static_cast<unsigned>((A.S + kSpanWarps - 1) / kSpanWarps),
+                       static_cast<unsigned>(rows));
+      span_kernel<Out, RED><<<sgrid, kSpanWarps * 32, 0, stream>>>(
+          A.span_node, A.span_left, A.span_right, A.span_tile_lo, A.span_tile_hi, A.S,
+          A.scratch, A.scratch_stride, out, A.num_nodes, row0);
+    }
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t trie_reduce(const TrieArgs& A, cudaStream_t stream) {
+  if (A.B == 0 || A.num_nodes == 0) return cudaSuccess;
+  if (A.tile < 1 || A.tile > kMaxTile || A.n_tiles < 1 || A.scratch_stride < 1)
+    return cudaErrorInvalidValue;
+  if (A.reduction == kLogMass) {
+    switch (A.dtype) {
+      case kF32: return launch<float, float, kLogMass>(A, stream);
+      case kF64: return launch<double, float, kLogMass>(A, stream);
+      case kF16: return launch<__half, float, kLogMass>(A, stream);
+      case kBF16: return launch<__nv_bfloat16, float, kLogMass>(A, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
+  if (A.reduction == kSum) {
+    if (A.dtype == kF32 && !A.out_double) return launch<float, float, kSum>(A, stream);
+    if (A.dtype == kF64 && A.out_double) return launch<double, double, kSum>(A, stream);
+  } else if (A.reduction == kMax) {
+    if (A.dtype == kF32 && !A.out_double) return launch<float, float, kMax>(A, stream);
+    if (A.dtype == kF64 && A.out_double) return launch<double, double, kMax>(A, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace cuda
+}  // namespace genlm_fast

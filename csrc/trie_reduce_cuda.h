@@ -1,0 +1,51 @@
+// Launcher interface of the CUDA trie kernels (trie_reduce_cuda.cu). Plain pointers only:
+// the .cu compiles standalone with `nvcc -c`, and bindings.cpp (built with -DWITH_CUDA)
+// passes torch tensors' data pointers and the current stream.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace genlm_fast {
+namespace cuda {
+
+constexpr int kMaxTile = 1024;  // leaf positions per tile the tile kernel accepts
+
+enum DType : int { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3 };
+enum Reduction : int { kSum = 0, kMax = 1, kLogMass = 2 };
+
+// The tile decomposition of genlm_fast/ops/layout.py, for one trie mode. All device pointers.
+struct TrieArgs {
+  const void* values;  // [B, C] contiguous, dtype as below
+  int dtype;           // DType (sum/max: kF32 or kF64 only)
+  int64_t B, C;
+  const int32_t* leaf_token;  // [L] column of each leaf position
+  int64_t L;
+  const int32_t* tile_range_ptr;  // [n_tiles + 1] CSR of local ranges by tile
+  int64_t n_tiles;
+  const int32_t* range_start;  // [R] absolute leaf positions
+  const int32_t* range_end;
+  const int32_t* range_dest;  // >= 0: node column; < 0: scratch slot -1 - dest
+  const int32_t* span_node;   // [S] spanning nodes
+  const int32_t* span_left;   // scratch slot of the left piece or -1
+  const int32_t* span_right;  // scratch slot of the right piece or -1
+  const int32_t* span_tile_lo;  // first whole tile (its total sits in scratch slot = tile id)
+  const int32_t* span_tile_hi;  // one past the last whole tile
+  int64_t S;
+  int64_t num_nodes;
+  double* scratch;  // [B, scratch_stride] workspace; scratch_stride >= num_scratch + 1, the
+                    // last column of each row holds the row's log-sum-exp (log_mass)
+  int64_t scratch_stride;
+  int64_t max_span_tiles;  // informational (each spanning node is reduced by one warp)
+  int tile;                // leaf positions per tile, <= kMaxTile
+  void* out;               // [B, num_nodes] float32, or float64 when out_double
+  bool out_double;         // only with kF64 input and sum/max
+  int reduction;           // Reduction
+};
+
+// Enqueues the kernels on `stream`; returns the launch status (cudaGetLastError()).
+cudaError_t trie_reduce(const TrieArgs& args, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace genlm_fast

@@ -1,0 +1,325 @@
+"""Focused tests of the compiled trie kernels (``csrc/``, module ``genlm_fast._C``).
+
+* the CPU extension is built and loadable (prebuilt by ``pip install -e .`` or JIT);
+* through the dispatcher (``backend="cpu"``) it matches the float64 plain-torch reference on
+  small layouts: both trie modes, all reductions, float32/float64 (and half/bfloat16 logits),
+  rows wider than the vocabulary, permuted token columns;
+* log_mass edge cases: leaves hundreds of nats down (a subtree at log-prob ~-800 gives ~-800,
+  not -inf), -1e9 "masks", -inf logits (no NaN);
+* max with negative / -inf weights and empty nodes;
+* the one-row path that splits the node range over several threads, and the row-parallel path;
+* bad input to the raw extension function raises a clear error;
+* ``nvcc -c csrc/trie_reduce_cuda.cu`` compiles (skipped only when nvcc is absent).
+
+The big cross-backend numerics test lives in test_trie_reduce.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from genlm_fast.ops import extension, trie_reduce
+from genlm_fast.ops.layout import build_structure, compile_layout
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODES = ["without_eos", "with_eos"]
+REDUCTIONS = ["sum", "max", "log_mass"]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def make_layout(words, eos_positions=(), token_column=None):
+    V = len(words)
+    parent, first, leaf, ek, eos = build_structure(
+        words, [(None, i) for i in range(V)], add_eos_node=True, eos_key=257)
+    if token_column is None:
+        token_column = np.arange(V)
+    return compile_layout(parent, first, leaf, token_column=token_column, edge_key=ek,
+                          eos_node=eos, eos_positions=list(eos_positions))
+
+
+def random_words(rng, V, alphabet=b"abcd", max_len=7):
+    words = [bytes(rng.choice(list(alphabet), size=rng.integers(0, max_len + 1)))
+             for _ in range(V)]
+    words += [b"ab" * k for k in range(1, 25)]  # a deep chain
+    words += words[:10]  # duplicates: several leaves under one node
+    return words
+
+
+_LAYOUTS = {}
+
+
+def layout_named(name):
+    if name not in _LAYOUTS:
+        rng = np.random.default_rng(99)
+        if name == "one":
+            _LAYOUTS[name] = make_layout([b"a"], eos_positions=[0])
+        elif name == "seven":
+            _LAYOUTS[name] = make_layout([b"ab", b"a", b"", b"abc", b"b", b"ab", b"ba"],
+                                         eos_positions=[2, 4])
+        elif name == "random":
+            words = random_words(rng, 300)
+            _LAYOUTS[name] = make_layout(words, rng.choice(len(words), 5, replace=False))
+        elif name == "permuted":  # token columns: a permutation inside a wider row
+            words = random_words(rng, 150, alphabet=b"xyz", max_len=9)
+            cols = rng.permutation(len(words) + 40)[:len(words)]
+            _LAYOUTS[name] = make_layout(words, eos_positions=[0, 3], token_column=cols)
+        elif name == "big":  # > 32768 nodes: B < threads takes the split-row path
+            words = random_words(rng, 7000, alphabet=b"abcdefghijklmnop", max_len=10)
+            _LAYOUTS[name] = make_layout(words, rng.choice(len(words), 7, replace=False))
+        else:
+            raise KeyError(name)
+    return _LAYOUTS[name]
+
+
+def reference(values, layout, reduction, mode):
+    return trie_reduce(values, layout, reduction, mode, backend="reference")[0]
+
+
+def assert_matches(out, ref):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert not torch.isnan(out).any()
+    tol = 1e-12 if out.dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+def random_values(rng, layout, B, reduction, dtype=torch.float32, extra_columns=0):
+    C = layout.num_columns + extra_columns
+    x = torch.from_numpy(rng.standard_normal((B, C)) * 3)
+    if reduction == "sum":
+        x = x.abs()
+    return x.to(dtype)
+
+
+def raw_cpu(layout, mode="without_eos"):
+    """The raw extension entry point and the arrays it takes."""
+    arrays = layout.device_arrays(mode, "cpu")
+    cpu = extension._cpu_arrays(arrays)
+    module = extension.load_module()
+    return module, arrays, cpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cpu_extension():
+    if not extension.has("cpu"):
+        pytest.fail(f"the CPU trie extension is not available: {extension.why_missing('cpu')}")
+
+
+# --------------------------------------------------------------------------- build / load
+
+
+def test_extension_is_built_and_reported():
+    assert extension.has("cpu")
+    assert extension.why_missing("cpu") == ""
+    assert extension.origin() is not None
+    assert not extension.has("tpu") and "unknown" in extension.why_missing("tpu")
+    if not torch.cuda.is_available():
+        assert not extension.has("cuda")
+        assert extension.why_missing("cuda")  # a reason, never an exception
+    from genlm_fast.ops import available_backends, resolve_backend
+
+    assert "cpu" in available_backends("cpu")
+    assert resolve_backend("auto", "cpu") == "cpu"
+
+
+# --------------------------------------------------------------------------- numerics
+
+
+@pytest.mark.parametrize("name", ["one", "seven", "random", "permuted"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_matches_reference(name, mode, reduction, dtype):
+    layout = layout_named(name)
+    rng = np.random.default_rng(len(name) * 7 + len(mode))
+    for B in (1, 4):
+        x = random_values(rng, layout, B, reduction, dtype, extra_columns=3)
+        out, used = trie_reduce(x, layout, reduction, mode, backend="cpu")
+        assert used == "cpu"
+        expected_dtype = torch.float64 if (dtype == torch.float64 and reduction != "log_mass") \
+            else torch.float32
+        assert out.dtype == expected_dtype
+        assert_matches(out, reference(x, layout, reduction, mode))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", MODES)
+def test_log_mass_half_precision_logits(dtype, mode):
+    layout = layout_named("random")
+    x = random_values(np.random.default_rng(5), layout, 3, "log_mass", dtype)
+    x[1, ::7] = float("-inf")
+    out, _ = trie_reduce(x, layout, "log_mass", mode, backend="cpu")
+    assert_matches(out, reference(x, layout, "log_mass", mode))
+
+
+def _subtree_nodes(layout, mode, columns):
+    """Nodes all of whose leaves are among ``columns`` (and which have leaves)."""
+    ml = layout.modes[mode]
+    inside = np.isin(ml.leaf_token, np.asarray(sorted(columns)))
+    start, end = ml.leaf_start, ml.leaf_end
+    csum = np.concatenate([[0], np.cumsum(inside)])
+    return np.nonzero((end > start) & (csum[end] - csum[start] == end - start))[0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_log_mass_hundreds_of_nats_down(mode):
+    """A subtree whose leaves all sit ~800 nats below the rest keeps its log-mass (~-800),
+    mixed with -inf leaves and -1e9 "masked" logits; never -inf or NaN where mass exists."""
+    layout = layout_named("random")
+    rng = np.random.default_rng(11)
+    V = layout.num_columns
+    x = torch.from_numpy(rng.standard_normal((3, V)))
+    # every token whose column is in `deep` is ~-800 relative to the others
+    ml = layout.modes[mode]
+    deep_nodes = np.nonzero(ml.leaf_end - ml.leaf_start >= 3)[0]
+    node = int(deep_nodes[len(deep_nodes) // 3])
+    deep = set(ml.leaf_token[ml.leaf_start[node]:ml.leaf_end[node]].tolist())
+    cols = torch.tensor(sorted(deep))
+    x[0, cols] = -800.0 + torch.from_numpy(rng.standard_normal(len(cols)))
+    x[1, cols] = -1e9  # a "mask" value instead of -inf: still finite mass
+    x[2, cols] = -800.0
+    x[2, cols[::2]] = float("-inf")  # some of the deep leaves are impossible
+    out, _ = trie_reduce(x, layout, "log_mass", mode, backend="cpu")
+    ref = reference(x, layout, "log_mass", mode)
+    assert_matches(out, ref)
+    nodes = _subtree_nodes(layout, mode, deep)
+    assert node in nodes
+    for row, level in ((0, -800.0), (1, -1e9)):  # row 2 has -inf leaves: see below
+        vals = out[row, nodes]
+        assert torch.isfinite(vals).all(), (row, vals)
+        assert (vals < level + 50).all() and (vals > level - 50 * max(1.0, abs(level) / 800)).all()
+    # the node itself: log(sum of exp) of its leaves, about -800 - lse(row)
+    lse = torch.logsumexp(x[2].double(), 0)
+    leaves = x[2, cols].double()
+    expect = torch.logsumexp(leaves, 0) - lse
+    assert abs(float(out[2, node]) - float(expect)) < 1e-3
+    assert float(expect) < -790
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_log_mass_neg_inf_logits(mode):
+    layout = layout_named("random")
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.standard_normal((2, layout.num_columns))).float()
+    x[0, ::2] = float("-inf")
+    x[1, 1:] = float("-inf")  # a single possible token
+    out, _ = trie_reduce(x, layout, "log_mass", mode, backend="cpu")
+    ref = reference(x, layout, "log_mass", mode)
+    assert_matches(out, ref)
+    assert torch.isneginf(out).any() and not torch.isnan(out).any()
+    assert float(out[1, layout.root]) == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_max_negative_and_empty(mode, dtype):
+    layout = layout_named("random")
+    rng = np.random.default_rng(4)
+    x = -torch.from_numpy(rng.random((3, layout.num_columns)) * 10 + 1).to(dtype)
+    x[1, ::3] = float("-inf")
+    x[2, :] = float("-inf")
+    out, _ = trie_reduce(x, layout, "max", mode, backend="cpu")
+    assert_matches(out, reference(x, layout, "max", mode))
+    ml = layout.modes[mode]
+    empty = torch.from_numpy(np.nonzero(ml.leaf_start == ml.leaf_end)[0])
+    assert len(empty) > 0  # the EOS node / the re-keyed EOS leaves
+    assert (out[:, empty] == 0).all()
+    nonempty = torch.from_numpy(np.nonzero(ml.leaf_start < ml.leaf_end)[0])
+    assert (out[0, nonempty] < 0).all()
+    assert torch.isneginf(out[2, nonempty]).all()
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("mode", MODES)
+def test_split_row_and_row_parallel_paths(reduction, mode):
+    """A trie over 32768 nodes: one row split across 2-4 threads, and several rows."""
+    layout = layout_named("big")
+    assert layout.num_nodes > 32768
+    module, arrays, cpu = raw_cpu(layout, mode)
+    rng = np.random.default_rng(8)
+    x = random_values(rng, layout, 5, reduction)
+    if reduction == "log_mass":
+        x[1, ::5] = -900.0  # the exact pass inside the split-row path
+        x[2, ::3] = float("-inf")
+    ref = reference(x, layout, reduction, mode)
+    for threads in (1, 2, 3, 4):
+        for rows in (slice(0, 1), slice(1, 2), slice(2, 3), slice(0, 5)):
+            out = module.trie_reduce_cpu(x[rows].contiguous(), arrays["parent"],
+                                         cpu["leaf_node"], arrays["leaf_token"], cpu["empty"],
+                                         reduction, True, threads)
+            assert_matches(out, ref[rows])
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_raw_function_rejects_bad_input():
+    layout = layout_named("seven")
+    module, arrays, cpu = raw_cpu(layout)
+    parent, leaf_node, leaf_token, empty = (arrays["parent"], cpu["leaf_node"],
+                                            arrays["leaf_token"], cpu["empty"])
+    x = torch.randn(2, layout.num_columns)
+
+    def call(values=x, reduction="sum", par=parent, ln=leaf_node, lt=leaf_token, em=empty):
+        return module.trie_reduce_cpu(values, par, ln, lt, em, reduction, True, 0)
+
+    assert call().shape == (2, layout.num_nodes)
+    with pytest.raises(RuntimeError, match="unknown reduction"):
+        call(reduction="mean")
+    with pytest.raises(RuntimeError, match="2-D"):
+        call(values=x[0])
+    with pytest.raises(RuntimeError, match="contiguous"):
+        call(values=torch.randn(layout.num_columns, 2).t())
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        call(values=x.half())
+    with pytest.raises(RuntimeError, match="float16, bfloat16, float32 or float64"):
+        call(values=x.long(), reduction="log_mass")
+    with pytest.raises(RuntimeError, match="'parent' must be int32"):
+        call(par=parent.long())
+    with pytest.raises(RuntimeError, match="outside the"):
+        call(values=x[:, :2].contiguous())  # fewer columns than the vocabulary
+    bad_parent = parent.clone()
+    bad_parent[0] = 0
+    with pytest.raises(RuntimeError, match="post-order parent"):
+        call(par=bad_parent)
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        call(ln=leaf_node.flip(0).contiguous())
+    with pytest.raises(RuntimeError, match="leaf_node has"):
+        call(ln=leaf_node[:-1].contiguous())
+    with pytest.raises(RuntimeError, match="no finite maximum"):
+        bad = x.clone()
+        bad[1] = float("-inf")
+        call(values=bad, reduction="log_mass")
+    with pytest.raises(TypeError):
+        module.trie_reduce_cpu(x, parent, leaf_node, leaf_token, empty)  # reduction missing
+
+
+def test_backend_wrapper_rejects_narrow_rows():
+    layout = layout_named("permuted")
+    arrays = layout.device_arrays("without_eos", "cpu")
+    x = torch.randn(1, layout.num_columns - 1)
+    with pytest.raises(ValueError, match="at least"):
+        extension.trie_reduce(x, arrays, "sum", num_nodes=layout.num_nodes, num_scratch=0,
+                              max_span_tiles=0, tile=64)
+
+
+# --------------------------------------------------------------------------- CUDA source
+
+
+def test_cuda_source_compiles(tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    src = os.path.join(REPO, "csrc", "trie_reduce_cuda.cu")
+    obj = tmp_path / "trie_reduce_cuda.o"
+    proc = subprocess.run([nvcc, "-c", src, "-o", str(obj)], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert obj.exists() and obj.stat().st_size > 0

@@ -1,0 +1,571 @@
+"""GPU benchmark of the fused trie kernels: time, bytes moved, bandwidth, speedup vs genlm.
+
+    python -m bench.gpu [--out PATH.md] [--vocab llama3 | --vocab-file vocab.pkl]
+                        [--batch-sizes 1 8 32 64 128] [--backends triton cuda] [--peak-gbs 3350]
+    python -m bench.gpu --dump-vocab vocab.pkl   # (on a machine with quicktok) for --vocab-file
+    python -m bench.gpu --dry-run-cpu            # the same code path on CPU, tiny vocabulary
+
+For every available GPU backend (``triton``, ``cuda``), batch size and op it
+1. checks the result against genlm_fast's float64 ``reference`` backend (the run stops on a
+   mismatch: relative error <= 1e-5 of every node mass >= 1e-30);
+2. times the public call (``TokenByteTrie(device="cuda").batch_log_mass`` / ``batch_weight_sum``
+   / ``batch_weight_max``: input validation + kernels, result left on the device) and the
+   kernels alone (the backend's ``trie_reduce``), with ``triton.testing.do_bench`` (median;
+   L2 flushed between runs) or CUDA events;
+3. reports the compulsory traffic — logits/weights read once (B * V' * 4 bytes), node values
+   written once (B * N * 4), the backend's index arrays read once — the effective bandwidth
+   (traffic / kernel time) and its fraction of the device's peak HBM bandwidth.
+The reference is genlm.backend's ``ParallelTokenCharacterTrie(device="cuda")`` when
+``genlm.backend`` imports (its own ancestor matrix), else the same algorithm inline (a torch
+sparse CSR ancestor matrix [V, N], ``torch.sparse.mm(ws[:, positions], M)``; for max its
+``scatter_reduce`` amax); its device time (for log_mass: log_softmax, exp, sparse.mm, log) is
+what the speedup compares with (the headline: batch_weight_sum at B=32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pickle
+import platform
+import re
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+OPS = ("log_mass", "sum", "max")
+OP_METHOD = {"sum": "batch_weight_sum", "max": "batch_weight_max", "log_mass": "batch_log_mass"}
+GPU_BACKENDS = ("triton", "cuda")
+DEFAULT_BATCHES = (1, 8, 32, 64, 128)
+SPEEDUP_B = 32
+# index arrays each backend's kernels read (ModeLayout names); counted once per call
+INDEX_ARRAYS = {
+    "triton": ("leaf_token", "tile_range_ptr", "range_start", "range_end", "range_dest",
+               "span_node", "span_left", "span_right", "span_tile_lo", "span_tile_hi"),
+    "cpu": ("leaf_token", "leaf_end", "parent"),
+}
+# peak HBM bandwidth, GB/s (vendor figures), matched against the device name in order
+PEAKS = ((r"H200", 4800.0), (r"H100.*(PCIe|PCI-E)", 2000.0), (r"H100", 3350.0),
+         (r"GH200", 4000.0), (r"A100.*80", 2039.0), (r"A100", 1555.0), (r"L40S", 864.0),
+         (r"A10G?\b", 600.0), (r"L4\b", 300.0))
+DRY_RUN_TOKENS = 500
+DRY_RUN_BATCHES = [1, 32]
+
+
+# --------------------------------------------------------------------------- vocabulary
+
+
+def _quicktok_pairs(name: str):
+    import quicktok
+
+    enc = quicktok.get_encoding(name)
+    pairs = []
+    for i in range(enc.n_vocab):
+        try:
+            bs = enc.decode_single_token_bytes(i)
+        except (KeyError, ValueError):
+            bs = f"<|unassigned_{i}|>".encode()
+        pairs.append((i, bs))
+    return pairs
+
+
+def dump_vocab(name: str, path: str) -> None:
+    """Pickle ``[(token_id, bytes), ...]`` (plain tuples: no package needed to read it)."""
+    pairs = _quicktok_pairs(name)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        pickle.dump({"name": name, "tokens": pairs}, f, protocol=4)
+    print(f"wrote {len(pairs)} tokens of {name} to {path}")
+
+
+def _synthetic_pairs(n: int, seed: int = 0):
+    import random
+
+    rng = random.Random(seed)
+    seen, pairs = set(), []
+    for b in range(256):
+        seen.add(bytes([b]))
+        pairs.append((b, bytes([b])))
+    while len(pairs) < n:
+        bs = bytes(rng.choice(b"etaoinshrdlu _") for _ in range(rng.randint(2, 8)))
+        if bs not in seen:
+            seen.add(bs)
+            pairs.append((len(pairs), bs))
+    return pairs
+
+
+def load_vocab(name: str, vocab_file: str | None, limit: int | None = None):
+    """``(label, [genlm_fast Token])`` from a ``--dump-vocab`` file or quicktok (or, for the
+    dry run only, synthetic)."""
+    from genlm_fast.backend.tokenization import Token
+
+    if vocab_file:
+        with open(vocab_file, "rb") as f:
+            data = pickle.load(f)
+        label, pairs = data["name"], data["tokens"]
+    else:
+        try:
+            pairs = _quicktok_pairs(name)
+            label = name
+        except Exception as e:
+            if limit is None:
+                raise SystemExit(f"cannot load vocabulary {name!r} ({type(e).__name__}: {e}); "
+                                 "create a file elsewhere with `python -m bench.gpu --dump-vocab "
+                                 "PATH` and pass --vocab-file PATH") from e
+            pairs, label = _synthetic_pairs(limit), "synthetic"
+    if limit is not None and len(pairs) > limit:
+        pairs, label = pairs[:limit], f"{label}[:{limit}]"
+    return label, [Token(int(i), bytes(b)) for i, b in pairs]
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _sync(device):
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def bench_ms(fn, device, how: str) -> float:
+    """Median ms per call of ``fn()``: do_bench / CUDA events on a GPU, perf_counter on CPU."""
+    import torch
+
+    if device.type != "cuda":  # the dry run: correctness of this script, not timing
+        times = []
+        deadline = time.perf_counter() + 0.2
+        while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+    if how == "do_bench":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    # CUDA events, with an L2 flush before each call as do_bench does
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device=device)
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(50):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def timer_name(device) -> str:
+    if device.type != "cuda":
+        return "perf_counter"
+    try:
+        from triton.testing import do_bench  # noqa: F401
+
+        return "do_bench"
+    except ImportError:
+        return "cuda_events"
+
+
+# --------------------------------------------------------------------------- reference
+
+
+class Reference:
+    """genlm's ParallelTokenCharacterTrie algorithm, on the device: the package's own object
+    when ``genlm.backend`` imports (and ``inline`` is False), else rebuilt from the layout."""
+
+    def __init__(self, vocab, layout, device, inline: bool = False):
+        self.device = device
+        self.source = None
+        why = "--inline-reference"
+        if not inline:
+            try:
+                from genlm.backend.tokenization import Token as RefToken
+                from genlm.backend.trie import ParallelTokenCharacterTrie
+
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    trie = ParallelTokenCharacterTrie(
+                        [RefToken(t.token_id, t.byte_string) for t in vocab], device=device.type)
+                self.trie, self.M, self.positions = trie, trie.M, trie.positions
+                self.src, self.dst = trie.src_indices, trie.dst_indices
+                self.source = "genlm.backend ParallelTokenCharacterTrie (installed package)"
+            except Exception as e:  # noqa: BLE001 -- not installed, or unusable here
+                why = f"genlm.backend not usable: {type(e).__name__}: {e}"
+        if self.source is None:
+            self.trie = None
+            self.M, self.positions, self.src, self.dst = self._ancestor_matrix(layout, device)
+            self.source = ("inline re-implementation of genlm.backend's ParallelTokenCharacterTrie "
+                           f"algorithm ({why})")
+        self.num_nodes = self.M.shape[1]
+        _sync(device)
+
+    @staticmethod
+    def _ancestor_matrix(layout, device):
+        """CSR [V, N]: row i has a 1 at the leaf of vocabulary position i and every ancestor."""
+        import numpy as np
+        import torch
+
+        parent = np.asarray(layout.parent, dtype=np.int64)
+        cur = np.asarray(layout.leaf_node, dtype=np.int64)
+        rows_all, cols_all = [], []
+        idx = np.arange(len(cur))
+        while len(idx):
+            rows_all.append(idx)
+            cols_all.append(cur)
+            up = parent[cur]
+            keep = up >= 0
+            idx, cur = idx[keep], up[keep]
+        rows = torch.from_numpy(np.concatenate(rows_all))
+        cols = torch.from_numpy(np.concatenate(cols_all))
+        indices = torch.stack([rows, cols]).to(device)
+        values = torch.ones(indices.shape[1], device=device)
+        M = torch.sparse_coo_tensor(indices, values, (len(layout.leaf_node), layout.num_nodes))
+        M = M.coalesce().to_sparse_csr()
+        positions = torch.arange(len(layout.leaf_node), device=device)
+        return M, positions, indices[0].contiguous(), indices[1].contiguous()
+
+    def device_sum(self, ws):
+        """The reference's device work for batch_weight_sum (no host copy)."""
+        import torch
+
+        return torch.sparse.mm(ws[:, self.positions], self.M)
+
+    def device_max(self, ws):
+        """The reference's device work for batch_weight_max (scatter_reduce amax)."""
+        import torch
+
+        leaf = ws[:, self.positions]
+        out = torch.zeros(ws.shape[0], self.num_nodes, device=ws.device, dtype=ws.dtype)
+        return out.scatter_reduce_(1, self.dst.expand(ws.shape[0], -1), leaf[:, self.src],
+                                   reduce="amax", include_self=False)
+
+    def device_log_mass(self, logits):
+        """log_softmax, exp, the sparse product, log: the reference's log-mass, on the device."""
+        import torch
+
+        return torch.log(self.device_sum(torch.log_softmax(logits, dim=-1).exp()))
+
+    def api_sum(self, ws):
+        """The full reference call (row loop, device work, copy to host) when available."""
+        return self.trie.batch_weight_sum(ws) if self.trie is not None else \
+            self.device_sum(ws).cpu().numpy()
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def detect_peak(name: str, override: float | None) -> float | None:
+    if override:
+        return float(override)
+    for pattern, gbs in PEAKS:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return gbs
+    return None
+
+
+def index_bytes(layout, backend: str, mode: str = "without_eos") -> int:
+    ml = layout.modes[mode]
+    names = INDEX_ARRAYS.get(backend, INDEX_ARRAYS["triton"])
+    total = 0
+    for n in names:
+        arr = getattr(ml, n, None)
+        if arr is None:
+            arr = getattr(layout, n, None)
+        if arr is not None:
+            total += int(arr.nbytes)
+    return total
+
+
+def kernel_call(backend, values, layout, reduction, mode="without_eos"):
+    """The backend's kernels alone (no validation, no dtype/layout fix-ups), or None."""
+    from genlm_fast.ops import dispatch
+    from genlm_fast.ops.layout import TILE
+
+    try:
+        impl = dispatch._impl(backend)
+        arrays = layout.device_arrays(mode, values.device)
+        ml = layout.modes[mode]
+    except Exception:  # noqa: BLE001 -- private API changed: time the public call only
+        return None
+
+    def fn():
+        return impl(values, arrays, reduction, num_nodes=layout.num_nodes,
+                    num_scratch=ml.num_scratch, max_span_tiles=ml.max_span_tiles, tile=TILE)
+
+    return fn
+
+
+def oracle(layout, op, logits, probs):
+    """Float64 node values from genlm_fast's reference backend, fed float64 (log-masses: log
+    of the float64 sum of float64 softmax probabilities)."""
+    import numpy as np
+    import torch
+
+    from genlm_fast.ops import dispatch
+
+    def f64_reduce(values, reduction):
+        out, _ = dispatch.trie_reduce(values.double(), layout, reduction, backend="reference")
+        assert out.dtype == torch.float64, out.dtype
+        return out.cpu().numpy()
+
+    if op == "log_mass":
+        with np.errstate(divide="ignore"):
+            return np.log(f64_reduce(torch.softmax(logits.double(), dim=-1), "sum"))
+    return f64_reduce(probs, op)
+
+
+def _kernels_alias() -> None:
+    """In an uninstalled checkout ``genlm_fast.kernels`` is the top-level ``kernels/``
+    (setup.py maps it at install time); alias it so the triton backend imports."""
+    import importlib
+
+    try:
+        importlib.import_module("genlm_fast.kernels")
+    except ImportError:
+        try:
+            sys.modules["genlm_fast.kernels"] = importlib.import_module("kernels")
+        except ImportError:
+            pass
+
+
+def run(args) -> tuple[list[dict], dict]:
+    import torch
+
+    _kernels_alias()
+
+    from bench import kernels as K
+    from genlm_fast.bytes import TokenByteTrie
+    from genlm_fast.ops import dispatch
+
+    dry = args.dry_run_cpu
+    device = torch.device("cpu" if dry else "cuda")
+    if not dry and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU machine, or use --dry-run-cpu")
+    label, vocab = load_vocab(args.vocab, args.vocab_file,
+                             limit=args.limit or (DRY_RUN_TOKENS if dry else None))
+    available = dispatch.available_backends(device)
+    wanted = args.backends or (available if dry else list(GPU_BACKENDS))
+    backends = [b for b in wanted if b in available]
+    skipped = [b for b in wanted if b not in available]
+    if not backends:
+        raise SystemExit(f"none of {wanted} is available on {device} (available: {available})")
+    print(f"vocabulary {label}: {len(vocab)} tokens; device {device}; backends {backends}"
+          + (f" (not available: {skipped})" if skipped else ""), flush=True)
+
+    t = time.perf_counter()
+    tries = {b: TokenByteTrie(vocab, device=device.type, kernel_backend=b) for b in backends}
+    build_s = time.perf_counter() - t
+    layout = next(iter(tries.values())).layout
+    N = layout.num_nodes
+    t = time.perf_counter()
+    ref = Reference(vocab, layout, device, inline=args.inline_reference)
+    ref_build_s = time.perf_counter() - t
+    print(f"{N} nodes; genlm_fast tries built in {build_s:.2f} s; reference ({ref.source}) in "
+          f"{ref_build_s:.2f} s", flush=True)
+
+    how = timer_name(device)
+    if device.type == "cuda":
+        dev_name = torch.cuda.get_device_name(device)
+    else:
+        dev_name = f"CPU ({K.cpu_model()}, {os.cpu_count()} cores) -- dry run"
+    peak = detect_peak(dev_name, args.peak_gbs)
+    rows, failures = [], []
+    for B in args.batch_sizes:
+        logits, probs = K.make_inputs(len(vocab), B)
+        logits, probs = logits.to(device), probs.to(device)
+        ref_ms = {
+            "sum": bench_ms(lambda p=probs: ref.device_sum(p), device, how),
+            "max": bench_ms(lambda p=probs: ref.device_max(p), device, how),
+            "log_mass": bench_ms(lambda z=logits: ref.device_log_mass(z), device, how),
+        }
+        ref_api_ms = (bench_ms(lambda p=probs: ref.api_sum(p), device, how)
+                      if B == SPEEDUP_B else None)
+        for op in args.ops:
+            x = logits if op == "log_mass" else probs
+            want = oracle(layout, op, logits, probs)
+            traffic_in = B * x.shape[1] * x.element_size()
+            traffic_out = B * N * 4
+            for b in backends:
+                trie = tries[b]
+                api = getattr(trie, OP_METHOD[op])
+                kfn = kernel_call(b, x.contiguous(), layout, op)
+                try:  # verify first; a wrong or failing backend is reported, never timed
+                    got = api(x)
+                    assert trie.last_kernel_backend == b, (trie.last_kernel_backend, b)
+                    err = K.check_result(got, want, op, label=f"{b} {op} B={B}")
+                    if kfn is not None:
+                        err = max(err, K.check_result(kfn(), want, op,
+                                                      label=f"{b} kernels {op} B={B}"))
+                    del got
+                except Exception as e:  # noqa: BLE001
+                    failures.append(f"{b} {op} B={B}: {type(e).__name__}: {e}")
+                    print(f"{b:9s} {op:8s} B={B:<4d} FAILED: {failures[-1]}", flush=True)
+                    rows.append({"backend": b, "op": op, "B": B, "failed": failures[-1]})
+                    continue
+                api_ms = bench_ms(lambda f=api, v=x: f(v), device, how)
+                kernel_ms = bench_ms(kfn, device, how) if kfn is not None else None
+                idx = index_bytes(layout, b)
+                moved = traffic_in + traffic_out + idx
+                t_ms = kernel_ms if kernel_ms is not None else api_ms
+                gbs = moved / (t_ms * 1e-3) / 1e9
+                row = {
+                    "backend": b, "op": op, "B": B, "api_ms": api_ms, "kernel_ms": kernel_ms,
+                    "read_MB": traffic_in / 1e6, "write_MB": traffic_out / 1e6,
+                    "index_MB": idx / 1e6, "moved_MB": moved / 1e6, "GBs": gbs,
+                    "peak_frac": gbs / peak if peak else None,
+                    "ref_ms": ref_ms[op], "speedup": ref_ms[op] / t_ms,
+                    "ref_api_ms": ref_api_ms if op == "sum" else None,
+                    "speedup_api": (ref_api_ms / api_ms) if (ref_api_ms and op == "sum") else None,
+                    "max_rel_err": err,
+                }
+                rows.append(row)
+                print(f"{b:9s} {op:8s} B={B:<4d} api {api_ms:9.4f} ms  kernels "
+                      f"{'-' if kernel_ms is None else f'{kernel_ms:9.4f}'} ms  {gbs:8.1f} GB/s"
+                      + (f" ({100 * gbs / peak:.0f}% of peak)" if peak else "")
+                      + f"  ref {ref_ms[op]:.4f} ms -> {row['speedup']:.1f}x", flush=True)
+    info = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "git commit": K.git_commit(),
+        "device": dev_name,
+        "peak HBM bandwidth used": (f"{peak:g} GB/s" + (" (--peak-gbs)" if args.peak_gbs else
+                                                        " (detected from the device name)"))
+        if peak else "unknown (pass --peak-gbs)",
+        "torch": torch.__version__,
+        "CUDA (torch build)": torch.version.cuda or "-",
+        "triton": _version("triton"),
+        "python": platform.python_version(),
+        "vocabulary": f"{label}: {len(vocab)} tokens, {N} nodes (genlm_fast TokenByteTrie)",
+        "backends": ", ".join(backends) + (f" (not available: {', '.join(skipped)})" if skipped else ""),
+        "timer": {"do_bench": "triton.testing.do_bench, median, L2 flushed",
+                  "cuda_events": "CUDA events, median of 50, L2 flushed",
+                  "perf_counter": "time.perf_counter, median"}[how],
+        "reference": ref.source,
+        "index arrays counted": "; ".join(
+            f"{b}: {' + '.join(INDEX_ARRAYS.get(b, INDEX_ARRAYS['triton']))}"
+            + ("" if b in INDEX_ARRAYS else " (assumed: same as triton)") for b in backends),
+        "genlm-backend": _version("genlm-backend"),
+    }
+    if failures:
+        info["FAILED (not timed)"] = "; ".join(failures)
+    return rows, info
+
+
+def _version(dist: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _f(x, fmt):
+    return "-" if x is None else format(x, fmt)
+
+
+def table(rows, info, command: str) -> str:
+    lines = ["# genlm_fast GPU trie kernels", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in info.items()]
+    lines += ["", f"Command: `{command}`", "",
+              ("api ms: the public call (`TokenByteTrie.batch_log_mass` / `batch_weight_sum` / "
+              "`batch_weight_max`, validation included, result on the device); kernel ms: the "
+              "backend's kernels alone. Traffic: input read once (B x V' x 4 B), output written "
+              "once (B x N x 4 B), index arrays read once; GB/s = traffic / kernel ms. ref ms: the "
+              "reference's device work (sum: `sparse.mm(ws[:, positions], M)`; max: its "
+              "`scatter_reduce` amax; log_mass: log_softmax, exp, sparse.mm, log); speedup = "
+              "ref ms / kernel ms. Every result was checked against the float64 reference first (max rel err = worst relative error of a node "
+              "mass >= 1e-30)."), "",
+              ("| backend | op | B | api ms | kernel ms | MB read | MB written | MB index | GB/s "
+               "| % of peak | ref ms | speedup | max rel err |"),
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['backend']} | {r['op']} | {r['B']} | FAILED verification: "
+                         f"{r['failed']} |" + " |" * 9)
+            continue
+        frac = "-" if r["peak_frac"] is None else f"{100 * r['peak_frac']:.0f}%"
+        speedup = "-" if r["speedup"] is None else f"{r['speedup']:.1f}x"
+        lines.append(
+            f"| {r['backend']} | {r['op']} | {r['B']} | {r['api_ms']:.4f} | "
+            f"{_f(r['kernel_ms'], '.4f')} | {r['read_MB']:.2f} | {r['write_MB']:.2f} | "
+            f"{r['index_MB']:.2f} | {r['GBs']:.0f} | {frac} | {_f(r['ref_ms'], '.4f')} | "
+            f"{speedup} | {r['max_rel_err']:.1e} |")
+    lines += ["", f"Speedup at B={SPEEDUP_B} vs the reference's batch_weight_sum:", "",
+              "| backend | kernels vs ref device time | public call vs full ref call (host copy incl.) |",
+              "|---|---:|---:|"]
+    for r in rows:
+        if r["op"] == "sum" and r["B"] == SPEEDUP_B and "failed" not in r:
+            lines.append(f"| {r['backend']} | {_f(r['speedup'], '.1f')}x ({_f(r['ref_ms'], '.3f')} ms vs "
+                         f"{_f(r['kernel_ms'], '.3f')} ms) | {_f(r['speedup_api'], '.1f')}x "
+                         f"({_f(r['ref_api_ms'], '.3f')} ms vs {r['api_ms']:.3f} ms) |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.gpu", description="Time the fused trie kernels on a GPU "
+        "(bytes moved, bandwidth, speedup vs genlm.backend's ParallelTokenCharacterTrie).")
+    parser.add_argument("--out", default=None,
+                        help="markdown output (default bench/results/gpu-<device>-<date>.md)")
+    parser.add_argument("--vocab", default="llama3", help="quicktok encoding (default llama3)")
+    parser.add_argument("--vocab-file", default=None, help="a vocabulary written by --dump-vocab")
+    parser.add_argument("--dump-vocab", metavar="PATH", default=None,
+                        help="write --vocab's tokens to PATH (for machines without quicktok) and exit")
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N tokens")
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=list(DEFAULT_BATCHES))
+    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    parser.add_argument("--backends", nargs="+", default=None,
+                        help="backends to time (default: triton and cuda, those available)")
+    parser.add_argument("--peak-gbs", type=float, default=None,
+                        help="peak HBM bandwidth in GB/s (default: from the device name)")
+    parser.add_argument("--inline-reference", action="store_true",
+                        help="use the inline reference even when genlm.backend imports")
+    parser.add_argument("--dry-run-cpu", action="store_true",
+                        help=f"run the same code path on CPU (reference/cpu/triton-interpreter "
+                        f"backends, first {DRY_RUN_TOKENS} tokens, B in {DRY_RUN_BATCHES}) to test this "
+                        "script")
+    args = parser.parse_args(argv)
+
+    if args.dump_vocab:
+        dump_vocab(args.vocab, args.dump_vocab)
+        return 0
+    if args.dry_run_cpu:
+        # the Triton interpreter must be chosen before anything imports triton
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if args.batch_sizes == list(DEFAULT_BATCHES):
+            args.batch_sizes = list(DRY_RUN_BATCHES)
+    rows, info = run(args)
+    command = "python -m bench.gpu " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = table(rows, info, command.strip())
+    print()
+    print(text)
+    if args.out:
+        out = Path(args.out)
+    else:
+        dev = re.sub(r"[^A-Za-z0-9]+", "-", info["device"].split(" --")[0]).strip("-").lower()
+        dev = "cpu-dry-run" if args.dry_run_cpu else dev
+        out = REPO / "bench" / "results" / f"gpu-{dev}-{datetime.date.today().isoformat()}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}")
+    if "FAILED (not timed)" in info:
+        print("some backends FAILED verification: " + info["FAILED (not timed)"], file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

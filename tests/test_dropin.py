@@ -1,0 +1,60 @@
+"""The drop-in import hook: genlm.backend / genlm.bytes resolve to genlm_fast, also after a
+test suite clears sys.modules, in a fresh interpreter (as `pytest -p genlm_fast.dropin` runs)."""
+
+import subprocess
+import sys
+import textwrap
+
+
+def run(code):
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_imports_resolve_to_genlm_fast_and_survive_sys_modules_cleanup():
+    out = run("""
+        import sys
+        import genlm_fast.dropin
+        import genlm.backend.trie as t
+        from genlm.bytes import TokenByteTrie, TrieMode
+        from genlm.backend.tokenization import Token, decode_vocab
+        import genlm_fast.backend.trie, genlm_fast.bytes
+        assert t.TokenCharacterTrie is genlm_fast.backend.trie.TokenCharacterTrie
+        assert TokenByteTrie is genlm_fast.bytes.TokenByteTrie
+        assert t.__spec__.name == "genlm_fast.backend.trie"  # its own spec is kept
+        for name in [m for m in sys.modules if m.startswith("genlm")]:  # genlm's conftest does this
+            if not name.startswith("genlm_fast"):
+                del sys.modules[name]
+        from genlm.bytes.trie import TrieMode as again
+        assert again is TrieMode
+        trie = TokenByteTrie([Token(0, b"a"), Token(1, b"ab")], device="cpu")
+        print(float(trie.weight_sum([0.25, 0.75])[trie.root]))
+        """)
+    assert out.strip() == "1.0"
+
+
+def test_other_genlm_packages_are_untouched_and_missing_modules_fail_cleanly():
+    run("""
+        import genlm_fast.dropin, importlib.util
+        assert importlib.util.find_spec("genlm.control") is None or True  # not aliased
+        try:
+            import genlm.backend.llm.mlx_does_not_exist
+        except ModuleNotFoundError:
+            pass
+        else:
+            raise AssertionError("a module genlm_fast lacks must not import")
+        """)
+
+
+def test_pytest_plugin_form(tmp_path):
+    (tmp_path / "test_x.py").write_text(textwrap.dedent("""
+        def test_alias():
+            import genlm.bytes, genlm_fast.bytes
+            assert genlm.bytes.TokenByteTrie is genlm_fast.bytes.TokenByteTrie
+        """))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "genlm_fast.dropin",
+                           "-p", "no:cacheprovider", str(tmp_path / "test_x.py")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -157,11 +157,17 @@ def test_log_mass_low_precision_logits(backend, dtype):
 REAL = [("gpt2", 4), ("smollm2", 4), ("llama3", 2)]
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "triton"] +
-                         [pytest.param("triton", marks=pytest.mark.slow)])
+INTERPRETED = not torch.cuda.is_available()  # Triton runs under its CPU interpreter here
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name,B", REAL)
 def test_real_vocabularies(backend, name, B):
     vocab = byte_vocab(name)
+    if backend == "triton" and INTERPRETED:
+        # the interpreter runs ~100x slower than torch: the real byte strings of the first
+        # 1,500 tokens (still several tiles and spanning nodes); the GPU gets all of them
+        vocab, B = vocab[:1500], 1
     eos = [vocab[-1].byte_string]
     trie = TokenByteTrie(vocab, device=device_for(backend), eos_byte_strings=eos)
     eos_positions = [i for i, t in enumerate(vocab) if t.byte_string in set(eos)]

@@ -1,0 +1,630 @@
+"""The `AsyncLM` interface, the shared auto-batching machinery, and `MockAsyncLM`.
+
+`AsyncLM` is the genlm.backend interface. `BatchedAsyncLM` adds everything a concrete
+backend shares: argument checking, the LRU output cache, and the auto-batcher that
+gathers concurrent requests into one model call. A backend only supplies
+`BatchedAsyncLM._forward`, which maps a list of distinct contexts to a tensor of
+next-token logits.
+
+Batching rules (those of genlm.backend, except for when the clock starts):
+
+* a batch is evaluated as soon as it holds ``batch_size`` distinct contexts, or
+  ``timeout`` seconds after the *first* query entered it (a steady trickle of
+  queries therefore never postpones a batch indefinitely);
+* identical requests (same context, same adapter) share one row of the batch;
+* a caller cancelled while waiting only loses its own answer;
+* an exception raised while evaluating a batch is set on every caller waiting on it;
+* `reset_async_queries` fails every waiting caller with `QueriesResetError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import numbers
+from abc import ABC, abstractmethod
+
+import numpy as np
+import torch
+
+from genlm_fast.backend.cache import OutputCache
+from genlm_fast.backend.tokenization import decode_vocab
+
+__all__ = [
+    "AsyncLM",
+    "BatchedAsyncLM",
+    "MockAsyncLM",
+    "ModelClosedError",
+    "QueriesResetError",
+    "UnknownLoraError",
+]
+
+
+class ModelClosedError(RuntimeError):
+    """The model was used after `AsyncLM.cleanup` released it."""
+
+
+class QueriesResetError(RuntimeError):
+    """A waiting query was dropped, by `reset_async_queries` or by `cleanup`."""
+
+
+class UnknownLoraError(ValueError):
+    """A LoRA adapter name that was never loaded (or was removed)."""
+
+
+def unknown_lora(name):
+    return UnknownLoraError(
+        f"unknown LoRA adapter {name!r}: load it first with add_new_lora(path, {name!r})"
+    )
+
+
+def check_token_ids(token_ids, vocab_size=None):
+    """Validate a context and return it as a tuple of Python ints.
+
+    Accepts any 1-D sequence of integers (list, tuple, numpy array, integer tensor).
+
+    Raises:
+        TypeError: ``token_ids`` is not a sequence of integers.
+        ValueError: it is empty, or holds an id outside ``[0, vocab_size)``.
+    """
+    if isinstance(token_ids, (str, bytes, bytearray)):
+        raise TypeError(
+            f"token_ids must be a sequence of ints, got {type(token_ids).__name__}; "
+            "tokenize text first (tokenizer.encode)"
+        )
+    if isinstance(token_ids, (torch.Tensor, np.ndarray)):
+        if token_ids.ndim != 1:
+            raise TypeError(
+                f"token_ids must be one-dimensional, got shape {tuple(token_ids.shape)}"
+            )
+        is_int = (
+            not token_ids.dtype.is_floating_point and not token_ids.dtype.is_complex
+            and token_ids.dtype != torch.bool
+            if isinstance(token_ids, torch.Tensor)
+            else np.issubdtype(token_ids.dtype, np.integer)
+        )
+        if not is_int:
+            raise TypeError(f"token_ids must hold integers, got dtype {token_ids.dtype}")
+        ids = tuple(int(t) for t in token_ids.tolist())
+    else:
+        try:
+            items = list(token_ids)
+        except TypeError:
+            raise TypeError(
+                f"token_ids must be a sequence of ints, got {type(token_ids).__name__}"
+            ) from None
+        for t in items:
+            if type(t) is int:
+                continue
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise TypeError(
+                    f"token_ids must be a sequence of ints; found {t!r} "
+                    f"({type(t).__name__})"
+                )
+        ids = tuple(int(t) for t in items)
+    if not ids:
+        raise ValueError("Token ids must not be empty")
+    if vocab_size is not None:
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"token id {bad} is outside the model's vocabulary [0, {vocab_size})"
+            )
+    return ids
+
+
+class AsyncLM(ABC):
+    """Asynchronous next-token distributions from a language model.
+
+    Args:
+        tokenizer: The Hugging Face tokenizer of the model; its vocabulary is decoded
+            into ``byte_vocab`` (bytes of each token) and ``str_vocab``.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.byte_vocab, self.str_vocab = decode_vocab(self.tokenizer)
+        self._closed = False
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    def _check_open(self):
+        if getattr(self, "_closed", False):
+            raise ModelClosedError(
+                f"this {type(self).__name__} was cleaned up (cleanup() or context exit); "
+                "create a new model to run more queries"
+            )
+
+    def cleanup(self):
+        """Release the model and its caches. Any later call raises `ModelClosedError`."""
+        self._closed = True
+
+    def __enter__(self):
+        self._check_open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.cleanup()
+        return False
+
+    async def __aenter__(self):
+        self._check_open()
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb):
+        self.cleanup()
+        return False
+
+    def clear_cache(self):
+        """Forget cached results. Nothing to forget here."""
+
+    # ---- next-token distributions ----------------------------------------------
+
+    @abstractmethod
+    async def next_token_logprobs(self, token_ids, lora_name=None):
+        """Log probabilities of the token following ``token_ids`` (awaitable).
+
+        Args:
+            token_ids (list[int]): The context, at least one token.
+            lora_name (str, optional): LoRA adapter to use; None for the default.
+
+        Returns:
+            (torch.Tensor): float32 log probabilities, one per vocabulary entry.
+        """
+
+    @abstractmethod
+    def next_token_logprobs_sync(self, token_ids, lora_name=None):
+        """Blocking form of `next_token_logprobs`."""
+
+    async def batch_next_token_logprobs(self, token_ids_list, lora_name=None):
+        """`next_token_logprobs` of several contexts, stacked into ``[B, V]``."""
+        rows = await asyncio.gather(
+            *(self.next_token_logprobs(ids, lora_name=lora_name) for ids in token_ids_list)
+        )
+        return torch.stack(rows)
+
+    def batch_next_token_logprobs_sync(self, token_ids_list, lora_name=None):
+        """Blocking form of `batch_next_token_logprobs`."""
+        return torch.stack(
+            [self.next_token_logprobs_sync(ids, lora_name=lora_name) for ids in token_ids_list]
+        )
+
+    async def next_token_logits(self, token_ids, lora_name=None):
+        """Unnormalized next-token scores on the model's device (the fused-path hook).
+
+        Any row that differs from the log probabilities by a constant is a valid answer;
+        consumers such as a trie's ``batch_log_mass`` normalize it themselves.
+        """
+        return await self.next_token_logprobs(token_ids, lora_name=lora_name)
+
+    async def batch_next_token_logits(self, token_ids_list, lora_name=None):
+        """`next_token_logits` of several contexts, stacked into ``[B, V]``."""
+        rows = await asyncio.gather(
+            *(self.next_token_logits(ids, lora_name=lora_name) for ids in token_ids_list)
+        )
+        return torch.stack(rows)
+
+    # ---- LoRA ---------------------------------------------------------------------
+
+    def add_new_lora(self, lora_path, lora_name="lora_1"):
+        """Load a LoRA adapter under ``lora_name``."""
+        raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
+
+    def remove_lora(self, lora_name):
+        """Unload a LoRA adapter."""
+        raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
+
+    def set_lora(self, lora_path=None, lora_name="lora_1"):
+        """Make a loaded adapter the default for calls that pass no ``lora_name``."""
+        raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
+
+    def clear_lora(self):
+        """Go back to the base model as the default."""
+        raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
+
+    # ---- sampling ----------------------------------------------------------------
+
+    async def sample(
+        self,
+        prompt_token_ids,
+        max_tokens,
+        eos_token_ids,
+        temperature=1.0,
+        seed=None,
+        lora_name=None,
+    ):
+        """Ancestral sampling of up to ``max_tokens`` tokens after the prompt.
+
+        Stops before the first token in ``eos_token_ids`` (which is not returned).
+        With a ``seed``, draws come from a CPU generator seeded with it.
+
+        Returns:
+            (list[int]): The sampled token ids.
+        """
+        self._check_open()
+        generator = None
+        if seed is not None:
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+        eos = {int(t) for t in eos_token_ids}
+        context = list(prompt_token_ids)
+        out = []
+        for _ in range(max_tokens):
+            logprobs = await self.next_token_logprobs(context + out, lora_name=lora_name)
+            probs = torch.softmax(logprobs / temperature, dim=-1)
+            if generator is not None:
+                probs = probs.cpu()
+            tok = int(torch.multinomial(probs, num_samples=1, generator=generator).item())
+            if tok in eos:
+                break
+            out.append(tok)
+        return out
+
+    async def batch_sample(
+        self,
+        prompt_token_ids_list,
+        max_tokens,
+        eos_token_ids,
+        temperature=1.0,
+        seed=None,
+        lora_name=None,
+    ):
+        """`sample` for each prompt concurrently (each with the same ``seed``)."""
+        return list(
+            await asyncio.gather(
+                *(
+                    self.sample(
+                        prompt_token_ids=p,
+                        max_tokens=max_tokens,
+                        eos_token_ids=eos_token_ids,
+                        temperature=temperature,
+                        seed=seed,
+                        lora_name=lora_name,
+                    )
+                    for p in prompt_token_ids_list
+                )
+            )
+        )
+
+
+class _Row:
+    """One distinct context waiting in the batch, and everybody waiting for it."""
+
+    __slots__ = ("ids", "lora", "waiters")
+
+    def __init__(self, lora, ids):
+        self.lora = lora
+        self.ids = ids
+        self.waiters = []  # (future, wants_logprobs)
+
+    def live(self):
+        return any(not fut.done() for fut, _ in self.waiters)
+
+    def wants_logprobs(self):
+        return any(want and not fut.done() for fut, want in self.waiters)
+
+
+class BatchedAsyncLM(AsyncLM):
+    """An `AsyncLM` that auto-batches concurrent requests and caches results.
+
+    Subclasses implement `_forward` (and may override `_vocab_limit`,
+    `_resolve_lora`, `_release`).
+
+    Args:
+        tokenizer: Hugging Face tokenizer.
+        batch_size (int): Most distinct contexts per model call. Defaults to 20.
+        timeout (float): Seconds, counted from the first waiting query, before a batch
+            that is not full is evaluated anyway. Defaults to 0.02.
+        cache_size (int): Rows of log probabilities kept in the LRU output cache
+            (0 disables it). Defaults to 1024.
+    """
+
+    def __init__(self, tokenizer, batch_size=20, timeout=0.02, cache_size=1024):
+        super().__init__(tokenizer)
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if timeout < 0:
+            raise ValueError(f"timeout must be non-negative, got {timeout}")
+        self.batch_size = int(batch_size)
+        self.timeout = float(timeout)
+        self.cache_size = int(cache_size)
+        self._outputs = OutputCache(self.cache_size)
+        self._pending = {}  # (lora, ids) -> _Row, in arrival order
+        self._timer = None
+        self._loop = None
+        self._active_lora = None
+        self.stats = {"batches": 0, "rows": 0, "cache_hits": 0}
+
+    # ---- to be provided by a backend ---------------------------------------------
+
+    @abstractmethod
+    def _forward(self, lora_name, rows):
+        """Next-token logits for each context in ``rows`` (tuples of ints, distinct).
+
+        Returns:
+            (torch.Tensor): ``[len(rows), V']`` on the model's device.
+        """
+
+    def _vocab_limit(self):
+        """Exclusive upper bound on valid token ids."""
+        return len(self.byte_vocab)
+
+    def _resolve_lora(self, lora_name):
+        """Map a per-call ``lora_name`` to the adapter actually used (None = base)."""
+        if lora_name is None:
+            return self._active_lora
+        raise unknown_lora(lora_name)
+
+    def _release(self):
+        """Drop the model's resources (called once by `cleanup`)."""
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+    # ---- evaluation ----------------------------------------------------------------
+
+    def _prepare(self, token_ids, lora_name):
+        self._check_open()
+        lora = self._resolve_lora(lora_name)
+        return lora, check_token_ids(token_ids, self._vocab_limit())
+
+    def _evaluate(self, lora, rows, want_logprobs=True):
+        """Run `_forward` on distinct ``rows`` in chunks of ``batch_size``.
+
+        Returns the logits ``[n, V']`` and, if ``want_logprobs``, a list of the n float32
+        CPU log-probability rows (each one its own tensor, also stored in the output cache).
+        """
+        parts = []
+        for i in range(0, len(rows), self.batch_size):
+            chunk = rows[i : i + self.batch_size]
+            logits = self._forward(lora, chunk)
+            if logits.shape[0] != len(chunk):
+                raise RuntimeError(
+                    f"backend returned {logits.shape[0]} rows for {len(chunk)} contexts"
+                )
+            parts.append(logits)
+            self.stats["batches"] += 1
+            self.stats["rows"] += len(chunk)
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if not want_logprobs:
+            return logits, None
+        batch = torch.log_softmax(logits.float(), dim=-1).cpu()
+        if self.cache_size <= 0:
+            return logits, list(batch)
+        # Separate tensors, so that evicting one row frees its memory.
+        logprobs = [row.clone() for row in batch]
+        for ids, row in zip(rows, logprobs):
+            self._outputs[(lora, ids)] = row
+        return logits, logprobs
+
+    def _cached(self, lora, ids):
+        hit = self._outputs.get((lora, ids))
+        if hit is not None:
+            self.stats["cache_hits"] += 1
+        return hit
+
+    # ---- the auto-batcher ----------------------------------------------------------
+
+    def _enqueue(self, lora, ids, wants_logprobs):
+        loop = asyncio.get_running_loop()
+        if self._pending and self._loop is not loop:
+            if self._loop is not None and not self._loop.is_closed():
+                raise RuntimeError(
+                    f"this {type(self).__name__} has queries pending on another event "
+                    "loop; use one event loop at a time"
+                )
+            # Left over from a closed loop: nobody can be waiting for those any more.
+            self._pending = {}
+            self._timer = None
+        self._loop = loop
+        fut = loop.create_future()
+        key = (lora, ids)
+        row = self._pending.get(key)
+        if row is None:
+            row = self._pending[key] = _Row(lora, ids)
+        row.waiters.append((fut, wants_logprobs))
+        if len(self._pending) >= self.batch_size:
+            self._flush()
+        elif self._timer is None:
+            self._timer = loop.call_later(self.timeout, self._on_timer)
+        return fut
+
+    def _on_timer(self):
+        self._timer = None
+        self._flush()
+
+    def _flush(self):
+        """Evaluate everything waiting, one model call per adapter (per chunk)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        rows, self._pending = self._pending, {}
+        groups = {}
+        for row in rows.values():
+            if row.live():  # rows whose callers all gave up are skipped
+                groups.setdefault(row.lora, []).append(row)
+        fatal = None
+        for lora, group in groups.items():
+            try:
+                want = any(r.wants_logprobs() for r in group)
+                logits, logprobs = self._evaluate(lora, [r.ids for r in group], want)
+            except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
+                err = exc
+                if not isinstance(exc, Exception):
+                    err = RuntimeError(f"batch evaluation was interrupted: {exc!r}")
+                    err.__cause__ = exc
+                    fatal = exc
+                for r in group:
+                    for fut, _ in r.waiters:
+                        if not fut.done():
+                            fut.set_exception(err)
+                continue
+            for i, r in enumerate(group):
+                for fut, wants_lp in r.waiters:
+                    if not fut.done():
+                        fut.set_result(logprobs[i] if wants_lp else logits[i])
+        if fatal is not None:
+            raise fatal
+
+    def batch_evaluate_queries(self):
+        """Evaluate every waiting query now, without waiting for the batch to fill."""
+        self._check_open()
+        self._flush()
+
+    def _fail_pending(self, exc):
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        rows, self._pending = self._pending, {}
+        for row in rows.values():
+            for fut, _ in row.waiters:
+                if not fut.done() and not fut.get_loop().is_closed():
+                    fut.set_exception(exc)
+
+    def reset_async_queries(self):
+        """Drop every waiting query; its caller gets `QueriesResetError`.
+
+        Use it when an exception stopped an inference algorithm midway.
+        """
+        self._fail_pending(
+            QueriesResetError("query dropped by reset_async_queries() before it was evaluated")
+        )
+
+    # ---- public API ----------------------------------------------------------------
+
+    async def next_token_logprobs(self, token_ids, lora_name=None):
+        """Log probabilities of the token following ``token_ids``, auto-batched.
+
+        Args:
+            token_ids (list[int]): The context, at least one token.
+            lora_name (str, optional): LoRA adapter; None uses the default (see `set_lora`).
+
+        Returns:
+            (torch.Tensor): float32 log probabilities on the CPU, shape ``[V']``.
+        """
+        lora, ids = self._prepare(token_ids, lora_name)
+        hit = self._cached(lora, ids)
+        if hit is not None:
+            return hit
+        return await self._enqueue(lora, ids, True)
+
+    def next_token_logprobs_sync(self, token_ids, lora_name=None):
+        """Log probabilities of the token following ``token_ids``, without batching."""
+        lora, ids = self._prepare(token_ids, lora_name)
+        hit = self._cached(lora, ids)
+        if hit is not None:
+            return hit
+        return self._evaluate(lora, [ids])[1][0]
+
+    def batch_next_token_logprobs_sync(self, token_ids_list, lora_name=None):
+        """Log probabilities for several contexts, ``[B, V']``, in as few calls as possible."""
+        self._check_open()
+        lora = self._resolve_lora(lora_name)
+        all_ids = [check_token_ids(t, self._vocab_limit()) for t in token_ids_list]
+        found = {}
+        todo = []
+        for ids in all_ids:
+            if ids in found:
+                continue
+            hit = self._cached(lora, ids)
+            if hit is not None:
+                found[ids] = hit
+            else:
+                found[ids] = None
+                todo.append(ids)
+        if todo:
+            _, logprobs = self._evaluate(lora, todo)
+            for ids, row in zip(todo, logprobs):
+                found[ids] = row
+        if not all_ids:
+            return torch.empty((0, len(self.byte_vocab)))
+        return torch.stack([found[ids] for ids in all_ids])
+
+    async def batch_next_token_logprobs(self, token_ids_list, lora_name=None):
+        """Log probabilities for several contexts, ``[B, V']``, via the auto-batcher."""
+        self._check_open()
+        if not token_ids_list:
+            return torch.empty((0, len(self.byte_vocab)))
+        return await super().batch_next_token_logprobs(token_ids_list, lora_name=lora_name)
+
+    async def next_token_logits(self, token_ids, lora_name=None):
+        """Unnormalized next-token logits ``[V']`` on the model's device (no host copy).
+
+        A cached context answers with its log probabilities moved to the device, which
+        differ from the logits by a constant only.
+        """
+        lora, ids = self._prepare(token_ids, lora_name)
+        hit = self._cached(lora, ids)
+        if hit is not None:
+            return hit.to(self.device, non_blocking=True)
+        return await self._enqueue(lora, ids, False)
+
+    async def batch_next_token_logits(self, token_ids_list, lora_name=None):
+        """Unnormalized logits ``[B, V']`` on the model's device, via the auto-batcher."""
+        self._check_open()
+        if not token_ids_list:
+            raise ValueError("batch_next_token_logits needs at least one context")
+        return await super().batch_next_token_logits(token_ids_list, lora_name=lora_name)
+
+    def clear_cache(self):
+        """Forget cached log probabilities."""
+        self._outputs.clear()
+
+    def cleanup(self):
+        """Fail waiting queries, drop caches and the model; later calls raise."""
+        if self._closed:
+            return
+        self._fail_pending(
+            QueriesResetError("query dropped because the model was cleaned up")
+        )
+        self._closed = True
+        self._outputs.clear()
+        self._release()
+
+    def __del__(self):
+        try:
+            if self._timer is not None:
+                self._timer.cancel()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class MockAsyncLM(BatchedAsyncLM):
+    """A deterministic stand-in language model over a real tokenizer's vocabulary.
+
+    The distribution after a context depends only on the context (the same one
+    genlm.backend's mock produces): the scores are uniform draws from a NumPy
+    ``RandomState`` seeded with ``sum((i + 1) * token_i)``. Requests go through the
+    same auto-batcher as the real backends.
+
+    Args:
+        tokenizer: Hugging Face tokenizer.
+        batch_size (int): See `BatchedAsyncLM`. Defaults to 20.
+        timeout (float): See `BatchedAsyncLM`. Defaults to 0.0 (next loop iteration).
+        cache_size (int): See `BatchedAsyncLM`. Defaults to 1024.
+    """
+
+    def __init__(self, tokenizer, batch_size=20, timeout=0.0, cache_size=1024):
+        super().__init__(tokenizer, batch_size=batch_size, timeout=timeout, cache_size=cache_size)
+
+    @classmethod
+    def from_name(cls, model_name, **kwargs):
+        """Build the mock over the tokenizer of ``model_name`` (``"smollm2"`` works offline)."""
+        from transformers import AutoTokenizer
+
+        from genlm_fast.models import resolve_model_name
+
+        return cls(AutoTokenizer.from_pretrained(resolve_model_name(model_name)), **kwargs)
+
+    @staticmethod
+    def context_seed(token_ids):
+        """The RandomState seed of a context (reduced mod 2**32 when it is larger)."""
+        return sum((i + 1) * t for i, t in enumerate(token_ids)) % (2**32)
+
+    def _scores(self, token_ids):
+        rng = np.random.RandomState(self.context_seed(token_ids))
+        return torch.from_numpy(rng.rand(len(self.byte_vocab)).astype(np.float32))
+
+    def _forward(self, lora_name, rows):
+        return torch.stack([self._scores(ids) for ids in rows])

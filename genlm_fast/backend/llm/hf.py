@@ -1,0 +1,402 @@
+"""`AsyncTransformer`: a Hugging Face causal LM behind the auto-batching `AsyncLM` API.
+
+Beyond genlm.backend's AsyncTransformer, every evaluated context leaves its key/value
+states in a per-adapter `KVTrie`, so a later query that extends it (the usual case in
+sequential Monte Carlo: each particle adds one token per step) runs the model on the
+new tokens only. Logits are computed for the last position of each context only.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+
+import torch
+
+from genlm_fast.backend.cache import KVTrie
+from genlm_fast.backend.llm.base import BatchedAsyncLM, check_token_ids, unknown_lora
+
+__all__ = ["AsyncTransformer"]
+
+_UNSET = object()
+
+
+def _require_peft():
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            "LoRA adapters need the 'peft' package: `pip install peft` "
+            "(it must match your transformers version)"
+        ) from None
+
+
+class AsyncTransformer(BatchedAsyncLM):
+    """Asynchronous, auto-batched, cached next-token distributions from a HF model.
+
+    Args:
+        hf_model: A Hugging Face causal LM (``AutoModelForCausalLM``).
+        hf_tokenizer: Its tokenizer.
+        batch_size (int, optional): Most distinct contexts per forward pass. Defaults to 20.
+        timeout (float, optional): Seconds after the first waiting query before a batch
+            that is not full runs anyway. Defaults to 0.02.
+        cache_size (int, optional): Rows kept in the LRU output cache. Defaults to 1024.
+        kv_cache_tokens (int, optional): Positions of key/value states kept for reuse,
+            per adapter; 0 disables KV reuse. Defaults to 16384.
+    """
+
+    @classmethod
+    def from_name(cls, model_id, bitsandbytes_opts=None, hf_opts=None, **kwargs):
+        """Load a model and tokenizer with ``from_pretrained`` and wrap them.
+
+        ``model_id`` may be a local directory, a Hub id (cached locally when offline),
+        or ``"smollm2"`` for the SmolLM2-135M-Instruct copy prepared by
+        `genlm_fast.models.smollm2_path`.
+
+        Args:
+            model_id (str): Model name or path.
+            bitsandbytes_opts (dict, optional): Options of a ``BitsAndBytesConfig``.
+            hf_opts (dict, optional): Extra ``from_pretrained`` options; by default
+                ``device_map="auto"`` and ``dtype="auto"``.
+            **kwargs: Passed to the `AsyncTransformer` constructor.
+
+        Raises:
+            FileNotFoundError: The model could not be found (not a directory, and not
+                available from the Hub or its local cache).
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from genlm_fast.models import resolve_model_name
+
+        model_id = resolve_model_name(model_id)
+        opts = {"device_map": "auto", "dtype": "auto"}
+        if hf_opts:
+            if "torch_dtype" in hf_opts:
+                opts.pop("dtype")
+            opts.update(hf_opts)
+        if opts.get("device_map") == "auto":
+            import importlib.util
+
+            if importlib.util.find_spec("accelerate") is None:
+                opts.pop("device_map")
+        if bitsandbytes_opts:
+            from transformers import BitsAndBytesConfig
+
+            opts["quantization_config"] = BitsAndBytesConfig(**bitsandbytes_opts)
+
+        if isinstance(model_id, str) and _is_missing_path(model_id):
+            raise FileNotFoundError(f"model directory {model_id!r} does not exist")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_id)
+        except (OSError, ValueError) as exc:
+            if isinstance(model_id, str) and os.path.isdir(model_id):
+                raise  # found, but unreadable: transformers' own message says why
+            offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False")
+            where = " (HF_HUB_OFFLINE is set, so only local files are used)" if offline else ""
+            raise FileNotFoundError(
+                f"could not load model {model_id!r}: it is not a local model directory and "
+                f"was not found on the Hugging Face Hub or in its cache{where}"
+            ) from exc
+        model = AutoModelForCausalLM.from_pretrained(model_id, **opts)
+        return cls(model, tokenizer, **kwargs)
+
+    def __init__(
+        self,
+        hf_model,
+        hf_tokenizer,
+        batch_size=20,
+        timeout=0.02,
+        cache_size=1024,
+        kv_cache_tokens=16384,
+    ):
+        self.model = hf_model
+        self.model.eval()
+        super().__init__(
+            hf_tokenizer, batch_size=batch_size, timeout=timeout, cache_size=cache_size
+        )
+        self._device = hf_model.device
+        emb = hf_model.get_input_embeddings()
+        self._n_embed = int(emb.num_embeddings if hasattr(emb, "num_embeddings") else emb.weight.shape[0])
+        pad = getattr(hf_tokenizer, "pad_token_id", None)
+        self._pad_id = pad if pad is not None and 0 <= pad < self._n_embed else 0
+        self.kv_cache_tokens = int(kv_cache_tokens)
+        self._kv_on = self.kv_cache_tokens > 0
+        self._kv_tries = {}
+        self._applied_lora = _UNSET  # adapter state last set on the model
+        params = inspect.signature(hf_model.forward).parameters
+        self._keeps_logits = "logits_to_keep" in params
+
+    # ---- basics --------------------------------------------------------------------
+
+    @property
+    def device(self):
+        return self._device
+
+    def _vocab_limit(self):
+        return self._n_embed
+
+    def _release(self):
+        self._kv_tries = {}
+        model, self.model = self.model, None
+        del model
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def clear_cache(self):
+        """Forget cached log probabilities and key/value states."""
+        super().clear_cache()
+        self.clear_kv_cache()
+
+    def clear_kv_cache(self):
+        """Forget cached key/value states (log probabilities stay cached)."""
+        for trie in self._kv_tries.values():
+            trie.clear()
+        self._kv_tries = {}
+
+    def _kv_trie(self, lora):
+        trie = self._kv_tries.get(lora)
+        if trie is None:
+            trie = self._kv_tries[lora] = KVTrie(self.kv_cache_tokens)
+        return trie
+
+    def cache_kv(self, prompt_tokens, lora_name=None):
+        """Run ``prompt_tokens`` now and keep its key/value states for later queries."""
+        lora, ids = self._prepare(prompt_tokens, lora_name)
+        self._evaluate(lora, [ids])
+
+    # ---- LoRA ----------------------------------------------------------------------
+
+    def _loaded_adapters(self):
+        if self.model is None or not getattr(self.model, "_hf_peft_config_loaded", False):
+            return set()
+        return set(getattr(self.model, "peft_config", {}) or {})
+
+    def _resolve_lora(self, lora_name):
+        if lora_name is None:
+            lora_name = self._active_lora
+            if lora_name is None:
+                return None
+        if lora_name not in self._loaded_adapters():
+            raise unknown_lora(lora_name)
+        return lora_name
+
+    def add_new_lora(self, lora_path, lora_name="lora_1"):
+        """Load a LoRA adapter (a PEFT directory or Hub id) under ``lora_name``.
+
+        Loading under a name already in use replaces that adapter. The adapter is used
+        by calls that pass ``lora_name=...``, or by all calls after `set_lora`.
+        """
+        self._check_open()
+        _require_peft()
+        if lora_name in self._loaded_adapters():
+            self.remove_lora(lora_name)
+        self._applied_lora = _UNSET
+        self.model.load_adapter(lora_path, adapter_name=lora_name)
+        self._forget_adapter(lora_name)
+
+    def remove_lora(self, lora_name):
+        """Unload an adapter and its caches."""
+        self._check_open()
+        if lora_name not in self._loaded_adapters():
+            raise unknown_lora(lora_name)
+        self._applied_lora = _UNSET
+        self.model.delete_adapter(lora_name)
+        self._forget_adapter(lora_name)
+        if self._active_lora == lora_name:
+            self._active_lora = None
+
+    def set_lora(self, lora_path=None, lora_name="lora_1"):
+        """Use the loaded adapter ``lora_name`` for calls that pass no ``lora_name``.
+
+        Raises:
+            UnknownLoraError: (a ValueError) if it was not loaded with `add_new_lora`.
+        """
+        self._check_open()
+        if lora_name not in self._loaded_adapters():
+            raise unknown_lora(lora_name)
+        self._active_lora = lora_name
+
+    def clear_lora(self):
+        """Use the base model for calls that pass no ``lora_name``."""
+        self._check_open()
+        self._active_lora = None
+
+    def _forget_adapter(self, lora_name):
+        trie = self._kv_tries.pop(lora_name, None)
+        if trie is not None:
+            trie.clear()
+        self._outputs.discard_where(lambda key: key[0] == lora_name)
+
+    def _activate(self, lora):
+        if self._applied_lora is not _UNSET and self._applied_lora == lora:
+            return
+        if lora is None:
+            if getattr(self.model, "_hf_peft_config_loaded", False):
+                self.model.disable_adapters()
+        else:
+            if lora not in self._loaded_adapters():
+                raise unknown_lora(lora)
+            self.model.set_adapter(lora)
+            self.model.enable_adapters()
+        self._applied_lora = lora
+
+    # ---- the forward pass ----------------------------------------------------------
+
+    @torch.no_grad()
+    def _forward(self, lora, rows):
+        self._activate(lora)
+        trie = self._kv_trie(lora) if self._kv_on else None
+        plans = []
+        for ids in rows:
+            if trie is not None:
+                depth, runs = trie.match(ids, len(ids) - 1)
+            else:
+                depth, runs = 0, []
+            plans.append((ids, depth, runs))
+        chunks = self._split(plans)
+        if len(chunks) == 1:
+            return self._run([plans[i] for i in chunks[0]], trie)
+        out = None
+        for chunk in chunks:
+            logits = self._run([plans[i] for i in chunk], trie)
+            if out is None:
+                out = logits.new_empty((len(rows), logits.shape[1]))
+            out[torch.tensor(chunk, device=logits.device)] = logits
+        return out
+
+    # Cost model of one forward, in token-rows: a fixed overhead, plus the padded work,
+    # which costs no less than reading the weights once (small batches are memory-bound).
+    _FORWARD_OVERHEAD = 16
+    _MEMORY_FLOOR = 64
+
+    @classmethod
+    def _split(cls, plans):
+        """Partition rows into forwards so that right-padding does not dominate.
+
+        Rows sorted by new-token count are cut into contiguous groups minimising
+        ``sum(overhead + max(floor, rows * longest))`` (exact, by dynamic programming).
+        """
+        order = sorted(range(len(plans)), key=lambda i: -(len(plans[i][0]) - plans[i][1]))
+        lengths = [len(plans[i][0]) - plans[i][1] for i in order]
+        n = len(order)
+        best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j rows
+        cut = [0] * (n + 1)
+        for j in range(1, n + 1):
+            for i in range(j):  # rows i..j-1 in one forward; the longest is row i
+                cost = best[i] + cls._FORWARD_OVERHEAD + max(
+                    cls._MEMORY_FLOOR, (j - i) * lengths[i]
+                )
+                if cost < best[j]:
+                    best[j], cut[j] = cost, i
+        chunks = []
+        j = n
+        while j > 0:
+            chunks.append(sorted(order[cut[j] : j]))
+            j = cut[j]
+        return chunks[::-1]
+
+    def _run(self, plans, trie):
+        """One padded forward; returns last-position logits ``[B, V']``, stores new KV."""
+        from transformers import DynamicCache
+
+        dev = self._device
+        B = len(plans)
+        news = [len(ids) - d for ids, d, _ in plans]
+        max_past = max(d for _, d, _ in plans)
+        max_new = max(news)
+        pad = self._pad_id
+        input_ids, positions, mask = [], [], []
+        for (ids, d, _), n in zip(plans, news):
+            input_ids.append(list(ids[d:]) + [pad] * (max_new - n))
+            positions.append(list(range(d, d + n)) + [0] * (max_new - n))
+            mask.append([1] * d + [0] * (max_past - d) + [1] * n + [0] * (max_new - n))
+        kwargs = {
+            "input_ids": torch.tensor(input_ids, device=dev),
+            "attention_mask": torch.tensor(mask, device=dev),
+            "position_ids": torch.tensor(positions, device=dev),
+            "use_cache": trie is not None,
+        }
+        if max_past:
+            seg = next(runs[0][0] for _, d, runs in plans if d)
+            L, _, H, _, D = seg.data.shape
+            past = seg.data.new_zeros((L, 2, B, H, max_past, D))
+            for i, (_, d, runs) in enumerate(plans):
+                at = 0
+                for s, a, b in runs:
+                    past[:, :, i, :, at : at + b - a] = s.data[:, :, :, a:b]
+                    at += b - a
+            kwargs["past_key_values"] = DynamicCache([(past[l, 0], past[l, 1]) for l in range(L)])
+        lasts = [n - 1 for n in news]
+        if self._keeps_logits:
+            keep = sorted(set(lasts))
+            col = {p: j for j, p in enumerate(keep)}
+            kwargs["logits_to_keep"] = torch.tensor(keep)  # a CPU index works on any device
+            cols = [col[p] for p in lasts]
+        else:
+            cols = lasts
+        out = self.model(**kwargs)
+        at = out.logits.device  # the last layer's device, under a multi-device map
+        logits = out.logits[torch.arange(B, device=at), torch.tensor(cols, device=at)]
+        if trie is not None:
+            self._store_kv(trie, plans, news, max_past, out.past_key_values)
+        return logits
+
+    def _store_kv(self, trie, plans, news, max_past, cache):
+        layers = getattr(cache, "layers", None)
+        usable = bool(layers) and all(
+            type(layer).__name__ == "DynamicLayer"
+            and isinstance(getattr(layer, "keys", None), torch.Tensor)
+            and layer.keys.dim() == 4
+            and layer.keys.shape[2] == max_past + max(news)
+            and layer.keys.device == layers[0].keys.device
+            and layer.keys.shape[1:] == layers[0].keys.shape[1:]
+            for layer in layers
+        )
+        if not usable:
+            warnings.warn(
+                f"{type(self.model).__name__} returned a key/value cache this backend cannot "
+                "reuse; key/value reuse is disabled (results are unaffected)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._kv_on = False
+            self.clear_kv_cache()
+            return
+        new = torch.stack(
+            [
+                torch.stack((layer.keys[:, :, max_past:], layer.values[:, :, max_past:]))
+                for layer in layers
+            ]
+        )  # [L, 2, B, H, max_new, D]
+        for i, ((ids, d, runs), n) in enumerate(zip(plans, news)):
+            trie.insert(ids, d, new[:, :, i, :, :n].contiguous(), runs)
+
+    # ---- genlm.backend extras --------------------------------------------------------
+
+    @torch.no_grad()
+    def next_token_logprobs_uncached(self, token_ids, lora_name=None):
+        """Log probabilities from a full forward pass, bypassing every cache."""
+        self._check_open()
+        lora = self._resolve_lora(lora_name)
+        ids = check_token_ids(token_ids, self._vocab_limit())
+        self._activate(lora)
+        logits = self.model(
+            torch.tensor([ids], device=self._device), use_cache=False
+        ).logits[0, -1]
+        return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
+def _is_missing_path(model_id):
+    """True for an id that can only be meant as a local path, and does not exist."""
+    if os.path.exists(model_id):
+        return False
+    expanded = os.path.expanduser(model_id)
+    return (
+        os.path.isabs(expanded)
+        or model_id.startswith(("./", "../", "~"))
+        or model_id.count("/") > 1
+    )

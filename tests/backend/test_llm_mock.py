@@ -1,0 +1,520 @@
+"""Auto-batching, caching and error handling of the LM backends, driven by MockAsyncLM.
+
+The mock runs through exactly the batcher and caches AsyncTransformer uses; every row
+is checked against an independent computation of the mock's distribution.
+"""
+
+import asyncio
+import functools
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from genlm_fast.backend.cache import KVTrie, OutputCache
+from genlm_fast.backend.llm import (
+    AsyncVirtualLM,
+    MockAsyncLM,
+    ModelClosedError,
+    QueriesResetError,
+    UnknownLoraError,
+    load_model_by_name,
+)
+from tests.vocabs import gpt2_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return gpt2_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def _decode_once(monkeypatch):
+    """Decode the vocabulary once per tokenizer: the tests build many fresh models."""
+    from genlm_fast.backend.llm import base
+
+    monkeypatch.setattr(base, "decode_vocab", _memo_decode_vocab)
+
+
+_DECODED = {}
+
+
+def _memo_decode_vocab(tok):
+    from genlm_fast.backend.tokenization import decode_vocab
+
+    if id(tok) not in _DECODED:
+        _DECODED[id(tok)] = (tok, decode_vocab(tok))
+    return _DECODED[id(tok)][1]
+
+
+@pytest.fixture(scope="module")
+def vocab_size(tokenizer):
+    return len(MockAsyncLM(tokenizer).byte_vocab)
+
+
+def make(tokenizer, **kw):
+    return MockAsyncLM(tokenizer, **kw)
+
+
+def expected(ctx, vocab_size):
+    """The mock's distribution, computed without the library."""
+    return _expected(tuple(int(t) for t in ctx), vocab_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _expected(ctx, vocab_size):
+    seed = sum((i + 1) * t for i, t in enumerate(ctx)) % 2**32
+    scores = np.random.RandomState(seed).rand(vocab_size).astype(np.float32)
+    return torch.log_softmax(torch.from_numpy(scores), dim=-1)
+
+
+def random_contexts(rng, n, vocab_size, dup_every=5):
+    ctxs = []
+    for i in range(n):
+        if ctxs and i % dup_every == 0:
+            ctxs.append(list(rng.choice(ctxs)))  # duplicates of earlier requests
+        else:
+            ctxs.append([rng.randrange(vocab_size) for _ in range(rng.randrange(1, 12))])
+    return ctxs
+
+
+# ---------------------------------------------------------------------------- basics
+
+
+def test_matches_genlm_mock(tokenizer, vocab_size):
+    genlm_llm = pytest.importorskip("genlm.backend.llm")
+    theirs = genlm_llm.MockAsyncLM(tokenizer)
+    ours = make(tokenizer)
+    assert len(ours.byte_vocab) == len(theirs.byte_vocab)
+    assert ours.str_vocab == theirs.str_vocab
+    assert [bytes(t) for t in ours.byte_vocab] == [bytes(t) for t in theirs.byte_vocab]
+    for ctx in ([1], [5, 6, 7], [50000, 3, 17, 256]):
+        a = ours.next_token_logprobs_sync(ctx)
+        assert a.dtype == torch.float32 and a.shape == (vocab_size,)
+        torch.testing.assert_close(a, theirs.next_token_logprobs_sync(ctx), rtol=0, atol=1e-6)
+
+
+@pytest.mark.asyncio
+async def test_sample_matches_genlm(tokenizer):
+    genlm_llm = pytest.importorskip("genlm.backend.llm")
+    theirs = genlm_llm.MockAsyncLM(tokenizer)
+    ours = make(tokenizer)
+    prompts = [[10, 20, 30], [7], [400, 401]]
+    a = await ours.batch_sample(prompts, max_tokens=6, eos_token_ids=[50256], seed=3)
+    b = await theirs.batch_sample(prompts, max_tokens=6, eos_token_ids=[50256], seed=3)
+    assert a == b
+    assert await ours.sample([10, 20, 30], 6, [50256], temperature=0.5, seed=9) == (
+        await theirs.sample([10, 20, 30], 6, [50256], temperature=0.5, seed=9)
+    )
+    # an EOS draw stops sampling and is not returned
+    first = a[0][0]
+    assert await ours.sample([10, 20, 30], 6, [first], seed=3) == []
+
+
+@pytest.mark.asyncio
+async def test_logits_hook(tokenizer, vocab_size):
+    lm = make(tokenizer)
+    ctxs = [[1, 2], [3], [1, 2]]
+    logits = await lm.batch_next_token_logits(ctxs)
+    assert logits.shape == (3, vocab_size) and logits.device == lm.device
+    for ctx, row in zip(ctxs, logits):
+        torch.testing.assert_close(torch.log_softmax(row, -1), expected(ctx, vocab_size))
+    # a cached context answers with its log-probabilities (same up to a constant)
+    await lm.next_token_logprobs([9, 9])
+    row = await lm.next_token_logits([9, 9])
+    torch.testing.assert_close(torch.log_softmax(row, -1), expected([9, 9], vocab_size))
+
+
+def test_sync_batch(tokenizer, vocab_size):
+    lm = make(tokenizer, batch_size=4)
+    ctxs = [[i, i + 1] for i in range(10)] + [[0, 1]]
+    out = lm.batch_next_token_logprobs_sync(ctxs)
+    assert out.shape == (11, vocab_size)
+    for ctx, row in zip(ctxs, out):
+        torch.testing.assert_close(row, expected(ctx, vocab_size))
+    assert lm.stats["rows"] == 10 and lm.stats["batches"] == 3
+    out2 = lm.batch_next_token_logprobs_sync(ctxs)  # all from the output cache
+    assert lm.stats["rows"] == 10
+    torch.testing.assert_close(out, out2)
+
+
+# ---------------------------------------------------------------------------- batching
+
+
+@pytest.mark.asyncio
+async def test_hundreds_of_concurrent_requests(tokenizer, vocab_size):
+    rng = random.Random(0)
+    lm = make(tokenizer, batch_size=16, timeout=0.001)
+    ctxs = random_contexts(rng, 400, vocab_size)
+    rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in ctxs))
+    for ctx, row in zip(ctxs, rows):
+        torch.testing.assert_close(row, lm.next_token_logprobs_sync(ctx), rtol=0, atol=0)
+        torch.testing.assert_close(row, expected(ctx, vocab_size))
+    n_unique = len({tuple(c) for c in ctxs})
+    assert lm.stats["rows"] == n_unique  # duplicates shared a row, never recomputed
+    assert lm.stats["batches"] >= n_unique // 16
+    # batch form, with duplicates inside the batch
+    stacked = await lm.batch_next_token_logprobs(ctxs[:50])
+    assert stacked.shape == (50, vocab_size)
+    for ctx, row in zip(ctxs[:50], stacked):
+        torch.testing.assert_close(row, expected(ctx, vocab_size))
+
+
+@pytest.mark.asyncio
+async def test_batches_never_exceed_batch_size(tokenizer, vocab_size, monkeypatch):
+    lm = make(tokenizer, batch_size=7, timeout=0.001)
+    sizes = []
+    forward = lm._forward
+
+    def spy(lora, rows):
+        sizes.append(len(rows))
+        assert len(set(rows)) == len(rows)
+        return forward(lora, rows)
+
+    monkeypatch.setattr(lm, "_forward", spy)
+    ctxs = random_contexts(random.Random(1), 200, vocab_size, dup_every=3)
+    await asyncio.gather(*(lm.next_token_logprobs(c) for c in ctxs))
+    assert max(sizes) <= 7 and sum(sizes) == len({tuple(c) for c in ctxs})
+
+
+@pytest.mark.asyncio
+async def test_random_cancellations(tokenizer, vocab_size):
+    rng = random.Random(2)
+    lm = make(tokenizer, batch_size=16, timeout=0.002)
+    ctxs = random_contexts(rng, 300, vocab_size, dup_every=2)
+    tasks = [asyncio.create_task(lm.next_token_logprobs(c)) for c in ctxs]
+    victims = set(rng.sample(range(len(tasks)), 90))
+    for step in range(4):
+        for i in victims:
+            if i % 4 == step:
+                tasks[i].cancel()
+        await asyncio.sleep(0)
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    survivors = 0
+    for i, (ctx, res) in enumerate(zip(ctxs, results)):
+        if isinstance(res, asyncio.CancelledError):
+            assert i in victims
+            continue
+        assert not isinstance(res, BaseException), res
+        torch.testing.assert_close(res, expected(ctx, vocab_size))
+        survivors += 1
+    assert survivors >= len(ctxs) - len(victims)
+    # nothing left behind: the model keeps working
+    assert not lm._pending and lm._timer is None
+    torch.testing.assert_close(await lm.next_token_logprobs([4, 5, 6]), expected([4, 5, 6], vocab_size))
+
+
+@pytest.mark.asyncio
+async def test_cancelling_one_of_two_identical_waiters(tokenizer, vocab_size):
+    lm = make(tokenizer, batch_size=100, timeout=0.05)
+    a = asyncio.create_task(lm.next_token_logprobs([8, 8, 8]))
+    b = asyncio.create_task(lm.next_token_logprobs([8, 8, 8]))
+    c = asyncio.create_task(lm.next_token_logprobs([9]))
+    await asyncio.sleep(0)
+    a.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await a
+    torch.testing.assert_close(await b, expected([8, 8, 8], vocab_size))
+    torch.testing.assert_close(await c, expected([9], vocab_size))
+    assert lm.stats["rows"] == 2
+
+
+@pytest.mark.asyncio
+async def test_exception_reaches_every_waiter(tokenizer, vocab_size, monkeypatch):
+    lm = make(tokenizer, batch_size=10, timeout=0.001)
+    calls = []
+    forward = lm._forward
+
+    def failing(lora, rows):
+        calls.append(len(rows))
+        if len(calls) == 2:
+            raise RuntimeError("device on fire")
+        return forward(lora, rows)
+
+    monkeypatch.setattr(lm, "_forward", failing)
+    ctxs = [[i, 1000 + i] for i in range(30)]
+    results = await asyncio.gather(
+        *(lm.next_token_logprobs(c) for c in ctxs), return_exceptions=True
+    )
+    failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
+    assert len(failed) == calls[1] == 10  # exactly the second batch, all of it
+    for i in failed:
+        assert isinstance(results[i], RuntimeError) and "device on fire" in str(results[i])
+    for i, r in enumerate(results):
+        if i not in failed:
+            torch.testing.assert_close(r, expected(ctxs[i], vocab_size))
+    # the failed contexts were not cached: they can be asked again
+    again = await asyncio.gather(*(lm.next_token_logprobs(ctxs[i]) for i in failed))
+    for i, r in zip(failed, again):
+        torch.testing.assert_close(r, expected(ctxs[i], vocab_size))
+
+
+@pytest.mark.asyncio
+async def test_duplicate_waiters_share_an_exception(tokenizer, monkeypatch):
+    lm = make(tokenizer, batch_size=50, timeout=0.001)
+
+    def boom(lora, rows):
+        raise ValueError("bad batch")
+
+    monkeypatch.setattr(lm, "_forward", boom)
+    results = await asyncio.gather(
+        *(lm.next_token_logprobs([3, 3]) for _ in range(5)), return_exceptions=True
+    )
+    assert all(isinstance(r, ValueError) for r in results)
+
+
+@pytest.mark.asyncio
+async def test_reset_async_queries_fails_waiters(tokenizer, vocab_size):
+    lm = make(tokenizer, batch_size=1000, timeout=30.0)
+    tasks = [asyncio.create_task(lm.next_token_logprobs([i + 1])) for i in range(12)]
+    await asyncio.sleep(0)
+    assert len(lm._pending) == 12
+    lm.reset_async_queries()
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+    assert all(isinstance(r, QueriesResetError) for r in results)
+    assert lm.stats["rows"] == 0 and lm._timer is None
+    lm.timeout = 0.0
+    torch.testing.assert_close(await lm.next_token_logprobs([1]), expected([1], vocab_size))
+
+
+@pytest.mark.asyncio
+async def test_full_batch_does_not_wait_for_timer(tokenizer):
+    lm = make(tokenizer, batch_size=5, timeout=60.0)
+    start = time.perf_counter()
+    await asyncio.wait_for(
+        asyncio.gather(*(lm.next_token_logprobs([i + 1, 2]) for i in range(5))), 10
+    )
+    assert time.perf_counter() - start < 10
+    assert lm.stats["batches"] == 1
+
+
+@pytest.mark.asyncio
+async def test_timer_starts_at_first_query(tokenizer):
+    """A steady trickle of queries must not postpone the batch (genlm's timer restarts)."""
+    lm = make(tokenizer, batch_size=10_000, timeout=0.3)
+    start = time.perf_counter()
+    first = asyncio.create_task(lm.next_token_logprobs([1, 2, 3]))
+    done_at = None
+    others = []
+    for i in range(40):  # one query every 50 ms for 2 s
+        others.append(asyncio.create_task(lm.next_token_logprobs([7, i + 1])))
+        await asyncio.sleep(0.05)
+        if done_at is None and first.done():
+            done_at = time.perf_counter() - start
+    await asyncio.gather(first, *others)
+    assert done_at is not None and done_at < 1.5, done_at
+    assert lm.stats["batches"] >= 3
+
+
+@pytest.mark.asyncio
+async def test_output_cache_is_lru(tokenizer, vocab_size):
+    lm = make(tokenizer, cache_size=3)
+    for c in ([1], [2], [3], [1], [4]):  # [1] refreshed, so [2] goes first
+        await lm.next_token_logprobs(c)
+    assert lm.stats["rows"] == 4 and lm.stats["cache_hits"] == 1
+    await lm.next_token_logprobs([2])
+    assert lm.stats["rows"] == 5
+    await lm.next_token_logprobs([1])
+    assert lm.stats["rows"] == 5
+    lm.clear_cache()
+    await lm.next_token_logprobs([1])
+    assert lm.stats["rows"] == 6
+
+
+@pytest.mark.asyncio
+async def test_two_event_loops_in_turn(tokenizer, vocab_size):
+    lm = make(tokenizer)
+
+    async def ask(c):
+        return await lm.next_token_logprobs(c)
+
+    # pytest-asyncio already runs a loop here; use fresh loops in a worker thread
+    def run_twice():
+        return [asyncio.run(ask([5, i])) for i in (1, 2)]
+
+    rows = await asyncio.to_thread(run_twice)
+    for i, r in zip((1, 2), rows):
+        torch.testing.assert_close(r, expected([5, i], vocab_size))
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+@pytest.mark.asyncio
+async def test_bad_contexts(tokenizer, vocab_size):
+    lm = make(tokenizer)
+    with pytest.raises(ValueError, match="empty"):
+        await lm.next_token_logprobs([])
+    with pytest.raises(ValueError, match="empty"):
+        lm.next_token_logprobs_sync([])
+    with pytest.raises(ValueError, match="vocabulary"):
+        await lm.next_token_logprobs([1, vocab_size])
+    with pytest.raises(ValueError, match="vocabulary"):
+        lm.next_token_logprobs_sync([-1])
+    with pytest.raises(ValueError, match="vocabulary"):
+        await lm.batch_next_token_logprobs([[1], [vocab_size + 5]])
+    for bad in ("hello", [1.5, 2], [[1, 2]], [True, 1], None, 3, [1, "2"]):
+        with pytest.raises(TypeError, match="token_ids"):
+            await lm.next_token_logprobs(bad)
+        with pytest.raises(TypeError, match="token_ids"):
+            lm.next_token_logprobs_sync(bad)
+    with pytest.raises(TypeError):
+        await lm.next_token_logprobs(torch.tensor([1.0, 2.0]))
+    # integer arrays and tensors are fine, and equal to lists
+    a = await lm.next_token_logprobs(np.array([4, 5], dtype=np.int64))
+    b = await lm.next_token_logprobs(torch.tensor([4, 5]))
+    c = await lm.next_token_logprobs((np.int32(4), 5))
+    for r in (a, b, c):
+        torch.testing.assert_close(r, expected([4, 5], vocab_size))
+    with pytest.raises(UnknownLoraError):
+        await lm.next_token_logprobs([1], lora_name="nope")
+    with pytest.raises(ValueError):  # UnknownLoraError is a ValueError, as in genlm
+        lm.next_token_logprobs_sync([1], lora_name="nope")
+    assert not lm._pending
+
+
+@pytest.mark.asyncio
+async def test_cleanup_then_any_call_raises(tokenizer):
+    lm = make(tokenizer, batch_size=100, timeout=30.0)
+    waiting = asyncio.create_task(lm.next_token_logprobs([1, 2]))
+    await asyncio.sleep(0)
+    lm.cleanup()
+    with pytest.raises(QueriesResetError):
+        await asyncio.wait_for(waiting, 5)
+    lm.cleanup()  # idempotent
+    with pytest.raises(ModelClosedError):
+        await lm.next_token_logprobs([1])
+    with pytest.raises(ModelClosedError):
+        lm.next_token_logprobs_sync([1])
+    with pytest.raises(ModelClosedError):
+        await lm.batch_next_token_logprobs([[1]])
+    with pytest.raises(ModelClosedError):
+        lm.batch_next_token_logprobs_sync([[1]])
+    with pytest.raises(ModelClosedError):
+        await lm.next_token_logits([1])
+    with pytest.raises(ModelClosedError):
+        await lm.sample([1], 3, [0])
+    with pytest.raises(ModelClosedError), lm:
+        pass
+
+
+@pytest.mark.asyncio
+async def test_context_managers(tokenizer):
+    with make(tokenizer) as lm:
+        lm.next_token_logprobs_sync([1])
+    with pytest.raises(ModelClosedError):
+        lm.next_token_logprobs_sync([1])
+    async with make(tokenizer) as lm2:
+        await lm2.next_token_logprobs([1])
+    with pytest.raises(ModelClosedError):
+        await lm2.next_token_logprobs([1])
+
+
+def test_constructor_checks(tokenizer):
+    with pytest.raises(ValueError):
+        MockAsyncLM(tokenizer, batch_size=0)
+    with pytest.raises(ValueError):
+        MockAsyncLM(tokenizer, timeout=-1)
+
+
+def test_load_model_by_name(tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    lm = load_model_by_name(str(tmp_path), backend="mock")
+    assert isinstance(lm, MockAsyncLM) and len(lm.byte_vocab) == len(tokenizer)
+    for backend in ("mlx", "sgl"):
+        with pytest.raises(NotImplementedError, match="genlm_fast does not support"):
+            load_model_by_name("gpt2", backend=backend)
+    with pytest.raises(ValueError, match="Invalid backend"):
+        load_model_by_name("gpt2", backend="tpu")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ImportError, match="vllm is not installed"):
+            load_model_by_name("gpt2", backend="vllm")
+        with pytest.raises(ImportError, match="vllm is not installed"):
+            AsyncVirtualLM.from_name("gpt2")
+        with pytest.raises(ImportError, match="vllm is not installed"):
+            AsyncVirtualLM()
+
+
+def test_lazy_backend_exports():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, genlm_fast.backend as b; assert 'torch' not in sys.modules; "
+        "assert b.load_model_by_name and b.AsyncLM and b.MockAsyncLM and b.AsyncTransformer; "
+        "assert b.AsyncVirtualLM.__name__ == 'AsyncVirtualLM'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------- caches
+
+
+def test_output_cache_semantics():
+    c = OutputCache(maxsize=2)
+    c["a"], c["b"] = torch.zeros(1), torch.ones(1)
+    assert "a" in c and len(c) == 2
+    c["a"]  # refresh
+    c["c"] = torch.ones(2)
+    assert "b" not in c and "a" in c and "c" in c
+    c["a"] = torch.full((1,), 5.0)  # overwriting evicts nothing
+    assert len(c) == 2 and c["a"].item() == 5.0
+    with pytest.raises(KeyError):
+        c["zzz"]
+    c.clear()
+    assert len(c) == 0
+    off = OutputCache(maxsize=0)
+    off["x"] = torch.zeros(1)
+    assert len(off) == 0
+    cpu = OutputCache(maxsize=4, move_to_cpu=True)
+    cpu["x"] = torch.arange(3.0)
+    assert cpu["x"].device == torch.device("cpu")
+
+
+def kv(n, value, layers=2, heads=1, dim=3):
+    return torch.full((layers, 2, heads, n, dim), float(value))
+
+
+def test_kv_trie_match_gather_and_evict():
+    trie = KVTrie(max_tokens=10)
+    a = [1, 2, 3, 4]
+    trie.insert(a, 0, kv(4, 1.0))
+    depth, runs = trie.match(a + [9])
+    assert depth == 4 and len(runs) == 1
+    assert depth == trie.match(a, limit=3)[0] + 1
+    trie.insert(a + [5, 6], 4, kv(2, 2.0), runs)
+    depth, runs = trie.match(a + [5, 6, 7])
+    assert depth == 6 and len(runs) == 2
+    got = KVTrie.gather(runs)
+    assert got.shape == (2, 2, 1, 6, 3)
+    assert got[:, :, :, :4].eq(1).all() and got[:, :, :, 4:].eq(2).all()
+    # a sibling branch: 3 + 4 + 2 positions held
+    b = [1, 2, 7, 7, 7]
+    d, r = trie.match(b)
+    assert d == 2
+    trie.insert(b, 2, kv(3, 3.0), r)
+    assert trie.n_tokens == 9
+    # over budget: the least recently used leaf goes, never a prefix still in use
+    trie.insert([1, 2, 7, 7, 7, 8], 5, kv(1, 4.0), trie.match([1, 2, 7, 7, 7])[1])
+    trie.insert([1, 2, 7, 7, 7, 8, 9], 6, kv(1, 5.0), trie.match([1, 2, 7, 7, 7, 8])[1])
+    assert trie.n_tokens <= 10
+    assert trie.match(a + [5, 6])[0] == 4  # the [5, 6] leaf segment was evicted
+    assert trie.match([1, 2, 7, 7, 7, 8, 9])[0] == 7
+    # nodes without KV are pruned
+    assert 5 not in trie.root.children[1].children[2].children[3].children[4].children
+    trie.clear()
+    assert trie.n_tokens == 0 and trie.match(a)[0] == 0
+
+
+def test_kv_trie_keeps_existing_positions():
+    trie = KVTrie()
+    trie.insert([1, 2, 3], 0, kv(3, 1.0))
+    assert trie.insert([1, 2, 3], 2, kv(1, 9.0)) is None  # already held: dropped
+    seg = trie.insert([1, 2, 3, 4], 2, kv(2, 7.0))
+    assert seg is not None and len(seg.nodes) == 1
+    got = KVTrie.gather(trie.match([1, 2, 3, 4])[1])
+    assert got[:, :, :, :3].eq(1).all() and got[:, :, :, 3].eq(7).all()

@@ -1,0 +1,166 @@
+"""Triton backend: launches the fused trie-reduction kernels of ``genlm_fast.kernels``.
+
+Implements the backend contract of ``genlm_fast.ops.dispatch``::
+
+    trie_reduce(values, arrays, reduction, *, num_nodes, num_scratch, max_span_tiles, tile)
+        -> Tensor[B, num_nodes]
+
+Runs on CUDA tensors, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``
+set before triton is imported; a correctness tool, ~100x slower than torch).
+
+Paths (see the kernel module's docstring for the algorithm):
+
+* ``log_mass`` (any float dtype) and float32 ``sum``: ``_tile_ranges_dot`` (range sums as a
+  TF32-split product with the 0/1 membership mask, exact fallback for the rare ranges that
+  need it), after ``_row_lse_partial`` for ``log_mass``.
+* ``max`` and float64 ``sum``: ``_tile_ranges_dense``.
+* then ``_spanning_nodes`` when the trie has nodes crossing tile boundaries.
+
+``GENLM_FAST_TRITON_DENSE=1`` in the environment sends every reduction through the dense
+tile kernel (for comparisons and as an escape hatch).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from genlm_fast.kernels import trie_reduce as kernels
+
+_CODES = {"sum": kernels.REDUCE_SUM, "max": kernels.REDUCE_MAX,
+          "log_mass": kernels.REDUCE_LOG_MASS}
+
+LSE_BLOCK = 1024  # elements per iteration of the row-normaliser kernel
+LSE_MAX_SPLIT = 64  # slices per row for the normaliser (a power of two)
+DENSE_RB = 32  # ranges per chunk in the dense tile kernel
+DOT_RB = 64  # ranges per chunk (the N side of the mask product) in the dot tile kernel
+DOT_SUB = 16  # ranges per step of the dot kernel's dense rewrite (sum with inf weights)
+SPAN_BLOCK = 32  # spanning nodes per program
+SPAN_TILES = 64  # tile totals loaded per spanning node and iteration
+
+
+def _tl_dtype(dtype: torch.dtype):
+    import triton.language as tl
+
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # interpreter: few programs is fastest
+
+
+def _dot_rows(B: int) -> tuple[int, int]:
+    """Rows per program (the M side of the product; >= 16 for tl.dot) and num_warps.
+
+    16 rows x 8 warps compiles (sm_90, triton 3.9) to ~100-130 registers/thread, i.e. two
+    programs per SM; 32 or 64 rows need 170-255 registers (one program per SM, spills), so
+    larger batches take more row blocks rather than taller ones. To be tuned on a GPU.
+    """
+    return 16, 8
+
+
+def _row_lse_partials(values: torch.Tensor, acc_dtype: torch.dtype):
+    """Launch ``_row_lse_partial``: (pmax, psum) of shape [B, SPLIT] and SPLIT."""
+    B, C = values.shape
+    block = LSE_BLOCK if values.device.type == "cuda" else 128  # interpreter: exercise SPLIT
+    blocks = _cdiv(C, block)
+    want = _cdiv(4 * _num_sms(values.device), B)
+    split = max(1, min(_next_pow2(want), LSE_MAX_SPLIT, _next_pow2(blocks)))
+    if values.device.type == "cpu":
+        split = min(split, 2) if blocks > 1 else 1  # interpreter: keep the grid tiny
+    chunk = _cdiv(blocks, split) * block
+    pmax = torch.empty(B, split, dtype=acc_dtype, device=values.device)
+    psum = torch.empty(B, split, dtype=acc_dtype, device=values.device)
+    kernels._row_lse_partial[(B, split)](
+        values, pmax, psum, C, chunk,
+        SPLIT=split, BLOCK=block, ACC=_tl_dtype(acc_dtype), num_warps=4)
+    return pmax, psum, split
+
+
+def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
+                num_scratch: int, max_span_tiles: int, tile: int, **_unused) -> torch.Tensor:
+    if reduction not in _CODES:
+        raise ValueError(f"unknown reduction {reduction!r}")
+    values = values.contiguous()
+    device = values.device
+    B, C = values.shape
+    out_dtype = torch.float64 if (values.dtype == torch.float64 and reduction != "log_mass") \
+        else torch.float32
+    out = torch.empty(B, num_nodes, dtype=out_dtype, device=device)
+    if B == 0 or num_nodes == 0:
+        return out
+    if reduction != "log_mass" and values.dtype not in (torch.float32, torch.float64):
+        values = values.float()
+
+    leaf_token = arrays["leaf_token"]
+    tile_range_ptr = arrays["tile_range_ptr"]
+    n_tiles = tile_range_ptr.numel() - 1
+    L = leaf_token.numel()
+    S = arrays["span_node"].numel()
+    scratch = torch.empty(B, max(1, num_scratch), dtype=out_dtype, device=device)
+    NS = scratch.shape[1]
+    code = _CODES[reduction]
+
+    with _on_device(device):
+        if reduction == "log_mass":
+            acc_dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
+            pmax, psum, split = _row_lse_partials(values, acc_dtype)
+        else:
+            acc_dtype = values.dtype
+            pmax = psum = out  # unused by the kernels
+            split = 1
+        use_dot = (reduction == "log_mass" or (reduction == "sum"
+                                               and values.dtype == torch.float32)) \
+            and os.environ.get("GENLM_FAST_TRITON_DENSE") != "1"
+        if use_dot:
+            rows, warps = _dot_rows(B)
+            kernels._tile_ranges_dot[(n_tiles, _cdiv(B, rows))](
+                values, B, C, L, leaf_token, tile_range_ptr, arrays["range_start"],
+                arrays["range_end"], arrays["range_dest"], out, num_nodes, scratch, NS,
+                pmax, psum,
+                LOG_MASS=(reduction == "log_mass"), SPLIT=split, TILE=tile, ROWS=rows,
+                RB=DOT_RB, SUB=DOT_SUB, ACC=_tl_dtype(acc_dtype),
+                FAST_MIN_MASS=kernels._FAST_MIN_MASS, LEVEL_GAP=kernels._LEVEL_GAP,
+                num_warps=warps)
+        else:
+            kernels._tile_ranges_dense[(n_tiles, B)](
+                values, C, L, leaf_token, tile_range_ptr, arrays["range_start"],
+                arrays["range_end"], arrays["range_dest"], out, num_nodes, scratch, NS,
+                pmax, psum,
+                REDUCTION=code, SPLIT=split, TILE=tile, RB=DENSE_RB,
+                ACC=_tl_dtype(acc_dtype), num_warps=4)
+        if S > 0:
+            kernels._spanning_nodes[(_cdiv(S, SPAN_BLOCK), B)](
+                scratch, NS, out, num_nodes, S, arrays["span_node"], arrays["span_left"],
+                arrays["span_right"], arrays["span_tile_lo"], arrays["span_tile_hi"],
+                REDUCTION=code, SB=SPAN_BLOCK, TB=SPAN_TILES, num_warps=4)
+    return out
+
+
+class _on_device:
+    """``torch.cuda.device(d)`` for CUDA tensors (Triton launches on the current device)."""
+
+    def __init__(self, device: torch.device):
+        self._ctx = torch.cuda.device(device) if device.type == "cuda" else None
+
+    def __enter__(self):
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            return self._ctx.__exit__(*exc)
+        return False

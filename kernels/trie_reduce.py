@@ -1,0 +1,376 @@
+"""Triton kernels for the trie reduction (``sum`` / ``max`` / ``log_mass``) over a compiled
+``TrieLayout`` (see ``genlm_fast/ops/layout.py``).
+
+Algorithm
+---------
+The leaves of the trie, sorted by post-order node id, form the *leaf order*; every node's
+leaves are one contiguous slice of it. The leaf order is cut into tiles of ``TILE`` positions
+and every node range is pre-split (by the layout) into *local ranges* lying inside one tile:
+
+1. ``_row_lse_partial`` (``log_mass`` only), grid (B, SPLIT): each program reads one
+   contiguous slice of a logit row once, coalesced, and keeps an online (max, sum-exp) pair
+   per lane with ONE exp per element (``s = x > m ? s*e^(m-x) + 1 : s + e^(x-m)``). It writes
+   one (max, sum) partial per slice; the tile kernels merge the SPLIT partials of their rows
+   (cheap) instead of a third launch. Splitting rows keeps >= ~4 programs per SM even at B=1.
+
+2. ``_tile_ranges_dot`` (``log_mass``, float32 ``sum``), grid (n_tiles, cdiv(B, ROWS)):
+   a program gathers the TILE leaf values ``x[row, leaf_token[pos]]`` of ROWS rows once
+   (masked past L), turns them into non-negative terms ``w`` and reduces ALL the tile's local
+   ranges as a matrix product ``S[rows, ranges] = w[rows, TILE] @ M[TILE, ranges]`` where
+   ``M`` is the 0/1 membership mask ``start <= pos < end`` (built on the fly from the CSR
+   range lists, RB ranges at a time). A masked dense reduction would cost TILE ALU ops per
+   (row, range); the mask product moves that work onto the tensor cores and builds each mask
+   once for ROWS rows.
+   *Exactness.* ``M`` is exactly 0/1, so only ``w`` is split: ``w = hi + lo`` with ``hi`` =
+   ``w`` truncated to 10 mantissa bits (exact in TF32) and ``lo`` = the exact remainder,
+   rounded to TF32 (relative error of ``w`` <= 2^-21), two TF32 products accumulate in fp32.
+   All terms are >= 0 for ``log_mass`` (no cancellation).
+   ``log_mass``: ``v = x - lse`` (fp32), ``m`` = tile max of ``v`` per row,
+   ``w = exp(v - m)`` in [0, 1] (TILE exps per row and tile, not per range);
+   node = ``m + log(S)``. This is exact to fp32 rounding whenever ``S >= 1e-24``: then the
+   range's own max is >= m - 60 nats, and every term that exp() could have flushed
+   (< e^-87 relative to m) is < e^-27 relative to the range's mass. Ranges with
+   ``S < 1e-24`` (far below their tile's max, or all -inf) are redone in a second pass of
+   the same program, only for the rows that have one, with the shift lowered level by
+   level to the largest leaf still below ``shift - 55`` (same mask, same split product,
+   ``exp`` capped at e^80); each level is exact for the ranges it lifts above 1e-24 and
+   passes at least one leaf, so it ends within TILE + 1 levels (usually 1-2, also for
+   -1e30 "masks"); a range left open when no leaf remains below holds only -inf leaves.
+   Only rows whose finite leaves in the tile span > 55 nats can need it (elsewhere
+   ``S < 1e-24`` means ``S = 0``: all -inf, which the fast path already gets right), so it
+   is rare for real logits and free for -inf masks, but it keeps the result exact in log
+   space whatever the logits' spread.
+   ``sum``: ``w`` = the weights; rows holding a non-finite weight in this tile take the
+   dense path (inf * 0 in a product would give NaN).
+
+3. ``_tile_ranges_dense`` (``max``, float64 ``sum``/``max``, and an optional fallback for
+   everything), grid (n_tiles, B): the straightforward version; per chunk of RB ranges it
+   builds the [RB, TILE] mask and reduces along the tile axis (sum; max; logsumexp as max,
+   then sum exp(v - max), guarded for -inf).
+
+   Every local range is written once, to ``out[row, dest]`` when ``dest >= 0`` or to the
+   per-row scratch slot ``-1 - dest`` (tile totals and left/right pieces of spanning nodes).
+   Empty ranges give the identity: 0 for sum and max, -inf for log_mass.
+
+4. ``_spanning_nodes``, grid (cdiv(S, SPAN_BLOCK), B): a node whose leaves cross tile
+   boundaries combines its left piece, its right piece and the totals of the whole tiles
+   ``[lo, hi)`` from scratch. Spanning nodes are sorted by tile count, so a block loops only
+   to its own largest count, TB tiles at a time (vector loads, tree reduction per chunk).
+   Sums accumulate in float64 (the root over 128k leaves stays within 1e-7 of exact);
+   log_mass keeps an online (max, float64 sum-exp) pair; max is exact.
+
+No [B, C] intermediate is ever written: the only traffic is reading the logits (twice for
+``log_mass``: once coalesced for the normaliser, once gathered in leaf order, mostly from
+L2), the small index arrays (once per ROWS rows) and writing ``out`` ([B, N], coalesced:
+within a tile, local node ids are nearly consecutive).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+REDUCE_SUM = 0
+REDUCE_MAX = 1
+REDUCE_LOG_MASS = 2
+
+# a range whose mass relative to its tile's max is below this is redone with a lower shift
+_FAST_MIN_MASS = 1e-24
+_LEVEL_GAP = 55.0  # e^-55 = 1.3e-24 >= _FAST_MIN_MASS: a range whose max is within this of
+# the shift is always lifted to _FAST_MIN_MASS
+
+
+@triton.jit
+def _row_lse_partial(x_ptr, pmax_ptr, psum_ptr, C, chunk,
+                     SPLIT: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
+    """Per (row, slice): max and sum of exp(x - max) over x[row, slice], one exp per element."""
+    row = tl.program_id(0)
+    sp = tl.program_id(1)
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, C)
+    base = x_ptr + row.to(tl.int64) * C
+    offs = tl.arange(0, BLOCK)
+    m = tl.full([BLOCK], float("-inf"), ACC)
+    s = tl.zeros([BLOCK], ACC)
+    for k in range(lo, hi, BLOCK):
+        idx = k + offs
+        x = tl.load(base + idx, mask=idx < hi, other=float("-inf")).to(ACC)
+        mx = tl.maximum(m, x)
+        mn = tl.minimum(m, x)
+        e = tl.where(mx == float("-inf"), 0.0, tl.exp(mn - mx))
+        s = tl.where(x > m, s * e + 1.0, s + e)
+        m = mx
+    big = tl.max(m, axis=0)
+    big_safe = tl.where(big == float("-inf"), 0.0, big)
+    tot = tl.sum(s * tl.exp(m - big_safe), axis=0)
+    tl.store(pmax_ptr + row * SPLIT + sp, big)
+    tl.store(psum_ptr + row * SPLIT + sp, tot)
+
+
+@triton.jit
+def _dense_reduce(v, pos, start, end, REDUCTION: tl.constexpr):
+    """Reduce v[TILE] over each range [start, end) of a chunk ([RB]) -> [RB]."""
+    member = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
+    if REDUCTION == 0:
+        res = tl.sum(tl.where(member, v[None, :], 0.0), axis=1)
+    elif REDUCTION == 1:
+        res = tl.max(tl.where(member, v[None, :], float("-inf")), axis=1)
+        res = tl.where(end > start, res, 0.0)
+    else:
+        peak = tl.max(tl.where(member, v[None, :], float("-inf")), axis=1)
+        peak_safe = tl.where(peak == float("-inf"), 0.0, peak)
+        tot = tl.sum(tl.where(member, tl.exp(v[None, :] - peak_safe[:, None]), 0.0), axis=1)
+        res = tl.where(peak == float("-inf"), float("-inf"), peak_safe + tl.log(tot))
+    return res
+
+
+@triton.jit
+def _split_tf32(w):
+    """w = hi + lo: hi exact in TF32 (10 mantissa bits), lo the exact remainder rounded to
+    nearest TF32, so hi + lo carries ~21 bits whatever the tensor cores do to fp32 inputs."""
+    hi = (w.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    lo = w - hi
+    lo = ((lo.to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True)
+    return hi, lo
+
+
+@triton.jit
+def _tile_ranges_dense(x_ptr, C, L, leaf_token_ptr, range_ptr_ptr, range_start_ptr,
+                       range_end_ptr, range_dest_ptr, out_ptr, N, scratch_ptr, NS,
+                       pmax_ptr, psum_ptr,
+                       REDUCTION: tl.constexpr, SPLIT: tl.constexpr, TILE: tl.constexpr,
+                       RB: tl.constexpr, ACC: tl.constexpr):
+    """One (tile, row) per program: masked [RB, TILE] reductions, RB ranges at a time."""
+    t = tl.program_id(0)
+    row = tl.program_id(1)
+    pos = t * TILE + tl.arange(0, TILE)
+    pos_ok = pos < L
+    tok = tl.load(leaf_token_ptr + pos, mask=pos_ok, other=0)
+    x_row = x_ptr + row.to(tl.int64) * C
+    if REDUCTION == 2:
+        sp = tl.arange(0, SPLIT)
+        pm = tl.load(pmax_ptr + row * SPLIT + sp).to(ACC)
+        ps = tl.load(psum_ptr + row * SPLIT + sp).to(ACC)
+        big = tl.max(pm, axis=0)
+        big_safe = tl.where(big == float("-inf"), 0.0, big)
+        lse = big_safe + tl.log(tl.sum(ps * tl.exp(pm - big_safe), axis=0))
+        x = tl.load(x_row + tok, mask=pos_ok, other=float("-inf")).to(ACC)
+        v = (x - lse).to(tl.float32)
+    else:
+        v = tl.load(x_row + tok, mask=pos_ok, other=0.0).to(ACC)
+    out_row = out_ptr + row.to(tl.int64) * N
+    scr_row = scratch_ptr + row.to(tl.int64) * NS
+    r0 = tl.load(range_ptr_ptr + t)
+    r1 = tl.load(range_ptr_ptr + t + 1)
+    for c in range(r0, r1, RB):
+        ridx = c + tl.arange(0, RB)
+        r_ok = ridx < r1
+        start = tl.load(range_start_ptr + ridx, mask=r_ok, other=0)
+        end = tl.load(range_end_ptr + ridx, mask=r_ok, other=0)
+        dest = tl.load(range_dest_ptr + ridx, mask=r_ok, other=0)
+        res = _dense_reduce(v, pos, start, end, REDUCTION)
+        res = res.to(out_ptr.dtype.element_ty)
+        is_out = dest >= 0
+        tl.store(out_row + dest, res, mask=r_ok & is_out)
+        tl.store(scr_row + (-1 - dest), res, mask=r_ok & (dest < 0))
+
+
+@triton.jit
+def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_ptr,
+                     range_end_ptr, range_dest_ptr, out_ptr, N, scratch_ptr, NS,
+                     pmax_ptr, psum_ptr,
+                     LOG_MASS: tl.constexpr, SPLIT: tl.constexpr, TILE: tl.constexpr,
+                     ROWS: tl.constexpr, RB: tl.constexpr, SUB: tl.constexpr,
+                     ACC: tl.constexpr, FAST_MIN_MASS: tl.constexpr,
+                     LEVEL_GAP: tl.constexpr):
+    """One (tile, block of ROWS rows) per program: range sums as w @ membership-mask."""
+    t = tl.program_id(0)
+    rb = tl.program_id(1)
+    rid = tl.arange(0, ROWS)
+    rows = rb * ROWS + rid
+    row_ok = rows < B
+    pos = t * TILE + tl.arange(0, TILE)
+    pos_ok = pos < L
+    tok = tl.load(leaf_token_ptr + pos, mask=pos_ok, other=0)
+    lmask = row_ok[:, None] & pos_ok[None, :]
+    xptrs = x_ptr + rows.to(tl.int64)[:, None] * C + tok[None, :]
+    if LOG_MASS:
+        sp = tl.arange(0, SPLIT)
+        pmask = row_ok[:, None] & (sp[None, :] < SPLIT)
+        poff = rows[:, None] * SPLIT + sp[None, :]
+        pm = tl.load(pmax_ptr + poff, mask=pmask, other=float("-inf")).to(ACC)
+        ps = tl.load(psum_ptr + poff, mask=pmask, other=0.0).to(ACC)
+        big = tl.max(pm, axis=1)
+        big_safe = tl.where(big == float("-inf"), 0.0, big)
+        lse = big_safe + tl.log(tl.sum(ps * tl.exp(pm - big_safe[:, None]), axis=1))
+        lse = tl.where(row_ok, lse, 0.0)
+        x = tl.load(xptrs, mask=lmask, other=float("-inf")).to(ACC)
+        v = (x - lse[:, None]).to(tl.float32)  # log-probabilities; -inf where masked
+        peak = tl.max(v, axis=1)
+        shift = tl.where(peak == float("-inf"), 0.0, peak)
+        w = tl.exp(v - shift[:, None])  # in [0, 1]
+        # only a row whose finite leaves here span > LEVEL_GAP can have a range with finite
+        # leaves and S < FAST_MIN_MASS; elsewhere S < FAST_MIN_MASS means all -inf (S = 0)
+        low = tl.min(tl.where(v > float("-inf"), v, float("inf")), axis=1)
+        risky_row = (peak > float("-inf")) & (low < peak - LEVEL_GAP)
+    else:
+        v = tl.load(xptrs, mask=lmask, other=0.0).to(tl.float32)
+        finite = tl.abs(v) < float("inf")
+        risky_row = tl.max(tl.where(finite, 0, 1), axis=1) > 0
+        w = tl.where(finite, v, 0.0)
+        shift = tl.zeros([ROWS], tl.float32)
+        lse = tl.zeros([ROWS], ACC)
+    w_hi, w_lo = _split_tf32(w)
+
+    out_rows = out_ptr + rows.to(tl.int64)[:, None] * N
+    scr_rows = scratch_ptr + rows.to(tl.int64)[:, None] * NS
+    r0 = tl.load(range_ptr_ptr + t)
+    r1 = tl.load(range_ptr_ptr + t + 1)
+    row_todo = tl.zeros([ROWS], tl.int32)  # rows with a range the fast path cannot do
+    for c in range(r0, r1, RB):
+        ridx = c + tl.arange(0, RB)
+        r_ok = ridx < r1
+        start = tl.load(range_start_ptr + ridx, mask=r_ok, other=0)
+        end = tl.load(range_end_ptr + ridx, mask=r_ok, other=0)
+        dest = tl.load(range_dest_ptr + ridx, mask=r_ok, other=0)
+        member = (pos[:, None] >= start[None, :]) & (pos[:, None] < end[None, :])
+        mf = tl.where(member, 1.0, 0.0)  # [TILE, RB], exactly 0/1
+        acc = tl.dot(w_hi, mf, input_precision="tf32")
+        acc = tl.dot(w_lo, mf, acc, input_precision="tf32")  # [ROWS, RB]
+        if LOG_MASS:
+            res = shift[:, None] + tl.log(acc)  # acc == 0 -> -inf (empty range)
+            todo = (acc < FAST_MIN_MASS) & (end > start)[None, :] & risky_row[:, None]
+            row_todo = tl.maximum(row_todo, tl.max(todo.to(tl.int32), axis=1))
+        else:
+            res = acc
+        res = res.to(out_ptr.dtype.element_ty)
+        ok = row_ok[:, None] & r_ok[None, :]
+        tl.store(out_rows + dest[None, :], res, mask=ok & (dest >= 0)[None, :])
+        tl.store(scr_rows + (-1 - dest)[None, :], res, mask=ok & (dest < 0)[None, :])
+
+    if not LOG_MASS:
+        row_todo = risky_row.to(tl.int32)
+    if tl.max(row_todo, axis=0) > 0:
+        # Rare second pass, kept out of the main loop so that it costs no registers there.
+        # It overwrites values written above: the barrier orders the two writes.
+        tl.debug_barrier()
+        if LOG_MASS:
+            # Ranges far below their tile's max, or all -inf. Redo the rows that have one,
+            # level by level: level 0 is the fast path again (shift s = the tile max);
+            # level k+1 shifts to the largest leaf below s_k - LEVEL_GAP, the largest value
+            # any range still open can hold. A level is exact for every range it lifts to
+            # >= FAST_MIN_MASS (> e^-LEVEL_GAP: it lifts all ranges whose max is >= s -
+            # LEVEL_GAP) and each level passes at least one leaf, so at most TILE + 1 levels
+            # run, usually 1 or 2. exp is capped at e^80: a member that high belongs to a
+            # range an earlier level closed, so the cap never touches a result. A range
+            # still open when no leaf is left below holds only -inf leaves: -inf.
+            redo = row_todo > 0
+            xr = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + tok[None, :],
+                         mask=lmask & redo[:, None], other=float("-inf")).to(ACC)
+            vr = (xr - lse[:, None]).to(tl.float32)
+            for c in range(r0, r1, RB):
+                ridx = c + tl.arange(0, RB)
+                r_ok = ridx < r1
+                start = tl.load(range_start_ptr + ridx, mask=r_ok, other=0)
+                end = tl.load(range_end_ptr + ridx, mask=r_ok, other=0)
+                dest = tl.load(range_dest_ptr + ridx, mask=r_ok, other=0)
+                member = (pos[:, None] >= start[None, :]) & (pos[:, None] < end[None, :])
+                mf = tl.where(member, 1.0, 0.0)
+                todo = (end > start)[None, :] & redo[:, None]
+                late = todo & False  # open after level 0: what the first pass got wrong
+                res = tl.full([ROWS, RB], float("-inf"), tl.float32)
+                s_k = shift
+                for k in range(TILE + 1):
+                    if tl.max(tl.max(todo.to(tl.int32), axis=1), axis=0) > 0:
+                        k_hi, k_lo = _split_tf32(tl.exp(tl.minimum(vr - s_k[:, None], 80.0)))
+                        acc_k = tl.dot(k_hi, mf, input_precision="tf32")
+                        acc_k = tl.dot(k_lo, mf, acc_k, input_precision="tf32")
+                        res = tl.where(todo & (acc_k >= FAST_MIN_MASS),
+                                       s_k[:, None] + tl.log(acc_k), res)
+                        todo = todo & (acc_k < FAST_MIN_MASS)
+                        late = late | (todo & (k == 0))
+                        below = tl.where(vr < (s_k - LEVEL_GAP)[:, None], vr, float("-inf"))
+                        nxt = tl.max(below, axis=1)
+                        todo = todo & (nxt > float("-inf"))[:, None]
+                        s_k = tl.where(nxt > float("-inf"), nxt, s_k)
+                res = res.to(out_ptr.dtype.element_ty)
+                ok = late & r_ok[None, :]
+                tl.store(out_rows + dest[None, :], res, mask=ok & (dest >= 0)[None, :])
+                tl.store(scr_rows + (-1 - dest)[None, :], res, mask=ok & (dest < 0)[None, :])
+        else:
+            # rows with an infinite weight in this tile (inf * 0 = NaN in the product):
+            # rewrite their ranges with the dense path, SUB at a time
+            for r in range(ROWS):
+                if tl.sum(tl.where(rid == r, row_todo, 0), axis=0) > 0:
+                    row = (rb * ROWS + r).to(tl.int64)
+                    v_r = tl.load(x_ptr + row * C + tok, mask=pos_ok, other=0.0)
+                    v_r = v_r.to(tl.float32)
+                    for c2 in range(r0, r1, SUB):
+                        sidx = c2 + tl.arange(0, SUB)
+                        s_ok = sidx < r1
+                        st = tl.load(range_start_ptr + sidx, mask=s_ok, other=0)
+                        en = tl.load(range_end_ptr + sidx, mask=s_ok, other=0)
+                        de = tl.load(range_dest_ptr + sidx, mask=s_ok, other=0)
+                        d_r = _dense_reduce(v_r, pos, st, en, 0)
+                        d_r = d_r.to(out_ptr.dtype.element_ty)
+                        tl.store(out_ptr + row * N + de, d_r, mask=s_ok & (de >= 0))
+                        tl.store(scratch_ptr + row * NS + (-1 - de), d_r, mask=s_ok & (de < 0))
+
+
+@triton.jit
+def _spanning_nodes(scratch_ptr, NS, out_ptr, N, S, span_node_ptr, span_left_ptr,
+                    span_right_ptr, span_lo_ptr, span_hi_ptr,
+                    REDUCTION: tl.constexpr, SB: tl.constexpr, TB: tl.constexpr):
+    """Combine left piece + whole-tile totals + right piece of SB spanning nodes per program."""
+    blk = tl.program_id(0)
+    row = tl.program_id(1)
+    sidx = blk * SB + tl.arange(0, SB)
+    s_ok = sidx < S
+    node = tl.load(span_node_ptr + sidx, mask=s_ok, other=0)
+    left = tl.load(span_left_ptr + sidx, mask=s_ok, other=-1)
+    right = tl.load(span_right_ptr + sidx, mask=s_ok, other=-1)
+    lo = tl.load(span_lo_ptr + sidx, mask=s_ok, other=0)
+    hi = tl.load(span_hi_ptr + sidx, mask=s_ok, other=0)
+    count = tl.where(s_ok, hi - lo, 0)
+    n_chunks = tl.max(count, axis=0)
+    scr = scratch_ptr + row.to(tl.int64) * NS
+    j = tl.arange(0, TB)
+    has_l = s_ok & (left >= 0)
+    has_r = s_ok & (right >= 0)
+    if REDUCTION == 0:
+        acc = tl.zeros([SB], tl.float64)
+        for j0 in range(0, n_chunks, TB):
+            msk = (j0 + j)[None, :] < count[:, None]
+            vals = tl.load(scr + lo[:, None] + j0 + j[None, :], mask=msk, other=0.0)
+            acc += tl.sum(vals.to(tl.float64), axis=1)
+        acc += tl.load(scr + left, mask=has_l, other=0.0).to(tl.float64)
+        acc += tl.load(scr + right, mask=has_r, other=0.0).to(tl.float64)
+        res = acc
+    elif REDUCTION == 1:
+        acc = tl.load(scr + left, mask=has_l, other=float("-inf"))
+        acc = tl.maximum(acc, tl.load(scr + right, mask=has_r, other=float("-inf")))
+        for j0 in range(0, n_chunks, TB):
+            msk = (j0 + j)[None, :] < count[:, None]
+            vals = tl.load(scr + lo[:, None] + j0 + j[None, :], mask=msk, other=float("-inf"))
+            acc = tl.maximum(acc, tl.max(vals, axis=1))
+        res = acc
+    else:
+        lv = tl.load(scr + left, mask=has_l, other=float("-inf")).to(tl.float32)
+        rv = tl.load(scr + right, mask=has_r, other=float("-inf")).to(tl.float32)
+        m = tl.maximum(lv, rv)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        s = (tl.exp(lv - m_safe) + tl.exp(rv - m_safe)).to(tl.float64)
+        for j0 in range(0, n_chunks, TB):
+            msk = (j0 + j)[None, :] < count[:, None]
+            vals = tl.load(scr + lo[:, None] + j0 + j[None, :], mask=msk,
+                           other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(vals, axis=1))
+            new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            # m_safe <= new_safe; s == 0 while m == -inf (never multiply 0 by exp(+big))
+            scale = tl.where(m == float("-inf"), 0.0, tl.exp(m_safe - new_safe))
+            part = tl.sum(tl.exp(vals - new_safe[:, None]), axis=1)
+            s = s * scale.to(tl.float64) + part.to(tl.float64)
+            m = m_new
+            m_safe = new_safe
+        res = tl.where(m == float("-inf"), float("-inf"), m_safe + tl.log(s.to(tl.float32)))
+    tl.store(out_ptr + row.to(tl.int64) * N + node, res.to(out_ptr.dtype.element_ty), mask=s_ok)

@@ -191,7 +191,7 @@ async def test_logits_hook_on_device(lm, prompts):
     one = await lm.next_token_logits(prompts[1])
     assert one.dim() == 1 and one.device == lm.device
     # a trie consumes logits and log-probabilities alike
-    trie_mod = pytest.importorskip("genlm_fast.backend.trie")
+    import genlm_fast.backend.trie as trie_mod
     trie = trie_mod.TokenCharacterTrie(lm.byte_vocab)
     torch.testing.assert_close(
         trie.batch_log_mass(logits).cpu(), trie.batch_log_mass(logprobs).cpu(), rtol=0, atol=1e-4
@@ -200,7 +200,7 @@ async def test_logits_hook_on_device(lm, prompts):
 
 @pytest.mark.asyncio
 async def test_sampling_matches_genlm(lm, prompts):
-    genlm_llm = pytest.importorskip("genlm.backend.llm")
+    import genlm.backend.llm as genlm_llm
     theirs = genlm_llm.AsyncTransformer(lm.model, lm.tokenizer)
     eos = [lm.tokenizer.eos_token_id]
     ours = await lm.batch_sample([prompts[0], prompts[1]], max_tokens=2, eos_token_ids=eos, seed=5)
@@ -215,7 +215,7 @@ async def test_sampling_matches_genlm(lm, prompts):
 @pytest.fixture(scope="module")
 def lora_setup(model_dir, prompts, tmp_path_factory):
     """A randomly initialised LoRA adapter, saved locally, and peft's own log-probs."""
-    peft = pytest.importorskip("peft")
+    import peft
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.layouts import make_layout, random_words
 from genlm_fast.ops import extension, trie_reduce
-from genlm_fast.ops.layout import build_structure, compile_layout
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODES = ["without_eos", "with_eos"]
@@ -33,24 +33,6 @@ REDUCTIONS = ["sum", "max", "log_mass"]
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def make_layout(words, eos_positions=(), token_column=None):
-    V = len(words)
-    parent, first, leaf, ek, eos = build_structure(
-        words, [(None, i) for i in range(V)], add_eos_node=True, eos_key=257)
-    if token_column is None:
-        token_column = np.arange(V)
-    return compile_layout(parent, first, leaf, token_column=token_column, edge_key=ek,
-                          eos_node=eos, eos_positions=list(eos_positions))
-
-
-def random_words(rng, V, alphabet=b"abcd", max_len=7):
-    words = [bytes(rng.choice(list(alphabet), size=rng.integers(0, max_len + 1)))
-             for _ in range(V)]
-    words += [b"ab" * k for k in range(1, 25)]  # a deep chain
-    words += words[:10]  # duplicates: several leaves under one node
-    return words
 
 
 _LAYOUTS = {}

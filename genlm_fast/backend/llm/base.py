@@ -546,7 +546,7 @@ class BatchedAsyncLM(AsyncLM):
         self._check_open()
         if not token_ids_list:
             return torch.empty((0, len(self.byte_vocab)))
-        return await super().batch_next_token_logprobs(token_ids_list, lora_name=lora_name)
+        return await self._whole_batch(self.next_token_logprobs, token_ids_list, lora_name)
 
     async def next_token_logits(self, token_ids, lora_name=None):
         """Unnormalized next-token logits ``[V']`` on the model's device (no host copy).
@@ -565,7 +565,16 @@ class BatchedAsyncLM(AsyncLM):
         self._check_open()
         if not token_ids_list:
             raise ValueError("batch_next_token_logits needs at least one context")
-        return await super().batch_next_token_logits(token_ids_list, lora_name=lora_name)
+        return await self._whole_batch(self.next_token_logits, token_ids_list, lora_name)
+
+    async def _whole_batch(self, method, token_ids_list, lora_name):
+        """A batch call hands over all its contexts at once: queue them, then evaluate
+        right away (with whatever else is queued) instead of waiting for the timer."""
+        tasks = [asyncio.ensure_future(method(ids, lora_name=lora_name)) for ids in token_ids_list]
+        await asyncio.sleep(0)  # every task runs up to its queued future
+        if self._pending:
+            self._flush()
+        return torch.stack(await asyncio.gather(*tasks))
 
     def clear_cache(self):
         """Forget cached log probabilities."""

@@ -1,0 +1,219 @@
+"""Byte-level beam: genlm_fast.bytes vs genlm-bytes 0.2.0, on the real SmolLM2-135M-Instruct.
+
+    python -m pytest bench/test_bench_beam.py --benchmark-only -s
+
+Workload (K=5): from the beam after BOS, prefill a 24-byte prompt, then advance byte by byte
+through a 40-byte continuation, reading ``logp_next`` before every byte and once at the end
+(41 reads). genlm-bytes runs on genlm-backend's ``AsyncTransformer``, genlm_fast.bytes on
+genlm_fast's, both built from the same local model directory with default batching
+settings. Each timed run starts with cold LM caches (output and key/value caches cleared,
+then the BOS beam built, untimed). Trie construction is not timed (genlm_fast keeps one
+trie per model; the genlm-bytes trie is built once here too).
+
+Checked: after every run, the final ``logZ`` and next-byte distribution of both agree
+(1e-2 / 2e-3). The summary (best and mean run of each, the ratio, the fused path's
+counters) is printed when the module finishes; the goal is genlm_fast >= 3x.
+
+Environment:
+    GENLM_FAST_BENCH_DEVICE   "cpu" (default) or "cuda": where the models (and so the
+                              logits and trie masses) live.
+    GENLM_FAST_BENCH_THREADS  torch intra-op threads (default: torch's choice). On a
+                              shared, loaded machine, 1 is far less noisy.
+    GENLM_FAST_BENCH_ROUNDS   timed runs per implementation (default 2; one warm-up more).
+    GENLM_FAST_BENCH_LM_TIMEOUT  the auto-batching wait of both LMs, in seconds (default:
+                              each library's default, 0.02). Each beam step submits its
+                              whole batch at once, so a single beam waits this long per
+                              LM call for nothing; 0 shows the beams without that wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import time
+import warnings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import torch
+
+PROMPT = b"The capital of France is"  # 24 bytes
+CONTINUATION = b" Paris, and the capital of Italy is Rome"  # 40 bytes
+K = 5
+GOAL = 3.0
+DEVICE = os.environ.get("GENLM_FAST_BENCH_DEVICE", "cpu")
+ROUNDS = int(os.environ.get("GENLM_FAST_BENCH_ROUNDS", "2"))
+LM_TIMEOUT = os.environ.get("GENLM_FAST_BENCH_LM_TIMEOUT")
+GROUP = f"beam-smollm2-K{K}-{DEVICE}"
+
+assert len(PROMPT) == 24 and len(CONTINUATION) == 40
+
+_results = {}
+
+
+def _threads():
+    value = os.environ.get("GENLM_FAST_BENCH_THREADS")
+    if value:
+        torch.set_num_threads(int(value))
+    return torch.get_num_threads()
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    if DEVICE.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("GENLM_FAST_BENCH_DEVICE asks for CUDA, which is not available")
+    from genlm_fast.models import smollm2_path
+
+    return smollm2_path()
+
+
+@pytest.fixture(scope="module")
+def report():
+    """Prints the side-by-side summary once both implementations ran."""
+    yield _results
+    if not _results:
+        return
+    lines = [
+        "",
+        (f"byte-level beam, SmolLM2-135M-Instruct, K={K}, device={DEVICE}, "
+         f"torch threads={torch.get_num_threads()}, LM timeout="
+         f"{LM_TIMEOUT if LM_TIMEOUT is not None else 'default'}, load average "
+         f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"),
+        (f"workload: prefill {len(PROMPT)} bytes + {len(CONTINUATION)} byte steps, "
+         f"logp_next at each ({len(CONTINUATION) + 1} reads)"),
+        "",
+        "| implementation | best (s) | mean (s) | CPU s (best run) | runs |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in _results.items():
+        lines.append(f"| {name} | {min(r['wall']):.2f} | {np.mean(r['wall']):.2f} | "
+                     f"{r['cpu'][int(np.argmin(r['wall']))]:.2f} | {len(r['wall'])} |")
+    if {"genlm_fast.bytes", "genlm-bytes"} <= _results.keys():
+        fast, ref = _results["genlm_fast.bytes"], _results["genlm-bytes"]
+        best = min(ref["wall"]) / min(fast["wall"])
+        mean = np.mean(ref["wall"]) / np.mean(fast["wall"])
+        cpu = min(ref["cpu"]) / min(fast["cpu"])
+        lines += ["", (f"speedup (best runs): {best:.2f}x, (means): {mean:.2f}x, "
+                       f"(CPU time): {cpu:.2f}x; goal >= {GOAL:.0f}x: "
+                       f"{'met' if best >= GOAL else 'NOT met'}")]
+    stats = _results.get("genlm_fast.bytes", {}).get("stats")
+    if stats:
+        lines.append("genlm_fast fused path, per run: " + ", ".join(
+            f"{k}={v}" for k, v in stats.items()))
+    print("\n".join(lines))
+
+
+def _load(cls, model_dir):
+    kwargs = {} if LM_TIMEOUT is None else {"timeout": float(LM_TIMEOUT)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cls.from_name(model_dir, hf_opts={"device_map": DEVICE}, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def fast_lm(model_dir):
+    from genlm_fast.backend.llm import AsyncTransformer
+
+    lm = _load(AsyncTransformer, model_dir)
+    yield lm
+    lm.cleanup()
+
+
+@pytest.fixture(scope="module")
+def ref_lm(model_dir):
+    llm = pytest.importorskip("genlm.backend.llm")
+    pytest.importorskip("genlm.bytes")
+    return _load(llm.AsyncTransformer, model_dir)
+
+
+async def _run(beam):
+    """The timed workload; returns the last next-byte log-probabilities and the beam."""
+    beam = await beam.prefill(PROMPT)
+    for b in CONTINUATION:
+        await beam.logp_next()
+        beam = await (beam.prune() << b)
+    last = await beam.logp_next()
+    return np.asarray(last.ps, dtype=np.float64), beam
+
+
+def _measure(benchmark, name, lm, make_beam):
+    """Run the workload ``ROUNDS`` times (plus one warm-up), cold LM caches each time."""
+    loop = asyncio.new_event_loop()
+    walls, cpus, outputs = [], [], []
+
+    def setup():
+        lm.clear_cache()
+        gc.collect()
+        beam = loop.run_until_complete(make_beam())
+        return (beam,), {}
+
+    def work(beam):
+        wall, cpu = time.perf_counter(), time.process_time()
+        ps, final = loop.run_until_complete(_run(beam))
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+        outputs.append((ps, float(final.logZ)))
+        return final
+
+    try:
+        benchmark.group = GROUP
+        benchmark.extra_info.update(device=DEVICE, K=K, threads=_threads())
+        final = benchmark.pedantic(work, setup=setup, rounds=ROUNDS, warmup_rounds=1)
+    finally:
+        loop.close()
+    walls, cpus = walls[1:], cpus[1:]  # the first call was the warm-up
+    _results[name] = {"wall": walls, "cpu": cpus, "output": outputs[-1]}
+    benchmark.extra_info.update(best_s=min(walls), cpu_s=min(cpus), logZ=outputs[-1][1])
+    return final
+
+
+def _check_against_other():
+    if {"genlm_fast.bytes", "genlm-bytes"} <= _results.keys():
+        (ps, z), (qs, zq) = (_results["genlm_fast.bytes"]["output"],
+                             _results["genlm-bytes"]["output"])
+        assert abs(z - zq) <= 1e-2, (z, zq)
+        big = (np.exp(ps) > 1e-4) | (np.exp(qs) > 1e-4)
+        assert np.max(np.abs(ps[big] - qs[big])) <= 2e-3
+
+
+def test_beam_genlm_fast(benchmark, report, fast_lm):
+    from genlm_fast.bytes import BeamParams, ByteBeamState, fused_stats
+
+    params = BeamParams(K=K)
+
+    async def make_beam():
+        return await ByteBeamState.initial(fast_lm, params)
+
+    async def counters():
+        return dict(fused_stats(await make_beam()))
+
+    loop = asyncio.new_event_loop()
+    before = loop.run_until_complete(counters())
+    loop.close()
+    final = _measure(benchmark, "genlm_fast.bytes", fast_lm, make_beam)
+    after = fused_stats(final)
+    runs = ROUNDS + 1
+    _results["genlm_fast.bytes"]["stats"] = {
+        k: round((after[k] - before[k]) / runs, 1) for k in after if k != "memo_hits"}
+    _check_against_other()
+
+
+def test_beam_genlm_bytes(benchmark, report, ref_lm):
+    import genlm.bytes as ref_bytes
+    from genlm.bytes.trie import TrieMode
+
+    params = ref_bytes.BeamParams(K=K)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trie = ref_bytes.AsyncTokenByteTrie.from_vocab(
+            ref_lm.byte_vocab, eos_byte_strings=params.eos_byte_strings, device=DEVICE)
+
+    async def make_beam():  # genlm.bytes.ByteBeamState.initial, with the trie built once
+        state = ref_bytes.LazyTrieState.initial(ref_lm, trie, mode=TrieMode.WITH_EOS)
+        return ref_bytes.ByteBeamState([await state.materialize()], params)
+
+    _measure(benchmark, "genlm-bytes", ref_lm, make_beam)
+    _check_against_other()

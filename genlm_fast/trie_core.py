@@ -204,6 +204,15 @@ class CompiledTrie:
         return dot
 
 
+def one_row(ws):
+    """Reject a batch where the genlm API takes one weight vector (``[V]``)."""
+    shape = getattr(ws, "shape", None)
+    if shape is not None and len(shape) != 1:
+        raise ValueError(f"expected one weight vector of shape [V], got shape {tuple(shape)}; "
+                         "use the batch_ methods for a batch")
+    return ws
+
+
 def item_path(item):
     """The edge keys spelling a vocabulary item, and whether it is plain bytes."""
     from genlm_fast.backend.tokenization import Token

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from genlm_fast.backend.tokenization import Token
-from genlm_fast.backend.trie.async_impl import AutoBatcher, _stack
-from genlm_fast.trie_core import CompiledTrie
+from genlm_fast.backend.trie.async_impl import AsyncTrieFrontEnd, _stack
+from genlm_fast.trie_core import CompiledTrie, one_row
 
 EOS = 257  # the edge key of the EOS node under the root
 
@@ -140,7 +140,7 @@ class TokenByteTrie(CompiledTrie):
 
     def weight_sum(self, ws, mode=None):
         """Per-node sum of token weights ``[V]`` -> ``[N]`` (a tensor on the trie's device)."""
-        return self.batch_weight_sum(_one_row(ws), mode=mode)[0]
+        return self.batch_weight_sum(one_row(ws), mode=mode)[0]
 
     def batch_weight_sum(self, ws, mode=None):
         """``[B, V]`` (or a list of ``[V]``) -> ``[B, N]`` tensor on the trie's device."""
@@ -149,26 +149,15 @@ class TokenByteTrie(CompiledTrie):
 
     def weight_max(self, ws):
         """Per-node max of token weights ``[V]`` -> ``[N]``."""
-        return self.batch_weight_max(_one_row(ws))[0]
+        return self.batch_weight_max(one_row(ws))[0]
 
     def batch_weight_max(self, ws):
         return self._reduce(ws, "max", "without_eos", device=self.device, dtype=torch.float32)
 
 
-def _one_row(ws):
-    shape = getattr(ws, "shape", None)
-    if shape is not None and len(shape) != 1:
-        raise ValueError(f"expected one weight vector of shape [V], got shape {tuple(shape)}")
-    return [ws]
-
-
-class AsyncTokenByteTrie:
+class AsyncTokenByteTrie(AsyncTrieFrontEnd):
     """Auto-batching wrapper around ``TokenByteTrie``: concurrent requests are grouped by
     (operation, mode) and each group is answered by one kernel launch."""
-
-    def __init__(self, trie):
-        self.trie = trie
-        self._batcher = AutoBatcher(self._run_batch)
 
     @classmethod
     def from_vocab(cls, vocab, **kwargs):
@@ -181,12 +170,6 @@ class AsyncTokenByteTrie:
             return self.trie.batch_weight_max(rows)
         return self.trie.batch_log_mass(_stack(rows), mode=mode)
 
-    def _check(self, ws):
-        width = ws.shape[-1] if hasattr(ws, "shape") else len(ws)
-        if width != self.trie.vocab_size:
-            raise ValueError(f"expected a weight vector of length {self.trie.vocab_size}, "
-                             f"got {width}")
-
     async def weight_sum(self, ws, mode=None):
         self._check(ws)
         return await self._batcher.submit(TrieOp.SUM, as_mode(mode), ws)
@@ -198,17 +181,3 @@ class AsyncTokenByteTrie:
     async def log_mass(self, logits, mode=None):
         """Batched fused log-masses of one logit row (stays on the logits' device)."""
         return await self._batcher.submit("log_mass", as_mode(mode), logits)
-
-    def start(self):
-        self._batcher.start()
-
-    async def cleanup(self):
-        await self._batcher.cleanup()
-
-    def shutdown(self):
-        self._batcher.shutdown()
-
-    def __del__(self):
-        batcher = getattr(self, "_batcher", None)
-        if batcher is not None:
-            batcher.shutdown()

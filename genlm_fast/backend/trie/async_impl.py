@@ -97,13 +97,38 @@ class AutoBatcher:
                     pass
 
 
-class AsyncTokenCharacterTrie:
-    """Auto-batching wrapper around a ``TokenCharacterTrie``/``ParallelTokenCharacterTrie``:
-    concurrent ``await trie.weight_sum(ws)`` calls are answered by one batched call."""
+class AsyncTrieFrontEnd:
+    """What the async tries share: the wrapped trie, its ``AutoBatcher`` (answering with
+    the subclass's ``_run_batch``), the up-front width check and the lifecycle methods."""
 
     def __init__(self, trie):
         self.trie = trie
         self._batcher = AutoBatcher(self._run_batch)
+
+    def _check(self, ws):
+        width = ws.shape[-1] if hasattr(ws, "shape") else len(ws)
+        if width != self.trie.vocab_size:
+            raise ValueError(f"expected a weight vector of length {self.trie.vocab_size}, "
+                             f"got {width}")
+
+    def start(self):
+        self._batcher.start()
+
+    async def cleanup(self):
+        await self._batcher.cleanup()
+
+    def shutdown(self):
+        self._batcher.shutdown()
+
+    def __del__(self):
+        batcher = getattr(self, "_batcher", None)
+        if batcher is not None:
+            batcher.shutdown()
+
+
+class AsyncTokenCharacterTrie(AsyncTrieFrontEnd):
+    """Auto-batching wrapper around a ``TokenCharacterTrie``/``ParallelTokenCharacterTrie``:
+    concurrent ``await trie.weight_sum(ws)`` calls are answered by one batched call."""
 
     @classmethod
     def from_vocab(cls, vocab, backend="parallel", **kwargs):
@@ -123,12 +148,6 @@ class AsyncTokenCharacterTrie:
             return self.trie.batch_weight_max(rows)
         return self.trie.batch_log_mass(_stack(rows))
 
-    def _check(self, ws):
-        width = ws.shape[-1] if hasattr(ws, "shape") else len(ws)
-        if width != self.trie.vocab_size:
-            raise ValueError(f"expected a weight vector of length {self.trie.vocab_size}, "
-                             f"got {width}")
-
     async def weight_sum(self, ws):
         """Batched ``weight_sum`` of one weight vector."""
         self._check(ws)
@@ -142,20 +161,6 @@ class AsyncTokenCharacterTrie:
     async def log_mass(self, logits):
         """Batched fused ``log_mass`` of one logit row (result stays on its device)."""
         return await self._batcher.submit("log_mass", None, logits)
-
-    def start(self):
-        self._batcher.start()
-
-    async def cleanup(self):
-        await self._batcher.cleanup()
-
-    def shutdown(self):
-        self._batcher.shutdown()
-
-    def __del__(self):
-        batcher = getattr(self, "_batcher", None)
-        if batcher is not None:
-            batcher.shutdown()
 
 
 def _stack(rows):

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from genlm_fast.backend.tokenization import Token
-from genlm_fast.trie_core import CompiledTrie, item_path
+from genlm_fast.trie_core import CompiledTrie, item_path, one_row
 
 
 class TokenCharacterTrie(CompiledTrie):
@@ -67,12 +67,12 @@ class TokenCharacterTrie(CompiledTrie):
 
     def weight_sum(self, ws):
         """Sum of the weights of the tokens beneath every node: ``[V]`` -> ``[N]``."""
-        return self._host(self._reduce(self._one_row(ws), "sum", device=self.device,
+        return self._host(self._reduce(one_row(ws), "sum", device=self.device,
                                        dtype=self._out_dtype)[0])
 
     def weight_max(self, ws):
         """Max of the weights of the tokens beneath every node: ``[V]`` -> ``[N]``."""
-        return self._host(self._reduce(self._one_row(ws), "max", device=self.device,
+        return self._host(self._reduce(one_row(ws), "max", device=self.device,
                                        dtype=self._out_dtype)[0])
 
     def batch_weight_sum(self, ws):
@@ -89,14 +89,6 @@ class TokenCharacterTrie(CompiledTrie):
 
     def batch_mass_sum(self, p_llms):
         return self.batch_weight_sum(p_llms)
-
-    @staticmethod
-    def _one_row(ws):
-        shape = getattr(ws, "shape", None)
-        if shape is not None and len(shape) != 1:
-            raise ValueError(f"expected one weight vector of shape [V], got shape {tuple(shape)}; "
-                             "use the batch_ methods for a batch")
-        return ws
 
 
 class ParallelTokenCharacterTrie(TokenCharacterTrie):

@@ -48,7 +48,7 @@ def _extensions():
     csrc = "csrc"
     sources = [f"{csrc}/bindings.cpp", f"{csrc}/trie_reduce_cpu.cpp"]
     # headers and the .cu (even when building without CUDA) go into sdists through `depends`
-    depends = [f"{csrc}/trie_reduce_cuda.h", f"{csrc}/trie_reduce_cuda.cu"]
+    depends = [f"{csrc}/trie_reduce_cpu.h", f"{csrc}/trie_reduce_cuda.h", f"{csrc}/trie_reduce_cuda.cu"]
     # torch finds the toolkit from CUDA_HOME / CUDA_PATH or the nvcc on PATH
     use_cuda = (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
                 and os.environ.get("GENLM_FAST_NO_CUDA") != "1")

@@ -1,24 +1,32 @@
 // Python bindings of the trie kernels: module genlm_fast._C (or genlm_fast_C when JIT-built).
 //
-//   trie_reduce_cpu(values, parent, leaf_node, leaf_token, empty_nodes, reduction,
-//                   check_indices=True, num_threads=0) -> Tensor[B, N]
+//   trie_reduce_cpu(values, parent, depth, max_depth, leaf_node, leaf_token, empty_nodes,
+//                   reduction, check_indices=True, num_threads=0) -> Tensor[B, N]
 //   trie_reduce_cuda(values, leaf_token, tile_range_ptr, range_start, range_end, range_dest,
 //                    span_node, span_left, span_right, span_tile_lo, span_tile_hi, scratch,
 //                    reduction, num_nodes, num_scratch, max_span_tiles, tile)
 //                    -> Tensor[B, num_nodes]   (only when built with -DWITH_CUDA; scratch is a
 //                    float64 [B, num_scratch + 1] workspace the caller allocates)
+//   empty_output_cache()  frees the cached blocks large CPU results reuse (OutputPool below)
 //
 // The index arrays are the int32 arrays of genlm_fast.ops.layout.TrieLayout.device_arrays,
-// plus two the CPU path derives once per layout (genlm_fast/ops/extension.py caches them):
-// `leaf_node[pos]` = the node receiving leaf position pos (non-decreasing), and
-// `empty_nodes` = the nodes with no leaves (they are 0 under "max"). Validation of
+// plus those the CPU path derives once per layout (genlm_fast/ops/extension.py caches them):
+// `depth[n]` = edges from the root (and its maximum), `leaf_node[pos]` = the node receiving
+// leaf position pos (non-decreasing), and `empty_nodes` = the nodes with no leaves (they are
+// 0 under "max"). Validation of
 // dtypes, devices, shapes and contiguity always runs; check_indices=True also checks every
 // index (O(N + L)) so that malformed arrays raise instead of reading out of bounds.
 
 #include <torch/extension.h>
 
+#include "trie_reduce_cpu.h"
+
 #include <cstdint>
+#include <cstdlib>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -33,44 +41,89 @@
 #include "trie_reduce_cuda.h"
 #endif
 
-namespace genlm_fast {
-namespace cpu {
-struct Args {
-  const void* values;
-  int in_type;
-  int64_t B, C;
-  const int32_t* parent;
-  const int32_t* leaf_node;
-  const int32_t* leaf_token;
-  int64_t N, L;
-  const int32_t* empty_nodes;
-  int64_t E;
-  void* out;
-  bool out_double;
-  int reduction;
-  int num_threads;
-};
-int64_t trie_reduce(const Args& A);  // trie_reduce_cpu.cpp
-}  // namespace cpu
-}  // namespace genlm_fast
 
 namespace {
 
-// A large fresh output (B x N floats: 52 MB for 32 rows of Llama-3) is mmap'ed by malloc on
-// every call, and faulting it in 4 KiB pages costs more than the kernel. Ask for
-// transparent huge pages on its 2 MiB-aligned interior (a hint; harmless when THP is off).
-void advise_huge_pages(void* data, size_t nbytes) {
+// Output memory for large CPU results. A [B, N] result is big (52 MB for 32 rows of
+// Llama-3), and glibc serves anything over 32 MB with a fresh mmap on every call: faulting
+// and zeroing those pages took longer than the reduction itself. So blocks of at least
+// kPoolMinBytes come from a small free list instead: 2 MiB-aligned, advised to use
+// transparent huge pages when first touched, and handed back to the list by the tensor's
+// deleter (so a block is reused only after every view of the previous result is gone). At
+// most kPoolMaxBlocks blocks / kPoolMaxBytes stay cached; the rest is freed.
+class OutputPool {
+ public:
+  static constexpr size_t kAlign = size_t(1) << 21;
+  static constexpr size_t kPoolMinBytes = size_t(16) << 20;
+  static constexpr size_t kPoolMaxBlocks = 4;
+  static constexpr size_t kPoolMaxBytes = size_t(1) << 30;
+
+  static at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+    const size_t nbytes = static_cast<size_t>(c10::multiply_integers(sizes)) *
+                          c10::elementSize(dtype);
+    const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
+    if (nbytes < kPoolMinBytes) return at::empty(sizes, options);
+    const size_t size = (nbytes + kAlign - 1) / kAlign * kAlign;
+    void* block = instance().take(size);
+    TORCH_CHECK(block != nullptr, "trie_reduce_cpu: out of memory allocating ", size,
+                " bytes for the result");
+    return at::from_blob(block, sizes, [size](void* p) { instance().give(p, size); }, options);
+  }
+
+  static void clear() { instance().drain(); }
+
+ private:
+  static OutputPool& instance() {
+    static OutputPool* pool = new OutputPool();  // never destroyed: tensors may outlive exit
+    return *pool;
+  }
+
+  void* take(size_t size) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t i = 0; i < free_.size(); ++i) {
+        if (free_[i].second == size) {
+          void* p = free_[i].first;
+          cached_ -= size;
+          free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(i));
+          return p;
+        }
+      }
+    }
+    void* p = nullptr;
+    if (posix_memalign(&p, kAlign, size) != 0) return nullptr;
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(1) << 21;
-  if (nbytes < 4 * kHuge) return;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + nbytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#else
-  (void)data;
-  (void)nbytes;
+    madvise(p, size, MADV_HUGEPAGE);  // a hint; harmless where THP is off
 #endif
-}
+    return p;
+  }
+
+  void give(void* p, size_t size) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (free_.size() < kPoolMaxBlocks && cached_ + size <= kPoolMaxBytes) {
+        free_.emplace_back(p, size);
+        cached_ += size;
+        return;
+      }
+    }
+    std::free(p);
+  }
+
+  void drain() {
+    std::vector<std::pair<void*, size_t>> blocks;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      blocks.swap(free_);
+      cached_ = 0;
+    }
+    for (auto& b : blocks) std::free(b.first);
+  }
+
+  std::mutex mu_;
+  std::vector<std::pair<void*, size_t>> free_;  // (block, bytes)
+  size_t cached_ = 0;
+};
 
 int parse_reduction(const std::string& r) {
   if (r == "sum") return 0;
@@ -117,7 +170,7 @@ void check_index(const at::Tensor& t, const char* name, const at::Device& device
 }
 
 at::Tensor trie_reduce_cpu(const at::Tensor& values, const at::Tensor& parent,
-                           const at::Tensor& leaf_node, const at::Tensor& leaf_token,
+                           const at::Tensor& depth, int64_t max_depth, const at::Tensor& leaf_node, const at::Tensor& leaf_token,
                            const at::Tensor& empty_nodes, const std::string& reduction,
                            bool check_indices, int64_t num_threads) {
   const int red = parse_reduction(reduction);
@@ -126,6 +179,7 @@ at::Tensor trie_reduce_cpu(const at::Tensor& values, const at::Tensor& parent,
   check_values(values, red, "cpu");
   const at::Device dev = values.device();
   check_index(parent, "parent", dev);
+  check_index(depth, "depth", dev);
   check_index(leaf_node, "leaf_node", dev);
   check_index(leaf_token, "leaf_token", dev);
   check_index(empty_nodes, "empty_nodes", dev);
@@ -136,7 +190,12 @@ at::Tensor trie_reduce_cpu(const at::Tensor& values, const at::Tensor& parent,
               "trie_reduce_cpu: too many nodes/leaves for int32 indices");
   TORCH_CHECK(leaf_node.numel() == L, "trie_reduce_cpu: leaf_node has ", leaf_node.numel(),
               " entries but leaf_token has ", L);
+  TORCH_CHECK(depth.numel() == N, "trie_reduce_cpu: depth has ", depth.numel(),
+              " entries but parent has ", N);
+  TORCH_CHECK(max_depth >= 0 && max_depth < N, "trie_reduce_cpu: max_depth = ", max_depth,
+              " is not in [0, N)");
   const int32_t* par = parent.data_ptr<int32_t>();
+  const int32_t* dep = depth.data_ptr<int32_t>();
   const int32_t* ln = leaf_node.data_ptr<int32_t>();
   const int32_t* lt = leaf_token.data_ptr<int32_t>();
   const int32_t* en = empty_nodes.data_ptr<int32_t>();
@@ -145,6 +204,11 @@ at::Tensor trie_reduce_cpu(const at::Tensor& values, const at::Tensor& parent,
       const int32_t p = par[n];
       TORCH_CHECK(p == -1 || (p > n && p < N), "trie_reduce_cpu: parent[", n, "] = ", p,
                   " is not a post-order parent (need n < parent < N, or -1 for a root)");
+    }
+    for (int64_t n = N - 1; n >= 0; --n) {  // parents first
+      const int32_t want = par[n] == -1 ? 0 : dep[par[n]] + 1;
+      TORCH_CHECK(dep[n] == want && dep[n] <= max_depth, "trie_reduce_cpu: depth[", n, "] = ",
+                  dep[n], " but its parent says ", want, " (max_depth ", max_depth, ")");
     }
     int32_t prev = 0;
     for (int64_t i = 0; i < L; ++i) {
@@ -159,14 +223,15 @@ at::Tensor trie_reduce_cpu(const at::Tensor& values, const at::Tensor& parent,
                   " is not a node id");
   }
   const bool out_double = values.scalar_type() == at::kDouble && red != 2;
-  at::Tensor out = at::empty({B, N}, values.options().dtype(out_double ? at::kDouble : at::kFloat));
-  advise_huge_pages(out.data_ptr(), out.nbytes());
+  at::Tensor out = OutputPool::empty({B, N}, out_double ? at::kDouble : at::kFloat);
   genlm_fast::cpu::Args A;
   A.values = values.data_ptr();
   A.in_type = dtype_code(values.scalar_type());
   A.B = B;
   A.C = C;
   A.parent = par;
+  A.depth = dep;
+  A.max_depth = static_cast<int32_t>(max_depth);
   A.leaf_node = ln;
   A.leaf_token = lt;
   A.N = N;
@@ -274,9 +339,12 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "genlm_fast trie reduction kernels";
   m.def("trie_reduce_cpu", &trie_reduce_cpu, "Per-node sum/max/log_mass of a vocabulary trie (CPU)",
-        pybind11::arg("values"), pybind11::arg("parent"), pybind11::arg("leaf_node"),
+        pybind11::arg("values"), pybind11::arg("parent"), pybind11::arg("depth"),
+        pybind11::arg("max_depth"), pybind11::arg("leaf_node"),
         pybind11::arg("leaf_token"), pybind11::arg("empty_nodes"), pybind11::arg("reduction"),
         pybind11::arg("check_indices") = true, pybind11::arg("num_threads") = 0);
+  m.def("empty_output_cache", &OutputPool::clear,
+        "Free the cached blocks that large CPU results are reused from");
 #ifdef WITH_CUDA
   m.def("trie_reduce_cuda", &trie_reduce_cuda,
         "Per-node sum/max/log_mass of a vocabulary trie (CUDA, tile decomposition)",

@@ -148,10 +148,25 @@ def why_missing(kind: str) -> str:
 # --------------------------------------------------------------------------- the backend
 
 
+def _node_depths(parent):
+    """Edges from the root of every node, by pointer jumping: ``jump[n]`` is an ancestor of
+    n (itself for a root) at distance ``dist[n]``; doubling the jump ceil(log2(depth)) times
+    reaches the roots."""
+    import torch
+
+    is_root = parent < 0
+    jump = torch.where(is_root, torch.arange(parent.numel()), parent)
+    dist = (~is_root).long()
+    while not bool(is_root[jump].all()):
+        dist = dist + dist[jump]
+        jump = jump[jump]
+    return dist.to(torch.int32)
+
+
 def _cpu_arrays(arrays: dict):
     """Index arrays the CPU kernel needs, derived once per (layout, mode) and cached in
-    ``arrays`` (the layout's per-device dict): the node of every leaf position (leaf_end is
-    cumulative per node in leaf order) and the list of empty nodes."""
+    ``arrays`` (the layout's per-device dict): node depths, the node of every leaf position
+    (leaf_end is cumulative per node in leaf order) and the list of empty nodes."""
     cached = arrays.get("_cpu")
     if cached is None:
         import torch
@@ -162,7 +177,10 @@ def _cpu_arrays(arrays: dict):
         leaf_node = torch.repeat_interleave(torch.arange(num_nodes, dtype=torch.int32), counts)
         empty = torch.nonzero(arrays["leaf_start"] == arrays["leaf_end"]).flatten()
         token = arrays["leaf_token"]
+        depth = _node_depths(arrays["parent"].long())
         cached = {
+            "depth": depth.contiguous(),
+            "max_depth": int(depth.max()) if depth.numel() else 0,
             "leaf_node": leaf_node.contiguous(),
             "empty": empty.to(torch.int32).contiguous(),
             "min_columns": int(token.max()) + 1 if token.numel() else 0,
@@ -181,8 +199,9 @@ def _trie_reduce_cpu(module, values, arrays, reduction, num_nodes):
         raise ValueError(f"rows have {values.shape[1]} entries but the vocabulary needs at "
                          f"least {cpu['min_columns']}")
     # the first call checks every index; the arrays are immutable afterwards
-    out = module.trie_reduce_cpu(values, parent, cpu["leaf_node"], arrays["leaf_token"],
-                                 cpu["empty"], reduction, not cpu["checked"], 0)
+    out = module.trie_reduce_cpu(values, parent, cpu["depth"], cpu["max_depth"],
+                                 cpu["leaf_node"], arrays["leaf_token"], cpu["empty"], reduction,
+                                 not cpu["checked"], 0)
     cpu["checked"] = True
     return out
 

@@ -121,7 +121,7 @@ def test_extension_is_built_and_reported():
 def test_matches_reference(name, mode, reduction, dtype):
     layout = layout_named(name)
     rng = np.random.default_rng(len(name) * 7 + len(mode))
-    for B in (1, 4):
+    for B in (1, 4, 19):  # 19 rows on 2 threads: blocks of 8, 2 and 1 rows
         x = random_values(rng, layout, B, reduction, dtype, extra_columns=3)
         out, used = trie_reduce(x, layout, reduction, mode, backend="cpu")
         assert used == "cpu"
@@ -233,11 +233,40 @@ def test_split_row_and_row_parallel_paths(reduction, mode):
     ref = reference(x, layout, reduction, mode)
     for threads in (1, 2, 3, 4):
         for rows in (slice(0, 1), slice(1, 2), slice(2, 3), slice(0, 5)):
-            out = module.trie_reduce_cpu(x[rows].contiguous(), arrays["parent"],
-                                         cpu["leaf_node"], arrays["leaf_token"], cpu["empty"],
-                                         reduction, True, threads)
+            out = module.trie_reduce_cpu(x[rows].contiguous(), arrays["parent"], cpu["depth"],
+                                         cpu["max_depth"], cpu["leaf_node"],
+                                         arrays["leaf_token"], cpu["empty"], reduction, True,
+                                         threads)
             assert_matches(out, ref[rows])
 
+
+
+def test_large_results_reuse_memory_only_once_released():
+    """Results of >= 16 MiB come from the extension's block pool: a live result (or a numpy
+    view of one) is never overwritten by a later call, and a released block is reused."""
+    layout = layout_named("big")
+    rng = np.random.default_rng(21)
+    B = (16 << 20) // (4 * layout.num_nodes) + 3
+    xs = [random_values(rng, layout, B, "sum") for _ in range(3)]
+    refs = [reference(x, layout, "sum", "without_eos") for x in xs]
+    first, _ = trie_reduce(xs[0], layout, "sum", backend="cpu")
+    first_view = first.numpy()  # numpy shares the block: it must keep it alive
+    first_ptr = first.data_ptr()
+    del first
+    second, _ = trie_reduce(xs[1], layout, "sum", backend="cpu")
+    second_ptr = second.data_ptr()
+    assert second_ptr != first_ptr
+    assert_matches(torch.from_numpy(first_view), refs[0])
+    assert_matches(second, refs[1])
+    del first_view, second  # both blocks back in the pool
+    third, _ = trie_reduce(xs[2], layout, "sum", backend="cpu")
+    assert third.data_ptr() in (first_ptr, second_ptr)  # no fresh mmap: a pooled block
+    assert_matches(third, refs[2])
+    fourth, _ = trie_reduce(xs[0], layout, "sum", backend="cpu")
+    assert fourth.data_ptr() != third.data_ptr()
+    assert_matches(fourth, refs[0])
+    extension.load_module().empty_output_cache()
+    assert_matches(third, refs[2])  # emptying the cache leaves live results alone
 
 # --------------------------------------------------------------------------- bad input
 
@@ -249,8 +278,11 @@ def test_raw_function_rejects_bad_input():
                                             arrays["leaf_token"], cpu["empty"])
     x = torch.randn(2, layout.num_columns)
 
-    def call(values=x, reduction="sum", par=parent, ln=leaf_node, lt=leaf_token, em=empty):
-        return module.trie_reduce_cpu(values, par, ln, lt, em, reduction, True, 0)
+    depth, max_depth = cpu["depth"], cpu["max_depth"]
+
+    def call(values=x, reduction="sum", par=parent, ln=leaf_node, lt=leaf_token, em=empty,
+             dep=depth, max_dep=max_depth):
+        return module.trie_reduce_cpu(values, par, dep, max_dep, ln, lt, em, reduction, True, 0)
 
     assert call().shape == (2, layout.num_nodes)
     with pytest.raises(RuntimeError, match="unknown reduction"):
@@ -271,6 +303,14 @@ def test_raw_function_rejects_bad_input():
     bad_parent[0] = 0
     with pytest.raises(RuntimeError, match="post-order parent"):
         call(par=bad_parent)
+    bad_depth = depth.clone()
+    bad_depth[0] += 1
+    with pytest.raises(RuntimeError, match="depth\\[0\\]"):
+        call(dep=bad_depth)
+    with pytest.raises(RuntimeError, match="depth\\[.*max_depth"):
+        call(max_dep=max_depth - 1)
+    with pytest.raises(RuntimeError, match="depth has"):
+        call(dep=depth[:-1].contiguous())
     with pytest.raises(RuntimeError, match="non-decreasing"):
         call(ln=leaf_node.flip(0).contiguous())
     with pytest.raises(RuntimeError, match="leaf_node has"):
@@ -280,7 +320,7 @@ def test_raw_function_rejects_bad_input():
         bad[1] = float("-inf")
         call(values=bad, reduction="log_mass")
     with pytest.raises(TypeError):
-        module.trie_reduce_cpu(x, parent, leaf_node, leaf_token, empty)  # reduction missing
+        module.trie_reduce_cpu(x, parent, depth, max_depth, leaf_node, leaf_token, empty)
 
 
 def test_backend_wrapper_rejects_narrow_rows():

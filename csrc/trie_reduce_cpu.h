@@ -1,0 +1,34 @@
+// The CPU trie kernel's entry point (trie_reduce_cpu.cpp), shared with the torch bindings.
+#pragma once
+
+#include <cstdint>
+
+namespace genlm_fast {
+namespace cpu {
+
+enum Reduction : int { kSum = 0, kMax = 1, kLogMass = 2 };
+enum InType : int { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3 };
+
+struct Args {
+  const void* values;  // [B, C] contiguous, of type in_type
+  int in_type;
+  int64_t B, C;
+  const int32_t* parent;  // [N] parent id (> n), -1 for the root
+  const int32_t* depth;   // [N] depth (0 for a root; depth[n] = depth[parent[n]] + 1)
+  int32_t max_depth;      // >= every depth[n]
+  const int32_t* leaf_node;   // [L] node of each leaf position, non-decreasing
+  const int32_t* leaf_token;  // [L] value column of each leaf position
+  int64_t N, L;
+  const int32_t* empty_nodes;  // [E] nodes with no leaves
+  int64_t E;
+  void* out;  // [B, N] float32, or float64 when out_double
+  bool out_double;
+  int reduction;
+  int num_threads;  // <= 0: OpenMP's default
+};
+
+// Fills A.out. Returns 0 on success, or 1 + the first log_mass row without a finite maximum.
+int64_t trie_reduce(const Args& A);
+
+}  // namespace cpu
+}  // namespace genlm_fast

@@ -40,8 +40,7 @@
 //
 // All accumulation is in double; each output is rounded once. The vector passes and the
 // stacked sweep are compiled twice (x86-64-v3 = AVX2/FMA and baseline) and picked at load
-// time, so the
-// binary runs on any x86-64.
+// time, so the binary runs on any x86-64.
 
 #include "trie_reduce_cpu.h"
 

@@ -1,6 +1,7 @@
 """Triton kernels of genlm_fast (installed as the subpackage ``genlm_fast.kernels``).
 
-``trie_reduce`` holds the fused trie-reduction kernels; the backend wrapper that launches
-them is ``genlm_fast.ops.triton_backend``. Importing this package imports nothing heavy;
-importing ``genlm_fast.kernels.trie_reduce`` needs triton.
+``trie_reduce`` holds the fused trie-reduction kernels (launched by
+``genlm_fast.ops.triton_backend``); ``log_softmax_rows`` the engine-side capture of
+log-probabilities into a slot buffer (launched by ``genlm_fast.ops.log_softmax``).
+Importing this package imports nothing heavy; its modules need triton.
 """

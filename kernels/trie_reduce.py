@@ -70,6 +70,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from genlm_fast.kernels.log_softmax_rows import lse_merge, online_lse_update
+
 REDUCE_SUM = 0
 REDUCE_MAX = 1
 REDUCE_LOG_MASS = 2
@@ -95,14 +97,8 @@ def _row_lse_partial(x_ptr, pmax_ptr, psum_ptr, C, chunk,
     for k in range(lo, hi, BLOCK):
         idx = k + offs
         x = tl.load(base + idx, mask=idx < hi, other=float("-inf")).to(ACC)
-        mx = tl.maximum(m, x)
-        mn = tl.minimum(m, x)
-        e = tl.where(mx == float("-inf"), 0.0, tl.exp(mn - mx))
-        s = tl.where(x > m, s * e + 1.0, s + e)
-        m = mx
-    big = tl.max(m, axis=0)
-    big_safe = tl.where(big == float("-inf"), 0.0, big)
-    tot = tl.sum(s * tl.exp(m - big_safe), axis=0)
+        m, s = online_lse_update(m, s, x)
+    big, tot = lse_merge(m, s)
     tl.store(pmax_ptr + row * SPLIT + sp, big)
     tl.store(psum_ptr + row * SPLIT + sp, tot)
 

@@ -4,9 +4,10 @@ Full-vocabulary next-token log probabilities are captured *inside* the engine by
 logits processor (`_CaptureLogitsProcessor`, vLLM's v1 ``LogitsProcessor`` interface
 of the V1 model runner). Every request of ours carries a slot number in
 ``SamplingParams.extra_args``; at each engine step the processor log-softmaxes the raw
-float32 logits row of each of our requests straight into that slot's row of a
-preallocated buffer (one read of the logits, one write; optionally the raw logits are
-copied to a second buffer instead). A request mid-prefill under chunked prefill also
+logits rows of all our requests straight into their slots of a preallocated buffer, in one
+call of `genlm_fast.ops.log_softmax.log_softmax_rows` (one fused Triton kernel on GPU,
+float64 torch on CPU; no [n, V] intermediate on GPU). Optionally the raw logits are
+copied to a second buffer instead. A request mid-prefill under chunked prefill also
 gets a logits row from vLLM, which is written and then overwritten by the step that
 completes its prompt: the processor only writes while the request has produced no
 output token, so the row left in the buffer is always the one after the full context,
@@ -61,6 +62,7 @@ from genlm_fast.backend.llm.base import (
     check_token_ids,
     unknown_lora,
 )
+from genlm_fast.ops.log_softmax import log_softmax_rows
 
 __all__ = ["AsyncVirtualLM"]
 
@@ -143,22 +145,26 @@ class _CaptureLogitsProcessor(LogitsProcessor):
         if not self.rows:
             return logits
         width = logits.shape[1]
+        picked = {"logprobs": ([], []), "logits": ([], [])}
         for index, (slot, want, output_ids) in self.rows.items():
             # A request's row is final once its prompt is fully computed; partial
             # prefill chunks write too and are overwritten by that last step. After
             # the first output token the request is done (max_tokens=1).
             if output_ids or index >= logits.shape[0]:
                 continue
-            if want == "logits":
-                buf = self.logits
-                if slot >= buf.shape[0] or buf.shape[1] != width:
-                    continue  # never reserved; the caller reports the missing row
-                buf[slot].copy_(logits[index])
-            else:
-                buf = self.logprobs
-                if slot >= buf.shape[0] or buf.shape[1] != width:
-                    continue
-                torch.log_softmax(logits[index], dim=-1, out=buf[slot])
+            buf = getattr(self, want)
+            if slot >= buf.shape[0] or buf.shape[1] != width:
+                continue  # never reserved; the caller reports the missing row
+            picked[want][0].append(index)
+            picked[want][1].append(slot)
+        src, dst = picked["logprobs"]
+        if src:  # one launch for all of them (Triton on GPU)
+            log_softmax_rows(logits, src, dst, self.logprobs)
+        src, dst = picked["logits"]
+        if src:
+            self.logits[torch.tensor(dst, device=self.device)] = logits[
+                torch.tensor(src, device=logits.device)
+            ].float()
         return logits
 
 

@@ -1,0 +1,84 @@
+"""``log_softmax_rows``: the op an engine uses to hand out full-vocabulary log-probabilities.
+
+``out[dst[i]] = log_softmax(logits[src[i]])`` in float32, for selected rows of an engine's
+logits batch into selected slots of a preallocated buffer. Backends: ``reference`` (plain
+torch in float64: gather, log_softmax, scatter; also the CPU path) and ``triton`` (one fused kernel,
+``genlm_fast.kernels.log_softmax_rows``: one read pass for the normaliser, one read-and-write
+pass, no [n, V] intermediate). ``"auto"`` picks Triton on CUDA when it is installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BACKENDS = ("reference", "triton")
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _triton_ok(device: torch.device) -> bool:
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type in ("cuda", "cpu")
+
+
+def resolve(backend: str, device) -> str:
+    device = torch.device(device)
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_ok(device) else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown log_softmax_rows backend {backend!r}; expected 'auto' or "
+                         f"one of {BACKENDS}")
+    if backend == "triton" and not _triton_ok(device):
+        raise RuntimeError("the 'triton' backend needs triton and a CUDA tensor (or "
+                           "TRITON_INTERPRET=1 for CPU tensors)")
+    return backend
+
+
+def log_softmax_rows(logits: torch.Tensor, src, dst, out: torch.Tensor,
+                     backend: str = "auto") -> str:
+    """Write ``log_softmax(logits[src[i]])`` into ``out[dst[i]]`` for every i; returns the
+    backend that ran. ``src``/``dst``: equal-length sequences of row indices (Python ints
+    or 1-D integer tensors); ``dst`` entries must be distinct."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError("logits must be a 2-D [rows, vocab] tensor")
+    if logits.dtype not in _FLOAT:
+        raise TypeError(f"logits must be float16, bfloat16 or float32, got {logits.dtype}")
+    if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.dtype != torch.float32:
+        raise ValueError("out must be a 2-D float32 tensor")
+    if out.device != logits.device:
+        raise ValueError(f"out is on {out.device} but the logits are on {logits.device}")
+    if out.shape[1] != logits.shape[1]:
+        raise ValueError(f"out rows have {out.shape[1]} entries, the logits {logits.shape[1]}")
+    src = torch.as_tensor(src, dtype=torch.int64).reshape(-1)
+    dst = torch.as_tensor(dst, dtype=torch.int64).reshape(-1)
+    if src.numel() != dst.numel():
+        raise ValueError(f"{src.numel()} source rows but {dst.numel()} destination rows")
+    if src.numel() and (int(src.min()) < 0 or int(src.max()) >= logits.shape[0]):
+        raise IndexError(f"source rows must be in [0, {logits.shape[0]})")
+    if dst.numel() and (int(dst.min()) < 0 or int(dst.max()) >= out.shape[0]):
+        raise IndexError(f"destination rows must be in [0, {out.shape[0]})")
+    if torch.unique(dst).numel() != dst.numel():
+        raise ValueError("destination rows must be distinct")
+    chosen = resolve(backend, logits.device)
+    if src.numel() == 0:
+        return chosen
+    if chosen == "triton":
+        from genlm_fast.kernels import log_softmax_rows as kernel
+
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        target = out if out.stride(1) == 1 else torch.empty_like(out)
+        kernel.log_softmax_rows(logits, src.to(logits.device), dst.to(logits.device), target)
+        if target is not out:
+            out[dst] = target[dst.to(out.device)]
+    else:
+        # float64 math: a float32 normaliser over 128k entries is off by ~1e-5
+        rows = logits[src.to(logits.device)].double()
+        out[dst.to(out.device)] = torch.log_softmax(rows, dim=-1).float()
+    return chosen

@@ -1,0 +1,70 @@
+"""Triton kernel: log-softmax of selected logit rows into selected rows of a buffer.
+
+``out[dst[i], :] = logits[src[i], :] - logsumexp(logits[src[i], :])`` for i < n, float32.
+It is how an inference engine hands out full-vocabulary log-probabilities: the engine's
+logits batch stays where it is, and each captured request's row lands in its own slot of a
+preallocated buffer, with no [n, V] intermediate.
+
+Algorithm: one program per selected row. Pass 1 reads the row once, coalesced, keeping an
+online (max, sum of exp(x - max)) pair per lane with one exp per element; the lanes merge
+into lse = max + log(sum). Pass 2 reads the row again (from L2 for a row of a few hundred
+KB) and writes x - lse. Every exp argument is <= 0, so nothing overflows; the sum
+accumulates in float32 terms <= 1 (relative error ~V * 2^-24 at worst, far below the
+float32 output's own rounding of x - lse for |x - lse| >= 1). -inf logits give -inf.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def online_lse_update(m, s, x):
+    """One step of a per-lane online log-sum-exp: (max m, sum s of exp(. - m)) absorbs x."""
+    mx = tl.maximum(m, x)
+    mn = tl.minimum(m, x)
+    e = tl.where(mx == float("-inf"), 0.0, tl.exp(mn - mx))
+    s = tl.where(x > m, s * e + 1.0, s + e)
+    return mx, s
+
+
+@triton.jit
+def lse_merge(m, s):
+    """Per-lane (max, sum) pairs -> (max over lanes, sum rescaled to it)."""
+    big = tl.max(m, axis=0)
+    big_safe = tl.where(big == float("-inf"), 0.0, big)
+    return big, tl.sum(s * tl.exp(m - big_safe), axis=0)
+
+
+@triton.jit
+def _log_softmax_rows(x_ptr, x_stride, src_ptr, dst_ptr, out_ptr, out_stride, V,
+                      BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    src = tl.load(src_ptr + i).to(tl.int64)
+    dst = tl.load(dst_ptr + i).to(tl.int64)
+    row = x_ptr + src * x_stride
+    offs = tl.arange(0, BLOCK)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    for k in range(0, V, BLOCK):
+        x = tl.load(row + k + offs, mask=k + offs < V, other=float("-inf")).to(tl.float32)
+        m, s = online_lse_update(m, s, x)
+    big, total = lse_merge(m, s)
+    lse = big + tl.log(total)
+    dst_row = out_ptr + dst * out_stride
+    for k in range(0, V, BLOCK):
+        mask = k + offs < V
+        x = tl.load(row + k + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dst_row + k + offs, x - lse, mask=mask)
+
+
+def log_softmax_rows(logits, src, dst, out, block: int = 1024):
+    """Launch: ``logits`` [R, V] (fp32/fp16/bf16, unit stride along V), ``src``/``dst``
+    int32/int64 [n] on the same device, ``out`` float32 [S, V] (unit stride along V)."""
+    n = src.numel()
+    if n == 0:
+        return out
+    _log_softmax_rows[(n,)](logits, logits.stride(0), src, dst, out, out.stride(0),
+                            logits.shape[1], BLOCK=block)
+    return out

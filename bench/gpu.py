@@ -49,7 +49,7 @@ SPEEDUP_B = 32
 INDEX_ARRAYS = {
     "triton": ("leaf_token", "tile_range_ptr", "range_start", "range_end", "range_dest",
                "span_node", "span_left", "span_right", "span_tile_lo", "span_tile_hi"),
-    "cpu": ("leaf_token", "leaf_end", "parent"),
+    "cpu": ("leaf_token", "leaf_end", "depth"),
 }
 # peak HBM bandwidth, GB/s (vendor figures), matched against the device name in order
 PEAKS = ((r"H200", 4800.0), (r"H100.*(PCIe|PCI-E)", 2000.0), (r"H100", 3350.0),
@@ -445,7 +445,7 @@ def run(args) -> tuple[list[dict], dict]:
         if peak else "unknown (pass --peak-gbs)",
         "torch": torch.__version__,
         "CUDA (torch build)": torch.version.cuda or "-",
-        "triton": _version("triton"),
+        "triton": K.dist_version("triton"),
         "python": platform.python_version(),
         "vocabulary": f"{label}: {len(vocab)} tokens, {N} nodes (genlm_fast TokenByteTrie)",
         "backends": ", ".join(backends) + (f" (not available: {', '.join(skipped)})" if skipped else ""),
@@ -456,20 +456,11 @@ def run(args) -> tuple[list[dict], dict]:
         "index arrays counted": "; ".join(
             f"{b}: {' + '.join(INDEX_ARRAYS.get(b, INDEX_ARRAYS['triton']))}"
             + ("" if b in INDEX_ARRAYS else " (assumed: same as triton)") for b in backends),
-        "genlm-backend": _version("genlm-backend"),
+        "genlm-backend": K.dist_version("genlm-backend"),
     }
     if failures:
         info["FAILED (not timed)"] = "; ".join(failures)
     return rows, info
-
-
-def _version(dist: str) -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def _f(x, fmt):

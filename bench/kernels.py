@@ -297,7 +297,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _version(dist: str) -> str:
+def dist_version(dist: str) -> str:
     from importlib import metadata
 
     try:
@@ -319,9 +319,9 @@ def machine_info() -> dict:
                                                         ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "numba": _version("numba"),
-        "genlm-backend": _version("genlm-backend"),
-        "genlm-bytes": _version("genlm-bytes"),
+        "numba": dist_version("numba"),
+        "genlm-backend": dist_version("genlm-backend"),
+        "genlm-bytes": dist_version("genlm-bytes"),
         "genlm_fast cpu backends": ", ".join(dispatch.available_backends("cpu")),
         "load average (1/5/15 min)": " / ".join(f"{x:.2f}" for x in os.getloadavg()),
     }

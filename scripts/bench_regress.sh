@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Performance regression check: genlm_fast's own benchmarks against this machine's last baseline.
+#
+#   bash scripts/bench_regress.sh              # compare the working tree with the latest saved
+#                                              # baseline; exit 1 if any median regressed > 10%
+#   bash scripts/bench_regress.sh save         # run the same benchmarks, save them as a new baseline
+#   bash scripts/bench_regress.sh compare -k llama3   # anything after the mode goes to pytest
+#
+# The subset (bench/conftest.py, --bench-regress): trie kernels (smollm2 and llama3
+# vocabularies, B in {1, 32}, sum / max / log_mass, the three genlm_fast tries), the
+# SMC-shaped AsyncTransformer workload and the byte-level beam on SmolLM2; no reference
+# package is timed (genlm-backend's numba trie is built once, untimed, as the oracle).
+# About 3 minutes on a 2-core CPU (2.5-3.5 min measured under load).
+#
+# Baselines live in bench/results/baselines/<machine key>/<pytest-benchmark machine id>/,
+# one JSON per saved run (NNNN_<commit>[-dirty]_<date>.json) with machine_info (CPU, cores,
+# CUDA device, torch, threads, backends) and commit_info (git id, dirty) plus a genlm_fast
+# block (commit, load average). The machine key is the CPU model, core count and GPU name:
+# timings only compare on the same kind of machine, so each kind keeps its own baselines.
+# Save a baseline on an idle machine only (the script warns when the load is high).
+#
+# Environment:
+#   BENCH_STORAGE      baseline folder (default bench/results/baselines/<machine key>)
+#   BENCH_THRESHOLD    allowed median regression (default 10%)
+#   BENCH_COMPARE_FAIL the whole check instead, as pytest-benchmark's --benchmark-compare-fail
+#                      (default median:$BENCH_THRESHOLD). Medians are only steady on an
+#                      idle machine: under a load of 3-5 on 2 cores, two runs of the same
+#                      tree differed by up to 55% in sub-millisecond kernels' medians (and
+#                      14% in one minimum); min:15% is the gentler check on a busy machine.
+#   BENCH_MAX_TIME     pytest-benchmark --benchmark-max-time per kernel benchmark (default 1.5 s)
+#   BENCH_MIN_ROUNDS   pytest-benchmark --benchmark-min-rounds (default 15)
+#   GENLM_FAST_BENCH_ROUNDS  timed runs of the beam benchmark (default here 3)
+#   OMP_WAIT_POLICY    default here PASSIVE: idle OpenMP threads sleep instead of spinning.
+#                      On a shared 2-core machine (load ~5) spinning threads made B=1 kernels
+#                      40x slower (12-24 ms instead of 0.3 ms) with medians swinging 2x from
+#                      run to run. Recorded in machine_info: compare only runs made with
+#                      the same setting.
+#   PYTHON             interpreter (default python3)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+mode=${1:-compare}
+if [ $# -gt 0 ]; then shift; fi
+case "$mode" in
+  compare|save) ;;
+  -h|--help|help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+  *) echo "usage: $0 [compare|save] [pytest args...]" >&2; exit 2 ;;
+esac
+
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export GENLM_FAST_BENCH_ROUNDS=${GENLM_FAST_BENCH_ROUNDS:-3}
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  export TRITON_INTERPRET=1
+fi
+
+key=$($PY -c 'from bench.conftest import machine_key; print(machine_key())')
+storage=${BENCH_STORAGE:-bench/results/baselines/$key}
+threshold=${BENCH_THRESHOLD:-10%}
+check=${BENCH_COMPARE_FAIL:-median:$threshold}
+
+cores=$(nproc)
+load=$(cut -d' ' -f1 /proc/loadavg)
+echo "machine key: $key   baselines: $storage   load average: $load ($cores cores)"
+if awk -v l="$load" -v c="$cores" 'BEGIN { exit !(l > c / 2) }'; then
+  echo "warning: the machine is busy (load $load on $cores cores): timings will be noisy;" \
+       "do not save a baseline now, and read a failed comparison with care." >&2
+fi
+
+args=(
+  bench/test_bench_tries.py bench/test_bench_lm.py bench/test_bench_beam.py
+  -q -p no:cacheprovider --benchmark-only --bench-regress
+  "--benchmark-storage=file://$storage"
+  "--benchmark-max-time=${BENCH_MAX_TIME:-1.5}"
+  "--benchmark-min-rounds=${BENCH_MIN_ROUNDS:-15}"
+  --benchmark-disable-gc --benchmark-sort=fullname
+  --benchmark-columns=min,median,iqr,rounds
+)
+
+if [ "$mode" = save ]; then
+  name=$(git rev-parse --short HEAD 2>/dev/null || echo nogit)
+  if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+    name="$name-dirty"
+  fi
+  name="${name}_$(date +%Y%m%d-%H%M%S)"
+  exec $PY -m pytest "${args[@]}" "--benchmark-save=$name" "$@"
+fi
+
+if ! ls "$storage"/*/[0-9][0-9][0-9][0-9]_*.json >/dev/null 2>&1; then
+  echo "no baseline for this machine in $storage: run \`bash scripts/bench_regress.sh save\`" \
+       "on an idle machine first" >&2
+  exit 2
+fi
+latest=$(ls "$storage"/*/[0-9][0-9][0-9][0-9]_*.json | sort | tail -n 1)
+echo "comparing with $latest (fails on: $check)"
+exec $PY -m pytest "${args[@]}" --benchmark-compare "--benchmark-compare-fail=$check" "$@"

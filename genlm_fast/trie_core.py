@@ -132,6 +132,15 @@ class CompiledTrie:
             batch = batch.to(device)
         return batch
 
+    def _preprocess_ws(self, batch_ws) -> torch.Tensor:
+        """genlm's batch preprocessing: rows (lists, arrays, tensors) -> one float32
+        ``[B, V]`` tensor on the trie's device."""
+        batch = self._as_batch(batch_ws, self.device).to(torch.float32)
+        if batch.shape[-1] != self.vocab_size:
+            raise ValueError(f"expected weight rows of length {self.vocab_size}, "
+                             f"got {batch.shape[-1]}")
+        return batch
+
     def _reduce(self, ws, reduction, mode="without_eos", device=None, dtype=None,
                 exact_width=True):
         batch = self._as_batch(ws, device)

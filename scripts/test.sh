@@ -11,3 +11,5 @@ $PY -m pytest tests "$@"
 if [ -x .venv-vllm/bin/python ]; then  # made by WITH_VLLM=1 scripts/setup.sh
   bash scripts/test_vllm.sh "$@"
 fi
+# genlm's own test suites (from their sdists) on genlm_fast: what passes on genlm must pass here
+bash scripts/test_genlm_suites.sh

@@ -164,11 +164,17 @@ class AsyncTokenByteTrie(AsyncTrieFrontEnd):
         return cls(TokenByteTrie(decode=vocab, **kwargs))
 
     def _run_batch(self, op, mode, rows):
-        if op == TrieOp.SUM:
+        if op in (TrieOp.SUM, TrieOp.SUM.value):
             return self.trie.batch_weight_sum(rows, mode=mode)
-        if op == TrieOp.MAX:
+        if op in (TrieOp.MAX, TrieOp.MAX.value):
             return self.trie.batch_weight_max(rows)
-        return self.trie.batch_log_mass(_stack(rows), mode=mode)
+        if op == "log_mass":
+            return self.trie.batch_log_mass(_stack(rows), mode=mode)
+        raise ValueError(f"Invalid trie operation: {op!r} (expected a TrieOp or 'log_mass')")
+
+    def _queue_request(self, ws, mode, op):
+        """genlm's low-level entry: queue ``ws`` for ``op`` in ``mode``; returns the future."""
+        return self._batcher.submit(op, as_mode(mode), ws)
 
     async def weight_sum(self, ws, mode=None):
         self._check(ws)

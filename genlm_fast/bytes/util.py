@@ -17,6 +17,11 @@ EOS_INDEX = 257  # ... and end-of-sequence
 NUM_SYMBOLS = 258  # 256 bytes, EOT, EOS
 
 
+class ByteProbsLengthError(ValueError, AssertionError):
+    """A next-symbol distribution without exactly 258 entries. Also an ``AssertionError``,
+    which is what genlm-bytes raises for it (callers may catch either)."""
+
+
 class LazyByteProbs:
     """A (log-)distribution over the next symbol: bytes 0..255, EOT and EOS.
 
@@ -30,8 +35,8 @@ class LazyByteProbs:
 
     def __init__(self, ps, log_space=True):
         if len(ps) != NUM_SYMBOLS:
-            raise ValueError(f"LazyByteProbs needs {NUM_SYMBOLS} values (256 bytes, EOT, EOS), "
-                             f"got {len(ps)}")
+            raise ByteProbsLengthError(f"LazyByteProbs needs {NUM_SYMBOLS} values (256 bytes, "
+                                       f"EOT, EOS), got {len(ps)}")
         self.ps = ps
         self.log_space = log_space
 

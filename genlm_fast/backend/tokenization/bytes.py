@@ -48,8 +48,8 @@ def get_byte_vocab(tokenizer):
         return get_byte_tokens_from_byte_decoder(tokenizer, byte_decoder)
     if kinds:
         raise ByteVocabError(
-            f"{tokenizer.name_or_path!r} uses decoder {sorted(kinds)}; only "
-            "ByteLevel and SentencePiece (ByteFallback/Metaspace) are supported"
+            f"{tokenizer.name_or_path!r} uses decoder {sorted(kinds)}, neither ByteLevel nor "
+            "SentencePiece (ByteFallback/Metaspace): the only encodings supported"
         )
 
     if hasattr(tokenizer, "sp_model"):

@@ -26,7 +26,7 @@ def decode_vocab(tokenizer, byte2str_fallback="tokenizer"):
         raw = get_byte_vocab(tokenizer)
     except ByteVocabError as e:
         raise ValueError(
-            "Could not decode the byte representation of the token vocabulary "
+            "Could not decode byte representation of the token vocabulary "
             f"of tokenizer {tokenizer.name_or_path}"
         ) from e
     byte_vocab = [Token(i, b) for i, b in enumerate(raw)]

@@ -146,7 +146,13 @@ class AsyncTokenCharacterTrie(AsyncTrieFrontEnd):
             return self.trie.batch_weight_sum(rows)
         if op == "max":
             return self.trie.batch_weight_max(rows)
-        return self.trie.batch_log_mass(_stack(rows))
+        if op == "log_mass":
+            return self.trie.batch_log_mass(_stack(rows))
+        raise ValueError(f"Invalid trie operation: {op!r} (expected 'sum', 'max' or 'log_mass')")
+
+    async def _queue_request(self, request, op):
+        """genlm's low-level entry: queue ``request`` for ``op`` and return its future."""
+        return self._batcher.submit(op, None, request)
 
     async def weight_sum(self, ws):
         """Batched ``weight_sum`` of one weight vector."""

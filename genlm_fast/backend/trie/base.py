@@ -62,6 +62,12 @@ class TokenCharacterTrie(CompiledTrie):
         self.idx_to_leaf = np.stack(
             [np.arange(len(words), dtype=np.int32), leaf_node.astype(np.int32)], axis=1)
 
+    def _preprocess_ws(self, ws):
+        """genlm's sequential-trie preprocessing: a tensor becomes a host numpy array."""
+        if isinstance(ws, torch.Tensor):
+            return ws.detach().cpu().numpy()
+        return ws
+
     def _host(self, result: torch.Tensor) -> np.ndarray:
         return result.cpu().numpy()
 
@@ -96,6 +102,7 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
     when available). Results are numpy float32 arrays, as in genlm."""
 
     _out_dtype = torch.float32
+    _preprocess_ws = CompiledTrie._preprocess_ws  # float32 rows on the device, as in genlm
 
     def __init__(self, decode, device=None, **kwargs):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")

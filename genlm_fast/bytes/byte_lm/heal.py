@@ -15,6 +15,7 @@ from __future__ import annotations
 from genlm_fast.bytes.byte_lm.trie_state import (
     LazyTrieState,
     _gather,
+    _info_of,
     check_byte,
     materialize_states,
 )
@@ -65,19 +66,22 @@ class TokenHealer:
         tokenization, or None.
 
         Args:
-            state (LazyTrieState): a materialized hypothesis.
+            state (LazyTrieState): a materialized hypothesis. Only its ``trie``, ``node``,
+                ``partial``, ``weight``, ``mass``, ``mode`` and ``lm_state`` are used (and
+                ``terminated`` when it has one), so any object offering those will do.
             next_byte (int): the byte to read (0..255, or 257).
         """
         next_byte = check_byte(next_byte)
-        if state.terminated:
+        if getattr(state, "terminated", False):
             return None  # nothing follows EOS
         partial = state.partial
-        info = state._info
+        trie = state.trie.trie
+        info = _info_of(trie)
         root = info.root
         self._log(lambda: f"Start: next_byte={format_byte(next_byte)}, "
                           f"partial={bytes(partial)!r}, max_backoff={self.max_backoff}")
         # every node of the path and the token leaves under them, in one read
-        children = state.children
+        children = info.children
         path = [root]
         for b in partial:
             nxt = children[path[-1]].get(b)
@@ -93,37 +97,39 @@ class TokenHealer:
         base = state.weight - (row[state.node] - row[root])  # the current token's path undone
         lowest = 0 if self.max_backoff is None else max(0, len(partial) - self.max_backoff)
         for k in range(len(partial), lowest - 1, -1):
-            healed = await self._try_at_k(state, base, k, next_byte)
+            healed = await self._try_at_k(state, trie, base, k, next_byte)
             if healed is not None:
                 return healed
         self._log("FAILED: no valid healing found")
         return None
 
-    async def _try_at_k(self, state, base, k, next_byte):
+    async def _try_at_k(self, state, trie, base, k, next_byte):
+        """Commit ``state.partial[:k]`` as a token (each token spelling it), then replay."""
+        info = _info_of(trie)
         partial = state.partial
-        children = state.children
-        node = state.root
+        children = info.children
+        node = info.root
         for b in partial[:k]:
             node = children[node].get(b)
             if node is None:
                 return None
-        edges = state._info.eot_edges(node)
+        edges = info.eot_edges(node)
         if not edges:
             self._log(lambda: f"k={k}: no EOT at {bytes(partial[:k])!r}")
             return None
         for leaf, token_id in edges:
-            healed = await self._try_eot_at_k(state, base, k, next_byte, leaf, token_id)
+            healed = await self._try_eot_at_k(state, info, base, k, next_byte, leaf, token_id)
             if healed is not None:
                 return healed
         return None
 
-    async def _try_eot_at_k(self, state, base, k, next_byte, leaf, token_id):
+    async def _try_eot_at_k(self, state, info, base, k, next_byte, leaf, token_id):
         row = state.mass
-        weight = base + (row[leaf] - row[state.root])
+        weight = base + (row[leaf] - row[info.root])
         token_id = int(token_id)
         replay = list(state.partial[k:]) + [next_byte]
         current = LazyTrieState(lm_state=state.lm_state << token_id, trie=state.trie,
-                                node=state.root, weight=weight, mode=state.mode)
+                                node=info.root, weight=weight, mode=state.mode)
         await materialize_states([current], after=lambda: [_walk_request(current, replay)])
         if self.verbose:
             token = state.trie.trie.decode[token_id]

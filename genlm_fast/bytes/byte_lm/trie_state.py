@@ -494,6 +494,20 @@ async def _materialize_group(states, trie, info, lookahead=()):
             s.lm_state._n_calls += 1
 
 
+def _batchable(lm_state):
+    """Whether ``lm_state`` exposes its model and context (as ``StatefulTokenizedLM`` does)."""
+    return hasattr(lm_state, "model") and hasattr(lm_state, "context")
+
+
+async def _materialize_alone(state):
+    """Materialize a state whose LM state offers only ``logp_next()`` (e.g. a test double):
+    its log-probabilities go through the fused kernel on their own."""
+    logp = await state.lm_state.logp_next()
+    logp = logp if isinstance(logp, torch.Tensor) else torch.as_tensor(np.asarray(logp))
+    masses = state.trie.trie.batch_log_mass(logp.reshape(1, -1), state.mode)
+    state._mass = _as_row(masses[0])
+
+
 async def materialize_states(states, extra=(), after=None, lookahead=()):
     """Materialize ``states`` together and read the nodes each of them needs next.
 
@@ -512,6 +526,9 @@ async def materialize_states(states, extra=(), after=None, lookahead=()):
             are kept (a later materialization of those contexts then needs no LM call).
     """
     pending = [s for s in states if s._mass is None]
+    for s in [s for s in pending if not _batchable(s.lm_state)]:
+        await _materialize_alone(s)
+    pending = [s for s in pending if s._mass is None]
     if pending:
         groups = {}
         for s in pending:

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# Run genlm's own test suites against genlm_fast.
+#
+# Each suite comes from its PyPI source distribution (downloaded once into .genlm-suites/,
+# gitignored; never copied into this repository) and runs twice, offline: with the real genlm
+# packages, then with `-p genlm_fast.dropin` (genlm.backend / genlm.bytes imports resolve to
+# genlm_fast). Every test that passes with the real packages must pass on genlm_fast; tests
+# that fail offline with the real packages too (Hugging Face models that are not cached, CUDA,
+# vLLM, MLX, ...) are not required. Exit status 1 lists the tests that fail only on genlm_fast.
+#
+#   bash scripts/test_genlm_suites.sh                  # all suites
+#   GENLM_SUITES="genlm-bytes==0.2.0" bash scripts/test_genlm_suites.sh
+#
+# The real packages must be installed at these versions (the `test` extra and scripts/setup.sh
+# install them); extra arguments are passed to both pytest runs.
+#
+# genlm-control's whole suite runs for well over 20 minutes on a 2-core CPU (hypothesis-driven AWRS
+# statistics); by default only its test files that reach genlm.backend / genlm.bytes code
+# (PromptedLLM, ByteLLM, tokens, tries, canonical tokenization) run. GENLM_SUITES_FULL=1 runs all.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+CACHE=${GENLM_SUITES_CACHE:-$ROOT/.genlm-suites}
+SUITES=${GENLM_SUITES:-"genlm-backend==0.3.1 genlm-bytes==0.2.0 genlm-control==0.4.1"}
+
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  export TRITON_INTERPRET=1
+fi
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# genlm_fast from this checkout, and the outcome recorder (scripts/genlm_suite_outcomes.py)
+export PYTHONPATH="$ROOT:$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}"
+
+mkdir -p "$CACHE/sdists" "$CACHE/results"
+# no ini file of genlm's applies, and this repository's pytest.ini must not: use an empty one
+printf '[pytest]\n' > "$CACHE/pytest.ini"
+
+fetch() {  # fetch SPEC BASE: the sdist's tests (everything but the genlm/ sources) in $CACHE/BASE
+  local spec=$1 base=$2 tmp
+  [ -d "$CACHE/$base/tests" ] && return 0
+  if [ ! -f "$CACHE/sdists/$base.tar.gz" ]; then
+    $PY -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: \
+      "$spec" -d "$CACHE/sdists"
+  fi
+  tmp=$(mktemp -d "$CACHE/.extract.XXXXXX")
+  # without genlm/: the real run must import the installed package, never the sdist's copy
+  tar -xzf "$CACHE/sdists/$base.tar.gz" -C "$tmp" --exclude="$base/genlm"
+  rm -rf "${CACHE:?}/$base"
+  mv "$tmp/$base" "$CACHE/$base"
+  rmdir "$tmp"
+}
+
+run_suite() {  # run_suite BASE LABEL [pytest args...]: outcomes to results/BASE.LABEL.json
+  local base=$1 label=$2
+  shift 2
+  (cd "$CACHE/$base" &&
+    GENLM_SUITE_OUTCOMES="$CACHE/results/$base.$label.json" $PY -m pytest $TESTS \
+      -c "$CACHE/pytest.ini" --rootdir "$CACHE/$base" -p no:cacheprovider \
+      -p genlm_suite_outcomes "$@") || true  # failures are judged by the comparison
+}
+
+# test files to run per suite (default: the whole tests/ folder)
+declare -A SELECTION=(
+  [genlm-control]="tests/potential/test_bytellm.py tests/potential/test_canonical.py
+    tests/potential/test_coerce.py tests/potential/test_duplicate_byte_strings.py
+    tests/potential/test_ensemble.py tests/potential/test_harmony.py tests/potential/test_llm.py
+    tests/sampler/test_unit_sampler.py tests/test_setups.py tests/test_util.py"
+)
+if [ "${GENLM_SUITES_FULL:-0}" = "1" ]; then
+  SELECTION=()
+fi
+
+status=0
+summary=()
+for spec in $SUITES; do
+  name=${spec%%==*}
+  version=${spec##*==}
+  base="${name//-/_}-$version"
+  installed=$($PY -c "import importlib.metadata as m; print(m.version('$name'))" 2>/dev/null || true)
+  if [ "$installed" != "$version" ]; then
+    echo "ERROR: $spec is not installed (found '${installed:-none}'): its suite needs the real" \
+         "package; run scripts/setup.sh" >&2
+    status=1
+    summary+=("$name: not run ($spec not installed)")
+    continue
+  fi
+  fetch "$spec" "$base"
+  TESTS=${SELECTION[$name]:-tests}
+  rm -f "$CACHE/results/$base".*
+  start=$SECONDS
+  echo "=== $spec: real packages"
+  run_suite "$base" real -q --tb=no "$@"
+  real_s=$((SECONDS - start))
+  echo "=== $spec: genlm_fast (-p genlm_fast.dropin)"
+  run_suite "$base" dropin -p genlm_fast.dropin -q --tb=no "$@"
+  dropin_s=$((SECONDS - start - real_s))
+  report="$CACHE/results/$base.compare.txt"
+  ok=1
+  $PY "$ROOT/scripts/genlm_suite_outcomes.py" compare "$name" "$CACHE/results/$base.real.json" \
+    "$CACHE/results/$base.dropin.json" "$CACHE/results/$base.regressed.txt" > "$report" || ok=0
+  cat "$report"
+  summary+=("$(head -n 1 "$report")  (${real_s}s real, ${dropin_s}s dropin)")
+  if [ $ok -eq 0 ]; then
+    status=1
+    if [ -s "$CACHE/results/$base.regressed.txt" ]; then
+      echo "=== $spec: tracebacks of the tests failing only on genlm_fast (first 20)"
+      mapfile -t ids < <(head -n 20 "$CACHE/results/$base.regressed.txt")
+      (cd "$CACHE/$base" && $PY -m pytest -c "$CACHE/pytest.ini" --rootdir "$CACHE/$base" \
+        -p no:cacheprovider -p genlm_fast.dropin -q --tb=short "${ids[@]}") || true
+    fi
+  fi
+done
+
+echo "=== genlm suites on genlm_fast"
+printf '  %s\n' "${summary[@]}"
+if [ $status -ne 0 ]; then
+  echo "FAILED: see the listing above" >&2
+fi
+exit $status

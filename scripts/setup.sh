@@ -24,5 +24,6 @@ if [ "${WITH_VLLM:-0}" = "1" ]; then
 fi
 $PY -m genlm_fast info
 if [ "${SETUP_ONLY:-0}" != "1" ]; then
-  $PY -m genlm_fast bench --quick
+  # the main job: the byte-level demo on the embedded SmolLM2 (prepared once, cached)
+  $PY -m genlm_fast demo
 fi

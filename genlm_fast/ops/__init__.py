@@ -1,4 +1,4 @@
-"""The kernel-facing layer: one trie reduction op, several interchangeable backends.
+"""The kernel-facing layer: two ops, each with interchangeable backends.
 
 ``trie_reduce(values, layout, reduction, mode, backend)`` maps rows of per-token values
 ``[B, C]`` to per-node values ``[B, N]``:
@@ -12,6 +12,10 @@
 Backends (same semantics, tested against each other):
 ``reference`` (plain torch, float64), ``triton`` (fused GPU kernels in ``genlm_fast.kernels``),
 ``cuda`` and ``cpu`` (C++ extension built from ``csrc/``).
+
+``log_softmax.log_softmax_rows(logits, src, dst, out)`` writes the log-softmax of selected
+logit rows into selected rows of a buffer (how the vLLM backend captures log-probabilities
+inside the engine): ``reference`` (torch, float64) and ``triton``.
 """
 
 from genlm_fast.ops.dispatch import (

@@ -24,7 +24,7 @@ def _warn_once(key, message):
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def _triton_usable(device: torch.device) -> bool:
+def triton_usable(device: torch.device) -> bool:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
     try:
@@ -49,14 +49,14 @@ def available_backends(device="cpu") -> list[str]:
     device = torch.device(device)
     found = []
     if device.type == "cuda":
-        if _triton_usable(device):
+        if triton_usable(device):
             found.append("triton")
         if _extension_usable("cuda", device):
             found.append("cuda")
     else:
         if _extension_usable("cpu", device):
             found.append("cpu")
-        if _triton_usable(device):
+        if triton_usable(device):
             found.append("triton")
     found.append("reference")
     return found
@@ -79,7 +79,7 @@ def resolve_backend(backend: str, device) -> str:
         return choice
     if backend not in BACKENDS:
         raise ValueError(f"Unknown trie backend {backend!r}; expected 'auto' or one of {BACKENDS}")
-    if backend == "triton" and not _triton_usable(device):
+    if backend == "triton" and not triton_usable(device):
         raise RuntimeError(
             "The 'triton' backend needs triton and a CUDA tensor (or TRITON_INTERPRET=1 set "
             f"before triton is imported, for CPU tensors); got a {device.type} tensor.")

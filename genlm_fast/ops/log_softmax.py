@@ -2,39 +2,30 @@
 
 ``out[dst[i]] = log_softmax(logits[src[i]])`` in float32, for selected rows of an engine's
 logits batch into selected slots of a preallocated buffer. Backends: ``reference`` (plain
-torch in float64: gather, log_softmax, scatter; also the CPU path) and ``triton`` (one fused kernel,
-``genlm_fast.kernels.log_softmax_rows``: one read pass for the normaliser, one read-and-write
-pass, no [n, V] intermediate). ``"auto"`` picks Triton on CUDA when it is installed.
+torch in float64: gather, log_softmax, scatter; also the CPU path) and ``triton`` (one fused
+kernel, ``genlm_fast.kernels.log_softmax_rows``: one read pass for the normaliser, one
+read-and-write pass, no [n, V] intermediate). ``"auto"`` picks Triton on CUDA when it is
+installed.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from genlm_fast.ops.dispatch import triton_usable
 
 BACKENDS = ("reference", "triton")
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _triton_ok(device: torch.device) -> bool:
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return device.type in ("cuda", "cpu")
-
-
 def resolve(backend: str, device) -> str:
     device = torch.device(device)
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_ok(device) else "reference"
+        return "triton" if device.type == "cuda" and triton_usable(device) else "reference"
     if backend not in BACKENDS:
         raise ValueError(f"unknown log_softmax_rows backend {backend!r}; expected 'auto' or "
                          f"one of {BACKENDS}")
-    if backend == "triton" and not _triton_ok(device):
+    if backend == "triton" and not triton_usable(device):
         raise RuntimeError("the 'triton' backend needs triton and a CUDA tensor (or "
                            "TRITON_INTERPRET=1 for CPU tensors)")
     return backend

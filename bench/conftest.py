@@ -83,25 +83,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_terminal_summary(terminalreporter):
-    """A median regression (``--benchmark-compare-fail``) fails the run with exit status 1
-    and the list of regressions pytest-benchmark prints, without its internal traceback."""
-    try:
-        from pytest_benchmark.session import PerformanceRegression
-    except ImportError:  # pytest-benchmark not installed: nothing to catch
-        return (yield)
-    try:
-        return (yield)
-    except PerformanceRegression:
-        terminalreporter.write_line("FAILED: performance regressed against the baseline "
-                                    "(list above)", red=True, bold=True)
-        session = getattr(terminalreporter, "_session", None)
-        if session is not None:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        return None
-
-
 # --------------------------------------------------------------------------- saved results
 
 

@@ -2,7 +2,8 @@
 # Performance regression check: genlm_fast's own benchmarks against this machine's last baseline.
 #
 #   bash scripts/bench_regress.sh              # compare the working tree with the latest saved
-#                                              # baseline; exit 1 if any median regressed > 10%
+#                                              # baseline; exit 1 if a median regressed > 10%
+#                                              # (in each of up to 3 runs; see BENCH_ATTEMPTS)
 #   bash scripts/bench_regress.sh save         # run the same benchmarks, save them as a new baseline
 #   bash scripts/bench_regress.sh compare -k llama3   # anything after the mode goes to pytest
 #
@@ -22,11 +23,12 @@
 # Environment:
 #   BENCH_STORAGE      baseline folder (default bench/results/baselines/<machine key>)
 #   BENCH_THRESHOLD    allowed median regression (default 10%)
-#   BENCH_COMPARE_FAIL the whole check instead, as pytest-benchmark's --benchmark-compare-fail
-#                      (default median:$BENCH_THRESHOLD). Medians are only steady on an
-#                      idle machine: under a load of 3-5 on 2 cores, two runs of the same
-#                      tree differed by up to 55% in sub-millisecond kernels' medians (and
-#                      14% in one minimum); min:15% is the gentler check on a busy machine.
+#   BENCH_ATTEMPTS     runs before a regression counts (default 3): after the first run only
+#                      the benchmarks over the threshold run again, and a benchmark regresses
+#                      only if its median is over the threshold in every run
+#                      (scripts/bench_compare.py). Even idle, this 2-core VM put 1-4 of the 38
+#                      medians of an unchanged tree 13-32% over its baseline in one run;
+#                      under a load of 3-5, sub-millisecond medians moved by up to 55%.
 #   BENCH_MAX_TIME     pytest-benchmark --benchmark-max-time per kernel benchmark (default 1.5 s)
 #   BENCH_MIN_ROUNDS   pytest-benchmark --benchmark-min-rounds (default 15)
 #   GENLM_FAST_BENCH_ROUNDS  timed runs of the beam benchmark (default here 3)
@@ -58,7 +60,6 @@ fi
 key=$($PY -c 'from bench.conftest import machine_key; print(machine_key())')
 storage=${BENCH_STORAGE:-bench/results/baselines/$key}
 threshold=${BENCH_THRESHOLD:-10%}
-check=${BENCH_COMPARE_FAIL:-median:$threshold}
 
 cores=$(nproc)
 load=$(cut -d' ' -f1 /proc/loadavg)
@@ -68,10 +69,9 @@ if awk -v l="$load" -v c="$cores" 'BEGIN { exit !(l > c / 2) }'; then
        "do not save a baseline now, and read a failed comparison with care." >&2
 fi
 
+files=(bench/test_bench_tries.py bench/test_bench_lm.py bench/test_bench_beam.py)
 args=(
-  bench/test_bench_tries.py bench/test_bench_lm.py bench/test_bench_beam.py
   -q -p no:cacheprovider --benchmark-only --bench-regress
-  "--benchmark-storage=file://$storage"
   "--benchmark-max-time=${BENCH_MAX_TIME:-1.5}"
   "--benchmark-min-rounds=${BENCH_MIN_ROUNDS:-15}"
   --benchmark-disable-gc --benchmark-sort=fullname
@@ -84,7 +84,8 @@ if [ "$mode" = save ]; then
     name="$name-dirty"
   fi
   name="${name}_$(date +%Y%m%d-%H%M%S)"
-  exec $PY -m pytest "${args[@]}" "--benchmark-save=$name" "$@"
+  exec $PY -m pytest "${files[@]}" "${args[@]}" "--benchmark-storage=file://$storage" \
+    "--benchmark-save=$name" "$@"
 fi
 
 if ! ls "$storage"/*/[0-9][0-9][0-9][0-9]_*.json >/dev/null 2>&1; then
@@ -93,5 +94,21 @@ if ! ls "$storage"/*/[0-9][0-9][0-9][0-9]_*.json >/dev/null 2>&1; then
   exit 2
 fi
 latest=$(ls "$storage"/*/[0-9][0-9][0-9][0-9]_*.json | sort | tail -n 1)
-echo "comparing with $latest (fails on: $check)"
-exec $PY -m pytest "${args[@]}" --benchmark-compare "--benchmark-compare-fail=$check" "$@"
+attempts=${BENCH_ATTEMPTS:-3}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+echo "comparing with $latest (median regression > $threshold, up to $attempts runs)"
+targets=("${files[@]}")
+for i in $(seq 1 "$attempts"); do
+  $PY -m pytest "${targets[@]}" "${args[@]}" "--benchmark-json=$work/run$i.json" "$@"
+  rc=0
+  $PY scripts/bench_compare.py "$latest" "$work"/run*.json --threshold "${threshold%\%}" \
+    --failing "$work/failing" || rc=$?
+  if [ "$rc" -ne 1 ]; then exit "$rc"; fi
+  mapfile -t targets < "$work/failing"
+  if [ "$i" -lt "$attempts" ]; then
+    echo "== ${#targets[@]} over the threshold: running them again (attempt $((i + 1)) of $attempts)"
+  fi
+done
+echo "FAILED: performance regressed against the baseline (over +$threshold in all $attempts runs)" >&2
+exit 1

@@ -310,10 +310,12 @@ class AsyncTransformer(BatchedAsyncLM):
         max_new = max(news)
         pad = self._pad_id
         input_ids, positions, mask = [], [], []
+        # New tokens are left-padded, so every row's last token sits at position max_new - 1
+        # and the LM head runs once per row (logits_to_keep=1), whatever the rows' lengths.
         for (ids, d, _), n in zip(plans, news):
-            input_ids.append(list(ids[d:]) + [pad] * (max_new - n))
-            positions.append(list(range(d, d + n)) + [0] * (max_new - n))
-            mask.append([1] * d + [0] * (max_past - d) + [1] * n + [0] * (max_new - n))
+            input_ids.append([pad] * (max_new - n) + list(ids[d:]))
+            positions.append([0] * (max_new - n) + list(range(d, d + n)))
+            mask.append([1] * d + [0] * (max_past - d) + [0] * (max_new - n) + [1] * n)
         kwargs = {
             "input_ids": torch.tensor(input_ids, device=dev),
             "attention_mask": torch.tensor(mask, device=dev),
@@ -330,17 +332,10 @@ class AsyncTransformer(BatchedAsyncLM):
                     past[:, :, i, :, at : at + b - a] = s.data[:, :, :, a:b]
                     at += b - a
             kwargs["past_key_values"] = DynamicCache([(past[l, 0], past[l, 1]) for l in range(L)])
-        lasts = [n - 1 for n in news]
         if self._keeps_logits:
-            keep = sorted(set(lasts))
-            col = {p: j for j, p in enumerate(keep)}
-            kwargs["logits_to_keep"] = torch.tensor(keep)  # a CPU index works on any device
-            cols = [col[p] for p in lasts]
-        else:
-            cols = lasts
+            kwargs["logits_to_keep"] = 1
         out = self.model(**kwargs)
-        at = out.logits.device  # the last layer's device, under a multi-device map
-        logits = out.logits[torch.arange(B, device=at), torch.tensor(cols, device=at)]
+        logits = out.logits[:, -1]
         if trie is not None:
             self._store_kv(trie, plans, news, max_past, out.past_key_values)
         return logits
@@ -372,8 +367,9 @@ class AsyncTransformer(BatchedAsyncLM):
                 for layer in layers
             ]
         )  # [L, 2, B, H, max_new, D]
+        max_new = max(news)
         for i, ((ids, d, runs), n) in enumerate(zip(plans, news)):
-            trie.insert(ids, d, new[:, :, i, :, :n].contiguous(), runs)
+            trie.insert(ids, d, new[:, :, i, :, max_new - n :].contiguous(), runs)
 
     # ---- genlm.backend extras --------------------------------------------------------
 

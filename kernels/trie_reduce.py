@@ -104,6 +104,25 @@ def _row_lse_partial(x_ptr, pmax_ptr, psum_ptr, C, chunk,
 
 
 @triton.jit
+def _load_ranges(start_ptr, end_ptr, dest_ptr, c, r1, RB: tl.constexpr):
+    """Local ranges [c, c + RB) of a tile's list, which ends at r1: (valid, start, end, dest)."""
+    ridx = c + tl.arange(0, RB)
+    r_ok = ridx < r1
+    start = tl.load(start_ptr + ridx, mask=r_ok, other=0)
+    end = tl.load(end_ptr + ridx, mask=r_ok, other=0)
+    dest = tl.load(dest_ptr + ridx, mask=r_ok, other=0)
+    return r_ok, start, end, dest
+
+
+@triton.jit
+def _store_ranges(out_rows, scr_rows, dest, res, ok):
+    """res to out[dest] where dest >= 0, to scratch[-1 - dest] where dest < 0 (masked by ok);
+    broadcasts over rows when out_rows / scr_rows are [ROWS, 1] row pointers."""
+    tl.store(out_rows + dest, res, mask=ok & (dest >= 0))
+    tl.store(scr_rows + (-1 - dest), res, mask=ok & (dest < 0))
+
+
+@triton.jit
 def _dense_reduce(v, pos, start, end, REDUCTION: tl.constexpr):
     """Reduce v[TILE] over each range [start, end) of a chunk ([RB]) -> [RB]."""
     member = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
@@ -159,16 +178,10 @@ def _tile_ranges_dense(x_ptr, C, L, leaf_token_ptr, range_ptr_ptr, range_start_p
     r0 = tl.load(range_ptr_ptr + t)
     r1 = tl.load(range_ptr_ptr + t + 1)
     for c in range(r0, r1, RB):
-        ridx = c + tl.arange(0, RB)
-        r_ok = ridx < r1
-        start = tl.load(range_start_ptr + ridx, mask=r_ok, other=0)
-        end = tl.load(range_end_ptr + ridx, mask=r_ok, other=0)
-        dest = tl.load(range_dest_ptr + ridx, mask=r_ok, other=0)
+        r_ok, start, end, dest = _load_ranges(range_start_ptr, range_end_ptr, range_dest_ptr,
+                                              c, r1, RB)
         res = _dense_reduce(v, pos, start, end, REDUCTION)
-        res = res.to(out_ptr.dtype.element_ty)
-        is_out = dest >= 0
-        tl.store(out_row + dest, res, mask=r_ok & is_out)
-        tl.store(scr_row + (-1 - dest), res, mask=r_ok & (dest < 0))
+        _store_ranges(out_row, scr_row, dest, res.to(out_ptr.dtype.element_ty), r_ok)
 
 
 @triton.jit
@@ -224,11 +237,8 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_
     r1 = tl.load(range_ptr_ptr + t + 1)
     row_todo = tl.zeros([ROWS], tl.int32)  # rows with a range the fast path cannot do
     for c in range(r0, r1, RB):
-        ridx = c + tl.arange(0, RB)
-        r_ok = ridx < r1
-        start = tl.load(range_start_ptr + ridx, mask=r_ok, other=0)
-        end = tl.load(range_end_ptr + ridx, mask=r_ok, other=0)
-        dest = tl.load(range_dest_ptr + ridx, mask=r_ok, other=0)
+        r_ok, start, end, dest = _load_ranges(range_start_ptr, range_end_ptr, range_dest_ptr,
+                                              c, r1, RB)
         member = (pos[:, None] >= start[None, :]) & (pos[:, None] < end[None, :])
         mf = tl.where(member, 1.0, 0.0)  # [TILE, RB], exactly 0/1
         acc = tl.dot(w_hi, mf, input_precision="tf32")
@@ -239,10 +249,8 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_
             row_todo = tl.maximum(row_todo, tl.max(todo.to(tl.int32), axis=1))
         else:
             res = acc
-        res = res.to(out_ptr.dtype.element_ty)
-        ok = row_ok[:, None] & r_ok[None, :]
-        tl.store(out_rows + dest[None, :], res, mask=ok & (dest >= 0)[None, :])
-        tl.store(scr_rows + (-1 - dest)[None, :], res, mask=ok & (dest < 0)[None, :])
+        _store_ranges(out_rows, scr_rows, dest[None, :], res.to(out_ptr.dtype.element_ty),
+                      row_ok[:, None] & r_ok[None, :])
 
     if not LOG_MASS:
         row_todo = risky_row.to(tl.int32)
@@ -265,11 +273,8 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_
                          mask=lmask & redo[:, None], other=float("-inf")).to(ACC)
             vr = (xr - lse[:, None]).to(tl.float32)
             for c in range(r0, r1, RB):
-                ridx = c + tl.arange(0, RB)
-                r_ok = ridx < r1
-                start = tl.load(range_start_ptr + ridx, mask=r_ok, other=0)
-                end = tl.load(range_end_ptr + ridx, mask=r_ok, other=0)
-                dest = tl.load(range_dest_ptr + ridx, mask=r_ok, other=0)
+                r_ok, start, end, dest = _load_ranges(range_start_ptr, range_end_ptr,
+                                                      range_dest_ptr, c, r1, RB)
                 member = (pos[:, None] >= start[None, :]) & (pos[:, None] < end[None, :])
                 mf = tl.where(member, 1.0, 0.0)
                 todo = (end > start)[None, :] & redo[:, None]
@@ -289,10 +294,8 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_
                         nxt = tl.max(below, axis=1)
                         todo = todo & (nxt > float("-inf"))[:, None]
                         s_k = tl.where(nxt > float("-inf"), nxt, s_k)
-                res = res.to(out_ptr.dtype.element_ty)
-                ok = late & r_ok[None, :]
-                tl.store(out_rows + dest[None, :], res, mask=ok & (dest >= 0)[None, :])
-                tl.store(scr_rows + (-1 - dest)[None, :], res, mask=ok & (dest < 0)[None, :])
+                _store_ranges(out_rows, scr_rows, dest[None, :],
+                              res.to(out_ptr.dtype.element_ty), late & r_ok[None, :])
         else:
             # rows with an infinite weight in this tile (inf * 0 = NaN in the product):
             # rewrite their ranges with the dense path, SUB at a time
@@ -302,15 +305,11 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_
                     v_r = tl.load(x_ptr + row * C + tok, mask=pos_ok, other=0.0)
                     v_r = v_r.to(tl.float32)
                     for c2 in range(r0, r1, SUB):
-                        sidx = c2 + tl.arange(0, SUB)
-                        s_ok = sidx < r1
-                        st = tl.load(range_start_ptr + sidx, mask=s_ok, other=0)
-                        en = tl.load(range_end_ptr + sidx, mask=s_ok, other=0)
-                        de = tl.load(range_dest_ptr + sidx, mask=s_ok, other=0)
+                        s_ok, st, en, de = _load_ranges(range_start_ptr, range_end_ptr,
+                                                        range_dest_ptr, c2, r1, SUB)
                         d_r = _dense_reduce(v_r, pos, st, en, 0)
-                        d_r = d_r.to(out_ptr.dtype.element_ty)
-                        tl.store(out_ptr + row * N + de, d_r, mask=s_ok & (de >= 0))
-                        tl.store(scratch_ptr + row * NS + (-1 - de), d_r, mask=s_ok & (de < 0))
+                        _store_ranges(out_ptr + row * N, scratch_ptr + row * NS, de,
+                                      d_r.to(out_ptr.dtype.element_ty), s_ok)
 
 
 @triton.jit

@@ -157,48 +157,6 @@ __attribute__((always_inline)) inline double log_pos(double v) {
 
 // ----------------------------------------------------------------------------- vector passes
 
-// e[c] = x[c] as double for c in [0, n); returns max.
-template <class In>
-__attribute__((always_inline)) inline double load_row_max_t(const In* __restrict x,
-                                                            double* __restrict e, int64_t n) {
-  double m = -kInf;
-#pragma omp simd reduction(max : m)
-  for (int64_t c = 0; c < n; ++c) {
-    const double v = load(x, c);
-    e[c] = v;
-    m = v > m ? v : m;
-  }
-  return m;
-}
-GF_VECTOR_CLONES double load_row_max(const float* x, double* e, int64_t n) {
-  return load_row_max_t(x, e, n);
-}
-GF_VECTOR_CLONES double load_row_max(const double* x, double* e, int64_t n) {
-  return load_row_max_t(x, e, n);
-}
-GF_VECTOR_CLONES double load_row_max(const F16* x, double* e, int64_t n) {
-  return load_row_max_t(x, e, n);
-}
-GF_VECTOR_CLONES double load_row_max(const BF16* x, double* e, int64_t n) {
-  return load_row_max_t(x, e, n);
-}
-
-// e[c] = exp(e[c] - m) in place; returns sum; *nlow = finite entries below m + kLowLeaf.
-GF_VECTOR_CLONES double exp_shift_sum(double* __restrict e, int64_t n, double m, int64_t* nlow) {
-  double s = 0.0;
-  int64_t low = 0;
-#pragma omp simd reduction(+ : s, low)
-  for (int64_t c = 0; c < n; ++c) {
-    const double d = e[c] - m;
-    low += (d < kLowLeaf) & (d > -kInf);
-    const double v = exp_nonpos(d);
-    e[c] = v;
-    s += v;
-  }
-  *nlow = low;
-  return s;
-}
-
 // o[i] = log(a[i] / total), computed as log(a[i] * inv_total) so that masses near 1 keep
 // their relative precision (log(a) - log(total) would cancel).
 GF_VECTOR_CLONES void log_ratio(const double* __restrict a, float* __restrict o, int64_t n,
@@ -295,10 +253,18 @@ constexpr double identity() {
   return RED == kMax ? -kInf : 0.0;
 }
 
-// acc[leaf_node[pos]] op= value(leaf_token[pos]) for pos in [p0, p1)
+// acc[leaf_node[pos]] op= src[leaf_token[pos]] for pos in [p0, p1), or op= src[pos] when
+// leaf_token is null (values already gathered into leaf order)
 template <int RED, class Src>
 inline void deposit(double* __restrict acc, const Src* __restrict src, const int32_t* leaf_node,
                     const int32_t* leaf_token, int64_t p0, int64_t p1) {
+  if (leaf_token == nullptr) {
+    for (int64_t pos = p0; pos < p1; ++pos) {
+      double& a = acc[leaf_node[pos]];
+      a = combine<RED>(a, load(src, pos));
+    }
+    return;
+  }
   for (int64_t pos = p0; pos < p1; ++pos) {
     double& a = acc[leaf_node[pos]];
     a = combine<RED>(a, load(src, leaf_token[pos]));
@@ -327,15 +293,15 @@ inline void sweep(double* __restrict acc, const int32_t* __restrict parent, Out*
 
 struct Work {
   std::vector<double> acc;  // N + 1: acc[-1] is the root's dummy parent; or the depth stack
-  std::vector<double> e;    // C: log_mass leaf masses; or R x L leaf values in leaf order
+  std::vector<double> e;    // leaf values gathered into leaf order (R x L for R rows)
   std::vector<double> ratio;  // R x kNodeChunk: log_mass node masses before the vectorised log
   std::vector<double> pm, ps;  // N + 1: exact pass (max, scaled sum)
   double* accp(int64_t N) {
     if (static_cast<int64_t>(acc.size()) < N + 1) acc.resize(N + 1);
     return acc.data() + 1;
   }
-  double* ep(int64_t C) {
-    if (static_cast<int64_t>(e.size()) < C) e.resize(C);
+  double* ep(size_t n) {  // room for n doubles
+    if (e.size() < n) e.resize(n);
     return e.data();
   }
 };
@@ -412,14 +378,14 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
   }
   using Leaf = std::conditional_t<RED == kLogMass, double, In>;
   Work& w = thread_work();
-  if (static_cast<int64_t>(w.e.size()) < R * L) w.e.resize(R * L);
+  Leaf* lv_all = reinterpret_cast<Leaf*>(w.ep(static_cast<size_t>(R) * L));
   const Leaf* lv[R];
   Out* o[R];
   double shift[R], inv_total[R];
   int64_t nlow[R];
   for (int r = 0; r < R; ++r) {
     const In* x = static_cast<const In*>(A.values) + (r0 + r) * A.C;
-    Leaf* dst = reinterpret_cast<Leaf*>(w.e.data()) + r * L;
+    Leaf* dst = lv_all + r * L;
     lv[r] = dst;
     o[r] = static_cast<Out*>(A.out) + (r0 + r) * A.N;
     if constexpr (RED == kLogMass) {
@@ -512,7 +478,7 @@ bool run_row_chunked(const Args& A, int64_t r, int T) {
   const int32_t N = static_cast<int32_t>(A.N);
   Work& w = thread_work();  // the calling thread's buffers, shared by the team
   double* acc = w.accp(N);
-  double* e = RED == kLogMass ? w.ep(A.C) : nullptr;
+  double* lv = RED == kLogMass ? w.ep(A.L) : nullptr;  // exp(x - m) in leaf order
   acc[-1] = identity<RED>();
 
   std::vector<int32_t> nb(T + 1);
@@ -534,12 +500,12 @@ bool run_row_chunked(const Args& A, int64_t r, int T) {
     const int t = omp_get_thread_num();
     if constexpr (RED == kLogMass) {
       const int64_t c0 = A.C * t / nt, c1 = A.C * (t + 1) / nt;
-      part_max[t] = load_row_max(x + c0, e + c0, c1 - c0);
+      part_max[t] = row_max(x + c0, c1 - c0);
 #pragma omp barrier
       double mm = -kInf;
       for (int i = 0; i < nt; ++i) mm = part_max[i] > mm ? part_max[i] : mm;
       const bool row_ok = mm > -kInf && mm < kInf;
-      if (row_ok) part_sum[t] = exp_shift_sum(e + c0, c1 - c0, mm, &part_low[t]);
+      if (row_ok) part_sum[t] = row_exp_sum(x + c0, c1 - c0, mm, &part_low[t]);
 #pragma omp barrier
 #pragma omp single
       {
@@ -556,7 +522,9 @@ bool run_row_chunked(const Args& A, int64_t r, int T) {
       for (int j = t; j < T; j += nt) {  // normally one chunk per thread
         std::fill(acc + nb[j], acc + nb[j + 1], identity<RED>());
         if constexpr (RED == kLogMass) {
-          deposit<kSum>(acc, e, A.leaf_node, A.leaf_token, pb[j], pb[j + 1]);
+          gather_leaves_exp(x, A.leaf_token + pb[j], pb[j + 1] - pb[j], m, lv + pb[j]);
+          deposit<kSum>(acc, lv, A.leaf_node, static_cast<const int32_t*>(nullptr), pb[j],
+                        pb[j + 1]);
           sweep<kSum, false>(acc, A.parent, static_cast<float*>(nullptr), nb[j], nb[j + 1],
                              nb[j + 1], &carries[j]);
         } else {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import math
+import operator
 
 import numpy as np
 
@@ -20,6 +21,17 @@ NUM_SYMBOLS = 258  # 256 bytes, EOT, EOS
 class ByteProbsLengthError(ValueError, AssertionError):
     """A next-symbol distribution without exactly 258 entries. Also an ``AssertionError``,
     which is what genlm-bytes raises for it (callers may catch either)."""
+
+
+def as_index(value, what: str, hint: str = "") -> int:
+    """``value`` as an int (anything with ``__index__`` except a bool). Otherwise a TypeError
+    that starts with ``what`` (e.g. "K must be an int") and says what was given, then ``hint``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what}, got a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what}, got {type(value).__name__}: {value!r}{hint}") from None
 
 
 class LazyByteProbs:

@@ -11,7 +11,6 @@ node values the beam reads come back in one transfer.
 from __future__ import annotations
 
 import math
-import operator
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from genlm_fast.bytes.util import (
     EOT_INDEX,
     NUM_SYMBOLS,
     LazyByteProbs,
+    as_index,
     format_byte,
     logsumexp,
     logsumexp_columns,
@@ -50,13 +50,7 @@ class EmptyBeamError(ValueError):
 def _optional_count(value, name):
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be None or a non-negative int, got a bool")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be None or a non-negative int, got "
-                        f"{type(value).__name__}: {value!r}") from None
+    value = as_index(value, f"{name} must be None or a non-negative int")
     if value < 0:
         raise ValueError(f"{name} must be non-negative, got {value}")
     return value
@@ -91,13 +85,7 @@ class BeamParams:
     eos_tokens: list[bytes] = None
 
     def __post_init__(self):
-        if isinstance(self.K, bool):
-            raise TypeError("K must be an int (the beam width), got a bool")
-        try:
-            self.K = operator.index(self.K)
-        except TypeError:
-            raise TypeError(f"K must be an int (the beam width), got "
-                            f"{type(self.K).__name__}: {self.K!r}") from None
+        self.K = as_index(self.K, "K must be an int (the beam width)")
         if self.K < 1:
             raise ValueError(f"K (the beam width) must be at least 1, got {self.K}")
         try:
@@ -399,13 +387,7 @@ def _as_byte_list(bs):
     if isinstance(bs, (list, tuple)):
         out = []
         for b in bs:
-            if isinstance(b, bool):
-                raise TypeError("prefill expects bytes, found a bool")
-            try:
-                v = operator.index(b)
-            except TypeError:
-                raise TypeError(f"prefill expects bytes (or a list of ints 0..255), found "
-                                f"{type(b).__name__}: {b!r}") from None
+            v = as_index(b, "prefill expects bytes (or a list of ints 0..255)")
             if not 0 <= v <= 255:
                 raise ValueError(f"prefill expects bytes 0..255, found {v}")
             out.append(v)

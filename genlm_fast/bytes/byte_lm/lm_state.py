@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import operator
 from abc import ABC, abstractmethod
 
 import numpy as np
 
-from genlm_fast.bytes.util import EOS_INDEX, escape, sample_dict
+from genlm_fast.bytes.util import EOS_INDEX, as_index, escape, sample_dict
 
 
 class StatefulTokenizedLM:
@@ -45,13 +44,7 @@ class StatefulTokenizedLM:
 
     def __lshift__(self, token):
         """A new state with ``token`` appended (the oldest tokens dropped past the maximum)."""
-        if isinstance(token, bool):
-            raise TypeError("token must be an int token id, got a bool")
-        try:
-            token = operator.index(token)
-        except TypeError:
-            raise TypeError(f"token must be an int token id, got {type(token).__name__}: "
-                            f"{token!r}") from None
+        token = as_index(token, "token must be an int token id")
         context = list(self.context) + [token]
         if self.max_context_length is not None and len(context) > self.max_context_length:
             context = context[-self.max_context_length:]
@@ -111,9 +104,7 @@ class StatefulByteLM(ABC):
         return await self._generate(context, steps, lambda q: draw(q.map_values(np.exp)))
 
     async def _generate(self, context, steps, choose):
-        if isinstance(steps, bool):
-            raise TypeError("steps must be a non-negative int")
-        steps = operator.index(steps)
+        steps = as_index(steps, "steps must be a non-negative int")
         if steps < 0:
             raise ValueError(f"steps must be non-negative, got {steps}")
         out = list(context)

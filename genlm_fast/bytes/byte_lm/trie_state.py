@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import operator
 import weakref
 from collections import OrderedDict
 from functools import cached_property
@@ -48,7 +47,13 @@ from genlm_fast.bytes.trie import (
     TrieMode,
     as_mode,
 )
-from genlm_fast.bytes.util import EOT_INDEX, NUM_SYMBOLS, LazyByteProbs, escape
+from genlm_fast.bytes.util import (
+    EOT_INDEX,
+    NUM_SYMBOLS,
+    LazyByteProbs,
+    as_index,
+    escape,
+)
 
 __all__ = ["EOS", "LazyTrieState", "TrieMode", "check_byte", "fused_stats", "materialize_states"]
 
@@ -77,14 +82,8 @@ def _lookahead_limit(model):
 
 def check_byte(b) -> int:
     """``b`` as an int in 0..257 (256 bytes, 257 = EOS); TypeError / ValueError otherwise."""
-    if isinstance(b, bool):
-        raise TypeError("a byte must be an int in 0..257, got a bool")
-    try:
-        value = operator.index(b)
-    except TypeError:
-        hint = " (use b[0] or ord(c) for a single byte)" if isinstance(b, (bytes, str)) else ""
-        raise TypeError(f"a byte must be an int in 0..257 (257 = EOS), got "
-                        f"{type(b).__name__}: {b!r}{hint}") from None
+    hint = " (use b[0] or ord(c) for a single byte)" if isinstance(b, (bytes, str)) else ""
+    value = as_index(b, "a byte must be an int in 0..257 (257 = EOS)", hint)
     if not 0 <= value <= EOS:
         raise ValueError(f"byte {value} is out of range: expected 0..255, or 257 for EOS")
     return value

@@ -36,9 +36,6 @@ import numpy as np
 DEFAULT_PROMPT = "The capital of France is"
 DEFAULT_STRING = " Paris"
 
-EOS_SYMBOL = 257  # index of end-of-sequence in a next-byte distribution (0..255 are bytes)
-
-
 # ----------------------------------------------------------------------------- results
 
 
@@ -81,9 +78,11 @@ class DemoResult:
 
 def symbol_label(symbol: int) -> str:
     """A readable name for a next-byte outcome: ``' '``, ``'\\n'``, ``0xe2``, ``<EOS>``."""
-    if symbol == EOS_SYMBOL:
+    from genlm_fast.bytes.util import EOS_INDEX, EOT_INDEX  # here: keeps `--help` light
+
+    if symbol == EOS_INDEX:
         return "<EOS>"
-    if symbol == 256:
+    if symbol == EOT_INDEX:
         return "<EOT>"
     if symbol < 0x80:  # ASCII: the character, escaped where it does not print ('\n')
         return repr(chr(symbol))

@@ -30,7 +30,8 @@ import torch
 
 from genlm_fast.__main__ import main
 from genlm_fast.bytes.util import sample_dict
-from genlm_fast.demo import EOS_SYMBOL, demo
+from genlm_fast.bytes.util import EOS_INDEX
+from genlm_fast.demo import demo
 
 pytestmark = pytest.mark.slow
 
@@ -158,7 +159,7 @@ def test_first_byte_matches_brute_force_over_the_vocabulary(ours, model_dir):
     expected = np.zeros(258)
     for token_id, token in enumerate(ours.byte_vocab):
         if bytes(token) == eos_bytes:
-            expected[EOS_SYMBOL] += probs[token_id]
+            expected[EOS_INDEX] += probs[token_id]
         elif len(token):
             expected[token[0]] += probs[token_id]
     got = np.exp(res.next_byte_logps)

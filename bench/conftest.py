@@ -23,7 +23,6 @@ import gc
 import os
 import platform
 import re
-import subprocess
 import time
 import warnings
 from typing import ClassVar
@@ -93,16 +92,6 @@ def _load_average():
         return None
 
 
-def _git(*args):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
-                             timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
 def cuda_device():
     """Name of CUDA device 0, or None."""
     try:
@@ -151,8 +140,8 @@ def pytest_benchmark_update_machine_info(config, machine_info):
 
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
-    commit = _git("rev-parse", "HEAD")
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    commit = K.git("rev-parse", "HEAD") or None
+    dirty = K.git("status", "--porcelain", "--untracked-files=no")
     output_json["genlm_fast"] = {
         "commit": commit,
         "uncommitted_changes": bool(dirty),

@@ -270,7 +270,8 @@ def time_call(fn, arg, *, target_s: float = 1.0, min_repeats: int = 5, max_repea
 # --------------------------------------------------------------------------- machine info
 
 
-def _git(*args) -> str:
+def git(*args) -> str:
+    """stdout of `git *args` in the repository ("" when git fails or is missing)."""
     try:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
                               timeout=10, check=False).stdout.strip()
@@ -279,10 +280,10 @@ def _git(*args) -> str:
 
 
 def git_commit() -> str:
-    commit = _git("rev-parse", "--short=12", "HEAD")
+    commit = git("rev-parse", "--short=12", "HEAD")
     if not commit:
         return "none (no commit yet)"
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
     return commit + (" (+ uncommitted changes)" if dirty else "")
 
 

@@ -1,0 +1,114 @@
+"""oneDNN packed linear layers (genlm_fast.backend.llm.cpu_linear) against float64 F.linear,
+on small layers and on the real SmolLM2 through AsyncTransformer."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from genlm_fast.backend.llm import cpu_linear
+from genlm_fast.backend.llm.cpu_linear import (
+    onednn_linear_available,
+    pack_linear_layers,
+    unpack_linear_layers,
+)
+
+needs_onednn = pytest.mark.skipif(not onednn_linear_available(),
+                                  reason="this torch build has no oneDNN packed linear")
+
+
+def float64_linear(layer, x):
+    bias = None if layer.bias is None else layer.bias.double()
+    return F.linear(x.double(), layer.weight.double(), bias)
+
+
+def small_model(bias=True):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(37, 130, bias=bias), torch.nn.Tanh(),
+                               torch.nn.Linear(130, 9, bias=False))
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(1, 37), (9, 37), (3, 5, 37), (0, 37)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_float64(shape, bias):
+    model = small_model(bias)
+    assert pack_linear_layers(model) == 2
+    assert all("forward" in m.__dict__ for m in model if isinstance(m, torch.nn.Linear))
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        got = model(x)
+        want = float64_linear(model[2], torch.tanh(float64_linear(model[0], x)).float())
+    assert got.dtype == torch.float32 and got.shape == (*shape[:-1], 9)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_follows_weight_changes():
+    layer = torch.nn.Linear(16, 24)
+    pack_linear_layers(layer)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        layer(x)  # packs
+        layer.weight.mul_(-2.0)  # in place: the version counter moves
+        torch.testing.assert_close(layer(x).double(), float64_linear(layer, x), rtol=1e-5, atol=1e-5)
+        layer.weight = torch.nn.Parameter(torch.randn(24, 16))  # replaced
+        torch.testing.assert_close(layer(x).double(), float64_linear(layer, x), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_other_inputs_use_torch():
+    layer = torch.nn.Linear(8, 3)
+    pack_linear_layers(layer)
+    x = torch.randn(2, 8, requires_grad=True)
+    layer(x).sum().backward()  # autograd: F.linear, so gradients flow
+    torch.testing.assert_close(x.grad, layer.weight.detach().sum(0).expand(2, 8))
+    assert layer.weight.grad is not None
+    with torch.no_grad():
+        y = layer.double()(torch.randn(2, 8, dtype=torch.float64))
+    assert y.dtype == torch.float64
+    double = torch.nn.Linear(8, 3).double()
+    assert pack_linear_layers(double) == 0  # only float32 layers are packed
+
+
+def test_switch_and_undo(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV, "torch")
+    model = small_model()
+    assert pack_linear_layers(model) == 0
+    assert not any("forward" in m.__dict__ for m in model)
+    monkeypatch.setenv(cpu_linear.ENV, "mkl")
+    with pytest.raises(ValueError, match="GENLM_FAST_CPU_LINEAR"):
+        pack_linear_layers(model)
+    monkeypatch.setenv(cpu_linear.ENV, "onednn")
+    n = pack_linear_layers(model)
+    assert n == (2 if onednn_linear_available() else 0)
+    with torch.no_grad():
+        model(torch.randn(2, 37))
+    unpack_linear_layers(model)
+    assert not any("forward" in m.__dict__ or cpu_linear._PACK in m.__dict__ for m in model)
+
+
+@needs_onednn
+@pytest.mark.slow
+def test_smollm2_packed_and_given_back():
+    """The real model: AsyncTransformer packs every linear layer (so its float64 accuracy
+    tests run on the packed path), the packed forward agrees with torch's, and cleanup
+    gives the caller's model its own layers back."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from genlm_fast.backend.llm import AsyncTransformer
+    from genlm_fast.models import smollm2_path
+
+    path = smollm2_path()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.tensor([AutoTokenizer.from_pretrained(path).encode("The capital of France is")])
+    with torch.no_grad():
+        plain = model(ids).logits
+    lm = AsyncTransformer(model, AutoTokenizer.from_pretrained(path))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert lm._packed_linears == len(linears) > 200
+    with torch.no_grad():
+        packed = model(ids).logits
+    torch.testing.assert_close(packed.log_softmax(-1), plain.log_softmax(-1), rtol=0, atol=5e-4)
+    assert int(packed[0, -1].argmax()) == int(plain[0, -1].argmax())
+    lm.cleanup()
+    assert not any("forward" in m.__dict__ for m in linears)

@@ -1,7 +1,8 @@
 // Python bindings of the trie kernels: module genlm_fast._C (or genlm_fast_C when JIT-built).
 //
-//   trie_reduce_cpu(values, parent, depth, max_depth, leaf_node, leaf_token, empty_nodes,
-//                   reduction, check_indices=True, num_threads=0) -> Tensor[B, N]
+//   trie_reduce_cpu(values, parent, leaf_node, leaf_token, empty_nodes, run_end, run_depth,
+//                   run_child_depth, run_leaf, run_of, max_depth, reduction,
+//                   check_indices=True, num_threads=0) -> Tensor[B, N]
 //   trie_reduce_cuda(values, leaf_token, tile_range_ptr, range_start, range_end, range_dest,
 //                    span_node, span_left, span_right, span_tile_lo, span_tile_hi, scratch,
 //                    reduction, num_nodes, num_scratch, max_span_tiles, tile)
@@ -11,9 +12,9 @@
 //
 // The index arrays are the int32 arrays of genlm_fast.ops.layout.TrieLayout.device_arrays,
 // plus those the CPU path derives once per layout (genlm_fast/ops/extension.py caches them):
-// `depth[n]` = edges from the root (and its maximum), `leaf_node[pos]` = the node receiving
-// leaf position pos (non-decreasing), and `empty_nodes` = the nodes with no leaves (they are
-// 0 under "max"). Validation of
+// `leaf_node[pos]` = the node receiving leaf position pos (non-decreasing), `empty_nodes` = the
+// nodes with no leaves (they are 0 under "max"), the runs of single-child links the row sweep
+// steps over (see trie_reduce_cpu.h) and the maximum depth. Validation of
 // dtypes, devices, shapes and contiguity always runs; check_indices=True also checks every
 // index (O(N + L)) so that malformed arrays raise instead of reading out of bounds.
 
@@ -170,45 +171,63 @@ void check_index(const at::Tensor& t, const char* name, const at::Device& device
 }
 
 at::Tensor trie_reduce_cpu(const at::Tensor& values, const at::Tensor& parent,
-                           const at::Tensor& depth, int64_t max_depth, const at::Tensor& leaf_node, const at::Tensor& leaf_token,
-                           const at::Tensor& empty_nodes, const std::string& reduction,
-                           bool check_indices, int64_t num_threads) {
+                           const at::Tensor& leaf_node, const at::Tensor& leaf_token,
+                           const at::Tensor& empty_nodes, const at::Tensor& run_end,
+                           const at::Tensor& run_depth, const at::Tensor& run_child_depth,
+                           const at::Tensor& run_leaf, const at::Tensor& run_of,
+                           int64_t max_depth, const std::string& reduction, bool check_indices,
+                           int64_t num_threads) {
   const int red = parse_reduction(reduction);
   TORCH_CHECK(values.device().is_cpu(), "trie_reduce_cpu: values must be a CPU tensor, got one on ",
               values.device());
   check_values(values, red, "cpu");
   const at::Device dev = values.device();
   check_index(parent, "parent", dev);
-  check_index(depth, "depth", dev);
   check_index(leaf_node, "leaf_node", dev);
   check_index(leaf_token, "leaf_token", dev);
   check_index(empty_nodes, "empty_nodes", dev);
+  check_index(run_end, "run_end", dev);
+  check_index(run_depth, "run_depth", dev);
+  check_index(run_child_depth, "run_child_depth", dev);
+  check_index(run_leaf, "run_leaf", dev);
+  check_index(run_of, "run_of", dev);
   const int64_t B = values.size(0), C = values.size(1);
   const int64_t N = parent.numel(), L = leaf_token.numel(), E = empty_nodes.numel();
+  const int64_t R = run_end.numel();
   TORCH_CHECK(N >= 1, "trie_reduce_cpu: the trie has no nodes (parent is empty)");
   TORCH_CHECK(N < (int64_t(1) << 31) - 1 && L < (int64_t(1) << 31) - 1,
               "trie_reduce_cpu: too many nodes/leaves for int32 indices");
   TORCH_CHECK(leaf_node.numel() == L, "trie_reduce_cpu: leaf_node has ", leaf_node.numel(),
               " entries but leaf_token has ", L);
-  TORCH_CHECK(depth.numel() == N, "trie_reduce_cpu: depth has ", depth.numel(),
-              " entries but parent has ", N);
+  TORCH_CHECK(R >= 1 && run_depth.numel() == R && run_child_depth.numel() == R &&
+                  run_leaf.numel() == R + 1 && run_of.numel() == N,
+              "trie_reduce_cpu: the run arrays need R >= 1 entries (run_end, run_depth, "
+              "run_child_depth), R + 1 (run_leaf) and N (run_of); got ", R, ", ",
+              run_depth.numel(), ", ", run_child_depth.numel(), ", ", run_leaf.numel(), ", ",
+              run_of.numel(), " with N = ", N);
   TORCH_CHECK(max_depth >= 0 && max_depth < N, "trie_reduce_cpu: max_depth = ", max_depth,
               " is not in [0, N)");
   const int32_t* par = parent.data_ptr<int32_t>();
-  const int32_t* dep = depth.data_ptr<int32_t>();
   const int32_t* ln = leaf_node.data_ptr<int32_t>();
   const int32_t* lt = leaf_token.data_ptr<int32_t>();
   const int32_t* en = empty_nodes.data_ptr<int32_t>();
+  const int32_t* rend = run_end.data_ptr<int32_t>();
+  const int32_t* rdep = run_depth.data_ptr<int32_t>();
+  const int32_t* rcd = run_child_depth.data_ptr<int32_t>();
+  const int32_t* rleaf = run_leaf.data_ptr<int32_t>();
+  const int32_t* rof = run_of.data_ptr<int32_t>();
   if (check_indices) {
+    std::vector<int32_t> depth(N), children(N, 0);
     for (int64_t n = 0; n < N; ++n) {
       const int32_t p = par[n];
       TORCH_CHECK(p == -1 || (p > n && p < N), "trie_reduce_cpu: parent[", n, "] = ", p,
                   " is not a post-order parent (need n < parent < N, or -1 for a root)");
+      if (p >= 0) ++children[p];
     }
     for (int64_t n = N - 1; n >= 0; --n) {  // parents first
-      const int32_t want = par[n] == -1 ? 0 : dep[par[n]] + 1;
-      TORCH_CHECK(dep[n] == want && dep[n] <= max_depth, "trie_reduce_cpu: depth[", n, "] = ",
-                  dep[n], " but its parent says ", want, " (max_depth ", max_depth, ")");
+      depth[n] = par[n] == -1 ? 0 : depth[par[n]] + 1;
+      TORCH_CHECK(depth[n] <= max_depth, "trie_reduce_cpu: node ", n, " has depth ", depth[n],
+                  " > max_depth = ", max_depth);
     }
     int32_t prev = 0;
     for (int64_t i = 0; i < L; ++i) {
@@ -221,6 +240,31 @@ at::Tensor trie_reduce_cpu(const at::Tensor& values, const at::Tensor& parent,
     for (int64_t i = 0; i < E; ++i)
       TORCH_CHECK(en[i] >= 0 && en[i] < N, "trie_reduce_cpu: empty_nodes[", i, "] = ", en[i],
                   " is not a node id");
+    // runs: consecutive chains whose nodes above the first have one child (the node below)
+    // and no leaf, with the depths and leaf ranges the sweep relies on
+    TORCH_CHECK(rleaf[0] == 0 && rleaf[R] == L, "trie_reduce_cpu: run_leaf must start at 0 and "
+                "end at L = ", L);
+    int32_t start = 0;
+    for (int64_t i = 0; i < R; ++i) {
+      const int32_t end = rend[i];
+      TORCH_CHECK(end > start && end <= N && (i + 1 < R || end == N), "trie_reduce_cpu: "
+                  "run_end must increase to N; run_end[", i, "] = ", end);
+      for (int32_t n = start; n < end; ++n) {
+        TORCH_CHECK(rof[n] == i, "trie_reduce_cpu: run_of[", n, "] = ", rof[n], ", not ", i);
+        TORCH_CHECK(n == start || (par[n - 1] == n && children[n] == 1),
+                    "trie_reduce_cpu: node ", n, " of run ", i, " is not the single-child "
+                    "parent of node ", n - 1);
+      }
+      TORCH_CHECK(rdep[i] == depth[end - 1] && rcd[i] == depth[start] + 1,
+                  "trie_reduce_cpu: run ", i, " has run_depth ", rdep[i], " and "
+                  "run_child_depth ", rcd[i], " but its nodes say ", depth[end - 1], " and ",
+                  depth[start] + 1);
+      TORCH_CHECK(rleaf[i] <= rleaf[i + 1], "trie_reduce_cpu: run_leaf must not decrease");
+      for (int32_t p = rleaf[i]; p < rleaf[i + 1]; ++p)
+        TORCH_CHECK(ln[p] == start, "trie_reduce_cpu: leaf position ", p, " (node ", ln[p],
+                    ") is listed under run ", i, ", which starts at node ", start);
+      start = end;
+    }
   }
   const bool out_double = values.scalar_type() == at::kDouble && red != 2;
   at::Tensor out = OutputPool::empty({B, N}, out_double ? at::kDouble : at::kFloat);
@@ -230,7 +274,12 @@ at::Tensor trie_reduce_cpu(const at::Tensor& values, const at::Tensor& parent,
   A.B = B;
   A.C = C;
   A.parent = par;
-  A.depth = dep;
+  A.run_end = rend;
+  A.run_depth = rdep;
+  A.run_child_depth = rcd;
+  A.run_leaf = rleaf;
+  A.run_of = rof;
+  A.num_runs = R;
   A.max_depth = static_cast<int32_t>(max_depth);
   A.leaf_node = ln;
   A.leaf_token = lt;
@@ -339,9 +388,10 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "genlm_fast trie reduction kernels";
   m.def("trie_reduce_cpu", &trie_reduce_cpu, "Per-node sum/max/log_mass of a vocabulary trie (CPU)",
-        pybind11::arg("values"), pybind11::arg("parent"), pybind11::arg("depth"),
-        pybind11::arg("max_depth"), pybind11::arg("leaf_node"),
-        pybind11::arg("leaf_token"), pybind11::arg("empty_nodes"), pybind11::arg("reduction"),
+        pybind11::arg("values"), pybind11::arg("parent"), pybind11::arg("leaf_node"),
+        pybind11::arg("leaf_token"), pybind11::arg("empty_nodes"), pybind11::arg("run_end"),
+        pybind11::arg("run_depth"), pybind11::arg("run_child_depth"), pybind11::arg("run_leaf"),
+        pybind11::arg("run_of"), pybind11::arg("max_depth"), pybind11::arg("reduction"),
         pybind11::arg("check_indices") = true, pybind11::arg("num_threads") = 0);
   m.def("empty_output_cache", &OutputPool::clear,
         "Free the cached blocks that large CPU results are reused from");

@@ -13,11 +13,16 @@
 //   v = slot[d+1] (the children of n, combined), slot[d+1] = identity
 //   v (+= | max=) leaf value                  for the leaves of n (leaf_node[pos] == n)
 //   out[n] = v;  slot[d] (+= | max=) v        (n joins its siblings)
+// The sweep steps over runs rather than nodes: a node with exactly one child and no leaf has
+// its child's value, and in post-order that child is n - 1, so chains of such nodes are runs
+// of consecutive ids sharing one value (55% of Llama-3's trie nodes are such links). A run
+// takes its children from slot[depth of its first node + 1], adds into slot[depth of its
+// last node], and its value is then written to all its nodes (expand_runs).
 // R <= 8 rows go through one sweep; their stack, (max_depth + 2) x R doubles, stays in L1.
 // Each row's leaf values are gathered into leaf order first (its row is L2-resident while
-// it is gathered), so the sweep reads R streams and writes R streams, with the depth and
-// leaf arrays read once per R rows; the first leaf of a node is taken without a branch.
-// Rows are spread over the OpenMP threads in blocks of R.
+// it is gathered), so the sweep reads R streams, with the run arrays read once per R rows;
+// a run's first leaf is taken without a branch. Rows are spread over the OpenMP threads in
+// blocks of R.
 //
 // One row, big trie (B < threads): the node range is cut into T chunks [a_j, b_j) swept in
 // parallel into one shared N-long accumulator (acc[parent[n]] op= acc[n], exact because
@@ -31,7 +36,7 @@
 //
 // "log_mass": per row m = max x and total = sum exp(x - m) over the whole row (vectorised
 // passes); the gathered leaf values are exp(x - m) in double, and log(v / total) is taken by
-// a vectorised pass over each chunk of nodes.
+// a vectorised pass over each chunk of runs (or of nodes, for one row).
 // exp(d) underflows/loses precision below d ~ -708, so when a row holds a finite logit with
 // d < -600, every node with v < exp(-599) (only a node all of whose leaves are that far
 // down, or -inf, can be that small) is recomputed exactly in log space: a second sweep over
@@ -39,8 +44,9 @@
 // log-prob -800 gives -800, and -inf leaves never produce NaN.
 //
 // All accumulation is in double; each output is rounded once. The vector passes and the
-// stacked sweep are compiled twice (x86-64-v3 = AVX2/FMA and baseline) and picked at load
-// time, so the binary runs on any x86-64.
+// stacked sweep are compiled twice (x86-64-v3 = AVX2/FMA and baseline), as is expand_runs
+// (AVX2 permutes and streaming stores, or a plain loop), and picked at load time, so the
+// binary runs on any x86-64.
 
 #include "trie_reduce_cpu.h"
 
@@ -54,6 +60,10 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && \
     defined(__GLIBC__)  // target_clones needs ifunc
@@ -294,7 +304,8 @@ inline void sweep(double* __restrict acc, const int32_t* __restrict parent, Out*
 struct Work {
   std::vector<double> acc;  // N + 1: acc[-1] is the root's dummy parent; or the depth stack
   std::vector<double> e;    // leaf values gathered into leaf order (R x L for R rows)
-  std::vector<double> ratio;  // R x kNodeChunk: log_mass node masses before the vectorised log
+  std::vector<double> ratio;  // R rows of a chunk's run values (double)
+  std::vector<double> red;    // the same, rounded to the output type (float or double)
   std::vector<double> pm, ps;  // N + 1: exact pass (max, scaled sum)
   double* accp(int64_t N) {
     if (static_cast<int64_t>(acc.size()) < N + 1) acc.resize(N + 1);
@@ -354,21 +365,53 @@ void exact_low_pass(const Args& A, const In* x, double m, double lse, float* out
   }
 }
 
+// ----------------------------------------------------------------------------- run expansion
+
+// out[n] = red[run_of[n]] for n in [n0, n1): a chunk's run values written out to its nodes.
+// `red` is indexed by absolute run id and readable up to 8 entries past the chunk's last run.
+// AVX2: 8 nodes span at most 8 consecutive runs (run_of grows by 0 or 1 per node), so one
+// unaligned load of red[run_of[n]..+8) and a lane permute by run_of[n + k] - run_of[n] gives
+// the 8 outputs, stored with non-temporal stores (the result is not read again here, so
+// its cache lines need not be fetched first).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && \
+    defined(__GLIBC__)
+__attribute__((target("avx2"))) void expand_runs(const float* red, const int32_t* run_of,
+                                                 int32_t n0, int32_t n1, float* out) {
+  int32_t n = n0;
+  for (; n < n1 && (reinterpret_cast<uintptr_t>(out + n) & 31); ++n) out[n] = red[run_of[n]];
+  for (; n + 8 <= n1; n += 8) {
+    const int32_t base = run_of[n];
+    const __m256i lane = _mm256_sub_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run_of + n)), _mm256_set1_epi32(base));
+    _mm256_stream_ps(out + n, _mm256_permutevar8x32_ps(_mm256_loadu_ps(red + base), lane));
+  }
+  for (; n < n1; ++n) out[n] = red[run_of[n]];
+  _mm_sfence();  // the streamed stores are visible before the caller (or another thread) reads
+}
+__attribute__((target("default")))
+#endif
+void expand_runs(const float* red, const int32_t* run_of, int32_t n0, int32_t n1, float* out) {
+  for (int32_t n = n0; n < n1; ++n) out[n] = red[run_of[n]];
+}
+void expand_runs(const double* red, const int32_t* run_of, int32_t n0, int32_t n1, double* out) {
+  for (int32_t n = n0; n < n1; ++n) out[n] = red[run_of[n]];
+}
+
 // ----------------------------------------------------------------------------- R rows, one thread
 
-constexpr int32_t kNodeChunk = 2048;  // log_mass: nodes per vectorised log pass
+constexpr int32_t kRunChunk = 1024;  // runs per chunk: their values are buffered per row
 
-// Rows [r0, r0 + R) in one depth-stack sweep (see the top of the file). Each row's leaf values
-// are first gathered into leaf order (exp applied for log_mass), so the sweep only adds
-// streams; log_mass masses go through a small ratio buffer to the vectorised log, a chunk of
-// nodes at a time. Returns the number of leading rows that succeeded (< R: that log_mass row
+// Rows [r0, r0 + R) in one depth-stack sweep over the runs (see the top of the file). Each
+// row's leaf values are first gathered into leaf order (exp applied for log_mass), so the
+// sweep reads R streams. A chunk of runs leaves its values in a per-row buffer (double; the
+// log for log_mass is then one vectorised pass per row), which expand_runs writes out to the
+// chunk's nodes. Returns the number of leading rows that succeeded (< R: that log_mass row
 // has no finite maximum).
 template <int RED, int R, class In, class Out>
 GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
   constexpr int SRED = RED == kLogMass ? kSum : RED;
   constexpr double id = identity<SRED>();
   const int64_t L = A.L;
-  const int32_t N = static_cast<int32_t>(A.N);
   if (L == 0) {  // no leaves: every node is empty
     for (int r = 0; r < R; ++r)
       std::fill(static_cast<Out*>(A.out) + (r0 + r) * A.N,
@@ -379,14 +422,13 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
   using Leaf = std::conditional_t<RED == kLogMass, double, In>;
   Work& w = thread_work();
   Leaf* lv_all = reinterpret_cast<Leaf*>(w.ep(static_cast<size_t>(R) * L));
-  const Leaf* lv[R];
   Out* o[R];
-  double shift[R], inv_total[R];
+  double inv_total[R];
+  double shift[R];
   int64_t nlow[R];
   for (int r = 0; r < R; ++r) {
     const In* x = static_cast<const In*>(A.values) + (r0 + r) * A.C;
     Leaf* dst = lv_all + r * L;
-    lv[r] = dst;
     o[r] = static_cast<Out*>(A.out) + (r0 + r) * A.N;
     if constexpr (RED == kLogMass) {
       const double m = row_max(x, A.C);
@@ -403,43 +445,48 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
   if (w.acc.size() < slots) w.acc.resize(slots);
   double* __restrict stack = w.acc.data();
   std::fill(stack, stack + slots, id);
-  if (RED == kLogMass && w.ratio.size() < static_cast<size_t>(R) * kNodeChunk)
-    w.ratio.resize(static_cast<size_t>(R) * kNodeChunk);
-  double* __restrict ratio = w.ratio.data();
-  const int32_t* __restrict depth = A.depth;
-  const int32_t* __restrict leaf_node = A.leaf_node;
-  int64_t pos = 0;
-  for (int32_t n0 = 0; n0 < N; n0 += kNodeChunk) {
-    const int32_t n1 = std::min(N, n0 + kNodeChunk);
-    for (int32_t n = n0; n < n1; ++n) {
-      double* __restrict here = stack + static_cast<size_t>(depth[n]) * R;
-      double* __restrict below = here + R;
+  constexpr size_t kRow = kRunChunk + 8;  // + 8: expand_runs may read 8 past a chunk's end
+  if (w.ratio.size() < R * kRow) w.ratio.resize(R * kRow);
+  if (w.red.size() < R * kRow) w.red.resize(R * kRow);
+  double* __restrict run_value = w.ratio.data();  // [R][kRow]
+  Out* __restrict red = reinterpret_cast<Out*>(w.red.data());  // [R][kRow], the rounded values
+  const int32_t* __restrict run_depth = A.run_depth;
+  const int32_t* __restrict run_child_depth = A.run_child_depth;
+  const int32_t* __restrict run_leaf = A.run_leaf;
+  const Leaf* __restrict lv = lv_all;
+  const int32_t num_runs = static_cast<int32_t>(A.num_runs);
+  for (int32_t i0 = 0; i0 < num_runs; i0 += kRunChunk) {
+    const int32_t i1 = std::min(num_runs, i0 + kRunChunk);
+    for (int32_t i = i0; i < i1; ++i) {
+      double* __restrict here = stack + static_cast<size_t>(run_depth[i]) * R;
+      double* __restrict below = stack + static_cast<size_t>(run_child_depth[i]) * R;
+      // most runs have 0 or 1 leaves: the first is taken without a branch (an unpredictable
+      // one would cost more than the rows' loads), further ones (duplicates) in a loop
+      const int32_t lb = run_leaf[i], le = run_leaf[i + 1];
+      const bool has = le > lb;
+      const int32_t q = has ? lb : 0;
       double v[R];
       for (int r = 0; r < R; ++r) {
-        v[r] = below[r];
+        const double leaf = static_cast<double>(lv[r * L + q]);
+        v[r] = combine<SRED>(below[r], has ? leaf : id);
         below[r] = id;
       }
-      // most nodes have 0 or 1 leaves: take the first one without a branch (an unpredictable
-      // one would cost more than the rows' adds), further ones (duplicates) in a loop
-      const int64_t q = pos < L ? pos : L - 1;
-      const bool has = (pos < L) & (leaf_node[q] == n);
-      for (int r = 0; r < R; ++r) v[r] = combine<SRED>(v[r], has ? double(lv[r][q]) : id);
-      pos += has;
-      for (; has && pos < L && leaf_node[pos] == n; ++pos)
-        for (int r = 0; r < R; ++r) v[r] = combine<SRED>(v[r], double(lv[r][pos]));
+      for (int32_t p = lb + 1; p < le; ++p)
+        for (int r = 0; r < R; ++r) v[r] = combine<SRED>(v[r], static_cast<double>(lv[r * L + p]));
       for (int r = 0; r < R; ++r) {
         here[r] = combine<SRED>(here[r], v[r]);
-        if constexpr (RED == kLogMass) {
-          ratio[r * kNodeChunk + (n - n0)] = v[r];
-        } else {
-          o[r][n] = static_cast<Out>(v[r]);
-        }
+        run_value[r * kRow + (i - i0)] = v[r];
       }
     }
-    if constexpr (RED == kLogMass) {
-      for (int r = 0; r < R; ++r)
-        log_ratio(ratio + r * kNodeChunk, reinterpret_cast<float*>(o[r]) + n0, n1 - n0,
-                  inv_total[r]);
+    const int32_t n0 = i0 == 0 ? 0 : A.run_end[i0 - 1], n1 = A.run_end[i1 - 1];
+    for (int r = 0; r < R; ++r) {
+      Out* row_red = red + r * kRow;
+      if constexpr (RED == kLogMass) {
+        log_ratio(run_value + r * kRow, row_red, i1 - i0, inv_total[r]);
+      } else {
+        for (int32_t k = 0; k < i1 - i0; ++k) row_red[k] = static_cast<Out>(run_value[r * kRow + k]);
+      }
+      expand_runs(row_red - i0, A.run_of, n0, n1, o[r]);
     }
   }
   if constexpr (RED == kLogMass) {

@@ -14,8 +14,17 @@ struct Args {
   int in_type;
   int64_t B, C;
   const int32_t* parent;  // [N] parent id (> n), -1 for the root
-  const int32_t* depth;   // [N] depth (0 for a root; depth[n] = depth[parent[n]] + 1)
-  int32_t max_depth;      // >= every depth[n]
+  // Runs: maximal chains of node ids [start, end) in which every node above `start` has
+  // `start`'s chain as its only child and no leaf, so all of them hold one value. Run i is
+  // [run_end[i - 1] (0 for i = 0), run_end[i]); its leaves are the leaf positions
+  // [run_leaf[i], run_leaf[i + 1]), all at its first node.
+  const int32_t* run_end;          // [R] exclusive end node, increasing; the last is N
+  const int32_t* run_depth;        // [R] depth of the run's last (top) node
+  const int32_t* run_child_depth;  // [R] depth of its first node + 1 (where its children sit)
+  const int32_t* run_leaf;         // [R + 1] first leaf position of each run; run_leaf[R] = L
+  const int32_t* run_of;           // [N] the run holding each node
+  int64_t num_runs;
+  int32_t max_depth;  // >= every depth
   const int32_t* leaf_node;   // [L] node of each leaf position, non-decreasing
   const int32_t* leaf_token;  // [L] value column of each leaf position
   int64_t N, L;

@@ -163,10 +163,34 @@ def _node_depths(parent):
     return dist.to(torch.int32)
 
 
+def _single_child_runs(parent, leaf_counts, depth):
+    """The runs the CPU row sweep steps over (csrc/trie_reduce_cpu.h): maximal chains of
+    consecutive node ids in which every node above the first has exactly one child and no
+    leaf. In post-order a node's last child is the node just before it, so such a node n
+    continues the run of n - 1 and has its value."""
+    import torch
+
+    num_nodes = parent.numel()
+    children = torch.bincount(parent[parent >= 0], minlength=num_nodes)
+    link = (children == 1) & (leaf_counts == 0)  # n holds the value of n - 1
+    start = torch.nonzero(~link).flatten()  # node 0 has no child, so it starts a run
+    end = torch.cat([start[1:], start.new_tensor([num_nodes])])
+    leaf_start = torch.cumsum(leaf_counts, 0) - leaf_counts
+    as_i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
+    return {
+        "run_end": as_i32(end),
+        "run_depth": as_i32(depth[end - 1]),
+        "run_child_depth": as_i32(depth[start] + 1),
+        "run_leaf": as_i32(torch.cat([leaf_start[start], leaf_counts.sum().reshape(1)])),
+        "run_of": as_i32(torch.cumsum((~link).long(), 0) - 1),
+    }
+
+
 def _cpu_arrays(arrays: dict):
     """Index arrays the CPU kernel needs, derived once per (layout, mode) and cached in
-    ``arrays`` (the layout's per-device dict): node depths, the node of every leaf position
-    (leaf_end is cumulative per node in leaf order) and the list of empty nodes."""
+    ``arrays`` (the layout's per-device dict): the node of every leaf position (leaf_end is
+    cumulative per node in leaf order), the list of empty nodes, the runs of single-child
+    links and the maximum depth."""
     cached = arrays.get("_cpu")
     if cached is None:
         import torch
@@ -177,33 +201,43 @@ def _cpu_arrays(arrays: dict):
         leaf_node = torch.repeat_interleave(torch.arange(num_nodes, dtype=torch.int32), counts)
         empty = torch.nonzero(arrays["leaf_start"] == arrays["leaf_end"]).flatten()
         token = arrays["leaf_token"]
-        depth = _node_depths(arrays["parent"].long())
+        parent = arrays["parent"].long()
+        depth = _node_depths(parent).long()
         cached = {
-            "depth": depth.contiguous(),
             "max_depth": int(depth.max()) if depth.numel() else 0,
             "leaf_node": leaf_node.contiguous(),
             "empty": empty.to(torch.int32).contiguous(),
             "min_columns": int(token.max()) + 1 if token.numel() else 0,
             "checked": False,
+            **_single_child_runs(parent, counts, depth),
         }
         arrays["_cpu"] = cached
     return cached
 
 
+def run_cpu_kernel(module, values, arrays: dict, reduction: str, *, check: bool | None = None,
+                   num_threads: int = 0):
+    """``module.trie_reduce_cpu`` on a layout's arrays. ``check=None`` checks every index on
+    the layout's first call only (the arrays are immutable afterwards)."""
+    cpu = _cpu_arrays(arrays)
+    check = not cpu["checked"] if check is None else check
+    out = module.trie_reduce_cpu(
+        values, arrays["parent"], cpu["leaf_node"], arrays["leaf_token"], cpu["empty"],
+        cpu["run_end"], cpu["run_depth"], cpu["run_child_depth"], cpu["run_leaf"],
+        cpu["run_of"], cpu["max_depth"], reduction, check, num_threads)
+    cpu["checked"] = cpu["checked"] or check
+    return out
+
+
 def _trie_reduce_cpu(module, values, arrays, reduction, num_nodes):
     cpu = _cpu_arrays(arrays)
-    parent = arrays["parent"]
-    if parent.numel() != num_nodes:
-        raise ValueError(f"num_nodes={num_nodes} but the layout has {parent.numel()} nodes")
+    if arrays["parent"].numel() != num_nodes:
+        raise ValueError(f"num_nodes={num_nodes} but the layout has "
+                         f"{arrays['parent'].numel()} nodes")
     if values.shape[1] < cpu["min_columns"]:
         raise ValueError(f"rows have {values.shape[1]} entries but the vocabulary needs at "
                          f"least {cpu['min_columns']}")
-    # the first call checks every index; the arrays are immutable afterwards
-    out = module.trie_reduce_cpu(values, parent, cpu["depth"], cpu["max_depth"],
-                                 cpu["leaf_node"], arrays["leaf_token"], cpu["empty"], reduction,
-                                 not cpu["checked"], 0)
-    cpu["checked"] = True
-    return out
+    return run_cpu_kernel(module, values, arrays, reduction)
 
 
 def _trie_reduce_cuda(module, values, arrays, reduction, num_nodes, num_scratch,

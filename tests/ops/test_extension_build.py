@@ -233,10 +233,8 @@ def test_split_row_and_row_parallel_paths(reduction, mode):
     ref = reference(x, layout, reduction, mode)
     for threads in (1, 2, 3, 4):
         for rows in (slice(0, 1), slice(1, 2), slice(2, 3), slice(0, 5)):
-            out = module.trie_reduce_cpu(x[rows].contiguous(), arrays["parent"], cpu["depth"],
-                                         cpu["max_depth"], cpu["leaf_node"],
-                                         arrays["leaf_token"], cpu["empty"], reduction, True,
-                                         threads)
+            out = extension.run_cpu_kernel(module, x[rows].contiguous(), arrays, reduction,
+                                           check=True, num_threads=threads)
             assert_matches(out, ref[rows])
 
 
@@ -278,11 +276,16 @@ def test_raw_function_rejects_bad_input():
                                             arrays["leaf_token"], cpu["empty"])
     x = torch.randn(2, layout.num_columns)
 
-    depth, max_depth = cpu["depth"], cpu["max_depth"]
+    runs = {k: cpu[k] for k in ("run_end", "run_depth", "run_child_depth", "run_leaf", "run_of")}
+    max_depth = cpu["max_depth"]
+    assert runs["run_end"].numel() < layout.num_nodes  # the layout has links to merge
 
     def call(values=x, reduction="sum", par=parent, ln=leaf_node, lt=leaf_token, em=empty,
-             dep=depth, max_dep=max_depth):
-        return module.trie_reduce_cpu(values, par, dep, max_dep, ln, lt, em, reduction, True, 0)
+             max_dep=max_depth, **changed):
+        r = {**runs, **changed}
+        return module.trie_reduce_cpu(values, par, ln, lt, em, r["run_end"], r["run_depth"],
+                                      r["run_child_depth"], r["run_leaf"], r["run_of"],
+                                      max_dep, reduction, True, 0)
 
     assert call().shape == (2, layout.num_nodes)
     with pytest.raises(RuntimeError, match="unknown reduction"):
@@ -297,20 +300,39 @@ def test_raw_function_rejects_bad_input():
         call(values=x.long(), reduction="log_mass")
     with pytest.raises(RuntimeError, match="'parent' must be int32"):
         call(par=parent.long())
+    with pytest.raises(RuntimeError, match="'run_of' must be int32"):
+        call(run_of=runs["run_of"].long())
     with pytest.raises(RuntimeError, match="outside the"):
         call(values=x[:, :2].contiguous())  # fewer columns than the vocabulary
     bad_parent = parent.clone()
     bad_parent[0] = 0
     with pytest.raises(RuntimeError, match="post-order parent"):
         call(par=bad_parent)
-    bad_depth = depth.clone()
-    bad_depth[0] += 1
-    with pytest.raises(RuntimeError, match="depth\\[0\\]"):
-        call(dep=bad_depth)
-    with pytest.raises(RuntimeError, match="depth\\[.*max_depth"):
+    with pytest.raises(RuntimeError, match="> max_depth"):
         call(max_dep=max_depth - 1)
-    with pytest.raises(RuntimeError, match="depth has"):
-        call(dep=depth[:-1].contiguous())
+    # the runs: each malformed in one way
+    end, depth, child, leaf, run_of = (runs[k] for k in runs)
+    with pytest.raises(RuntimeError, match="run arrays need"):
+        call(run_depth=depth[:-1].contiguous())
+    with pytest.raises(RuntimeError, match="run_end must increase to N"):
+        call(run_end=torch.cat([end[:-1], end[-1:] - 1]).contiguous())
+    with pytest.raises(RuntimeError, match="run_of\\[0\\]"):
+        call(run_of=(run_of + 1).to(torch.int32))
+    with pytest.raises(RuntimeError, match="run 0 has run_depth"):
+        call(run_depth=(depth + (torch.arange(len(depth)) == 0)).to(torch.int32))
+    with pytest.raises(RuntimeError, match="run_leaf must start at 0"):
+        call(run_leaf=(leaf + 1).to(torch.int32))
+    with_leaves = int(torch.nonzero(leaf[1:] > leaf[:-1])[0])  # a run with a leaf
+    shifted = leaf.clone()
+    shifted[with_leaves + 1] -= 1  # its last leaf listed under the next run
+    with pytest.raises(RuntimeError, match="is listed under run"):
+        call(run_leaf=shifted)
+    # runs 0 and 1 merged into one: node end[0] starts its own run, it is no link
+    merged_of = (run_of - (run_of >= 1).to(torch.int32)).to(torch.int32)
+    with pytest.raises(RuntimeError, match="not the single-child parent"):
+        call(run_end=end[1:].contiguous(), run_depth=depth[1:].contiguous(),
+             run_child_depth=child[1:].contiguous(),
+             run_leaf=torch.cat([leaf[:1], leaf[2:]]).contiguous(), run_of=merged_of)
     with pytest.raises(RuntimeError, match="non-decreasing"):
         call(ln=leaf_node.flip(0).contiguous())
     with pytest.raises(RuntimeError, match="leaf_node has"):
@@ -320,7 +342,7 @@ def test_raw_function_rejects_bad_input():
         bad[1] = float("-inf")
         call(values=bad, reduction="log_mass")
     with pytest.raises(TypeError):
-        module.trie_reduce_cpu(x, parent, depth, max_depth, leaf_node, leaf_token, empty)
+        module.trie_reduce_cpu(x, parent, leaf_node, leaf_token, empty, max_depth)
 
 
 def test_backend_wrapper_rejects_narrow_rows():

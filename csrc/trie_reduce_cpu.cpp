@@ -403,9 +403,9 @@ constexpr int32_t kRunChunk = 1024;  // runs per chunk: their values are buffere
 
 // Rows [r0, r0 + R) in one depth-stack sweep over the runs (see the top of the file). Each
 // row's leaf values are first gathered into leaf order (exp applied for log_mass), so the
-// sweep reads R streams. A chunk of runs leaves its values in a per-row buffer (double; the
-// log for log_mass is then one vectorised pass per row), which expand_runs writes out to the
-// chunk's nodes. Returns the number of leading rows that succeeded (< R: that log_mass row
+// sweep reads R streams. A chunk of runs leaves its rounded values in a per-row buffer (for
+// log_mass, the masses go through one vectorised log pass per row first), which expand_runs
+// writes out to the chunk's nodes. Returns the number of leading rows that succeeded (< R: that log_mass row
 // has no finite maximum).
 template <int RED, int R, class In, class Out>
 GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
@@ -448,7 +448,7 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
   constexpr size_t kRow = kRunChunk + 8;  // + 8: expand_runs may read 8 past a chunk's end
   if (w.ratio.size() < R * kRow) w.ratio.resize(R * kRow);
   if (w.red.size() < R * kRow) w.red.resize(R * kRow);
-  double* __restrict run_value = w.ratio.data();  // [R][kRow]
+  double* __restrict run_value = w.ratio.data();  // [R][kRow], log_mass: masses before the log
   Out* __restrict red = reinterpret_cast<Out*>(w.red.data());  // [R][kRow], the rounded values
   const int32_t* __restrict run_depth = A.run_depth;
   const int32_t* __restrict run_child_depth = A.run_child_depth;
@@ -475,17 +475,18 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
         for (int r = 0; r < R; ++r) v[r] = combine<SRED>(v[r], static_cast<double>(lv[r * L + p]));
       for (int r = 0; r < R; ++r) {
         here[r] = combine<SRED>(here[r], v[r]);
-        run_value[r * kRow + (i - i0)] = v[r];
+        if constexpr (RED == kLogMass) {
+          run_value[r * kRow + (i - i0)] = v[r];
+        } else {
+          red[r * kRow + (i - i0)] = static_cast<Out>(v[r]);
+        }
       }
     }
     const int32_t n0 = i0 == 0 ? 0 : A.run_end[i0 - 1], n1 = A.run_end[i1 - 1];
     for (int r = 0; r < R; ++r) {
       Out* row_red = red + r * kRow;
-      if constexpr (RED == kLogMass) {
+      if constexpr (RED == kLogMass)
         log_ratio(run_value + r * kRow, row_red, i1 - i0, inv_total[r]);
-      } else {
-        for (int32_t k = 0; k < i1 - i0; ++k) row_red[k] = static_cast<Out>(run_value[r * kRow + k]);
-      }
       expand_runs(row_red - i0, A.run_of, n0, n1, o[r]);
     }
   }

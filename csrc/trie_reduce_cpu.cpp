@@ -304,8 +304,8 @@ inline void sweep(double* __restrict acc, const int32_t* __restrict parent, Out*
 struct Work {
   std::vector<double> acc;  // N + 1: acc[-1] is the root's dummy parent; or the depth stack
   std::vector<double> e;    // leaf values gathered into leaf order (R x L for R rows)
-  std::vector<double> ratio;  // R rows of a chunk's run values (double)
-  std::vector<double> red;    // the same, rounded to the output type (float or double)
+  std::vector<double> ratio;  // log_mass: R rows of a chunk's run masses, before the log
+  std::vector<double> red;    // R rows of a chunk's run values in the output type
   std::vector<double> pm, ps;  // N + 1: exact pass (max, scaled sum)
   double* accp(int64_t N) {
     if (static_cast<int64_t>(acc.size()) < N + 1) acc.resize(N + 1);
@@ -405,8 +405,8 @@ constexpr int32_t kRunChunk = 1024;  // runs per chunk: their values are buffere
 // row's leaf values are first gathered into leaf order (exp applied for log_mass), so the
 // sweep reads R streams. A chunk of runs leaves its rounded values in a per-row buffer (for
 // log_mass, the masses go through one vectorised log pass per row first), which expand_runs
-// writes out to the chunk's nodes. Returns the number of leading rows that succeeded (< R: that log_mass row
-// has no finite maximum).
+// writes out to the chunk's nodes. Returns the number of leading rows that succeeded (< R:
+// that log_mass row has no finite maximum).
 template <int RED, int R, class In, class Out>
 GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
   constexpr int SRED = RED == kLogMass ? kSum : RED;
@@ -446,7 +446,7 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
   double* __restrict stack = w.acc.data();
   std::fill(stack, stack + slots, id);
   constexpr size_t kRow = kRunChunk + 8;  // + 8: expand_runs may read 8 past a chunk's end
-  if (w.ratio.size() < R * kRow) w.ratio.resize(R * kRow);
+  if (RED == kLogMass && w.ratio.size() < R * kRow) w.ratio.resize(R * kRow);
   if (w.red.size() < R * kRow) w.red.resize(R * kRow);
   double* __restrict run_value = w.ratio.data();  // [R][kRow], log_mass: masses before the log
   Out* __restrict red = reinterpret_cast<Out*>(w.red.data());  // [R][kRow], the rounded values

@@ -149,9 +149,9 @@ def why_missing(kind: str) -> str:
 
 
 def _node_depths(parent):
-    """Edges from the root of every node, by pointer jumping: ``jump[n]`` is an ancestor of
-    n (itself for a root) at distance ``dist[n]``; doubling the jump ceil(log2(depth)) times
-    reaches the roots."""
+    """Edges from the root of every node (int64), by pointer jumping: ``jump[n]`` is an
+    ancestor of n (itself for a root) at distance ``dist[n]``; doubling the jump
+    ceil(log2(depth)) times reaches the roots."""
     import torch
 
     is_root = parent < 0
@@ -160,7 +160,7 @@ def _node_depths(parent):
     while not bool(is_root[jump].all()):
         dist = dist + dist[jump]
         jump = jump[jump]
-    return dist.to(torch.int32)
+    return dist
 
 
 def _single_child_runs(parent, leaf_counts, depth):
@@ -202,7 +202,7 @@ def _cpu_arrays(arrays: dict):
         empty = torch.nonzero(arrays["leaf_start"] == arrays["leaf_end"]).flatten()
         token = arrays["leaf_token"]
         parent = arrays["parent"].long()
-        depth = _node_depths(parent).long()
+        depth = _node_depths(parent)
         cached = {
             "max_depth": int(depth.max()) if depth.numel() else 0,
             "leaf_node": leaf_node.contiguous(),

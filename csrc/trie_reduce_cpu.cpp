@@ -18,11 +18,13 @@
 // of consecutive ids sharing one value (55% of Llama-3's trie nodes are such links). A run
 // takes its children from slot[depth of its first node + 1], adds into slot[depth of its
 // last node], and its value is then written to all its nodes (expand_runs).
-// R <= 8 rows go through one sweep; their stack, (max_depth + 2) x R doubles, stays in L1.
-// Each row's leaf values are gathered into leaf order first (its row is L2-resident while
-// it is gathered), so the sweep reads R streams, with the run arrays read once per R rows;
-// a run's first leaf is taken without a branch. Rows are spread over the OpenMP threads in
-// blocks of R.
+// R <= 8 rows go through one sweep; their stack, (max_depth + 2) x R doubles, stays in L1,
+// and each run is done for all R rows at once with vector ops (lanes = rows), so the run
+// arrays are read once per R rows. Each row is first read in address order (so that it sits
+// in L2) and its leaf values gathered into leaf order; per chunk of runs, those are
+// interleaved [leaf][row], and the chunk's run values come back [run][row] and are split
+// into one buffer per row for expand_runs. A run's first leaf is taken without a branch.
+// Rows are spread over the OpenMP threads in blocks of R.
 //
 // One row, big trie (B < threads): the node range is cut into T chunks [a_j, b_j) swept in
 // parallel into one shared N-long accumulator (acc[parent[n]] op= acc[n], exact because
@@ -249,8 +251,9 @@ GF_VECTOR_CLONES void gather_leaves_exp(const BF16* x, const int32_t* tok, int64
 
 // ----------------------------------------------------------------------------- the sweep
 
-template <int RED>
-__attribute__((always_inline)) inline double combine(double a, double b) {
+// for doubles and for Lanes (GCC vectors: `?:` selects per lane)
+template <int RED, class T>
+__attribute__((always_inline)) inline T combine(T a, T b) {
   if constexpr (RED == kMax) {
     return b > a ? b : a;
   } else {
@@ -304,6 +307,8 @@ inline void sweep(double* __restrict acc, const int32_t* __restrict parent, Out*
 struct Work {
   std::vector<double> acc;  // N + 1: acc[-1] is the root's dummy parent; or the depth stack
   std::vector<double> e;    // leaf values gathered into leaf order (R x L for R rows)
+  std::vector<double> lanes;  // a chunk's leaf values interleaved [leaf][R], + an identity slot
+  std::vector<double> runs;   // a chunk's run values interleaved [run][R]
   std::vector<double> ratio;  // log_mass: R rows of a chunk's run masses, before the log
   std::vector<double> red;    // R rows of a chunk's run values in the output type
   std::vector<double> pm, ps;  // N + 1: exact pass (max, scaled sum)
@@ -401,16 +406,35 @@ void expand_runs(const double* red, const int32_t* run_of, int32_t n0, int32_t n
 
 constexpr int32_t kRunChunk = 1024;  // runs per chunk: their values are buffered per row
 
-// Rows [r0, r0 + R) in one depth-stack sweep over the runs (see the top of the file). Each
-// row's leaf values are first gathered into leaf order (exp applied for log_mass), so the
-// sweep reads R streams. A chunk of runs leaves its rounded values in a per-row buffer (for
-// log_mass, the masses go through one vectorised log pass per row first), which expand_runs
-// writes out to the chunk's nodes. Returns the number of leading rows that succeeded (< R:
-// that log_mass row has no finite maximum).
+// W <= 4 rows' doubles side by side: one AVX2 register (two SSE2 ones in the baseline
+// clone). aligned(8): loaded from and stored to plain double buffers. Wider GCC vectors
+// are split badly on AVX2, so 8 rows are two of these.
+template <int W>
+struct LanesOf {
+  typedef double type __attribute__((vector_size(8 * W), aligned(8)));
+};
+
+// Reads a row once in address order, one byte per cache line, so that the random reads of
+// the gather that follows hit L2 (the hardware prefetcher follows this, not the gather).
+inline void touch_row(const void* row, int64_t bytes) {
+  const volatile char* p = static_cast<const volatile char*>(row);
+  for (int64_t b = 0; b < bytes; b += 64) (void)p[b];
+}
+
+// Rows [r0, r0 + R) in one depth-stack sweep over the runs (see the top of the file).
+// Each row's leaf values are first gathered into leaf order (exp applied for log_mass).
+// Per chunk of runs, the chunk's leaves are interleaved [leaf][R] as doubles, so the sweep
+// does each run for all R rows with a few vector ops (G groups of W lanes); the chunk's run
+// values come out interleaved [run][R] and are split back into one buffer per row, rounded
+// (for log_mass, after one vectorised log pass per row), which expand_runs writes out to the
+// chunk's nodes. Returns the number of leading rows that succeeded (< R: that log_mass row
+// has no finite maximum).
 template <int RED, int R, class In, class Out>
 GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
   constexpr int SRED = RED == kLogMass ? kSum : RED;
   constexpr double id = identity<SRED>();
+  constexpr int W = R < 4 ? R : 4, G = R / W;
+  using V = typename LanesOf<W>::type;
   const int64_t L = A.L;
   if (L == 0) {  // no leaves: every node is empty
     for (int r = 0; r < R; ++r)
@@ -430,7 +454,7 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
     const In* x = static_cast<const In*>(A.values) + (r0 + r) * A.C;
     Leaf* dst = lv_all + r * L;
     o[r] = static_cast<Out*>(A.out) + (r0 + r) * A.N;
-    if constexpr (RED == kLogMass) {
+    if constexpr (RED == kLogMass) {  // these two passes leave the row in cache
       const double m = row_max(x, A.C);
       if (!(m > -kInf && m < kInf)) return r;
       const double total = row_exp_sum(x, A.C, m, &nlow[r]);
@@ -438,6 +462,7 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
       inv_total[r] = 1.0 / total;
       gather_leaves_exp(x, A.leaf_token, L, m, dst);
     } else {
+      touch_row(x, A.C * static_cast<int64_t>(sizeof(In)));
       gather_leaves(x, A.leaf_token, L, dst);
     }
   }
@@ -446,42 +471,57 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
   double* __restrict stack = w.acc.data();
   std::fill(stack, stack + slots, id);
   constexpr size_t kRow = kRunChunk + 8;  // + 8: expand_runs may read 8 past a chunk's end
+  if (w.runs.size() < R * kRow) w.runs.resize(R * kRow);
   if (RED == kLogMass && w.ratio.size() < R * kRow) w.ratio.resize(R * kRow);
   if (w.red.size() < R * kRow) w.red.resize(R * kRow);
+  V* __restrict run_lanes = reinterpret_cast<V*>(w.runs.data());  // [kRunChunk][G]
   double* __restrict run_value = w.ratio.data();  // [R][kRow], log_mass: masses before the log
   Out* __restrict red = reinterpret_cast<Out*>(w.red.data());  // [R][kRow], the rounded values
   const int32_t* __restrict run_depth = A.run_depth;
   const int32_t* __restrict run_child_depth = A.run_child_depth;
   const int32_t* __restrict run_leaf = A.run_leaf;
-  const Leaf* __restrict lv = lv_all;
+  const V idv = V{} + id;
   const int32_t num_runs = static_cast<int32_t>(A.num_runs);
   for (int32_t i0 = 0; i0 < num_runs; i0 += kRunChunk) {
     const int32_t i1 = std::min(num_runs, i0 + kRunChunk);
+    // the chunk's leaves [l0, l1), interleaved; slot l1 - l0 holds the identity
+    const int32_t l0 = run_leaf[i0], nl = run_leaf[i1] - l0;
+    if (w.lanes.size() < static_cast<size_t>(nl + 1) * R) w.lanes.resize((nl + 1) * R);
+    double* __restrict lanes = w.lanes.data();
+    for (int32_t k = 0; k < nl; ++k)
+      for (int r = 0; r < R; ++r) lanes[k * R + r] = static_cast<double>(lv_all[r * L + l0 + k]);
+    for (int r = 0; r < R; ++r) lanes[nl * R + r] = id;
+    const V* __restrict leaf = reinterpret_cast<const V*>(lanes);
     for (int32_t i = i0; i < i1; ++i) {
-      double* __restrict here = stack + static_cast<size_t>(run_depth[i]) * R;
-      double* __restrict below = stack + static_cast<size_t>(run_child_depth[i]) * R;
-      // most runs have 0 or 1 leaves: the first is taken without a branch (an unpredictable
-      // one would cost more than the rows' loads), further ones (duplicates) in a loop
-      const int32_t lb = run_leaf[i], le = run_leaf[i + 1];
-      const bool has = le > lb;
-      const int32_t q = has ? lb : 0;
-      double v[R];
-      for (int r = 0; r < R; ++r) {
-        const double leaf = static_cast<double>(lv[r * L + q]);
-        v[r] = combine<SRED>(below[r], has ? leaf : id);
-        below[r] = id;
+      V* __restrict here = reinterpret_cast<V*>(stack + static_cast<size_t>(run_depth[i]) * R);
+      V* __restrict below =
+          reinterpret_cast<V*>(stack + static_cast<size_t>(run_child_depth[i]) * R);
+      // most runs have 0 or 1 leaves: the first is taken without a branch (from the identity
+      // slot when there is none), further ones (duplicates) in a loop
+      const int32_t lb = run_leaf[i] - l0, le = run_leaf[i + 1] - l0;
+      const int32_t first = le > lb ? lb : nl;
+      V v[G];
+      for (int g = 0; g < G; ++g) {
+        v[g] = combine<SRED>(below[g], leaf[first * G + g]);
+        below[g] = idv;
       }
       for (int32_t p = lb + 1; p < le; ++p)
-        for (int r = 0; r < R; ++r) v[r] = combine<SRED>(v[r], static_cast<double>(lv[r * L + p]));
-      for (int r = 0; r < R; ++r) {
-        here[r] = combine<SRED>(here[r], v[r]);
-        if constexpr (RED == kLogMass) {
-          run_value[r * kRow + (i - i0)] = v[r];
-        } else {
-          red[r * kRow + (i - i0)] = static_cast<Out>(v[r]);
-        }
+        for (int g = 0; g < G; ++g) v[g] = combine<SRED>(v[g], leaf[p * G + g]);
+      for (int g = 0; g < G; ++g) {
+        here[g] = combine<SRED>(here[g], v[g]);
+        run_lanes[(i - i0) * G + g] = v[g];
       }
     }
+    // split the interleaved run values into one buffer per row
+    const double* __restrict runs = w.runs.data();
+    for (int32_t k = 0; k < i1 - i0; ++k)
+      for (int r = 0; r < R; ++r) {
+        if constexpr (RED == kLogMass) {
+          run_value[r * kRow + k] = runs[k * R + r];
+        } else {
+          red[r * kRow + k] = static_cast<Out>(runs[k * R + r]);
+        }
+      }
     const int32_t n0 = i0 == 0 ? 0 : A.run_end[i0 - 1], n1 = A.run_end[i1 - 1];
     for (int r = 0; r < R; ++r) {
       Out* row_red = red + r * kRow;

@@ -2,7 +2,9 @@
 //
 //   trie_reduce_cpu(values, parent, leaf_node, leaf_token, empty_nodes, run_end, run_depth,
 //                   run_child_depth, run_leaf, run_of, max_depth, reduction,
-//                   check_indices=True, num_threads=0) -> Tensor[B, N]
+//                   check_indices=True, num_threads=0) -> (Tensor[B, N], bad_row)
+//                   bad_row = -1, or the first row the kernel rejected (a NaN for sum/max;
+//                   no finite maximum for log_mass), whose result is then incomplete
 //   trie_reduce_cuda(values, leaf_token, tile_range_ptr, range_start, range_end, range_dest,
 //                    span_node, span_left, span_right, span_tile_lo, span_tile_hi, scratch,
 //                    reduction, num_nodes, num_scratch, max_span_tiles, tile)
@@ -26,6 +28,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -170,7 +173,8 @@ void check_index(const at::Tensor& t, const char* name, const at::Device& device
               " but values are on ", device);
 }
 
-at::Tensor trie_reduce_cpu(const at::Tensor& values, const at::Tensor& parent,
+std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
+    const at::Tensor& values, const at::Tensor& parent,
                            const at::Tensor& leaf_node, const at::Tensor& leaf_token,
                            const at::Tensor& empty_nodes, const at::Tensor& run_end,
                            const at::Tensor& run_depth, const at::Tensor& run_child_depth,
@@ -291,14 +295,12 @@ at::Tensor trie_reduce_cpu(const at::Tensor& values, const at::Tensor& parent,
   A.out_double = out_double;
   A.reduction = red;
   A.num_threads = static_cast<int>(num_threads > 0 ? num_threads : at::get_num_threads());
-  int64_t bad;
+  int64_t status;
   {
     pybind11::gil_scoped_release no_gil;
-    bad = genlm_fast::cpu::trie_reduce(A);
+    status = genlm_fast::cpu::trie_reduce(A);
   }
-  TORCH_CHECK(bad == 0, "trie_reduce_cpu: log_mass logit row ", bad - 1,
-              " has no finite maximum (all -inf, or +inf / NaN): its log-masses are undefined");
-  return out;
+  return {out, status - 1};
 }
 
 #ifdef WITH_CUDA

@@ -176,16 +176,27 @@ GF_VECTOR_CLONES void log_ratio(const double* __restrict a, float* __restrict o,
   for (int64_t i = 0; i < n; ++i) o[i] = static_cast<float>(log_pos(a[i] * inv_total));
 }
 
-// max over x[0, n) (read-only)
+// max over x[0, n), or NaN if an entry is NaN (read-only)
 template <class In>
 __attribute__((always_inline)) inline double row_max_t(const In* __restrict x, int64_t n) {
   double m = -kInf;
-#pragma omp simd reduction(max : m)
+  int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
   for (int64_t c = 0; c < n; ++c) {
     const double v = load(x, c);
+    nan |= v != v;
     m = v > m ? v : m;
   }
-  return m;
+  return nan ? std::numeric_limits<double>::quiet_NaN() : m;
+}
+// whether x[0, n) holds a NaN (read-only; a full pass in address order, which also leaves the
+// row in cache for the random gather that follows)
+template <class In>
+__attribute__((always_inline)) inline bool row_has_nan_t(const In* __restrict x, int64_t n) {
+  int nan = 0;
+#pragma omp simd reduction(| : nan)
+  for (int64_t c = 0; c < n; ++c) nan |= x[c] != x[c];
+  return nan != 0;
 }
 // sum of exp(x[c] - m) over x[0, n) (read-only); *nlow = finite entries below m + kLowLeaf.
 template <class In>
@@ -212,6 +223,8 @@ GF_ROW_PASSES(double)
 GF_ROW_PASSES(F16)
 GF_ROW_PASSES(BF16)
 #undef GF_ROW_PASSES
+GF_VECTOR_CLONES bool row_has_nan(const float* x, int64_t n) { return row_has_nan_t(x, n); }
+GF_VECTOR_CLONES bool row_has_nan(const double* x, int64_t n) { return row_has_nan_t(x, n); }
 
 // lv[pos] = x[leaf_token[pos]] (sum/max, in the input's type) or exp(x[leaf_token[pos]] - m)
 // (log_mass, double): one row's leaf values in leaf order, so the sweep reads them as a stream.
@@ -414,21 +427,14 @@ struct LanesOf {
   typedef double type __attribute__((vector_size(8 * W), aligned(8)));
 };
 
-// Reads a row once in address order, one byte per cache line, so that the random reads of
-// the gather that follows hit L2 (the hardware prefetcher follows this, not the gather).
-inline void touch_row(const void* row, int64_t bytes) {
-  const volatile char* p = static_cast<const volatile char*>(row);
-  for (int64_t b = 0; b < bytes; b += 64) (void)p[b];
-}
-
 // Rows [r0, r0 + R) in one depth-stack sweep over the runs (see the top of the file).
 // Each row's leaf values are first gathered into leaf order (exp applied for log_mass).
 // Per chunk of runs, the chunk's leaves are interleaved [leaf][R] as doubles, so the sweep
 // does each run for all R rows with a few vector ops (G groups of W lanes); the chunk's run
 // values come out interleaved [run][R] and are split back into one buffer per row, rounded
 // (for log_mass, after one vectorised log pass per row), which expand_runs writes out to the
-// chunk's nodes. Returns the number of leading rows that succeeded (< R: that log_mass row
-// has no finite maximum).
+// chunk's nodes. Returns the number of leading rows that succeeded (< R: that row failed its
+// check, see trie_reduce_cpu.h).
 template <int RED, int R, class In, class Out>
 GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
   constexpr int SRED = RED == kLogMass ? kSum : RED;
@@ -436,13 +442,6 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
   constexpr int W = R < 4 ? R : 4, G = R / W;
   using V = typename LanesOf<W>::type;
   const int64_t L = A.L;
-  if (L == 0) {  // no leaves: every node is empty
-    for (int r = 0; r < R; ++r)
-      std::fill(static_cast<Out*>(A.out) + (r0 + r) * A.N,
-                static_cast<Out*>(A.out) + (r0 + r + 1) * A.N,
-                static_cast<Out>(RED == kLogMass ? -kInf : 0.0));
-    return R;
-  }
   using Leaf = std::conditional_t<RED == kLogMass, double, In>;
   Work& w = thread_work();
   Leaf* lv_all = reinterpret_cast<Leaf*>(w.ep(static_cast<size_t>(R) * L));
@@ -454,7 +453,9 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
     const In* x = static_cast<const In*>(A.values) + (r0 + r) * A.C;
     Leaf* dst = lv_all + r * L;
     o[r] = static_cast<Out*>(A.out) + (r0 + r) * A.N;
-    if constexpr (RED == kLogMass) {  // these two passes leave the row in cache
+    // the row's checks read it in address order, which leaves it in cache for the random
+    // reads of the gather
+    if constexpr (RED == kLogMass) {
       const double m = row_max(x, A.C);
       if (!(m > -kInf && m < kInf)) return r;
       const double total = row_exp_sum(x, A.C, m, &nlow[r]);
@@ -462,9 +463,14 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
       inv_total[r] = 1.0 / total;
       gather_leaves_exp(x, A.leaf_token, L, m, dst);
     } else {
-      touch_row(x, A.C * static_cast<int64_t>(sizeof(In)));
+      if (row_has_nan(x, A.C)) return r;
       gather_leaves(x, A.leaf_token, L, dst);
     }
+  }
+  if (L == 0) {  // no leaves: every node is empty
+    for (int r = 0; r < R; ++r)
+      std::fill(o[r], o[r] + A.N, static_cast<Out>(RED == kLogMass ? -kInf : 0.0));
+    return R;
   }
   const size_t slots = (static_cast<size_t>(A.max_depth) + 2) * R;
   if (w.acc.size() < slots) w.acc.resize(slots);
@@ -578,6 +584,7 @@ bool run_row_chunked(const Args& A, int64_t r, int T) {
   std::vector<std::vector<std::pair<int32_t, double>>> carries(T);
   std::vector<double> part_max(T, -kInf), part_sum(T, 0.0);
   std::vector<int64_t> part_low(T, 0);
+  std::vector<char> part_nan(T, 0);
   double m = 0.0, total = 1.0;
   int64_t nlow = 0;
   bool ok = true;
@@ -586,13 +593,18 @@ bool run_row_chunked(const Args& A, int64_t r, int T) {
   {
     const int nt = omp_get_num_threads();
     const int t = omp_get_thread_num();
+    const int64_t c0 = A.C * t / nt, c1 = A.C * (t + 1) / nt;  // this thread's columns
     if constexpr (RED == kLogMass) {
-      const int64_t c0 = A.C * t / nt, c1 = A.C * (t + 1) / nt;
       part_max[t] = row_max(x + c0, c1 - c0);
+      part_nan[t] = part_max[t] != part_max[t];
 #pragma omp barrier
       double mm = -kInf;
-      for (int i = 0; i < nt; ++i) mm = part_max[i] > mm ? part_max[i] : mm;
-      const bool row_ok = mm > -kInf && mm < kInf;
+      bool row_ok = true;
+      for (int i = 0; i < nt; ++i) {
+        mm = part_max[i] > mm ? part_max[i] : mm;
+        row_ok = row_ok && !part_nan[i];
+      }
+      row_ok = row_ok && mm > -kInf && mm < kInf;
       if (row_ok) part_sum[t] = row_exp_sum(x + c0, c1 - c0, mm, &part_low[t]);
 #pragma omp barrier
 #pragma omp single
@@ -605,6 +617,12 @@ bool run_row_chunked(const Args& A, int64_t r, int T) {
           nlow += part_low[i];
         }
       }  // implicit barrier
+    } else {
+      part_nan[t] = row_has_nan(x + c0, c1 - c0);
+#pragma omp barrier
+#pragma omp single
+      for (int i = 0; i < nt; ++i) ok = ok && !part_nan[i];
+      // implicit barrier
     }
     if (ok) {
       for (int j = t; j < T; j += nt) {  // normally one chunk per thread

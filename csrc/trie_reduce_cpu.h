@@ -36,7 +36,9 @@ struct Args {
   int num_threads;  // <= 0: OpenMP's default
 };
 
-// Fills A.out. Returns 0 on success, or 1 + the first log_mass row without a finite maximum.
+// Fills A.out. Returns 0 on success, or 1 + the first row that fails its check (the rows are
+// checked as they are read, so callers need no pass of their own): a NaN anywhere in the row
+// (sum, max), or no finite maximum (log_mass: a NaN, a +inf, or all -inf).
 int64_t trie_reduce(const Args& A);
 
 }  // namespace cpu

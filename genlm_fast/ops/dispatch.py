@@ -108,7 +108,8 @@ def _impl(backend: str):
 
 
 def validate_values(values, layout: TrieLayout, reduction: str, exact_width: int | None = None):
-    """Check a ``[B, C]`` value/logit tensor; raise a clear error naming the problem."""
+    """Check a ``[B, C]`` value/logit tensor's type and shape; raise a clear error naming the
+    problem. Its entries are checked by :func:`check_rows` (or by the CPU kernel itself)."""
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor of values, got {type(values).__name__}")
     if values.dim() != 2:
@@ -122,21 +123,27 @@ def validate_values(values, layout: TrieLayout, reduction: str, exact_width: int
     if width < layout.num_columns:
         raise ValueError(f"rows have {width} entries but the vocabulary needs at least "
                          f"{layout.num_columns}")
+
+
+def check_rows(values: torch.Tensor, reduction: str):
+    """Reject a row holding a NaN (any reduction) or, for log_mass, a +inf or no finite logit:
+    one amax pass (amax propagates NaN)."""
     if values.shape[0] == 0:
         return
+    peak = values.amax(dim=1)
+    bad = ~torch.isfinite(peak) if reduction == "log_mass" else torch.isnan(peak)
+    if bool(bad.any()):
+        raise_bad_row(values, int(bad.nonzero()[0, 0]), reduction)
+
+
+def raise_bad_row(values: torch.Tensor, row: int, reduction: str):
+    """The error for a row that :func:`check_rows` or the CPU kernel rejected."""
     if reduction == "log_mass":
-        peak = values.amax(dim=1)
-        bad = ~torch.isfinite(peak)
-        if bool(bad.any()):
-            row = int(bad.nonzero()[0, 0])
-            v = float(peak[row])
-            what = ("contains NaN" if v != v else "contains +inf" if v > 0
-                    else "has no finite logit (all -inf)")
-            raise ValueError(f"logit row {row} {what}: log-masses would be undefined")
-    else:
-        nan_rows = torch.isnan(values.amax(dim=1))  # amax propagates NaN: one cheap pass
-        if bool(nan_rows.any()):
-            raise ValueError(f"weight row {int(nan_rows.nonzero()[0, 0])} contains NaN")
+        v = float(values[row].amax())
+        what = ("contains NaN" if v != v else "contains +inf" if v > 0
+                else "has no finite logit (all -inf)")
+        raise ValueError(f"logit row {row} {what}: log-masses would be undefined")
+    raise ValueError(f"weight row {row} contains NaN")
 
 
 def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
@@ -149,6 +156,8 @@ def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
         raise ValueError(f"this trie has no {mode!r} mode (modes: {sorted(layout.modes)})")
     validate_values(values, layout, reduction, exact_width)
     chosen = resolve_backend(backend, values.device)
+    if chosen != "cpu":  # the CPU kernel checks each row as it reads it
+        check_rows(values, reduction)
     if reduction != "log_mass" and values.dtype in (torch.float16, torch.bfloat16):
         values = values.float()
     values = values.contiguous()

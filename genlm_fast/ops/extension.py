@@ -218,14 +218,19 @@ def _cpu_arrays(arrays: dict):
 def run_cpu_kernel(module, values, arrays: dict, reduction: str, *, check: bool | None = None,
                    num_threads: int = 0):
     """``module.trie_reduce_cpu`` on a layout's arrays. ``check=None`` checks every index on
-    the layout's first call only (the arrays are immutable afterwards)."""
+    the layout's first call only (the arrays are immutable afterwards). A row the kernel
+    rejects (NaN; for log_mass also +inf or no finite logit) raises the dispatcher's error."""
     cpu = _cpu_arrays(arrays)
     check = not cpu["checked"] if check is None else check
-    out = module.trie_reduce_cpu(
+    out, bad_row = module.trie_reduce_cpu(
         values, arrays["parent"], cpu["leaf_node"], arrays["leaf_token"], cpu["empty"],
         cpu["run_end"], cpu["run_depth"], cpu["run_child_depth"], cpu["run_leaf"],
         cpu["run_of"], cpu["max_depth"], reduction, check, num_threads)
     cpu["checked"] = cpu["checked"] or check
+    if bad_row >= 0:
+        from genlm_fast.ops.dispatch import raise_bad_row
+
+        raise_bad_row(values, bad_row, reduction)
     return out
 
 

@@ -236,6 +236,14 @@ def test_split_row_and_row_parallel_paths(reduction, mode):
             out = extension.run_cpu_kernel(module, x[rows].contiguous(), arrays, reduction,
                                            check=True, num_threads=threads)
             assert_matches(out, ref[rows])
+    # a NaN row is found by every path (the split-row one checks its column slices)
+    bad = x.clone()
+    bad[3, -1] = float("nan")
+    for threads in (1, 2, 3, 4):
+        for rows, name in ((slice(3, 4), 0), (slice(0, 5), 3)):
+            with pytest.raises(ValueError, match=f"row {name} contains NaN"):
+                extension.run_cpu_kernel(module, bad[rows].contiguous(), arrays, reduction,
+                                         num_threads=threads)
 
 
 
@@ -287,7 +295,8 @@ def test_raw_function_rejects_bad_input():
                                       r["run_child_depth"], r["run_leaf"], r["run_of"],
                                       max_dep, reduction, True, 0)
 
-    assert call().shape == (2, layout.num_nodes)
+    out, bad_row = call()
+    assert out.shape == (2, layout.num_nodes) and bad_row == -1
     with pytest.raises(RuntimeError, match="unknown reduction"):
         call(reduction="mean")
     with pytest.raises(RuntimeError, match="2-D"):
@@ -337,10 +346,16 @@ def test_raw_function_rejects_bad_input():
         call(ln=leaf_node.flip(0).contiguous())
     with pytest.raises(RuntimeError, match="leaf_node has"):
         call(ln=leaf_node[:-1].contiguous())
-    with pytest.raises(RuntimeError, match="no finite maximum"):
-        bad = x.clone()
-        bad[1] = float("-inf")
-        call(values=bad, reduction="log_mass")
+    # rows the kernel rejects are reported, not raised: the first one's index comes back
+    for reduction, value in (("sum", "nan"), ("max", "nan"), ("log_mass", "nan"),
+                             ("log_mass", "inf"), ("log_mass", "all -inf")):
+        bad = torch.randn(3, layout.num_columns + 5)
+        if value == "all -inf":
+            bad[1] = float("-inf")
+        else:
+            bad[1, -1] = float(value)  # a column past the vocabulary: still checked
+        bad[2, 0] = float("nan")
+        assert call(values=bad, reduction=reduction)[1] == 1, (reduction, value)
     with pytest.raises(TypeError):
         module.trie_reduce_cpu(x, parent, leaf_node, leaf_token, empty, max_depth)
 

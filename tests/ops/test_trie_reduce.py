@@ -152,6 +152,46 @@ def test_log_mass_low_precision_logits(backend, dtype):
     oracle.assert_close(got.cpu().numpy(), want, "log_mass", f"{backend}/{dtype}")
 
 
+# ------------------------------------------------------------------ bad rows
+
+BAD_ROWS = [
+    ("sum", "nan", "weight row 2 contains NaN"),
+    ("max", "nan", "weight row 2 contains NaN"),
+    ("log_mass", "nan", "logit row 2 contains NaN"),
+    ("log_mass", "inf", r"logit row 2 contains \+inf"),
+    ("log_mass", "-inf", r"logit row 2 has no finite logit \(all -inf\)"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction,value,message", BAD_ROWS)
+def test_bad_rows_are_named(backend, reduction, value, message):
+    """The first bad row is named on every backend (the CPU kernel checks rows as it reads
+    them, the dispatcher checks them for the others), wherever the bad value sits: under a
+    leaf, or in a padding column past the vocabulary (log_mass takes wider rows)."""
+    words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(40)]
+    trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device=device_for(backend),
+                         cache=False)
+    trie.kernel_backend = backend
+    rng = np.random.default_rng(5)
+    width = 43 if reduction == "log_mass" else 40
+    for column in sorted({7, width - 1}):
+        rows = make_rows(rng, 4, width, reduction)
+        if value == "-inf":
+            rows[2] = -np.inf
+        else:
+            rows[2, column] = float(value)
+        rows[3, 0] = np.nan  # a later bad row: the first one is named
+        x = torch.from_numpy(rows).to(device_for(backend))
+        with pytest.raises(ValueError, match=message):
+            if reduction == "log_mass":
+                trie.batch_log_mass(x)
+            elif reduction == "sum":
+                trie.batch_weight_sum(x)
+            else:
+                trie.batch_weight_max(x)
+
+
 # ------------------------------------------------------------------ real vocabularies
 
 REAL = [("gpt2", 4), ("smollm2", 4), ("llama3", 2)]

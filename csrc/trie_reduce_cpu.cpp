@@ -426,6 +426,69 @@ template <int W>
 struct LanesOf {
   typedef double type __attribute__((vector_size(8 * W), aligned(8)));
 };
+using V4 = LanesOf<4>::type;
+typedef float F4 __attribute__((vector_size(16), aligned(4)));
+typedef int64_t I4 __attribute__((vector_size(32)));
+
+// 4 consecutive values as doubles, and back (rounded once to the output type)
+inline V4 load4(const float* p) { return __builtin_convertvector(*reinterpret_cast<const F4*>(p), V4); }
+inline V4 load4(const double* p) { return *reinterpret_cast<const V4*>(p); }
+inline void store4(float* p, V4 v) { *reinterpret_cast<F4*>(p) = __builtin_convertvector(v, F4); }
+inline void store4(double* p, V4 v) { *reinterpret_cast<V4*>(p) = v; }
+
+// a, b, c, d (the rows of a 4x4 block) become its columns
+__attribute__((always_inline)) inline void transpose4(V4& a, V4& b, V4& c, V4& d) {
+  const V4 ab_even = __builtin_shuffle(a, b, I4{0, 4, 2, 6}), ab_odd = __builtin_shuffle(a, b, I4{1, 5, 3, 7});
+  const V4 cd_even = __builtin_shuffle(c, d, I4{0, 4, 2, 6}), cd_odd = __builtin_shuffle(c, d, I4{1, 5, 3, 7});
+  a = __builtin_shuffle(ab_even, cd_even, I4{0, 1, 4, 5});
+  b = __builtin_shuffle(ab_odd, cd_odd, I4{0, 1, 4, 5});
+  c = __builtin_shuffle(ab_even, cd_even, I4{2, 3, 6, 7});
+  d = __builtin_shuffle(ab_odd, cd_odd, I4{2, 3, 6, 7});
+}
+
+// dst[k * R + r] = src[r * ld + k] as doubles, k in [0, n): R rows interleaved
+template <int R, class T>
+__attribute__((always_inline)) inline void interleave(const T* __restrict src, int64_t ld,
+                                                      int32_t n, double* __restrict dst) {
+  int32_t k = 0;
+  if constexpr (R % 4 == 0) {
+    for (; k + 4 <= n; k += 4)
+      for (int g = 0; g < R; g += 4) {
+        V4 a = load4(src + g * ld + k), b = load4(src + (g + 1) * ld + k);
+        V4 c = load4(src + (g + 2) * ld + k), d = load4(src + (g + 3) * ld + k);
+        transpose4(a, b, c, d);
+        double* o = dst + k * R + g;
+        *reinterpret_cast<V4*>(o) = a;
+        *reinterpret_cast<V4*>(o + R) = b;
+        *reinterpret_cast<V4*>(o + 2 * R) = c;
+        *reinterpret_cast<V4*>(o + 3 * R) = d;
+      }
+  }
+  for (; k < n; ++k)
+    for (int r = 0; r < R; ++r) dst[k * R + r] = static_cast<double>(src[r * ld + k]);
+}
+
+// dst[r * ld + k] = src[k * R + r] rounded to T, k in [0, n): the inverse of interleave
+template <int R, class T>
+__attribute__((always_inline)) inline void deinterleave(const double* __restrict src, int32_t n,
+                                                        T* __restrict dst, int64_t ld) {
+  int32_t k = 0;
+  if constexpr (R % 4 == 0) {
+    for (; k + 4 <= n; k += 4)
+      for (int g = 0; g < R; g += 4) {
+        const double* s = src + k * R + g;
+        V4 a = *reinterpret_cast<const V4*>(s), b = *reinterpret_cast<const V4*>(s + R);
+        V4 c = *reinterpret_cast<const V4*>(s + 2 * R), d = *reinterpret_cast<const V4*>(s + 3 * R);
+        transpose4(a, b, c, d);
+        store4(dst + g * ld + k, a);
+        store4(dst + (g + 1) * ld + k, b);
+        store4(dst + (g + 2) * ld + k, c);
+        store4(dst + (g + 3) * ld + k, d);
+      }
+  }
+  for (; k < n; ++k)
+    for (int r = 0; r < R; ++r) dst[r * ld + k] = static_cast<T>(src[k * R + r]);
+}
 
 // Rows [r0, r0 + R) in one depth-stack sweep over the runs (see the top of the file).
 // Each row's leaf values are first gathered into leaf order (exp applied for log_mass).
@@ -494,8 +557,7 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
     const int32_t l0 = run_leaf[i0], nl = run_leaf[i1] - l0;
     if (w.lanes.size() < static_cast<size_t>(nl + 1) * R) w.lanes.resize((nl + 1) * R);
     double* __restrict lanes = w.lanes.data();
-    for (int32_t k = 0; k < nl; ++k)
-      for (int r = 0; r < R; ++r) lanes[k * R + r] = static_cast<double>(lv_all[r * L + l0 + k]);
+    interleave<R>(lv_all + l0, L, nl, lanes);
     for (int r = 0; r < R; ++r) lanes[nl * R + r] = id;
     const V* __restrict leaf = reinterpret_cast<const V*>(lanes);
     for (int32_t i = i0; i < i1; ++i) {
@@ -519,15 +581,11 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
       }
     }
     // split the interleaved run values into one buffer per row
-    const double* __restrict runs = w.runs.data();
-    for (int32_t k = 0; k < i1 - i0; ++k)
-      for (int r = 0; r < R; ++r) {
-        if constexpr (RED == kLogMass) {
-          run_value[r * kRow + k] = runs[k * R + r];
-        } else {
-          red[r * kRow + k] = static_cast<Out>(runs[k * R + r]);
-        }
-      }
+    if constexpr (RED == kLogMass) {
+      deinterleave<R>(w.runs.data(), i1 - i0, run_value, kRow);
+    } else {
+      deinterleave<R>(w.runs.data(), i1 - i0, red, kRow);
+    }
     const int32_t n0 = i0 == 0 ? 0 : A.run_end[i0 - 1], n1 = A.run_end[i1 - 1];
     for (int r = 0; r < R; ++r) {
       Out* row_red = red + r * kRow;

@@ -67,10 +67,14 @@
 #include <immintrin.h>
 #endif
 
+// Function multiversioning (target_clones, target("avx2")) needs GCC and glibc's ifunc.
+// -DGF_BASELINE_ONLY builds the baseline versions alone (tests/ops check that build too).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && \
-    defined(__GLIBC__)  // target_clones needs ifunc
+    defined(__GLIBC__) && !defined(GF_BASELINE_ONLY)
+#define GF_FMV 1
 #define GF_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
+#define GF_FMV 0
 #define GF_VECTOR_CLONES
 #endif
 
@@ -391,8 +395,7 @@ void exact_low_pass(const Args& A, const In* x, double m, double lse, float* out
 // unaligned load of red[run_of[n]..+8) and a lane permute by run_of[n + k] - run_of[n] gives
 // the 8 outputs, stored with non-temporal stores (the result is not read again here, so
 // its cache lines need not be fetched first).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && \
-    defined(__GLIBC__)
+#if GF_FMV
 __attribute__((target("avx2"))) void expand_runs(const float* red, const int32_t* run_of,
                                                  int32_t n0, int32_t n1, float* out) {
   int32_t n = n0;

@@ -9,6 +9,7 @@
 * max with negative / -inf weights and empty nodes;
 * the one-row path that splits the node range over several threads, and the row-parallel path;
 * bad input to the raw extension function raises a clear error;
+* the build without function multiversioning (what CPUs without AVX2 run) is correct too;
 * ``nvcc -c csrc/trie_reduce_cuda.cu`` compiles (skipped only when nvcc is absent).
 
 The big cross-backend numerics test lives in test_trie_reduce.py.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -367,6 +369,43 @@ def test_backend_wrapper_rejects_narrow_rows():
     with pytest.raises(ValueError, match="at least"):
         extension.trie_reduce(x, arrays, "sum", num_nodes=layout.num_nodes, num_scratch=0,
                               max_span_tiles=0, tile=64)
+
+
+# --------------------------------------------------------------------------- baseline build
+
+
+def test_baseline_build_matches_reference():
+    """The kernels built without function multiversioning (-DGF_BASELINE_ONLY): the code an
+    x86-64 without AVX2 runs (vector lanes split into SSE2 halves, the plain expand_runs
+    loop), which the AVX2 clones otherwise hide on this machine. Built once into the JIT
+    cache (about a minute)."""
+    from torch.utils.cpp_extension import load
+
+    tag = "baseline-py{}{}-torch{}".format(*sys.version_info[:2],
+                                           torch.__version__.replace("+", "_"))
+    build_dir = os.path.join(extension.cache_dir(), tag)
+    os.makedirs(build_dir, exist_ok=True)
+    module = load(name="genlm_fast_C_baseline",
+                  sources=[os.path.join(extension._CSRC, f) for f in extension._CPU_SOURCES],
+                  extra_cflags=[*extension._CFLAGS, "-DGF_BASELINE_ONLY"],
+                  extra_ldflags=["-fopenmp"], build_directory=build_dir, verbose=False)
+    rng = np.random.default_rng(17)
+    for name in ("random", "big"):
+        layout = layout_named(name)
+        for mode in MODES:
+            arrays = layout.device_arrays(mode, "cpu")
+            for reduction in REDUCTIONS:
+                for dtype in (torch.float32, torch.float64):
+                    x = random_values(rng, layout, 15, reduction, dtype, extra_columns=2)
+                    if reduction == "log_mass":
+                        x[2, ::4] = -800.0  # the exact low pass
+                    ref = reference(x, layout, reduction, mode)
+                    # 15 rows: blocks of 8, 4, 2 and 1 rows; one row on 2 threads: split
+                    for rows, threads in ((slice(0, 15), 1), (slice(2, 3), 2)):
+                        out = extension.run_cpu_kernel(module, x[rows].contiguous(), arrays,
+                                                       reduction, check=True,
+                                                       num_threads=threads)
+                        assert_matches(out, ref[rows])
 
 
 # --------------------------------------------------------------------------- CUDA source

@@ -13,8 +13,9 @@ batch_weight_max, ``log_mass`` = batch_log_mass) it times, on the same inputs:
 
 The references have no log-mass op; their equivalent is ``log(batch_weight_sum(exp(log_softmax(
 logits))))``. Every genlm_fast result is first checked against a float64 oracle (genlm's numba
-trie fed float64 weights). Times are medians of ``time.perf_counter`` over repeats after a
-warm-up; they hold for the machine recorded in the header only.
+trie fed float64 weights). Times are medians of ``time.perf_counter`` over rounds in which
+each implementation runs once, in turn (so that noise hits them alike), after a warm-up;
+they hold for the machine recorded in the header only.
 
 Importable: ``run(quick) -> rows``, ``table(rows) -> markdown``, ``plot(rows, path)``.
 The vocabulary / reference / oracle helpers here are shared with ``bench/conftest.py`` and
@@ -249,22 +250,27 @@ def check_numbering(fast, numba_trie):
 # --------------------------------------------------------------------------- timing
 
 
-def time_call(fn, arg, *, target_s: float = 1.0, min_repeats: int = 5, max_repeats: int = 200,
-              warmup: int = 2) -> tuple[float, int]:
-    """(median ms, repeats): ``warmup`` untimed calls, then enough timed ones to fill
-    ``target_s`` (at least ``min_repeats``)."""
-    for _ in range(warmup):
-        fn(arg)
-    times = []
+def time_side_by_side(fns: dict, arg, *, target_s: float = 1.0, min_rounds: int = 3,
+                      max_rounds: int = 200, warmup: int = 1) -> dict:
+    """``{name: median ms}`` over rounds in which every function runs once, in turn, so that
+    a burst of noise on this shared VM falls on all of them alike instead of on whichever
+    was being timed; rounds continue until they fill ``target_s`` per function (at least
+    ``min_rounds``, at most ``max_rounds``)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn(arg)
+    times = {name: [] for name in fns}
     start = time.perf_counter()
-    fn(arg)
-    times.append(time.perf_counter() - start)
-    n = int(min(max_repeats, max(min_repeats, target_s / max(times[0], 1e-6))))
-    for _ in range(n - 1):
-        start = time.perf_counter()
-        fn(arg)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3, len(times)
+    while True:
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn(arg)
+            times[name].append(time.perf_counter() - t)
+        rounds = len(times[name])
+        if rounds >= max_rounds or (rounds >= min_rounds
+                                    and time.perf_counter() - start >= target_s * len(fns)):
+            break
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
 # --------------------------------------------------------------------------- machine info
@@ -367,14 +373,13 @@ def run(quick: bool = False, vocabs=None, batch_sizes=None, ops=OPS, target_s=No
                     warnings.simplefilter("ignore", RuntimeWarning)
                     err = check_result(op_fn(fast, op, False)(x), want, op, label=f"{label} {op} B={B}")
                     check_result(op_fn(fast64, op, False)(x), want, op, label=f"{label} {op} B={B} f64")
-                    fast_ms, _ = time_call(op_fn(fast, op, False), x, target_s=target_s)
-                    fast64_ms, _ = time_call(op_fn(fast64, op, False), x, target_s=target_s)
+                    ms = time_side_by_side({
+                        "fast": op_fn(fast, op, False), "fast64": op_fn(fast64, op, False),
+                        "numba": op_fn(numba_trie, op, True),
+                        "sparse": op_fn(sparse_trie, op, True)}, x, target_s=target_s)
+                fast_ms, fast64_ms, numba_ms, sparse_ms = (
+                    ms[k] for k in ("fast", "fast64", "numba", "sparse"))
                 backend = fast.last_kernel_backend
-                # slow references: fewer repeats (numba at B=128 on llama3 is ~1 s a call)
-                numba_ms, _ = time_call(op_fn(numba_trie, op, True), x, target_s=target_s,
-                                        min_repeats=3, warmup=1)
-                sparse_ms, _ = time_call(op_fn(sparse_trie, op, True), x, target_s=target_s,
-                                         min_repeats=3, warmup=1)
                 best_name, best_ms = min((("numba", numba_ms), ("sparse", sparse_ms)),
                                          key=lambda kv: kv[1])
                 row = {

@@ -13,9 +13,10 @@ batch_weight_max, ``log_mass`` = batch_log_mass) it times, on the same inputs:
 
 The references have no log-mass op; their equivalent is ``log(batch_weight_sum(exp(log_softmax(
 logits))))``. Every genlm_fast result is first checked against a float64 oracle (genlm's numba
-trie fed float64 weights). Times are medians of ``time.perf_counter`` over rounds in which
-each implementation runs once, in turn (so that noise hits them alike), after a warm-up;
-they hold for the machine recorded in the header only.
+trie fed float64 weights). Times are medians of ``time.perf_counter`` over back-to-back
+calls, taken in rounds in which each implementation runs for ~0.2 s in turn (so that noise
+hits them alike), each block after an untimed warm-up call; they hold for the machine
+recorded in the header only.
 
 Importable: ``run(quick) -> rows``, ``table(rows) -> markdown``, ``plot(rows, path)``.
 The vocabulary / reference / oracle helpers here are shared with ``bench/conftest.py`` and
@@ -250,26 +251,29 @@ def check_numbering(fast, numba_trie):
 # --------------------------------------------------------------------------- timing
 
 
-def time_side_by_side(fns: dict, arg, *, target_s: float = 1.0, min_rounds: int = 3,
-                      max_rounds: int = 200, warmup: int = 1) -> dict:
-    """``{name: median ms}`` over rounds in which every function runs once, in turn, so that
-    a burst of noise on this shared VM falls on all of them alike instead of on whichever
-    was being timed; rounds continue until they fill ``target_s`` per function (at least
-    ``min_rounds``, at most ``max_rounds``)."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn(arg)
+def time_side_by_side(fns: dict, arg, *, target_s: float = 1.0, block_s: float = 0.2,
+                      min_rounds: int = 3) -> dict:
+    """``{name: median ms}`` over rounds in which each function in turn is called back to
+    back for about ``block_s``: every function is timed in steady state, as pytest-benchmark
+    does, while a burst of noise on this shared VM (it lasts seconds) falls on all of them
+    alike rather than on whichever was being timed. The first call of every block is a
+    warm-up (after another implementation ran, caches are cold and idle threads asleep) and
+    is not timed. Rounds continue until every function has run ``target_s`` in all (at
+    least ``min_rounds`` rounds)."""
     times = {name: [] for name in fns}
-    start = time.perf_counter()
-    while True:
+    rounds = 0
+    while rounds < min_rounds or min(sum(ts) for ts in times.values()) < target_s:
         for name, fn in fns.items():
-            t = time.perf_counter()
             fn(arg)
-            times[name].append(time.perf_counter() - t)
-        rounds = len(times[name])
-        if rounds >= max_rounds or (rounds >= min_rounds
-                                    and time.perf_counter() - start >= target_s * len(fns)):
-            break
+            block_start = time.perf_counter()
+            while True:
+                t = time.perf_counter()
+                fn(arg)
+                now = time.perf_counter()
+                times[name].append(now - t)
+                if now - block_start >= block_s:
+                    break
+        rounds += 1
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 

@@ -50,6 +50,7 @@ OP_METHOD = {"sum": "batch_weight_sum", "max": "batch_weight_max", "log_mass": "
 # the issue's targets, all on the Llama-3 vocabulary: (op, B or None = every B, min speedup)
 TARGETS = (("sum", 1, 10.0), ("sum", 32, 15.0), ("max", None, 5.0))
 TARGET_VOCAB = "llama3"
+BUILD_TARGET_S = 1.5  # construction of the trie and its kernel layout, no cache
 REL_TOL = 1e-5  # DESIGN.md section 3: relative error of linear masses
 MIN_MASS = 1e-30
 LOGIT_SCALE = 3.0  # logits ~ N(0, 3^2): probabilities spread over ~30 nats, like an LM's
@@ -360,9 +361,12 @@ def run(quick: bool = False, vocabs=None, batch_sizes=None, ops=OPS, target_s=No
         sparse_build = time.perf_counter() - t
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # "auto" falling back: recorded below
-            t = time.perf_counter()
-            fast = build_fast(vocab, "parallel", cache=False)
-            fast_build = time.perf_counter() - t
+            fast_builds = []  # an absolute-time target on a noisy VM: median of 3 builds
+            for _ in range(3):
+                t = time.perf_counter()
+                fast = build_fast(vocab, "parallel", cache=False)
+                fast_builds.append(time.perf_counter() - t)
+            fast_build = statistics.median(fast_builds)
             fast64 = build_fast(vocab, "char")
         check_numbering(fast, numba_trie)
         oracle = Oracle(numba_trie)
@@ -448,7 +452,8 @@ def table(rows, info: dict | None = None, command: str | None = None) -> str:
     seen = {}
     for r in rows:
         seen.setdefault(r["vocab"], (r["V"], r["N"], r["build_s"]))
-    lines += ["", "| vocab | tokens | nodes | build s: genlm_fast (no cache) | numba | sparse |",
+    lines += ["", "| vocab | tokens | nodes | build s: genlm_fast (no cache, median of 3) | numba "
+              "| sparse |",
               "|---|---:|---:|---:|---:|---:|"]
     for vocab, (V, N, b) in seen.items():
         lines.append(f"| {vocab} | {V} | {N} | {b['genlm_fast']:.2f} | {b['numba']:.2f} | "
@@ -461,6 +466,10 @@ def table(rows, info: dict | None = None, command: str | None = None) -> str:
         else:
             lines.append(f"| {t['target']} | {t['speedup']:.1f}x | {'yes' if t['met'] else 'NO'} | "
                          f"{t['fast_ms']:.3f} | {t['need_ms']:.3f} |")
+    if TARGET_VOCAB in seen:
+        build = seen[TARGET_VOCAB][2]["genlm_fast"]
+        lines.append(f"| {TARGET_VOCAB} trie + layout construction <= {BUILD_TARGET_S:g} s | "
+                     f"{build:.2f} s | {'yes' if build <= BUILD_TARGET_S else 'NO'} | - | - |")
     return "\n".join(lines) + "\n"
 
 

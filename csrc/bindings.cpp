@@ -11,6 +11,7 @@
 //                    -> Tensor[B, num_nodes]   (only when built with -DWITH_CUDA; scratch is a
 //                    float64 [B, num_scratch + 1] workspace the caller allocates)
 //   empty_output_cache()  frees the cached blocks large CPU results reuse (OutputPool below)
+//   output_cache_sizes()  the bytes of each cached block, least recently returned first
 //
 // The index arrays are the int32 arrays of genlm_fast.ops.layout.TrieLayout.device_arrays,
 // plus those the CPU path derives once per layout (genlm_fast/ops/extension.py caches them):
@@ -54,7 +55,7 @@ namespace {
 // kPoolMinBytes come from a small free list instead: 2 MiB-aligned, advised to use
 // transparent huge pages when first touched, and handed back to the list by the tensor's
 // deleter (so a block is reused only after every view of the previous result is gone). At
-// most kPoolMaxBlocks blocks / kPoolMaxBytes stay cached; the rest is freed.
+// most kPoolMaxBlocks blocks / kPoolMaxBytes stay cached, the most recently returned ones.
 class OutputPool {
  public:
   static constexpr size_t kAlign = size_t(1) << 21;
@@ -76,6 +77,8 @@ class OutputPool {
 
   static void clear() { instance().drain(); }
 
+  static std::vector<int64_t> cached_sizes() { return instance().sizes(); }
+
  private:
   static OutputPool& instance() {
     static OutputPool* pool = new OutputPool();  // never destroyed: tensors may outlive exit
@@ -85,7 +88,7 @@ class OutputPool {
   void* take(size_t size) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (size_t i = 0; i < free_.size(); ++i) {
+      for (size_t i = free_.size(); i-- > 0;) {  // the most recent block of that size
         if (free_[i].second == size) {
           void* p = free_[i].first;
           cached_ -= size;
@@ -102,16 +105,34 @@ class OutputPool {
     return p;
   }
 
+  // The returned block becomes the most recent; the oldest ones make room for it. (Keeping
+  // the old ones instead left a pool full of sizes no longer asked for, e.g. another trie's
+  // or batch size's, and every later result paid for fresh pages.)
   void give(void* p, size_t size) {
+    std::vector<void*> evicted;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (free_.size() < kPoolMaxBlocks && cached_ + size <= kPoolMaxBytes) {
+      if (size > kPoolMaxBytes) {
+        evicted.push_back(p);
+      } else {
+        while (!free_.empty() &&
+               (free_.size() >= kPoolMaxBlocks || cached_ + size > kPoolMaxBytes)) {
+          evicted.push_back(free_.front().first);
+          cached_ -= free_.front().second;
+          free_.erase(free_.begin());
+        }
         free_.emplace_back(p, size);
         cached_ += size;
-        return;
       }
     }
-    std::free(p);
+    for (void* q : evicted) std::free(q);
+  }
+
+  std::vector<int64_t> sizes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<int64_t> out;
+    for (const auto& b : free_) out.push_back(static_cast<int64_t>(b.second));
+    return out;
   }
 
   void drain() {
@@ -397,6 +418,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("check_indices") = true, pybind11::arg("num_threads") = 0);
   m.def("empty_output_cache", &OutputPool::clear,
         "Free the cached blocks that large CPU results are reused from");
+  m.def("output_cache_sizes", &OutputPool::cached_sizes,
+        "Bytes of each cached result block, least recently returned first");
 #ifdef WITH_CUDA
   m.def("trie_reduce_cuda", &trie_reduce_cuda,
         "Per-node sum/max/log_mass of a vocabulary trie (CUDA, tile decomposition)",

@@ -276,6 +276,32 @@ def test_large_results_reuse_memory_only_once_released():
     extension.load_module().empty_output_cache()
     assert_matches(third, refs[2])  # emptying the cache leaves live results alone
 
+
+def test_result_pool_keeps_the_most_recent_sizes():
+    """Once full (4 blocks), the pool makes room for the block just returned by freeing the
+    oldest: results of a new trie or batch size get pooled memory from their second call on,
+    instead of fresh pages on every call behind a pool full of sizes no longer asked for."""
+    layout = layout_named("big")
+    module = extension.load_module()
+    module.empty_output_cache()
+    rng = np.random.default_rng(22)
+    rows_per_block = (2 << 20) // (4 * layout.num_nodes) + 1  # each size its own 2 MiB multiple
+    base = (16 << 20) // (4 * layout.num_nodes) + 1
+    sizes = []
+    for k in range(6):
+        B = base + k * rows_per_block
+        x = random_values(rng, layout, B, "sum")
+        out, _ = trie_reduce(x, layout, "sum", backend="cpu")
+        nbytes = out.numel() * 4
+        sizes.append((nbytes + (2 << 20) - 1) // (2 << 20) * (2 << 20))
+        assert_matches(out, reference(x, layout, "sum", "without_eos"))
+        del out  # back to the pool
+        assert module.output_cache_sizes()[-1] == sizes[-1]
+    assert len(set(sizes)) == 6
+    assert module.output_cache_sizes() == sizes[-4:]
+    module.empty_output_cache()
+    assert module.output_cache_sizes() == []
+
 # --------------------------------------------------------------------------- bad input
 
 

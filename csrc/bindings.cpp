@@ -195,13 +195,11 @@ void check_index(const at::Tensor& t, const char* name, const at::Device& device
 }
 
 std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
-    const at::Tensor& values, const at::Tensor& parent,
-                           const at::Tensor& leaf_node, const at::Tensor& leaf_token,
-                           const at::Tensor& empty_nodes, const at::Tensor& run_end,
-                           const at::Tensor& run_depth, const at::Tensor& run_child_depth,
-                           const at::Tensor& run_leaf, const at::Tensor& run_of,
-                           int64_t max_depth, const std::string& reduction, bool check_indices,
-                           int64_t num_threads) {
+    const at::Tensor& values, const at::Tensor& parent, const at::Tensor& leaf_node,
+    const at::Tensor& leaf_token, const at::Tensor& empty_nodes, const at::Tensor& run_end,
+    const at::Tensor& run_depth, const at::Tensor& run_child_depth, const at::Tensor& run_leaf,
+    const at::Tensor& run_of, int64_t max_depth, const std::string& reduction,
+    bool check_indices, int64_t num_threads) {
   const int red = parse_reduction(reduction);
   TORCH_CHECK(values.device().is_cpu(), "trie_reduce_cpu: values must be a CPU tensor, got one on ",
               values.device());

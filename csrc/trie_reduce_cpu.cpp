@@ -656,14 +656,13 @@ bool run_row_chunked(const Args& A, int64_t r, int T) {
     const int t = omp_get_thread_num();
     const int64_t c0 = A.C * t / nt, c1 = A.C * (t + 1) / nt;  // this thread's columns
     if constexpr (RED == kLogMass) {
-      part_max[t] = row_max(x + c0, c1 - c0);
-      part_nan[t] = part_max[t] != part_max[t];
+      part_max[t] = row_max(x + c0, c1 - c0);  // NaN when the slice holds one
 #pragma omp barrier
       double mm = -kInf;
       bool row_ok = true;
       for (int i = 0; i < nt; ++i) {
         mm = part_max[i] > mm ? part_max[i] : mm;
-        row_ok = row_ok && !part_nan[i];
+        row_ok = row_ok && part_max[i] == part_max[i];
       }
       row_ok = row_ok && mm > -kInf && mm < kInf;
       if (row_ok) part_sum[t] = row_exp_sum(x + c0, c1 - c0, mm, &part_low[t]);

@@ -41,7 +41,9 @@ def cache_dir() -> str:
     return os.path.join(base, "ext")
 
 
-def _jit_build():
+def _jit_build(defines=()):
+    """Compile the CPU kernels into the cache; ``defines`` (macro names) give a variant its
+    own module name and directory (tests build -DGF_BASELINE_ONLY this way)."""
     import torch
     from torch.utils.cpp_extension import load
 
@@ -50,13 +52,15 @@ def _jit_build():
     if missing:
         raise RuntimeError(f"the C++ sources are not available for a JIT build ({missing[0]} "
                            "is missing); reinstall from a source checkout with `pip install -e .`")
-    tag = "py{}{}-torch{}".format(sys.version_info[0], sys.version_info[1],
-                                  torch.__version__.replace("+", "_"))
+    variant = "".join(f"-{d}" for d in defines)
+    tag = "py{}{}-torch{}{}".format(sys.version_info[0], sys.version_info[1],
+                                    torch.__version__.replace("+", "_"), variant)
     build_dir = os.path.join(cache_dir(), tag)
     os.makedirs(build_dir, exist_ok=True)
     logger.warning("genlm_fast: compiling the CPU trie kernels once into %s (about a minute)",
                    build_dir)
-    module = load(name="genlm_fast_C", sources=sources, extra_cflags=list(_CFLAGS),
+    module = load(name="genlm_fast_C" + variant.replace("-", "_").lower(), sources=sources,
+                  extra_cflags=[*_CFLAGS, *(f"-D{d}" for d in defines)],
                   extra_ldflags=["-fopenmp"], build_directory=build_dir, verbose=False)
     return module, build_dir
 

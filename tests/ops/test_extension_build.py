@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -405,16 +404,7 @@ def test_baseline_build_matches_reference():
     x86-64 without AVX2 runs (vector lanes split into SSE2 halves, the plain expand_runs
     loop), which the AVX2 clones otherwise hide on this machine. Built once into the JIT
     cache (about a minute)."""
-    from torch.utils.cpp_extension import load
-
-    tag = "baseline-py{}{}-torch{}".format(*sys.version_info[:2],
-                                           torch.__version__.replace("+", "_"))
-    build_dir = os.path.join(extension.cache_dir(), tag)
-    os.makedirs(build_dir, exist_ok=True)
-    module = load(name="genlm_fast_C_baseline",
-                  sources=[os.path.join(extension._CSRC, f) for f in extension._CPU_SOURCES],
-                  extra_cflags=[*extension._CFLAGS, "-DGF_BASELINE_ONLY"],
-                  extra_ldflags=["-fopenmp"], build_directory=build_dir, verbose=False)
+    module, _ = extension._jit_build(defines=("GF_BASELINE_ONLY",))
     rng = np.random.default_rng(17)
     for name in ("random", "big"):
         layout = layout_named(name)

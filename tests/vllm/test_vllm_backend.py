@@ -213,6 +213,86 @@ def test_errors(lm):
     assert lm.next_token_logprobs_sync([1, 2, 3]).shape == (49152,)
 
 
+def _omp_bind_for(ranks):
+    """A VLLM_CPU_OMP_THREADS_BIND value giving ``ranks`` CPU workers a share of this
+    process's CPUs (vLLM's automatic binding wants one NUMA node per worker)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cpus[r % len(cpus)]) for r in range(ranks))
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"tensor_parallel_size": 3},  # SmolLM2's 9 heads / 3 KV heads split 3 ways
+        # vLLM 0.32 on CPU allocates pipeline stages' intermediate tensors only when
+        # compiling: with enforce_eager the second stage fails an assertion of vLLM's.
+        {"pipeline_parallel_size": 2, "enforce_eager": False},
+    ],
+    ids=["tp3", "pp2"],
+)
+def test_parallel_engine_rows_come_back(lm, contexts, parallel, monkeypatch):
+    """With tensor or pipeline parallelism the capture runs in vLLM's worker processes;
+    the sampling rank's rows must come back, each the row of its own context, equal to
+    the single-worker engine's (within 1e-3: the pipeline run is compiled, the module's
+    engine eager; a misplaced row would be off by whole nats)."""
+    ranks = parallel.get("tensor_parallel_size", 1) * parallel.get(
+        "pipeline_parallel_size", 1
+    )
+    import vllm.envs
+
+    # vLLM caches its environment once an engine has started (here: the module's);
+    # its documented reset lets this engine see the binding set here.
+    vllm.envs.disable_envs_cache()
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", _omp_bind_for(ranks))
+    par = AsyncVirtualLM.from_name(
+        smollm2_path(), engine_opts={**ENGINE_OPTS, **parallel}, batch_size=64
+    )
+    try:
+        lm.clear_cache()
+        expected = lm.batch_next_token_logprobs_sync(contexts)
+
+        async def together():
+            return await asyncio.gather(
+                *(par.next_token_logprobs(c) for c in contexts)
+            )
+
+        rows = asyncio.run(together())
+        assert par.stats["batches"] == 1  # one engine call for all of them
+        for i, (row, ref) in enumerate(zip(rows, expected)):
+            assert row.shape == (49152,) and row.dtype == torch.float32
+            err = (row - ref).abs().max().item()
+            assert err < 1e-3, f"context {i} (len {len(contexts[i])}): |diff| {err}"
+        logits = asyncio.run(par.batch_next_token_logits(contexts[:3]))
+        shifted = logits - torch.logsumexp(logits, 1, keepdim=True)
+        assert (shifted - expected[:3]).abs().max().item() < 1e-3
+        with pytest.raises(RuntimeError, match="worker processes"):
+            _ = par.underlying_model
+    finally:
+        par.cleanup()
+    with pytest.raises(ModelClosedError):
+        par.next_token_logprobs_sync(contexts[0])
+    # the in-process engine is untouched by the other one's cleanup
+    lm.clear_cache()
+    again = lm.next_token_logprobs_sync(contexts[0])
+    assert (again - expected[0]).abs().max().item() < 1e-4
+
+
+def test_two_in_process_engines(lm, contexts):
+    """A second single-worker engine shares this process's distributed state with the
+    module's; cleaning it up must leave the module's engine working."""
+    other = AsyncVirtualLM.from_name(smollm2_path(), engine_opts=ENGINE_OPTS)
+    try:
+        lm.clear_cache()
+        mine = lm.batch_next_token_logprobs_sync(contexts[:4])
+        theirs = other.batch_next_token_logprobs_sync(contexts[:4])
+        assert (mine - theirs).abs().max().item() < 1e-4
+    finally:
+        other.cleanup()
+    lm.clear_cache()
+    again = lm.batch_next_token_logprobs_sync(contexts[:4])
+    assert (again - mine).abs().max().item() < 1e-4
+
+
 def test_cleanup_then_call_raises(lm):
     """Runs last in this module: it shuts the module's engine down."""
     ctx = [1, 2, 3]

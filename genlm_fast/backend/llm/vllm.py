@@ -18,10 +18,16 @@ share one request, results sit in an LRU output cache, and errors reach every wa
 One batch is one ``LLM.generate`` call with ``max_tokens=1``. Sampling
 (`sample`, `batch_sample`) rides vLLM's own ``generate``.
 
-The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set on import)
-so that the processor's buffer is shared with the caller, and on the V1 model runner
-(``VLLM_USE_V2_MODEL_RUNNER=0``), whose logits-processor interface this uses. Import
-this module before vLLM is first imported, or set both variables yourself.
+The caller reaches the processor through vLLM's ``collective_rpc``: before a batch it
+reserves the rows, after it takes them. The engine core runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set on import), so with a single worker the RPC
+is a plain call and the rows never leave the device. With tensor or pipeline parallelism
+(``engine_opts``) vLLM runs one worker process per rank; every rank builds a processor,
+and the one that samples (first tensor-parallel rank of the last pipeline stage) sends
+its rows back through vLLM's RPC queue, as a CPU tensor. Everything runs on the V1 model
+runner (``VLLM_USE_V2_MODEL_RUNNER=0``, also set on import), whose logits-processor
+interface this uses. Import this module before vLLM is first imported, or set both
+variables yourself.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 
 import torch
 
@@ -69,21 +76,20 @@ __all__ = ["AsyncVirtualLM"]
 logging.getLogger("vllm").setLevel(logging.WARNING)
 _log = logging.getLogger(__name__)
 
+# Live engines whose (single) worker runs in this process. They share this process's
+# torch.distributed state, which only the last of them tears down (`_shutdown_engine`).
+_IN_PROCESS_ENGINES = weakref.WeakSet()
+
 _SLOT = "genlm_fast_slot"  # extra_args key: the buffer row of a request
 _WANT = "genlm_fast_want"  # extra_args key: "logprobs" or "logits"
-
-# Processors register here as vLLM builds them; `from_name` claims the new one.
-_REGISTRY_LOCK = threading.Lock()
-_NEW_PROCESSORS = []
-
 
 class _CaptureLogitsProcessor(LogitsProcessor):
     """Copies our requests' next-token rows out of the engine; changes no logits.
 
     ``self.rows`` maps a persistent-batch index to ``(slot, want, output_token_ids)``
     for the requests that carry a slot; other requests (plain sampling) are ignored.
-    The buffers grow on demand to ``(slots, vocab)``; the caller reads rows
-    ``[0, n)`` after its ``generate`` call returns (calls are serialized).
+    The caller drives it through `_on_capture_processor`: `begin` before a ``generate``
+    call, `take` after it (calls are serialized).
     """
 
     def __init__(self, vllm_config, device, is_pin_memory):
@@ -91,8 +97,6 @@ class _CaptureLogitsProcessor(LogitsProcessor):
         self.rows = {}
         self.logprobs = torch.empty((0, 0), dtype=torch.float32, device=device)
         self.logits = torch.empty((0, 0), dtype=torch.float32, device=device)
-        with _REGISTRY_LOCK:
-            _NEW_PROCESSORS.append(self)
 
     @classmethod
     def validate_params(cls, sampling_params):
@@ -128,9 +132,9 @@ class _CaptureLogitsProcessor(LogitsProcessor):
             if direction == MoveDirectionality.SWAP and rb is not None:
                 rows[a] = rb
 
-    def reserve(self, n, vocab, want):
+    def begin(self, n, vocab, want):
         """Make room for ``n`` slots of width ``vocab`` in the ``want`` buffer
-        ("logprobs" or "logits"); called between generate calls. Returns the buffer."""
+        ("logprobs" or "logits") and mark them unwritten (NaN)."""
         buf = getattr(self, want)
         if buf.shape[0] < n or buf.shape[1] != vocab:
             buf = torch.empty(
@@ -139,7 +143,11 @@ class _CaptureLogitsProcessor(LogitsProcessor):
                 device=self.device,
             )
             setattr(self, want, buf)
-        return buf
+        buf[:n].fill_(float("nan"))
+
+    def take(self, n, want):
+        """A copy of slots ``[0, n)`` of the ``want`` buffer."""
+        return getattr(self, want)[:n].clone()
 
     def apply(self, logits):
         if not self.rows:
@@ -168,6 +176,28 @@ class _CaptureLogitsProcessor(LogitsProcessor):
         return logits
 
 
+def _on_capture_processor(worker, method, caller_pid, *args):
+    """Run on every vLLM worker by ``collective_rpc``: on the rank that samples (first
+    tensor-parallel rank of the last pipeline stage), call ``method`` of its
+    `_CaptureLogitsProcessor`; other ranks answer None and keep empty buffers.
+
+    ``"present"`` answers whether the sampling rank has a processor at all. A tensor
+    answered to another process (a worker of a multi-process executor) goes via the CPU.
+    """
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    if get_tp_group().rank_in_group != 0 or not get_pp_group().is_last_rank:
+        return None
+    procs = worker.model_runner.input_batch.logitsprocs.all
+    proc = next((p for p in procs if isinstance(p, _CaptureLogitsProcessor)), None)
+    if method == "present":
+        return proc is not None
+    result = getattr(proc, method)(*args)
+    if isinstance(result, torch.Tensor) and os.getpid() != caller_pid:
+        result = result.cpu()
+    return result
+
+
 class AsyncVirtualLM(BatchedAsyncLM):
     """Auto-batched, cached next-token distributions from a vLLM (v1) engine.
 
@@ -177,15 +207,13 @@ class AsyncVirtualLM(BatchedAsyncLM):
 
     Args:
         llm: A ``vllm.LLM`` built with ``logits_processors=[_CaptureLogitsProcessor]``.
-        processor: That engine's `_CaptureLogitsProcessor` instance.
         batch_size (int): Most distinct contexts per engine call. Defaults to 64.
         timeout (float): See `BatchedAsyncLM`. Defaults to 0.02.
         cache_size (int): Rows kept in the LRU output cache. Defaults to 1024.
     """
 
-    def __init__(self, llm, processor, batch_size=64, timeout=0.02, cache_size=1024):
+    def __init__(self, llm, batch_size=64, timeout=0.02, cache_size=1024):
         self.llm_engine = llm
-        self._proc = processor
         self._engine_lock = threading.RLock()
         self._lora_requests = {}  # name -> LoRARequest
         self._next_lora_id = 1
@@ -202,6 +230,8 @@ class AsyncVirtualLM(BatchedAsyncLM):
         self._max_model_len = int(model_config.max_model_len)
         lora_config = llm.llm_engine.vllm_config.lora_config
         self._lora_enabled = lora_config is not None
+        if hasattr(self._executor(), "driver_worker"):
+            _IN_PROCESS_ENGINES.add(self)
 
     @classmethod
     def from_name(cls, model_name, engine_opts=None, **kwargs):
@@ -212,7 +242,9 @@ class AsyncVirtualLM(BatchedAsyncLM):
                 offline SmolLM2-135M-Instruct copy (`genlm_fast.models.smollm2_path`).
             engine_opts (dict, optional): Keyword arguments for ``vllm.LLM`` (they
                 override the defaults: prefix caching on, stats logging off, synchronous
-                scheduling). Pass ``enable_lora=True`` to use LoRA adapters.
+                scheduling). Pass ``enable_lora=True`` to use LoRA adapters, and
+                ``tensor_parallel_size`` / ``pipeline_parallel_size`` to spread the
+                model over several devices (rows then come back on the CPU).
             **kwargs: For the `AsyncVirtualLM` constructor (batch_size, timeout,
                 cache_size).
         """
@@ -227,41 +259,50 @@ class AsyncVirtualLM(BatchedAsyncLM):
         }
         procs = list(opts.pop("logits_processors", None) or [])
         opts.pop("tokenizer", None)
-        with _REGISTRY_LOCK:
-            _NEW_PROCESSORS.clear()
         llm = LLM(
             model=model_name,
             tokenizer=model_name,
             logits_processors=[_CaptureLogitsProcessor, *procs],
             **opts,
         )
-        with _REGISTRY_LOCK:
-            found = list(_NEW_PROCESSORS)
-            _NEW_PROCESSORS.clear()
-        if len(found) != 1:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:  # noqa: BLE001
-                _log.debug("engine shutdown failed", exc_info=True)
+        answers = llm.collective_rpc(
+            _on_capture_processor, args=("present", os.getpid())
+        )
+        if True not in answers:
+            _shutdown_engine(llm, keep_distributed=len(_IN_PROCESS_ENGINES) > 0)
             raise RuntimeError(
-                "the capture logits processor was not built in this process (found "
-                f"{len(found)}): AsyncVirtualLM needs vLLM's in-process engine "
-                "(VLLM_ENABLE_V1_MULTIPROCESSING=0) on the V1 model runner "
-                "(VLLM_USE_V2_MODEL_RUNNER=0), a single worker (no tensor/pipeline "
-                "parallelism) and no speculative decoding"
+                "vLLM did not build the capture logits processor on the rank that "
+                "samples: AsyncVirtualLM needs the V1 model runner "
+                "(VLLM_USE_V2_MODEL_RUNNER=0) and no speculative decoding"
             )
-        return cls(llm, found[0], **kwargs)
+        return cls(llm, **kwargs)
 
     # ---- engine calls ------------------------------------------------------------------
 
     def _vocab_limit(self):
         return self._vocab
 
+    def _executor(self):
+        return self.llm_engine.llm_engine.engine_core.engine_core.model_executor
+
     @property
     def underlying_model(self):
-        """The engine's model module (in-process engine)."""
-        core = self.llm_engine.llm_engine.engine_core.engine_core
-        return core.model_executor.driver_worker.worker.model_runner.model
+        """The engine's model module (single-worker engines only)."""
+        executor = self._executor()
+        if not hasattr(executor, "driver_worker"):
+            raise RuntimeError(
+                "underlying_model: the model lives in vLLM's worker processes "
+                "(tensor/pipeline parallelism), not in this process"
+            )
+        return executor.driver_worker.worker.model_runner.model
+
+    def _processor_call(self, method, *args):
+        """``method`` of the capture processor on the sampling rank (see
+        `_on_capture_processor`)."""
+        answers = self.llm_engine.collective_rpc(
+            _on_capture_processor, args=(method, os.getpid(), *args)
+        )
+        return next((a for a in answers if a is not None), None)
 
     def _lora_request(self, lora):
         if lora is None:
@@ -300,14 +341,14 @@ class AsyncVirtualLM(BatchedAsyncLM):
             for i in range(len(rows))
         ]
         with self._engine_lock:
-            buf = self._proc.reserve(len(rows), self._width, want)
-            buf[: len(rows)].fill_(float("nan"))
+            self._check_open()
+            self._processor_call("begin", len(rows), self._width, want)
             outputs = self._run(rows, params, lora)
             if len(outputs) != len(rows):
                 raise RuntimeError(
                     f"vLLM answered {len(outputs)} of {len(rows)} requests"
                 )
-            out = buf[: len(rows)].clone()
+            out = self._processor_call("take", len(rows), want)
         if torch.isnan(out[:, 0]).any():
             missing = torch.isnan(out[:, 0]).nonzero().flatten().tolist()
             raise RuntimeError(f"no logits were captured for rows {missing}")
@@ -474,24 +515,38 @@ class AsyncVirtualLM(BatchedAsyncLM):
     # ---- lifecycle ----------------------------------------------------------------------
 
     def _release(self):
-        llm, self.llm_engine = self.llm_engine, None
-        self._proc = None
-        if llm is None:
-            return
-        with self._engine_lock:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:  # noqa: BLE001 - best effort
-                _log.debug("engine shutdown failed", exc_info=True)
+        with self._engine_lock:  # after any engine call in flight
+            llm, self.llm_engine = self.llm_engine, None
+            if llm is None:
+                return
+            _IN_PROCESS_ENGINES.discard(self)
+            _shutdown_engine(llm, keep_distributed=len(_IN_PROCESS_ENGINES) > 0)
             del llm
             gc.collect()
-            try:
-                from vllm.distributed.parallel_state import (
-                    destroy_distributed_environment,
-                    destroy_model_parallel,
-                )
 
-                destroy_model_parallel()
-                destroy_distributed_environment()
-            except (ImportError, AttributeError, AssertionError, RuntimeError):
-                pass
+
+def _shutdown_engine(llm, keep_distributed):
+    """Shut ``llm``'s engine down. vLLM's in-process ``EngineCore.shutdown`` also tears
+    down this process's torch.distributed state; with ``keep_distributed`` (other live
+    single-worker engines here still run on it) that step is skipped."""
+    import vllm.v1.engine.core as engine_core
+
+    teardown = getattr(engine_core, "cleanup_dist_env_and_memory", None)
+    if keep_distributed and teardown is not None:
+        engine_core.cleanup_dist_env_and_memory = lambda *args, **kwargs: None
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort
+        _log.debug("engine shutdown failed", exc_info=True)
+    finally:
+        if teardown is not None:
+            engine_core.cleanup_dist_env_and_memory = teardown
+    if not keep_distributed:
+        # vLLM versions differ in whether shutdown does this; it is idempotent.
+        from vllm.distributed.parallel_state import (
+            destroy_distributed_environment,
+            destroy_model_parallel,
+        )
+
+        destroy_model_parallel()
+        destroy_distributed_environment()

@@ -213,6 +213,52 @@ def test_errors(lm):
     assert lm.next_token_logprobs_sync([1, 2, 3]).shape == (49152,)
 
 
+def test_hundreds_of_requests_with_random_cancellations(lm):
+    """240 concurrent requests (batches of 64, duplicates among them), 60 cancelled.
+
+    The engine runs in the event loop's thread, so a cancel lands between batches: on a
+    request still queued (a row whose callers all left is not evaluated), or on one whose
+    row was computed but which has not resumed yet, or on one of two waiters of a
+    duplicate. Every other request gets the row of its own context; nothing stays
+    pending."""
+    rng = random.Random(5)
+    distinct = [
+        [rng.randrange(len(lm.byte_vocab)) for _ in range(rng.randrange(1, 24))]
+        for _ in range(200)
+    ]
+    dups = [list(distinct[rng.randrange(199)]) for _ in range(40)]
+    ctxs = distinct + dups
+    lm.clear_cache()
+    want = lm.batch_next_token_logprobs_sync(distinct)
+    expected = {tuple(c): row for c, row in zip(distinct, want)}
+    lm.clear_cache()
+    rows_before = lm.stats["rows"]
+    # the last distinct context arrives after three full batches: it is still queued
+    victims = set(rng.sample(range(len(ctxs)), 59)) | {199}
+
+    async def chaos():
+        tasks = [asyncio.create_task(lm.next_token_logprobs(c)) for c in ctxs]
+        await asyncio.sleep(0)  # every task has queued its request
+        for i in victims:
+            tasks[i].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(chaos())
+    cancelled = {i for i, r in enumerate(results) if isinstance(r, asyncio.CancelledError)}
+    # (a duplicate answered from the cache finished before the cancel)
+    assert cancelled <= victims and 199 in cancelled and len(cancelled) >= 40
+    for i, res in enumerate(results):
+        if i in cancelled:
+            continue
+        assert not isinstance(res, BaseException), f"request {i}: {res!r}"
+        err = (res - expected[tuple(ctxs[i])]).abs().max().item()
+        assert err < 1e-4, f"request {i} (len {len(ctxs[i])}): |diff| {err}"
+    assert lm.stats["rows"] - rows_before < len(distinct)  # abandoned rows skipped
+    assert not lm._pending
+    again = lm.batch_next_token_logprobs_sync(distinct[:8])  # still answers
+    assert (again - want[:8]).abs().max().item() < 1e-4
+
+
 def _omp_bind_for(ranks):
     """A VLLM_CPU_OMP_THREADS_BIND value giving ``ranks`` CPU workers a share of this
     process's CPUs (vLLM's automatic binding wants one NUMA node per worker)."""

@@ -2,8 +2,9 @@
 
 Each backend runs through the public tries and the one dispatcher, and is compared with the
 float64 brute-force oracle in tests/oracle.py (which never looks at the kernel layout).
-The Triton backend runs under TRITON_INTERPRET=1 (set in conftest.py), so it gets the
-small shapes; the compiled backends also get the real vocabularies.
+Without a GPU the Triton backend runs under TRITON_INTERPRET=1 (set in conftest.py), so it
+gets the small shapes; the compiled backends (and Triton on a GPU) also get the real
+vocabularies.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ the GPU compiler rejects, that spills more than a few registers, or that needs m
 memory than an SM has fails here, before a session with a GPU.
 
 The compiles run in a subprocess: ``@triton.jit`` builds interpreter objects when
-``TRITON_INTERPRET`` is set, as it is for the rest of the test session. Pointer arguments
-are declared 16-byte aligned, as torch's allocations are at run time.
+``TRITON_INTERPRET`` is set, as it is for the test session on a machine without a GPU.
+Pointer arguments are declared 16-byte aligned, as torch's allocations are at run time.
 
 For the table: ``python tests/ops/test_triton_sm90.py``.
 """

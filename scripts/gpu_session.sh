@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# On a lent GPU machine (the device tool; README "GPU sessions"):
+#     bash scripts/gpu_session.sh tests    # build with the CUDA kernels, run the GPU tests
+#     bash scripts/gpu_session.sh bench    # python -m bench.gpu (Llama-3 vocabulary)
+# Each step installs what it needs first (once per machine): the wheels that
+# scripts/gpu_prepare.sh put in .whl/ (carried), and genlm_fast with its CUDA extension.
+# Logs and results go to $OUT, which the device tool sends back.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+PY=python3
+
+setup() {
+  if [ ! -f /tmp/site/.done ]; then
+    [ -d .whl ] || { echo "no .whl/: run scripts/gpu_prepare.sh here and carry .whl" >&2; exit 1; }
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && touch /tmp/site/.done || exit 1
+  fi
+  # (GENLM_FAST_NO_JIT: the probe must not JIT-build the CPU kernels instead)
+  if ! GENLM_FAST_NO_JIT=1 $PY -c "import sys; from genlm_fast.ops import extension as e
+sys.exit(0 if e.has('cuda') else 1)" 2>/dev/null; then
+    echo "== building genlm_fast with its CUDA kernels (log: $OUT/install.log)"
+    $PY -m pip install --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+      || { tail -40 "$OUT/install.log"; exit 1; }
+  fi
+  {
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    git rev-parse HEAD 2>/dev/null
+    $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    $PY -c "from genlm_fast.ops import dispatch; print('backends on cuda:', dispatch.available_backends('cuda'))"
+  } | tee "$OUT/env.txt"
+}
+
+case "${1:-}" in
+  tests)
+    setup
+    # tests/ops: every kernel test with the compiled Triton and CUDA backends, real
+    # vocabularies included; SmolLM2's vocabulary comes from a 96 MB GGUF that cannot
+    # travel, so its cases are left out. The sm_90 compile report uses this triton.
+    $PY tests/ops/test_triton_sm90.py >"$OUT/sm90-compile.txt" 2>&1
+    $PY -m pytest tests/ops -q -ra -k "not smollm2" -p no:cacheprovider \
+      --junitxml="$OUT/tests-ops.xml" 2>&1 | tee "$OUT/tests-ops.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
+  bench)
+    setup
+    $PY -m bench.gpu --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
+  *)
+    echo "usage: bash scripts/gpu_session.sh tests|bench" >&2
+    exit 2
+    ;;
+esac

@@ -15,10 +15,13 @@ def oracle(logits, src):
 
 
 def run(backend, logits, src, dst, slots):
-    out = torch.full((slots, logits.shape[1]), 7.0)
-    used = log_softmax_rows(logits, src, dst, out, backend=backend)
+    """``log_softmax_rows`` on the backend's device (Triton: the GPU when there is one, else
+    its CPU interpreter); the result back on the CPU."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    out = torch.full((slots, logits.shape[1]), 7.0, device=device)
+    used = log_softmax_rows(logits.to(device), src, dst, out, backend=backend)
     assert used == backend
-    return out
+    return out.cpu()
 
 
 def check(out, logits, src, dst):

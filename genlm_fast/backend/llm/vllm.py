@@ -188,7 +188,8 @@ def _on_capture_processor(worker, method, caller_pid, *args):
 
     if get_tp_group().rank_in_group != 0 or not get_pp_group().is_last_rank:
         return None
-    procs = worker.model_runner.input_batch.logitsprocs.all
+    batch = getattr(worker.model_runner, "input_batch", None)  # (V1 runner only)
+    procs = getattr(getattr(batch, "logitsprocs", None), "all", ())
     proc = next((p for p in procs if isinstance(p, _CaptureLogitsProcessor)), None)
     if method == "present":
         return proc is not None

@@ -74,6 +74,17 @@ def _dot_rows(B: int) -> tuple[int, int]:
     return 16, 8
 
 
+def result_dtype(reduction: str, dtype: torch.dtype) -> torch.dtype:
+    """float64 results for float64 sum/max, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 and reduction != "log_mass" else torch.float32
+
+
+def uses_dot(reduction: str, dtype: torch.dtype) -> bool:
+    """Whether the tile kernel is ``_tile_ranges_dot`` (else ``_tile_ranges_dense``) for
+    inputs of ``dtype`` (the dispatcher hands sum/max float32 or float64)."""
+    return reduction == "log_mass" or (reduction == "sum" and dtype == torch.float32)
+
+
 def _row_lse_partials(values: torch.Tensor, acc_dtype: torch.dtype):
     """Launch ``_row_lse_partial``: (pmax, psum) of shape [B, SPLIT] and SPLIT."""
     B, C = values.shape
@@ -99,8 +110,7 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
     values = values.contiguous()
     device = values.device
     B, C = values.shape
-    out_dtype = torch.float64 if (values.dtype == torch.float64 and reduction != "log_mass") \
-        else torch.float32
+    out_dtype = result_dtype(reduction, values.dtype)
     out = torch.empty(B, num_nodes, dtype=out_dtype, device=device)
     if B == 0 or num_nodes == 0:
         return out
@@ -124,10 +134,8 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
             acc_dtype = values.dtype
             pmax = psum = out  # unused by the kernels
             split = 1
-        use_dot = (reduction == "log_mass" or (reduction == "sum"
-                                               and values.dtype == torch.float32)) \
-            and os.environ.get("GENLM_FAST_TRITON_DENSE") != "1"
-        if use_dot:
+        dense_only = os.environ.get("GENLM_FAST_TRITON_DENSE") == "1"
+        if uses_dot(reduction, values.dtype) and not dense_only:
             rows, warps = _dot_rows(B)
             kernels._tile_ranges_dot[(n_tiles, _cdiv(B, rows))](
                 values, B, C, L, leaf_token, tile_range_ptr, arrays["range_start"],

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from genlm_fast.ops.log_softmax import BACKENDS, log_softmax_rows
+from tests.ops.devices import device_for
 
 
 def oracle(logits, src):
@@ -17,7 +18,7 @@ def oracle(logits, src):
 def run(backend, logits, src, dst, slots):
     """``log_softmax_rows`` on the backend's device (Triton: the GPU when there is one, else
     its CPU interpreter); the result back on the CPU."""
-    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    device = device_for(backend)
     out = torch.full((slots, logits.shape[1]), 7.0, device=device)
     used = log_softmax_rows(logits.to(device), src, dst, out, backend=backend)
     assert used == backend

@@ -19,6 +19,7 @@ from genlm_fast.backend.tokenization import Token
 from genlm_fast.backend.trie import TokenCharacterTrie
 from genlm_fast.bytes import TokenByteTrie, TrieMode
 from tests import oracle
+from tests.ops.devices import device_for
 from tests.vocabs import byte_vocab
 
 BACKENDS = [
@@ -29,11 +30,6 @@ BACKENDS = [
                                                   reason="needs a CUDA device")),
 ]
 REDUCTIONS = ["sum", "max", "log_mass"]
-
-
-def device_for(backend):
-    return "cuda" if backend == "cuda" or (backend == "triton" and torch.cuda.is_available()) \
-        else "cpu"
 
 
 def make_rows(rng, B, C, reduction, spread=10.0, neg_inf=0.0):

@@ -20,6 +20,7 @@ import torch
 import triton  # noqa: F401  (TRITON_INTERPRET is set by conftest.py when there is no GPU)
 
 from tests.layouts import make_layout, random_words
+from tests.ops.devices import device_for
 from genlm_fast.ops import trie_reduce
 from genlm_fast.ops.layout import TILE
 
@@ -58,7 +59,7 @@ def layout_named(name):
     return _LAYOUTS[name]
 
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the Triton interpreter
+DEVICE = device_for("triton")  # cpu: the Triton interpreter
 
 
 def run_triton(x, layout, reduction, mode):

@@ -39,6 +39,7 @@ CAPTURE_DTYPES = ["fp32", "bf16", "fp16"]  # logits the vLLM capture kernel read
 def _configs():
     """(name, kernel, signature, constexprs, num_warps) for every launch of
     ``genlm_fast.ops.triton_backend`` and ``genlm_fast.ops.log_softmax`` on CUDA."""
+    import torch
     import triton.language as tl
 
     from genlm_fast.kernels import log_softmax_rows as capture
@@ -47,11 +48,13 @@ def _configs():
     from genlm_fast.ops import triton_backend as tb
 
     tl_acc = {"fp32": tl.float32, "fp64": tl.float64}
+    torch_dtype = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16,
+                   "fp16": torch.float16}
     idx = "*i32"  # the layout's index arrays (TrieLayout.device_arrays)
     out = []
     for reduction, x in TRIE_CASES:
         acc = "fp64" if x == "fp64" else "fp32"
-        res = "fp64" if x == "fp64" and reduction != "log_mass" else "fp32"
+        res = "fp64" if tb.result_dtype(reduction, torch_dtype[x]) == torch.float64 else "fp32"
         part = acc if reduction == "log_mass" else res  # pmax/psum (else unused: out)
         split = tb.LSE_MAX_SPLIT if reduction == "log_mass" else 1
         tag = f"{reduction}/{x}"
@@ -67,7 +70,7 @@ def _configs():
             "scratch_ptr": f"*{res}", "NS": "i32", "pmax_ptr": f"*{part}",
             "psum_ptr": f"*{part}",
         }
-        if reduction == "log_mass" or (reduction == "sum" and x == "fp32"):
+        if tb.uses_dot(reduction, torch_dtype[x]):
             rows, warps = tb._dot_rows(64)
             out.append((f"_tile_ranges_dot {tag}", k._tile_ranges_dot, tile_args,
                         {"LOG_MASS": reduction == "log_mass", "SPLIT": split,

@@ -10,7 +10,9 @@
 * the one-row path that splits the node range over several threads, and the row-parallel path;
 * bad input to the raw extension function raises a clear error;
 * the build without function multiversioning (what CPUs without AVX2 run) is correct too;
-* ``nvcc -c csrc/trie_reduce_cuda.cu`` compiles (skipped only when nvcc is absent).
+* ``nvcc -c csrc/trie_reduce_cuda.cu`` compiles, also for sm_90 without spills, and the
+  -DWITH_CUDA part of ``csrc/bindings.cpp`` compiles against torch's c10/cuda headers
+  (skipped only when nvcc / the CUDA toolkit is absent).
 
 The big cross-backend numerics test lives in test_trie_reduce.py.
 """
@@ -18,8 +20,10 @@ The big cross-backend numerics test lives in test_trie_reduce.py.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import sysconfig
 
 import numpy as np
 import pytest
@@ -427,13 +431,51 @@ def test_baseline_build_matches_reference():
 # --------------------------------------------------------------------------- CUDA source
 
 
-def test_cuda_source_compiles(tmp_path):
+@pytest.mark.parametrize("arch", [None, "sm_90"])
+def test_cuda_source_compiles(tmp_path, arch):
+    """nvcc's default target, and sm_90 (H100/H200) with ptxas' resource report: no spills."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not on PATH")
     src = os.path.join(REPO, "csrc", "trie_reduce_cuda.cu")
     obj = tmp_path / "trie_reduce_cuda.o"
-    proc = subprocess.run([nvcc, "-c", src, "-o", str(obj)], capture_output=True, text=True,
-                          timeout=600, check=False)
+    cmd = [nvcc, "-std=c++17", "-O3", "-DWITH_CUDA", "-c", src, "-o", str(obj)]
+    if arch is not None:
+        cmd += [f"-arch={arch}", "-Xptxas", "-v"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert obj.exists() and obj.stat().st_size > 0
+    if arch is not None:
+        report = proc.stdout + proc.stderr
+        spills = re.findall(r"(\d+) bytes spill stores", report)
+        assert spills, report  # one line per kernel
+        assert all(int(n) == 0 for n in spills), report
+
+
+def test_cuda_bindings_compile(tmp_path):
+    """The -DWITH_CUDA half of csrc/bindings.cpp (CUDA guard, stream, launch) against torch's
+    real c10/cuda headers: a syntax and type check with the host compiler, as the CUDA build
+    would compile it. The CPU torch wheel lacks one generated header,
+    c10/cuda/impl/cuda_cmake_macros.h; a CUDA build's copy only defines
+    C10_CUDA_BUILD_SHARED_LIBS, so the test writes that."""
+    from torch.utils import cpp_extension
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    nvcc = shutil.which("nvcc")
+    if cxx is None or nvcc is None:
+        pytest.skip("needs a C++ compiler and nvcc's CUDA toolkit (for cuda_runtime_api.h)")
+    # a CPU torch's cpp_extension.CUDA_HOME is None: ask nvcc where its headers are
+    dry = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull], capture_output=True,
+                         text=True, timeout=120, check=False)
+    cuda_includes = re.findall(r'-I"?([^"\s]+)', "".join(
+        line for line in dry.stderr.splitlines() if line.startswith("#$ INCLUDES=")))
+    assert cuda_includes, dry.stderr
+    shim = tmp_path / "c10" / "cuda" / "impl"
+    shim.mkdir(parents=True)
+    (shim / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    includes = [str(tmp_path), *cpp_extension.include_paths(), *cuda_includes,
+                sysconfig.get_paths()["include"], os.path.join(REPO, "csrc")]
+    cmd = [cxx, "-std=c++17", "-fsyntax-only", "-DWITH_CUDA", "-DTORCH_EXTENSION_NAME=_C",
+           *(f"-I{p}" for p in includes), os.path.join(REPO, "csrc", "bindings.cpp")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]

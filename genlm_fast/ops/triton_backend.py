@@ -39,6 +39,7 @@ DOT_RB = 64  # ranges per chunk (the N side of the mask product) in the dot tile
 DOT_SUB = 16  # ranges per step of the dot kernel's dense rewrite (sum with inf weights)
 SPAN_BLOCK = 32  # spanning nodes per program
 SPAN_TILES = 64  # tile totals loaded per spanning node and iteration
+MAX_GRID_ROWS = 65535  # CUDA's limit on a grid's second axis, where the kernels put rows
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -108,14 +109,27 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
     if reduction not in _CODES:
         raise ValueError(f"unknown reduction {reduction!r}")
     values = values.contiguous()
-    device = values.device
-    B, C = values.shape
-    out_dtype = result_dtype(reduction, values.dtype)
-    out = torch.empty(B, num_nodes, dtype=out_dtype, device=device)
+    B = values.shape[0]
+    out = torch.empty(B, num_nodes, dtype=result_dtype(reduction, values.dtype),
+                      device=values.device)
     if B == 0 or num_nodes == 0:
         return out
     if reduction != "log_mass" and values.dtype not in (torch.float32, torch.float64):
         values = values.float()
+    # rows are a grid's second axis, which CUDA caps at 65535: launch in row chunks
+    for r0 in range(0, B, MAX_GRID_ROWS):
+        r1 = min(B, r0 + MAX_GRID_ROWS)
+        _reduce_rows(values[r0:r1], out[r0:r1], arrays, reduction, num_nodes=num_nodes,
+                     num_scratch=num_scratch, tile=tile)
+    return out
+
+
+def _reduce_rows(values: torch.Tensor, out: torch.Tensor, arrays: dict, reduction: str, *,
+                 num_nodes: int, num_scratch: int, tile: int) -> None:
+    """Launch the kernels for at most MAX_GRID_ROWS contiguous rows, into ``out``."""
+    device = values.device
+    B, C = values.shape
+    out_dtype = out.dtype
 
     leaf_token = arrays["leaf_token"]
     tile_range_ptr = arrays["tile_range_ptr"]
@@ -157,7 +171,6 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
                 scratch, NS, out, num_nodes, S, arrays["span_node"], arrays["span_left"],
                 arrays["span_right"], arrays["span_tile_lo"], arrays["span_tile_hi"],
                 REDUCTION=code, SB=SPAN_BLOCK, TB=SPAN_TILES, num_warps=4)
-    return out
 
 
 class _on_device:

@@ -223,13 +223,27 @@ def test_sum_with_infinite_weight_takes_exact_path():
 
 
 def test_many_row_blocks():
-    """B larger than one program's row block (64) and not a multiple of it."""
+    """B larger than one program's row block (16) and not a multiple of it."""
     layout = layout_named("seven")
     rng = np.random.default_rng(4)
     for reduction in ("log_mass", "sum"):
         x = rows_for(rng, 70, layout.num_columns + 2, reduction)
         got, want = run_both(x, layout, reduction, "with_eos")
         assert_matches(got, want, reduction)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_rows_launched_in_chunks(monkeypatch, reduction):
+    """More rows than a grid axis takes (CUDA: 65535) go in row chunks; with the chunk cut to
+    3 rows, 7 rows take three launches, each writing its own slice of the output."""
+    from genlm_fast.ops import triton_backend
+
+    monkeypatch.setattr(triton_backend, "MAX_GRID_ROWS", 3)
+    layout = layout_named("random")
+    rng = np.random.default_rng(11)
+    x = rows_for(rng, 7, layout.num_columns, reduction, spread=30.0)
+    got, want = run_both(x, layout, reduction, "with_eos")
+    assert_matches(got, want, reduction)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "log_mass"])

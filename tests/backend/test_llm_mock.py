@@ -339,6 +339,62 @@ async def test_two_event_loops_in_turn(tokenizer, vocab_size):
         torch.testing.assert_close(r, expected([5, i], vocab_size))
 
 
+def test_abandoned_queries_on_a_live_loop_do_not_block_another(tokenizer, vocab_size):
+    """A query whose only caller gave up (wait_for timed out) on a loop that is stopped but
+    not closed must not lock the model to that loop; a query some caller still awaits does."""
+    lm = make(tokenizer, batch_size=100, timeout=30.0)
+
+    async def ask(c):
+        return await lm.next_token_logprobs(c)
+
+    first = asyncio.new_event_loop()
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            first.run_until_complete(asyncio.wait_for(ask([9, 9]), 0.01))
+        # the abandoned row is still queued, nobody waits for it
+        assert lm._pending and not any(r.live() for r in lm._pending.values())
+        torch.testing.assert_close(asyncio.run(ask([9, 10])), expected([9, 10], vocab_size))
+        assert lm.stats["rows"] == 1  # the abandoned row was dropped, not evaluated
+
+        waiting = first.create_task(ask([9, 11]))
+        first.run_until_complete(asyncio.sleep(0))  # queued and awaited on the first loop
+        with pytest.raises(RuntimeError, match="another event loop"):
+            asyncio.run(ask([9, 12]))
+        lm.batch_evaluate_queries()
+        torch.testing.assert_close(first.run_until_complete(waiting),
+                                   expected([9, 11], vocab_size))
+    finally:
+        first.close()
+
+
+def test_cleanup_from_another_thread_wakes_the_waiters(tokenizer):
+    """cleanup() on one thread while a caller awaits on a loop running in another thread: the
+    caller hears of it at once (a thread-safe wake-up), not when the batch timer fires."""
+    import threading
+
+    lm = make(tokenizer, batch_size=100, timeout=60.0)
+    queued, outcome = threading.Event(), {}
+
+    async def wait_for_row():
+        task = asyncio.ensure_future(lm.next_token_logprobs([1, 2]))
+        await asyncio.sleep(0)
+        queued.set()
+        start = time.perf_counter()
+        try:
+            await task
+        except QueriesResetError:
+            outcome["after_s"] = time.perf_counter() - start
+
+    worker = threading.Thread(target=lambda: asyncio.run(wait_for_row()), daemon=True)
+    worker.start()
+    assert queued.wait(30)
+    time.sleep(0.1)  # the worker's loop is now blocked in its selector
+    lm.cleanup()
+    worker.join(20)
+    assert not worker.is_alive(), "the waiter was not woken by cleanup()"
+    assert outcome["after_s"] < 10
+
+
 # ---------------------------------------------------------------------------- errors
 
 

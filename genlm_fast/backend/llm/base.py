@@ -304,6 +304,11 @@ class _Row:
         return any(want and not fut.done() for fut, want in self.waiters)
 
 
+def _fail_if_pending(fut, exc):
+    if not fut.done():
+        fut.set_exception(exc)
+
+
 class BatchedAsyncLM(AsyncLM):
     """An `AsyncLM` that auto-batches concurrent requests and caches results.
 
@@ -409,12 +414,16 @@ class BatchedAsyncLM(AsyncLM):
     def _enqueue(self, lora, ids, wants_logprobs):
         loop = asyncio.get_running_loop()
         if self._pending and self._loop is not loop:
-            if self._loop is not None and not self._loop.is_closed():
+            if (self._loop is not None and not self._loop.is_closed()
+                    and any(row.live() for row in self._pending.values())):
                 raise RuntimeError(
                     f"this {type(self).__name__} has queries pending on another event "
                     "loop; use one event loop at a time"
                 )
-            # Left over from a closed loop: nobody can be waiting for those any more.
+            # Left over from a closed loop, or every caller there gave up: nobody is
+            # waiting for those any more.
+            if self._timer is not None:
+                self._timer.cancel()
             self._pending = {}
             self._timer = None
         self._loop = loop
@@ -477,9 +486,20 @@ class BatchedAsyncLM(AsyncLM):
             self._timer.cancel()
             self._timer = None
         rows, self._pending = self._pending, {}
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
         for row in rows.values():
             for fut, _ in row.waiters:
-                if not fut.done() and not fut.get_loop().is_closed():
+                loop = fut.get_loop()
+                if fut.done() or loop.is_closed():
+                    continue
+                if loop.is_running() and loop is not here:
+                    # a loop running in another thread (cleanup() from a foreign thread):
+                    # only a thread-safe call wakes it
+                    loop.call_soon_threadsafe(_fail_if_pending, fut, exc)
+                else:
                     fut.set_exception(exc)
 
     def reset_async_queries(self):

@@ -56,6 +56,34 @@ def test_follows_weight_changes():
 
 
 @needs_onednn
+def test_follows_edits_behind_the_version_counter():
+    """Edits through ``.data`` move neither the version counter nor (in place) the storage:
+    peft's merge_adapter does ``weight.data += delta``. The sampled snapshot sees edits of
+    the whole tensor; forget_packed_weights covers the rest."""
+    layer = torch.nn.Linear(40, 300)
+    pack_linear_layers(layer)
+    x = torch.randn(5, 40)
+
+    def check():
+        torch.testing.assert_close(layer(x).double(), float64_linear(layer, x), rtol=1e-5,
+                                   atol=1e-5)
+
+    with torch.no_grad():
+        check()  # packs
+        layer.weight.data.mul_(0.5)
+        check()
+        layer.weight.data += torch.randn(300, 40) * 0.1  # a dense delta, as a LoRA merge
+        check()
+        layer.weight.data = torch.randn(300, 40)  # a new storage under the same Parameter
+        check()
+        layer.weight.data[7, 3] += 1.0  # one entry, between the sampled ones:
+        assert (7 * 40 + 3) % (300 * 40 // cpu_linear._PROBE_SIZE) != 0
+        assert (layer(x) - float64_linear(layer, x).float()).abs().max() > 0.1  # not seen
+        cpu_linear.forget_packed_weights(layer)
+        check()
+
+
+@needs_onednn
 def test_other_inputs_use_torch():
     layer = torch.nn.Linear(8, 3)
     pack_linear_layers(layer)

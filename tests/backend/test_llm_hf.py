@@ -266,6 +266,17 @@ async def test_lora_adapter(model_dir, lora_setup):
     torch.testing.assert_close(await lm.next_token_logprobs(ctxs[0]), expect[0], rtol=0, atol=1e-4)
     s = await lm.sample(ctxs[0], 2, [lm.tokenizer.eos_token_id], seed=1, lora_name="adapter")
     assert s == await lm.sample(ctxs[0], 2, [lm.tokenizer.eos_token_id], seed=1)
+    # another AsyncTransformer on the same model object switches its adapters between
+    # our batches: each batch must set the adapter it needs
+    other = AsyncTransformer(lm.model, lm.tokenizer)
+    for _ in range(2):
+        torch.testing.assert_close(other.next_token_logprobs_uncached(ctxs[0]), base[0],
+                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(lm.next_token_logprobs_uncached(ctxs[0]), expect[0],
+                                   rtol=0, atol=1e-4)
+    # reloading the default adapter replaces it and keeps it the default
+    lm.add_new_lora(path, "adapter")
+    torch.testing.assert_close(lm.next_token_logprobs_uncached(ctxs[1]), expect[1], rtol=0, atol=1e-4)
     lm.clear_lora()
     torch.testing.assert_close(await lm.next_token_logprobs(ctxs[0]), base[0], rtol=0, atol=0)
     # reloading under the same name replaces it; removing forgets it

@@ -9,10 +9,15 @@ same float32 product, and a whole SmolLM2 decoding step goes from ~90 ms to ~45 
 `pack_linear_layers` gives every float32 ``nn.Linear`` on the CPU a forward that calls
 ``torch.ops.mkldnn._linear_pointwise`` on a packed copy of its weight (the op behind
 torch.compile's CPU linear fusion). The weight itself is untouched and stays the source of
-truth: the copy is rebuilt when the weight is replaced or changed in place (its version
-counter moves), and inputs the op does not cover (another dtype or device, or anything
-that needs autograd) go to ``F.linear`` as before. The packed copies cost as much memory
-as the layers' weights.
+truth: before each product the layer checks that the copy still matches it and rebuilds it
+when the weight was replaced (another tensor or storage), changed in place through torch
+(its version counter moves), or changed behind the version counter through ``.data`` (as
+peft's ``merge_adapter`` does): a strided sample of 256 of its entries is compared with a
+snapshot taken at packing (~2 us), which sees any edit of the whole tensor. An edit of a
+few entries through ``.data`` can slip past the sample: `forget_packed_weights` (called by
+``AsyncTransformer.clear_cache``) drops the copies. Inputs the op does not cover (another
+dtype or device, or anything that needs autograd) go to ``F.linear`` as before. The packed
+copies cost as much memory as the layers' weights.
 
 ``GENLM_FAST_CPU_LINEAR=torch`` keeps torch's own linear layers.
 """
@@ -26,12 +31,14 @@ import types
 import torch
 import torch.nn.functional as F
 
-__all__ = ["pack_linear_layers", "unpack_linear_layers", "onednn_linear_available"]
+__all__ = ["pack_linear_layers", "unpack_linear_layers", "forget_packed_weights",
+           "onednn_linear_available"]
 
 logger = logging.getLogger("genlm_fast.backend")
 
 ENV = "GENLM_FAST_CPU_LINEAR"
-_PACK = "_genlm_fast_packed_weight"  # (weight, weight._version, packed) on the module
+_PACK = "_genlm_fast_packed_weight"  # a _Packed on the module
+_PROBE_SIZE = 256  # weight entries compared with their snapshot before each product
 _available = None
 
 
@@ -57,16 +64,35 @@ def onednn_linear_available() -> bool:
     return _available
 
 
+class _Packed:
+    """A packed copy of ``weight`` and what tells whether it still matches the weight."""
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.detach()
+        self.weight = weight
+        self.version = weight._version
+        self.data_ptr = w.data_ptr()
+        flat = w.reshape(-1)  # a view: w is a contiguous float32 CPU weight
+        self.probe = flat[:: max(1, flat.numel() // _PROBE_SIZE)]  # shares w's storage
+        self.snapshot = self.probe.clone()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+
+    def matches(self, weight: torch.Tensor) -> bool:
+        return (self.weight is weight and self.version == weight._version
+                and self.data_ptr == weight.data_ptr()
+                and torch.equal(self.probe, self.snapshot))
+
+
 def _packed_forward(self, x):
     w = self.weight
     if (x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0
+            or not w.is_contiguous()
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return F.linear(x, w, self.bias)
     state = self.__dict__.get(_PACK)
-    if state is None or state[0] is not w or state[1] != w._version:
-        state = (w, w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
-        self.__dict__[_PACK] = state
-    return torch.ops.mkldnn._linear_pointwise(x, state[2], self.bias, "none", [], "")
+    if state is None or not state.matches(w):
+        state = self.__dict__[_PACK] = _Packed(w)
+    return torch.ops.mkldnn._linear_pointwise(x, state.packed, self.bias, "none", [], "")
 
 
 def pack_linear_layers(model: torch.nn.Module) -> int:
@@ -94,4 +120,11 @@ def unpack_linear_layers(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             module.__dict__.pop("forward", None)
+    forget_packed_weights(model)
+
+
+def forget_packed_weights(model: torch.nn.Module) -> None:
+    """Drop the packed copies; the next product of each layer packs its weight afresh."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
             module.__dict__.pop(_PACK, None)

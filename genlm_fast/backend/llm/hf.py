@@ -16,11 +16,13 @@ import torch
 
 from genlm_fast.backend.cache import KVTrie
 from genlm_fast.backend.llm.base import BatchedAsyncLM, check_token_ids, unknown_lora
-from genlm_fast.backend.llm.cpu_linear import pack_linear_layers, unpack_linear_layers
+from genlm_fast.backend.llm.cpu_linear import (
+    forget_packed_weights,
+    pack_linear_layers,
+    unpack_linear_layers,
+)
 
 __all__ = ["AsyncTransformer"]
-
-_UNSET = object()
 
 
 def _require_peft():
@@ -129,7 +131,6 @@ class AsyncTransformer(BatchedAsyncLM):
         self.kv_cache_tokens = int(kv_cache_tokens)
         self._kv_on = self.kv_cache_tokens > 0
         self._kv_tries = {}
-        self._applied_lora = _UNSET  # adapter state last set on the model
         params = inspect.signature(hf_model.forward).parameters
         self._keeps_logits = "logits_to_keep" in params
 
@@ -155,9 +156,12 @@ class AsyncTransformer(BatchedAsyncLM):
             torch.cuda.empty_cache()
 
     def clear_cache(self):
-        """Forget cached log probabilities and key/value states."""
+        """Forget cached log probabilities and key/value states (and, on the CPU, the packed
+        weight copies: call it after changing the model's weights)."""
         super().clear_cache()
         self.clear_kv_cache()
+        if self._packed_linears and self.model is not None:
+            forget_packed_weights(self.model)
 
     def clear_kv_cache(self):
         """Forget cached key/value states (log probabilities stay cached)."""
@@ -200,18 +204,18 @@ class AsyncTransformer(BatchedAsyncLM):
         """
         self._check_open()
         _require_peft()
+        default = self._active_lora
         if lora_name in self._loaded_adapters():
             self.remove_lora(lora_name)
-        self._applied_lora = _UNSET
         self.model.load_adapter(lora_path, adapter_name=lora_name)
         self._forget_adapter(lora_name)
+        self._active_lora = default  # replacing the default adapter keeps it the default
 
     def remove_lora(self, lora_name):
         """Unload an adapter and its caches."""
         self._check_open()
         if lora_name not in self._loaded_adapters():
             raise unknown_lora(lora_name)
-        self._applied_lora = _UNSET
         self.model.delete_adapter(lora_name)
         self._forget_adapter(lora_name)
         if self._active_lora == lora_name:
@@ -240,8 +244,8 @@ class AsyncTransformer(BatchedAsyncLM):
         self._outputs.discard_where(lambda key: key[0] == lora_name)
 
     def _activate(self, lora):
-        if self._applied_lora is not _UNSET and self._applied_lora == lora:
-            return
+        # Set on every batch, never remembered: the model may be shared with another
+        # AsyncTransformer, and load_adapter or the caller may change its adapters.
         if lora is None:
             if getattr(self.model, "_hf_peft_config_loaded", False):
                 self.model.disable_adapters()
@@ -250,7 +254,6 @@ class AsyncTransformer(BatchedAsyncLM):
                 raise unknown_lora(lora)
             self.model.set_adapter(lora)
             self.model.enable_adapters()
-        self._applied_lora = lora
 
     # ---- the forward pass ----------------------------------------------------------
 

@@ -475,11 +475,13 @@ class AsyncVirtualLM(BatchedAsyncLM):
         from vllm.lora.request import LoRARequest
 
         self._require_lora()
+        default = self._active_lora
         if lora_name in self._lora_requests:
             self.remove_lora(lora_name)
         lid = self._next_lora_id
         self._next_lora_id += 1  # vLLM caches weights by int id: never reuse one
         self._lora_requests[lora_name] = LoRARequest(lora_name, lid, lora_path)
+        self._active_lora = default  # replacing the default adapter keeps it the default
 
     def remove_lora(self, lora_name):
         """Unregister ``lora_name`` and evict its weights from the engine."""

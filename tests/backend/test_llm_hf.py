@@ -19,6 +19,7 @@ from genlm_fast.backend.llm import (
     load_model_by_name,
 )
 from genlm_fast.models import smollm2_path
+from tests.lora import make_lora_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -215,23 +216,9 @@ async def test_sampling_matches_genlm(lm, prompts):
 @pytest.fixture(scope="module")
 def lora_setup(model_dir, prompts, tmp_path_factory):
     """A randomly initialised LoRA adapter, saved locally, and peft's own log-probs."""
-    import peft
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = peft.LoraConfig(
-        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False
-    )
-    peft_model = peft.get_peft_model(base, config).eval()
     path = tmp_path_factory.mktemp("lora") / "adapter"
-    peft_model.save_pretrained(path)
     ctxs = [prompts[0], prompts[1] + [5]]
-    with torch.no_grad():
-        expect = [
-            torch.log_softmax(peft_model(torch.tensor([c])).logits[0, -1], -1) for c in ctxs
-        ]
-    del peft_model, base
+    expect = make_lora_adapter(model_dir, path, ctxs)
     return str(path), ctxs, expect
 
 

@@ -401,14 +401,15 @@ async def test_rows_are_reused_across_beams(mock):
 @pytest.mark.asyncio
 async def test_bad_bytes(mock):
     beam = await ByteBeamState.initial(mock, BeamParams(K=2))
-    for bad in (258, -1, 1000):
+    for bad in (256, 258, -1, 1000):
         with pytest.raises(ValueError, match="out of range"):
             await (beam << bad)
     for bad in ("a", b"a", 1.5, None, True):
         with pytest.raises(TypeError, match="byte"):
             await (beam << bad)
-    with pytest.raises(ValueError, match="out of range"):
-        beam.states[0] << 300
+    for bad in (256, 300):
+        with pytest.raises(ValueError, match="out of range"):
+            beam.states[0] << bad
     with pytest.raises(ValueError, match="Invalid index"):
         (await beam.logp_next())[258]
     await (beam << np.int64(72))  # numpy ints are fine
@@ -599,3 +600,44 @@ async def test_smollm2_greedy_agrees(lms, smol_ref_tries):
     ref = await (await smol_ref_tries.initial(ref_bytes.BeamParams(K=5))).greedy(context, 6)
     assert ours == ref
     assert ours.startswith(context) and len(ours) == len(context) + 6
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_smollm2_beam_follows_the_default_adapter(lms, smollm2_dir, tmp_path):
+    """The beam remembers node masses of live states and logits it computed a byte ahead.
+    After set_lora / clear_lora (calls without lora_name answer differently) a beam must not
+    reuse what was computed under the previous default: checked against a fresh LM that only
+    ever had the adapter."""
+    from genlm_fast.backend.llm import AsyncTransformer
+    from tests.lora import make_lora_adapter
+
+    ours_lm, _ = lms
+    make_lora_adapter(smollm2_dir, tmp_path / "adapter")
+    text = b"Hello there, general Kenobi"
+
+    async def run(lm):
+        beam = await (await ByteBeamState.initial(lm, BeamParams(K=2))).prefill(text)
+        return beam, float(beam.logZ), np.asarray((await beam.logp_next()).ps)
+
+    fresh = AsyncTransformer.from_name(smollm2_dir)
+    fresh.add_new_lora(str(tmp_path / "adapter"), "a")
+    fresh.set_lora(lora_name="a")
+    _, want_z, want_lp = await run(fresh)
+    fresh.cleanup()
+
+    ours_lm.add_new_lora(str(tmp_path / "adapter"), "a")
+    try:
+        base_beam, base_z, base_lp = await run(ours_lm)  # stays alive: its rows stay memoized
+        ours_lm.set_lora(lora_name="a")
+        _, got_z, got_lp = await run(ours_lm)
+        assert abs(got_z - want_z) < 1e-3 and abs(got_z - base_z) > 0.5
+        np.testing.assert_allclose(got_lp, want_lp, atol=1e-3)
+        ours_lm.clear_lora()
+        _, again_z, again_lp = await run(ours_lm)
+        assert abs(again_z - base_z) < 1e-3
+        np.testing.assert_allclose(again_lp, base_lp, atol=1e-3)
+        del base_beam
+    finally:
+        ours_lm.clear_lora()
+        ours_lm.remove_lora("a")

@@ -121,6 +121,11 @@ class AsyncLM(ABC):
             into ``byte_vocab`` (bytes of each token) and ``str_vocab``.
     """
 
+    #: Moves whenever calls without ``lora_name`` may start giving other answers (the
+    #: default adapter was set, cleared, reloaded or removed; clear_cache()). Whoever keeps
+    #: results across calls, such as the byte-level beam, keys them on it.
+    state_epoch = 0
+
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.byte_vocab, self.str_vocab = decode_vocab(self.tokenizer)
@@ -599,6 +604,7 @@ class BatchedAsyncLM(AsyncLM):
     def clear_cache(self):
         """Forget cached log probabilities."""
         self._outputs.clear()
+        self.state_epoch += 1
 
     def cleanup(self):
         """Fail waiting queries, drop caches and the model; later calls raise."""

@@ -472,6 +472,7 @@ class AsyncVirtualLM(BatchedAsyncLM):
 
     def add_new_lora(self, lora_path, lora_name="lora_1"):
         """Register a LoRA adapter directory under ``lora_name`` (vLLM's LoRARequest)."""
+        self.state_epoch += 1
         from vllm.lora.request import LoRARequest
 
         self._require_lora()
@@ -485,6 +486,7 @@ class AsyncVirtualLM(BatchedAsyncLM):
 
     def remove_lora(self, lora_name):
         """Unregister ``lora_name`` and evict its weights from the engine."""
+        self.state_epoch += 1
         self._check_open()
         req = self._lora_requests.pop(lora_name, None)
         if req is None:
@@ -503,6 +505,7 @@ class AsyncVirtualLM(BatchedAsyncLM):
     def set_lora(self, lora_path=None, lora_name="lora_1"):
         """Use ``lora_name`` for calls that pass none (registering ``lora_path`` first
         when given)."""
+        self.state_epoch += 1
         self._check_open()
         if lora_path is not None:
             self.add_new_lora(lora_path, lora_name)
@@ -512,6 +515,7 @@ class AsyncVirtualLM(BatchedAsyncLM):
 
     def clear_lora(self):
         """Use the base model for calls that pass no ``lora_name``."""
+        self.state_epoch += 1
         self._check_open()
         self._active_lora = None
 

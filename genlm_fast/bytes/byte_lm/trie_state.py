@@ -81,15 +81,24 @@ def _lookahead_limit(model):
 
 
 def check_byte(b) -> int:
-    """``b`` as an int in 0..257 (256 bytes, 257 = EOS); TypeError / ValueError otherwise."""
+    """``b`` as an int in 0..255, or 257 (EOS); TypeError / ValueError otherwise. 256 (the
+    end-of-token slot of next-byte distributions) is not a byte one can append."""
     hint = " (use b[0] or ord(c) for a single byte)" if isinstance(b, (bytes, str)) else ""
-    value = as_index(b, "a byte must be an int in 0..257 (257 = EOS)", hint)
-    if not 0 <= value <= EOS:
-        raise ValueError(f"byte {value} is out of range: expected 0..255, or 257 for EOS")
+    value = as_index(b, "a byte must be an int in 0..255, or 257 for EOS", hint)
+    if not (0 <= value < 256 or value == EOS):
+        what = " (256 is the end-of-token slot, not a byte)" if value == 256 else ""
+        raise ValueError(f"byte {value} is out of range: expected 0..255, or 257 for EOS{what}")
     return value
 
 
 # --------------------------------------------------------------------------- per-trie data
+
+
+def model_key(model):
+    """What results computed from ``model`` are remembered under: its identity and its
+    ``state_epoch``, which genlm_fast's LMs move whenever calls without ``lora_name`` may
+    start giving other answers (the default adapter changed, clear_cache())."""
+    return id(model), getattr(model, "state_epoch", 0)
 
 
 class _TrieInfo:
@@ -108,9 +117,9 @@ class _TrieInfo:
         self.edge_key = layout.edge_key
         self.num_nodes = int(layout.num_nodes)
         self.pools = {}
-        # (id(model), mode, context) -> _Row while some state uses that row
+        # (model_key(model), mode, context) -> _Row while some state uses that row
         self.memo = weakref.WeakValueDictionary()
-        # (id(model), context) -> (weakref to model, logits row): contexts computed ahead of
+        # (model_key(model), context) -> (weakref to model, logits row): contexts computed ahead of
         # need (see ``materialize_states``), consumed by the first materialization using them
         self.logits_memo = OrderedDict()
         self.stats = {"lm_batches": 0, "lm_rows": 0, "kernel_launches": 0, "gathers": 0,
@@ -118,7 +127,7 @@ class _TrieInfo:
                       "lookahead_hits": 0}
 
     def take_logits(self, model, ctx):
-        entry = self.logits_memo.pop((id(model), ctx), None)
+        entry = self.logits_memo.pop((model_key(model), ctx), None)
         if entry is not None and entry[0]() is model:
             return entry[1]
         return None
@@ -129,8 +138,9 @@ class _TrieInfo:
         except TypeError:  # a model that cannot be weakly referenced: no lookahead
             return
         memo = self.logits_memo
-        memo[(id(model), ctx)] = (ref, row)
-        memo.move_to_end((id(model), ctx))
+        key = (model_key(model), ctx)
+        memo[key] = (ref, row)
+        memo.move_to_end(key)
         while len(memo) > LOOKAHEAD_ROWS:
             memo.popitem(last=False)
 
@@ -424,7 +434,7 @@ async def _materialize_group(states, trie, info, lookahead=()):
     kept for later (no kernel runs on them now).
     """
     model = states[0].lm_state.model
-    key_model = id(model)
+    key_model = model_key(model)
     modes_of = {}  # context -> modes needed, in first-seen order
     todo = []
     for s in states:

@@ -9,6 +9,8 @@ under ``genlm.backend`` or ``genlm.bytes`` with the genlm_fast module of the sam
 Because it is a finder rather than a one-off ``sys.modules`` patch, it keeps working when a
 test removes the ``genlm.*`` entries from ``sys.modules`` (genlm's own conftest does that).
 Other ``genlm.*`` packages (``genlm.control``, ``genlm.grammar``) are left alone.
+genlm's modules that genlm_fast does not offer (``NOT_PROVIDED``: the MLX and SGLang
+backends) raise an ImportError saying so.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ import importlib.machinery
 import sys
 
 ALIASES = {"genlm.backend": "genlm_fast.backend", "genlm.bytes": "genlm_fast.bytes"}
+
+# genlm-backend 0.3.1 modules with no genlm_fast counterpart: what they hold
+NOT_PROVIDED = {
+    "genlm.backend.llm.mlx": "the MLX backend AsyncMlxLM",
+    "genlm.backend.llm.sgl": "the SGLang backend AsyncSGLTransformer",
+}
 
 
 def target_of(fullname: str) -> str | None:
@@ -45,6 +53,20 @@ class _AliasLoader(importlib.abc.Loader):
             module.__spec__ = self._own_spec
 
 
+class _NotProvidedLoader(importlib.abc.Loader):
+    """Fails the import of a genlm module that genlm_fast does not offer, saying so."""
+
+    def create_module(self, spec):
+        raise ModuleNotFoundError(
+            f"genlm_fast does not provide {spec.name}, {NOT_PROVIDED[spec.name]}, and "
+            "genlm_fast.dropin routes genlm.backend imports to genlm_fast: use "
+            "AsyncTransformer or AsyncVirtualLM, or run without the drop-in",
+            name=spec.name)
+
+    def exec_module(self, module):  # never reached: create_module raises
+        pass
+
+
 class GenlmAliasFinder(importlib.abc.MetaPathFinder):
     """Resolve genlm.backend / genlm.bytes (and their submodules) to genlm_fast."""
 
@@ -59,6 +81,8 @@ class GenlmAliasFinder(importlib.abc.MetaPathFinder):
         aliased = target_of(fullname)
         if aliased is None:
             return None
+        if fullname in NOT_PROVIDED:
+            return importlib.machinery.ModuleSpec(fullname, _NotProvidedLoader())
         if importlib.util.find_spec(aliased) is None:
             return None  # a genlm module genlm_fast does not provide: ModuleNotFoundError
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(aliased),

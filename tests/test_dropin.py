@@ -58,3 +58,46 @@ def test_pytest_plugin_form(tmp_path):
                            "-p", "no:cacheprovider", str(tmp_path / "test_x.py")],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_every_genlm_module_imports_or_says_why_not():
+    """Walk genlm-backend's and genlm-bytes' modules (from the installed packages' files,
+    without importing them) and import each one under the drop-in."""
+    out = run("""
+        import importlib, importlib.util, os, pkgutil, sys
+        def walk(name, paths):
+            yield name
+            for info in pkgutil.iter_modules(paths):
+                sub = f"{name}.{info.name}"
+                if info.ispkg:
+                    yield from walk(sub, [os.path.join(info.module_finder.path, info.name)])
+                else:
+                    yield sub
+        names = [n for pkg in ("genlm.backend", "genlm.bytes")
+                 for n in walk(pkg, importlib.util.find_spec(pkg).submodule_search_locations)]
+        assert "genlm.backend.trie.parallel" in names and "genlm.bytes.byte_lm.beam" in names
+        assert not [m for m in sys.modules if m.startswith("genlm.")]  # nothing of genlm ran
+
+        import genlm_fast.dropin
+        from genlm_fast.dropin import NOT_PROVIDED
+        vllm_installed = importlib.util.find_spec("vllm") is not None
+        for name in names:
+            try:
+                module = importlib.import_module(name)
+            except ImportError as error:
+                if name in NOT_PROVIDED:
+                    assert "genlm_fast does not provide" in str(error), error
+                elif name == "genlm.backend.llm.vllm" and not vllm_installed:
+                    assert "vllm" in str(error), error
+                else:
+                    raise
+            else:
+                assert name not in NOT_PROVIDED, name
+                assert module.__name__.startswith("genlm_fast."), (name, module.__name__)
+
+        from genlm.backend.trie.parallel import ParallelTokenCharacterTrie
+        import genlm_fast.backend.trie
+        assert ParallelTokenCharacterTrie is genlm_fast.backend.trie.ParallelTokenCharacterTrie
+        print("ok")
+        """)
+    assert out.strip() == "ok"

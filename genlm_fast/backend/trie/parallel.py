@@ -1,0 +1,5 @@
+"""genlm-backend's ``genlm.backend.trie.parallel`` module, home of ``ParallelTokenCharacterTrie``."""
+
+from genlm_fast.backend.trie.base import ParallelTokenCharacterTrie
+
+__all__ = ["ParallelTokenCharacterTrie"]

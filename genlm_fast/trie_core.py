@@ -74,8 +74,12 @@ class CompiledTrie:
         children = [{} for _ in range(len(parent))]
         for node, p in enumerate(parent):
             if p >= 0:
-                children[p][edge_key[node]] = node
+                children[p][self._public_key(edge_key[node])] = node
         return children
+
+    def _public_key(self, key):
+        """The key an edge of the layout has in ``children`` (the layout's own, here)."""
+        return key
 
     @cached_property
     def jump(self) -> list[np.ndarray]:
@@ -95,7 +99,7 @@ class CompiledTrie:
         return prefix
 
     def _edge_letters(self, key) -> list:
-        return [] if isinstance(key, tuple) else [key]
+        return [] if is_leaf_key(key) else [key]
 
     @cached_property
     def leaf2word(self) -> dict:
@@ -108,6 +112,10 @@ class CompiledTrie:
         if isinstance(ws, torch.Tensor):
             batch = ws
         elif isinstance(ws, np.ndarray):
+            if not ws.dtype.isnative:  # big-endian data: torch reads native order only
+                ws = ws.astype(ws.dtype.newbyteorder("="))
+            if any(stride < 0 for stride in ws.strides):  # a reversed view, e.g. ws[::-1]
+                ws = ws.copy()
             batch = torch.from_numpy(ws)
         elif isinstance(ws, (list, tuple)):
             if len(ws) == 0:
@@ -164,20 +172,25 @@ class CompiledTrie:
         float32 on the logits' device.
         """
         mode_name = self._mode_name(mode)
-        if isinstance(logits, torch.Tensor) and logits.dim() != 2:
-            raise ValueError(f"batch_log_mass expects [batch, vocab] logits, got shape "
-                             f"{tuple(logits.shape)}")
+        if _ndim(logits) != 2:
+            raise ValueError(f"batch_log_mass expects [batch, vocab] logits, got "
+                             f"{_describe(logits)}")
         return self._reduce(logits, "log_mass", mode_name, exact_width=False)
 
     def log_mass(self, logits, mode=None) -> torch.Tensor:
         """``batch_log_mass`` for one ``[V']`` logit row; returns ``[N]``."""
-        if isinstance(logits, torch.Tensor) and logits.dim() != 1:
-            raise ValueError(f"log_mass expects one [vocab] logit row, got shape "
-                             f"{tuple(logits.shape)}; use batch_log_mass for a batch")
+        one_row(logits, "log_mass expects one [vocab] logit row",
+                "use batch_log_mass for a batch")
         return self._reduce(logits, "log_mass", self._mode_name(mode), exact_width=False)[0]
 
     def _mode_name(self, mode) -> str:
-        return "without_eos"
+        """The layout mode for ``mode``: a trie without an EOS node has only "without_eos"
+        (given as None, the string or an enum member with that value)."""
+        value = getattr(mode, "value", mode)
+        if mode is None or isinstance(value, str) and value == "without_eos":
+            return "without_eos"
+        raise ValueError(f"unknown trie mode {mode!r} for {type(self).__name__}, which has no "
+                         "EOS node: expected None or 'without_eos'")
 
     # ---------------------------------------------------------------- display
 
@@ -206,28 +219,60 @@ class CompiledTrie:
                     fill = f"#{shade:02x}ff{shade:02x}"
             shape = "doublecircle" if node in self.leaf2word else "circle"
             dot.node(str(node), label, shape=shape, style="filled", fillcolor=fill)
+        edge_key = self._layout.edge_key
         for node, kids in enumerate(self.children):
             for key, child in kids.items():
-                text = f"end of token {key[1]}" if isinstance(key, tuple) else str(key)
+                own = edge_key[child]
+                text = f"end of token {own[1]}" if is_leaf_key(own) else str(key)
                 dot.edge(str(node), str(child), label=text)
         return dot
 
 
-def one_row(ws):
-    """Reject a batch where the genlm API takes one weight vector (``[V]``)."""
+def _ndim(ws) -> int:
+    """Dimensions of a tensor, an array or a (nested) list of numbers."""
+    if hasattr(ws, "ndim"):
+        return ws.ndim
+    if isinstance(ws, (list, tuple)) and ws and (hasattr(ws[0], "ndim")
+                                                 or isinstance(ws[0], (list, tuple))):
+        return 1 + _ndim(ws[0])
+    return 1
+
+
+def _describe(ws) -> str:
     shape = getattr(ws, "shape", None)
-    if shape is not None and len(shape) != 1:
-        raise ValueError(f"expected one weight vector of shape [V], got shape {tuple(shape)}; "
-                         "use the batch_ methods for a batch")
+    if shape is not None:
+        return f"shape {tuple(shape)}"
+    return f"a {_ndim(ws)}-D nested {type(ws).__name__} of length {len(ws)}"
+
+
+def one_row(ws, expected="expected one weight vector of shape [V]",
+            hint="use the batch_ methods for a batch"):
+    """Reject anything but one row (``[V]``): a batch, a scalar or a nested list."""
+    if _ndim(ws) != 1:
+        raise ValueError(f"{expected}, got {_describe(ws)}; {hint}")
     return ws
+
+
+def is_leaf_key(key) -> bool:
+    """Whether a layout edge key ends a token: those are ``(None, i)`` (genlm.backend's
+    leaf keys; the byte trie swaps in its sentinel for ``children``)."""
+    return isinstance(key, tuple) and len(key) > 0 and key[0] is None
+
+
+def token_fields(item):
+    """``(bytes, token_id)`` of a token — a ``bytes`` carrying an int ``token_id``, such as
+    genlm_fast's or genlm's ``Token`` — or None for anything else."""
+    token_id = getattr(item, "token_id", None)
+    if isinstance(item, bytes) and isinstance(token_id, int):
+        return bytes(item), token_id
+    return None
 
 
 def item_path(item):
     """The edge keys spelling a vocabulary item, and whether it is plain bytes."""
-    from genlm_fast.backend.tokenization import Token
-
-    if isinstance(item, Token):
-        return item.byte_string, False
+    fields = token_fields(item)
+    if fields is not None:
+        return fields[0], False
     if isinstance(item, bytes):
         return item, True
     if isinstance(item, Iterable):

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from genlm_fast.backend.tokenization import Token
-from genlm_fast.backend.trie.async_impl import AsyncTrieFrontEnd, _stack
-from genlm_fast.trie_core import CompiledTrie, one_row
+from genlm_fast.backend.trie.async_impl import AsyncTrieFrontEnd
+from genlm_fast.trie_core import CompiledTrie, is_leaf_key, one_row, token_fields
 
 EOS = 257  # the edge key of the EOS node under the root
 
@@ -52,10 +52,12 @@ class TokenByteTrie(CompiledTrie):
     """A byte trie over a ``Token`` vocabulary with an EOS node under the root (key 257).
 
     Args:
-        decode: ``Token`` objects (``decode_vocab``); plain bytes are accepted (deprecated).
+        decode: ``Token`` objects (``decode_vocab``; genlm's ``Token`` too); plain bytes are
+            accepted (deprecated).
         device: "cpu", "cuda" or None (cuda when available); results live there.
         atomic_byte_strings (alias ``atomic_tokens``): byte strings kept as one edge.
-        eot_sentinel (alias ``eot_token``): first element of leaf edge keys.
+        eot_sentinel (alias ``eot_token``): first element of leaf edge keys in ``children``
+            (any hashable object; the trie keeps the caller's own, never a copy).
         eos_byte_strings (alias ``eos_tokens``): tokens whose mass goes to the EOS node
             in ``TrieMode.WITH_EOS``.
         max_batch_size: accepted for compatibility (the kernels need no chunking).
@@ -72,14 +74,20 @@ class TokenByteTrie(CompiledTrie):
         eos_byte_strings = _renamed(eos_byte_strings, eos_tokens, "eos_byte_strings", "eos_tokens")
         if decode is None or len(decode) == 0:
             raise ValueError("decode cannot be empty: a trie needs at least one token")
-        if Token.is_plain_bytes(decode[0]):
+        if isinstance(decode[0], bytes) and token_fields(decode[0]) is None:
             warnings.warn("Passing plain bytes to TokenByteTrie is deprecated; use Token "
                           "objects from decode_vocab() instead.", DeprecationWarning, stacklevel=2)
             decode = [Token(i, b) for i, b in enumerate(decode)]
+        fields = [token_fields(token) for token in decode]  # (bytes, token_id), genlm's Token too
         for i, token in enumerate(decode):
-            if not isinstance(token, Token):
+            if fields[i] is None:
                 raise TypeError(f"decode must contain Token objects (see decode_vocab()); item "
                                 f"{i} is a {type(token).__name__}")
+        try:
+            hash(eot_sentinel)
+        except TypeError:
+            raise TypeError(f"eot_sentinel keys the leaf edges, so it must be hashable; got a "
+                            f"{type(eot_sentinel).__name__}") from None
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if str(device) not in ("cpu", "cuda"):
             raise ValueError(f"Invalid device: {device!r}. Must be 'cpu', 'cuda' or None")
@@ -88,7 +96,7 @@ class TokenByteTrie(CompiledTrie):
         self.device = str(device)
         self.max_batch_size = max_batch_size
         self.kernel_backend = kernel_backend
-        self._byte_decode = [t.byte_string for t in decode]
+        self._byte_decode = [bs for bs, _ in fields]
         self.eot_sentinel = eot_sentinel
         self.eos_byte_strings = set(eos_byte_strings or [])
         atomic = set(atomic_byte_strings or [])
@@ -99,17 +107,19 @@ class TokenByteTrie(CompiledTrie):
         for bs in self.eos_byte_strings:
             if bs not in vocab_bytes:
                 raise ValueError(f"EOS byte string {bs!r} not in vocabulary")
-        self.eos_token_ids = [t.token_id for t in decode if t.byte_string in self.eos_byte_strings]
+        token_ids = [tid for _, tid in fields]
+        self.eos_token_ids = [tid for bs, tid in fields if bs in self.eos_byte_strings]
 
-        token_ids = [t.token_id for t in decode]
         if len(set(token_ids)) != len(token_ids):
             raise ValueError("decode contains two Tokens with the same token_id")
         words = [[bs] if bs in atomic else bs for bs in self._byte_decode]
-        leaf_keys = [(eot_sentinel, tid) for tid in token_ids]
+        # the layout keys leaf edges (None, token_id), whatever the sentinel: it is neither
+        # pickled into the disk cache nor read back from it (``children`` puts it in)
+        leaf_keys = [(None, tid) for tid in token_ids]
         eos_positions = [i for i, bs in enumerate(self._byte_decode) if bs in self.eos_byte_strings]
         self._compile(
             words, leaf_keys, np.asarray(token_ids), eos_key=EOS, eos_positions=eos_positions,
-            cache_key=("byte", self._byte_decode, token_ids, sorted(atomic), eot_sentinel,
+            cache_key=("byte", self._byte_decode, token_ids, sorted(atomic),
                        sorted(self.eos_byte_strings)),
             cache=cache, cache_dir=cache_dir)
         self.eos_node = self._layout.eos_node
@@ -126,8 +136,11 @@ class TokenByteTrie(CompiledTrie):
     def vocab_size(self) -> int:
         return len(self.decode)
 
+    def _public_key(self, key):
+        return (self.eot_sentinel, key[1]) if is_leaf_key(key) else key
+
     def _edge_letters(self, key) -> list:
-        if isinstance(key, tuple):
+        if is_leaf_key(key):
             return []
         if isinstance(key, bytes):
             return list(key)
@@ -164,26 +177,22 @@ class AsyncTokenByteTrie(AsyncTrieFrontEnd):
         return cls(TokenByteTrie(decode=vocab, **kwargs))
 
     def _run_batch(self, op, mode, rows):
-        if op in (TrieOp.SUM, TrieOp.SUM.value):
+        if op == "sum":
             return self.trie.batch_weight_sum(rows, mode=mode)
-        if op in (TrieOp.MAX, TrieOp.MAX.value):
+        if op == "max":
             return self.trie.batch_weight_max(rows)
-        if op == "log_mass":
-            return self.trie.batch_log_mass(_stack(rows), mode=mode)
-        raise ValueError(f"Invalid trie operation: {op!r} (expected a TrieOp or 'log_mass')")
+        return self.trie.batch_log_mass(torch.stack(rows), mode=mode)
 
     def _queue_request(self, ws, mode, op):
         """genlm's low-level entry: queue ``ws`` for ``op`` in ``mode``; returns the future."""
-        return self._batcher.submit(op, as_mode(mode), ws)
+        return self._submit(op, as_mode(mode), ws)
 
     async def weight_sum(self, ws, mode=None):
-        self._check(ws)
-        return await self._batcher.submit(TrieOp.SUM, as_mode(mode), ws)
+        return await self._submit("sum", as_mode(mode), ws)
 
     async def weight_max(self, ws):
-        self._check(ws)
-        return await self._batcher.submit(TrieOp.MAX, TrieMode.WITHOUT_EOS, ws)
+        return await self._submit("max", TrieMode.WITHOUT_EOS, ws)
 
     async def log_mass(self, logits, mode=None):
         """Batched fused log-masses of one logit row (stays on the logits' device)."""
-        return await self._batcher.submit("log_mass", as_mode(mode), logits)
+        return await self._submit("log_mass", as_mode(mode), logits)

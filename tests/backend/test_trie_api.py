@@ -4,6 +4,7 @@ structure (numbering, children, prefixes, leaves), return types, values, bad inp
 from __future__ import annotations
 
 import pickle
+import re
 import warnings
 
 import numpy as np
@@ -104,6 +105,63 @@ def test_generic_iterables_and_strings():
     np.testing.assert_allclose(mine.weight_sum(ws), ref.weight_sum(ws))
 
 
+def test_tuple_letters_are_letters_unless_they_start_with_none():
+    """genlm.backend treats only ``(None, ...)`` edges as leaf edges in ``node2prefix``."""
+    vocab = [((1, 2), (3,)), ((1, 2),), ("x", ())]
+    mine = TokenCharacterTrie(vocab, cache=False)
+    ref = ref_trie.TokenCharacterTrie(vocab[:2])  # genlm indexes letter[0]: () crashes it
+    assert TokenCharacterTrie(vocab[:2], cache=False).node2prefix == ref.node2prefix
+    assert mine.node2prefix[mine.word2leaf[((1, 2), (3,))]] == [(1, 2), (3,)]
+    assert mine.node2prefix[mine.word2leaf[("x", ())]] == ["x", ()]
+
+
+def test_eot_sentinel_is_the_callers_own_object_and_is_never_pickled(tmp_path):
+    class Sentinel:  # a local class: instances cannot be pickled; compared by identity
+        pass
+
+    first, second = Sentinel(), Sentinel()
+    tries = [TokenByteTrie(ours(SMALL), device="cpu", eot_sentinel=s, cache_dir=str(tmp_path))
+             for s in (first, second)]  # the second reads the layout the first cached
+    assert list(tmp_path.iterdir()), "the layout was not cached"
+    for sentinel, mine in zip((first, second), tries):
+        ref = ref_bytes.TokenByteTrie(theirs(SMALL), device="cpu", eot_sentinel=sentinel)
+        assert mine.children == ref.children and mine.node2prefix == ref.node2prefix
+        leaf_keys = [k for kids in mine.children for k in kids if isinstance(k, tuple)]
+        assert len(leaf_keys) == len(SMALL) and all(k[0] is sentinel for k in leaf_keys)
+    with pytest.raises(TypeError, match="hashable"):
+        TokenByteTrie(ours(SMALL), device="cpu", eot_sentinel=[], cache_dir=str(tmp_path))
+
+
+class _IdBytes(bytes):
+    """A bytes subclass carrying a token id, as other libraries' tokens do."""
+
+    def __new__(cls, token_id, data):
+        self = super().__new__(cls, data)
+        self.token_id = token_id
+        return self
+
+
+@pytest.mark.parametrize("token_type", [RefToken, _IdBytes])
+def test_foreign_tokens_are_tokens(token_type):
+    """genlm's own ``Token`` (or any bytes with an int ``token_id``) keeps its id."""
+    words = [b"b", b"a", b"ab", b"a"]
+    ids = [3, 0, 2, 1]  # ids are not list positions
+    vocab = [token_type(i, w) for i, w in zip(ids, words)]
+    ref_vocab = [RefToken(i, w) for i, w in zip(ids, words)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # not taken for plain bytes
+        byte = TokenByteTrie(vocab, device="cpu", cache=False)
+        char = TokenCharacterTrie(vocab, cache=False)
+    ref_byte = ref_bytes.TokenByteTrie(ref_vocab, device="cpu")
+    ref_char = ref_trie.TokenCharacterTrie(ref_vocab)
+    for attr in ("children", "lookup", "word2leaf", "leaf2token_id"):
+        assert getattr(byte, attr) == getattr(ref_byte, attr), attr
+    assert char.word2leaf == ref_char.word2leaf and char.children == ref_char.children
+    w = torch.tensor([0.1, 0.2, 0.3, 0.4])  # indexed by token id
+    torch.testing.assert_close(byte.weight_sum(w), ref_byte.weight_sum(w))
+    np.testing.assert_allclose(char.weight_sum(w), ref_char.weight_sum(w.numpy()))
+
+
 # ------------------------------------------------------------------ values and types
 
 
@@ -161,6 +219,59 @@ def test_log_mass_single_row_and_devices():
     assert trie.last_kernel_backend in ("cpu", "reference", "triton", "cuda")
 
 
+def test_numpy_views_are_read_as_numpy_reads_them():
+    """Reversed views (negative strides) and big-endian arrays, as genlm's sequential trie
+    reads the former."""
+    words = [b"a", b"ab", b"b", b"ba"]
+    ref = ref_trie.TokenCharacterTrie(theirs(words))
+    ws = np.array([4.0, 3.0, 2.0, 1.0])[::-1]
+    rows = np.arange(8.0).reshape(2, 4)[::-1]
+    want, want_rows = ref.weight_sum(ws), ref.batch_weight_sum(rows)
+    for trie in (TokenCharacterTrie(ours(words), cache=False),
+                 ParallelTokenCharacterTrie(ours(words), device="cpu", cache=False)):
+        np.testing.assert_allclose(trie.weight_sum(ws), want, rtol=1e-6)
+        np.testing.assert_allclose(trie.weight_sum(ws.astype(">f8")), want, rtol=1e-6)
+        np.testing.assert_allclose(trie.batch_weight_sum(rows), want_rows, rtol=1e-6)
+    byte = TokenByteTrie(ours(words), device="cpu", cache=False)
+    ref_byte = ref_bytes.TokenByteTrie(theirs(words), device="cpu")
+    torch.testing.assert_close(byte.batch_weight_sum(rows),
+                               ref_byte.batch_weight_sum(np.ascontiguousarray(rows)))
+    logits = np.array([0.5, -1.0, 2.0, 0.0])
+    torch.testing.assert_close(byte.log_mass(logits[::-1]), byte.log_mass(logits[::-1].copy()))
+
+
+def test_log_mass_rejects_a_batch_in_any_form():
+    trie = TokenByteTrie(ours([b"a", b"b"]), device="cpu", cache=False)
+    two_rows = np.array([[0.0, 0.0], [5.0, -5.0]])
+    for batch in (two_rows, two_rows.tolist(), torch.from_numpy(two_rows), list(two_rows)):
+        with pytest.raises(ValueError, match=r"one \[vocab\] logit row"):
+            trie.log_mass(batch)
+        with pytest.raises(ValueError, match="one weight vector"):
+            trie.weight_sum(batch)
+    for row in (two_rows[0], two_rows[0].tolist()):
+        with pytest.raises(ValueError, match=r"\[batch, vocab\]"):
+            trie.batch_log_mass(row)
+    leaves = [trie.word2leaf[(b"a", 0)], trie.word2leaf[(b"b", 1)]]
+    got = trie.batch_log_mass(two_rows.tolist())[1, leaves]  # a list of rows is a batch
+    torch.testing.assert_close(got, torch.log_softmax(torch.tensor([5.0, -5.0]), 0))
+
+
+def test_character_trie_modes():
+    """A character trie has no EOS node: only WITHOUT_EOS means anything (as the string,
+    the enum or None); anything else is refused, as TokenByteTrie refuses unknown modes."""
+    trie = TokenCharacterTrie(ours([b"a", b"b"]), cache=False)
+    logits = torch.tensor([0.0, 1.0])
+    want = trie.log_mass(logits)
+    for mode in ("without_eos", TrieMode.WITHOUT_EOS, ref_bytes.TrieMode.WITHOUT_EOS):
+        torch.testing.assert_close(trie.log_mass(logits, mode=mode), want)
+        torch.testing.assert_close(trie.batch_log_mass(logits[None], mode=mode)[0], want)
+    for mode in ("sideways", "with_eos", TrieMode.WITH_EOS, 0):
+        with pytest.raises(ValueError, match="mode"):
+            trie.log_mass(logits, mode=mode)
+        with pytest.raises(ValueError, match="mode"):
+            trie.batch_log_mass(logits[None], mode=mode)
+
+
 # ------------------------------------------------------------------ construction
 
 
@@ -213,7 +324,7 @@ async def test_async_batches_and_answers_every_caller():
 
 
 @pytest.mark.asyncio
-async def test_async_errors_reach_every_waiter_and_loop_survives():
+async def test_async_errors_reach_their_own_callers_and_loop_survives():
     import asyncio
 
     atrie = AsyncTokenCharacterTrie.from_vocab(ours(SMALL), backend="sequential", cache=False)
@@ -238,6 +349,97 @@ async def test_async_errors_reach_every_waiter_and_loop_survives():
             assert d[atrie.trie.root] == pytest.approx(i * len(SMALL))
     await atrie.cleanup()
     atrie.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_async_malformed_requests_fail_alone():
+    """Concurrent good and bad requests: every good one gets genlm's values, every bad one
+    its own clear error (raised before queueing, or found by the kernel in its batch)."""
+    import asyncio
+
+    V = len(SMALL)
+    atrie = AsyncTokenByteTrie.from_vocab(ours(SMALL), device="cpu",
+                                          eos_byte_strings=[b"<eos>"], cache=False)
+    ref = ref_bytes.TokenByteTrie(theirs(SMALL), device="cpu", eos_byte_strings=[b"<eos>"])
+    rng = np.random.default_rng(0)
+    good = [torch.tensor(rng.random(V), dtype=torch.float32) for _ in range(30)]
+    logits = [torch.tensor(rng.standard_normal(V), dtype=torch.float32) for _ in range(10)]
+    nan = torch.rand(V)
+    nan[2] = float("nan")
+    bad = [  # (request, error type, message)
+        (atrie.weight_sum(nan), ValueError, "NaN"),
+        (atrie.weight_sum(nan, TrieMode.WITH_EOS), ValueError, "NaN"),
+        (atrie.weight_max(torch.full((V,), float("nan"))), ValueError, "NaN"),
+        (atrie.log_mass(torch.full((V,), float("nan"))), ValueError, "NaN"),
+        (atrie.log_mass(torch.full((V,), float("inf"))), ValueError, r"\+inf"),
+        (atrie.weight_sum(torch.ones(V, dtype=torch.long)), TypeError, "floating"),
+        (atrie.weight_sum(torch.ones(2, V)), ValueError, "one row"),
+        (atrie.log_mass(torch.zeros(2, V)), ValueError, "one row"),
+        (atrie.weight_sum(torch.ones(V + 1)), ValueError, "length"),
+        (atrie.log_mass(torch.zeros(V - 1)), ValueError, "at least"),
+        (atrie.weight_sum(torch.ones(V), mode="sideways"), ValueError, "mode"),
+        (atrie.weight_sum("abc"), TypeError, "got str"),
+    ]
+    requests = ([atrie.weight_sum(w, TrieMode.WITH_EOS if i % 2 else None)
+                 for i, w in enumerate(good)]
+                + [atrie.weight_max(w) for w in good[:5]]
+                + [atrie.log_mass(x, TrieMode.WITH_EOS) for x in logits]
+                + [atrie.log_mass(torch.cat([logits[0], torch.zeros(3)]))])  # padded: fine
+    outcomes = await asyncio.gather(*requests, *[b for b, _, _ in bad], return_exceptions=True)
+    answers, errors = outcomes[:len(requests)], outcomes[len(requests):]
+    assert not [a for a in answers if isinstance(a, BaseException)], answers
+    modes = [ref_bytes.TrieMode.WITH_EOS if i % 2 else ref_bytes.TrieMode.WITHOUT_EOS
+             for i in range(len(good))]
+    for w, mode, got in zip(good, modes, answers):
+        torch.testing.assert_close(got, ref.weight_sum(w, mode=mode))
+    for w, got in zip(good[:5], answers[len(good):]):
+        torch.testing.assert_close(got, ref.weight_max(w))
+    for x, got in zip(logits, answers[len(good) + 5:]):
+        want = ref.weight_sum(torch.softmax(x, 0), mode=ref_bytes.TrieMode.WITH_EOS)
+        keep = want > 0
+        torch.testing.assert_close(got[keep], torch.log(want[keep]), rtol=0, atol=1e-5)
+    padded = torch.log(ref.weight_sum(torch.softmax(torch.cat([logits[0], torch.zeros(3)]),
+                                                    0)[:V]))
+    torch.testing.assert_close(answers[-1], padded, rtol=0, atol=1e-5)
+    for (_, kind, message), error in zip(bad, errors):
+        assert isinstance(error, kind) and re.search(message, str(error)), repr(error)
+
+    # the same through the character trie and genlm's low-level entry
+    char = AsyncTokenCharacterTrie.from_vocab(ours(SMALL), backend="sequential", cache=False)
+    ref_char = ref_trie.TokenCharacterTrie(theirs(SMALL))
+    rows = [rng.random(V) for _ in range(8)]
+    futures = [await char._queue_request(r, "sum") for r in rows]
+    got = await asyncio.gather(*futures, char.weight_sum(np.full(V, np.nan)),
+                               return_exceptions=True)
+    for r, g in zip(rows, got):
+        np.testing.assert_allclose(g, ref_char.weight_sum(r), rtol=1e-12)
+    assert isinstance(got[-1], ValueError) and "NaN" in str(got[-1])
+    with pytest.raises(ValueError, match="operation"):
+        await char._queue_request(rows[0], "invalid-op")
+    await atrie.cleanup()
+    await char.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_async_request_during_cleanup_is_served_and_the_trie_keeps_working():
+    import asyncio
+
+    atrie = AsyncTokenByteTrie.from_vocab(ours([b"a", b"b"]), device="cpu", cache=False)
+    x = torch.tensor([0.25, 0.75])
+    want = await atrie.weight_sum(x)
+    torch.testing.assert_close(want[atrie.trie.root], torch.tensor(1.0))
+    cleanup = asyncio.ensure_future(atrie.cleanup())
+    racing = asyncio.ensure_future(atrie.weight_sum(x))  # made while cleanup() waits
+    done = await asyncio.gather(cleanup, racing, return_exceptions=True)
+    assert done[0] is None
+    if isinstance(done[1], BaseException):  # a clear error is fine too
+        assert isinstance(done[1], RuntimeError) and "shut down" in str(done[1])
+    else:
+        torch.testing.assert_close(done[1], want)
+    for _ in range(3):
+        torch.testing.assert_close(await asyncio.wait_for(atrie.weight_sum(x), 10), want)
+    await atrie.cleanup()
+    assert atrie._batcher._task is None
 
 
 # ------------------------------------------------------------------ bad input

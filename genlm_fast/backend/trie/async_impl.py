@@ -1,9 +1,11 @@
 """Auto-batching async front ends for the tries.
 
 Concurrent requests are queued; a background task drains the queue, groups the requests
-by (operation, mode) and answers each group with one batched kernel call. A request is
-validated before it is queued, so a malformed one fails alone; an exception raised by a
-batched call reaches every caller in that group, and the loop keeps serving later ones.
+by (operation, mode) and answers each group with one batched kernel call. What is cheap
+to check (type, shape, dtype, width, operation, mode) is checked before a request is
+queued, so such a malformed request raises in its own caller. If a batched call still
+fails (a NaN row, found by the kernel), its requests are run again one by one, so each
+caller gets its own result or its own error; the loop keeps serving later requests.
 """
 
 from __future__ import annotations
@@ -12,15 +14,22 @@ import asyncio
 import logging
 from collections import defaultdict
 
+import torch
+
 from genlm_fast.backend.trie.base import ParallelTokenCharacterTrie, TokenCharacterTrie
+from genlm_fast.trie_core import one_row
 
 logger = logging.getLogger(__name__)
+
+OPS = ("sum", "max", "log_mass")
 
 
 class AutoBatcher:
     """Queue + background task turning concurrent ``(op, mode, row)`` requests into batches.
 
-    ``run_batch(op, mode, rows)`` must return one result per row.
+    ``run_batch(op, mode, rows)`` must return one result per row. The queue and the task
+    serving it are made together and dropped together, so a request made while
+    ``cleanup()`` waits for the old task starts a fresh pair and is served.
     """
 
     def __init__(self, run_batch):
@@ -33,7 +42,7 @@ class AutoBatcher:
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
             self._queue = asyncio.Queue()
-            self._task = loop.create_task(self._serve())
+            self._task = loop.create_task(self._serve(self._queue))
 
     def submit(self, op, mode, row) -> asyncio.Future:
         self.start()
@@ -41,75 +50,104 @@ class AutoBatcher:
         self._queue.put_nowait((op, mode, row, future))
         return future
 
-    async def _serve(self):
+    async def _serve(self, queue):
         while True:
             groups = defaultdict(list)
-            op, mode, row, future = await self._queue.get()
+            op, mode, row, future = await queue.get()
             groups[(op, mode)].append((row, future))
-            while not self._queue.empty():
-                op, mode, row, future = self._queue.get_nowait()
+            while not queue.empty():
+                op, mode, row, future = queue.get_nowait()
                 groups[(op, mode)].append((row, future))
             for (op, mode), group in groups.items():
                 live = [(row, fut) for row, fut in group if not fut.done()]  # skip cancelled
-                if not live:
-                    continue
-                logger.debug("trie batch: %d %s request(s), mode %s", len(live), op, mode)
-                try:
-                    results = self._run_batch(op, mode, [row for row, _ in live])
-                except Exception as error:  # every waiter of the group hears about it
-                    for _, fut in live:
-                        if not fut.done():
-                            fut.set_exception(error)
-                    continue
-                for (_, fut), result in zip(live, results):
-                    if not fut.done():
-                        fut.set_result(result)
+                if live:
+                    logger.debug("trie batch: %d %s request(s), mode %s", len(live), op, mode)
+                    self._answer(op, mode, live)
+
+    def _answer(self, op, mode, requests):
+        """Answer ``(row, future)`` requests with one batched call; if it fails, answer
+        each request alone, so that a bad row fails only its own caller."""
+        try:
+            results = self._run_batch(op, mode, [row for row, _ in requests])
+        except Exception as error:
+            if len(requests) > 1:
+                logger.debug("trie batch failed (%s); running its %d requests one by one",
+                             error, len(requests))
+                for request in requests:
+                    self._answer(op, mode, [request])
+            elif not requests[0][1].done():
+                requests[0][1].set_exception(error)
+            return
+        for (_, fut), result in zip(requests, results):
+            if not fut.done():
+                fut.set_result(result)
+
+    def _detach(self):
+        """Forget the current task and queue (a later request starts new ones)."""
+        task, queue = self._task, self._queue
+        self._task = self._queue = None
+        return task, queue
 
     async def cleanup(self):
-        """Stop the background task and wait for it to finish."""
-        task, self._task = self._task, None
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, RuntimeError):
-                pass
-        self._fail_pending()
+        """Stop the background task and wait for it to finish; requests still queued fail."""
+        task, queue = self._detach()
+        try:
+            if task is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, RuntimeError):
+                    pass
+        finally:
+            _fail_pending(queue)
 
     def shutdown(self):
         """Stop the background task without waiting (safe when the loop is gone)."""
-        task, self._task = self._task, None
+        task, queue = self._detach()
         if task is not None:
             try:
                 task.cancel()
             except RuntimeError:
                 pass
-        self._fail_pending()
+        _fail_pending(queue)
 
-    def _fail_pending(self):
-        queue, self._queue = self._queue, None
-        while queue is not None and not queue.empty():
-            *_, future = queue.get_nowait()
-            if not future.done():
-                try:
-                    future.set_exception(RuntimeError("trie was shut down before this request ran"))
-                except RuntimeError:
-                    pass
+
+def _fail_pending(queue):
+    while queue is not None and not queue.empty():
+        *_, future = queue.get_nowait()
+        if not future.done():
+            try:
+                future.set_exception(RuntimeError("trie was shut down before this request ran"))
+            except RuntimeError:
+                pass
 
 
 class AsyncTrieFrontEnd:
     """What the async tries share: the wrapped trie, its ``AutoBatcher`` (answering with
-    the subclass's ``_run_batch``), the up-front width check and the lifecycle methods."""
+    the subclass's ``_run_batch``), the checks made before a request is queued and the
+    lifecycle methods."""
 
     def __init__(self, trie):
         self.trie = trie
         self._batcher = AutoBatcher(self._run_batch)
 
-    def _check(self, ws):
-        width = ws.shape[-1] if hasattr(ws, "shape") else len(ws)
-        if width != self.trie.vocab_size:
-            raise ValueError(f"expected a weight vector of length {self.trie.vocab_size}, "
-                             f"got {width}")
+    def _submit(self, op, mode, ws) -> asyncio.Future:
+        """Check ``ws`` as one row for ``op`` (one of ``OPS``, or a ``TrieOp``) and queue it
+        as a tensor; a malformed request raises here, in its caller."""
+        op = getattr(op, "value", op)
+        if not isinstance(op, str) or op not in OPS:
+            raise ValueError(f"Invalid trie operation: {op!r} (expected one of {OPS})")
+        one_row(ws, "expected one row of shape [V]", "await one call per row")
+        row = self.trie._as_batch(ws, None)[0]  # type and dtype are checked here
+        width, vocab = row.shape[0], self.trie.vocab_size
+        if op == "log_mass":
+            needed = self.trie.layout.num_columns
+            if width < needed:
+                raise ValueError(f"expected a logit row of at least {needed} entries (the "
+                                 f"vocabulary's columns), got {width}")
+        elif width != vocab:
+            raise ValueError(f"expected a weight vector of length {vocab}, got {width}")
+        return self._batcher.submit(op, mode, row)
 
     def start(self):
         self._batcher.start()
@@ -146,30 +184,20 @@ class AsyncTokenCharacterTrie(AsyncTrieFrontEnd):
             return self.trie.batch_weight_sum(rows)
         if op == "max":
             return self.trie.batch_weight_max(rows)
-        if op == "log_mass":
-            return self.trie.batch_log_mass(_stack(rows))
-        raise ValueError(f"Invalid trie operation: {op!r} (expected 'sum', 'max' or 'log_mass')")
+        return self.trie.batch_log_mass(torch.stack(rows))
 
     async def _queue_request(self, request, op):
         """genlm's low-level entry: queue ``request`` for ``op`` and return its future."""
-        return self._batcher.submit(op, None, request)
+        return self._submit(op, None, request)
 
     async def weight_sum(self, ws):
         """Batched ``weight_sum`` of one weight vector."""
-        self._check(ws)
-        return await self._batcher.submit("sum", None, ws)
+        return await self._submit("sum", None, ws)
 
     async def weight_max(self, ws):
         """Batched ``weight_max`` of one weight vector."""
-        self._check(ws)
-        return await self._batcher.submit("max", None, ws)
+        return await self._submit("max", None, ws)
 
     async def log_mass(self, logits):
         """Batched fused ``log_mass`` of one logit row (result stays on its device)."""
-        return await self._batcher.submit("log_mass", None, logits)
-
-
-def _stack(rows):
-    import torch
-
-    return torch.stack([torch.as_tensor(r) for r in rows])
+        return await self._submit("log_mass", None, logits)

@@ -7,16 +7,16 @@ import warnings
 import numpy as np
 import torch
 
-from genlm_fast.backend.tokenization import Token
-from genlm_fast.trie_core import CompiledTrie, item_path, one_row
+from genlm_fast.trie_core import CompiledTrie, item_path, one_row, token_fields
 
 
 class TokenCharacterTrie(CompiledTrie):
     """A trie over a token vocabulary; node values are reductions over token weights.
 
     Args:
-        decode: the vocabulary: ``Token`` objects (from ``decode_vocab``), plain ``bytes``
-            (deprecated) or any iterables of edge keys (e.g. strings, genlm-control's EOS).
+        decode: the vocabulary: ``Token`` objects (from ``decode_vocab``; genlm's ``Token``
+            too), plain ``bytes`` (deprecated) or any iterables of edge keys (e.g. strings,
+            genlm-control's EOS).
             Weight ``ws[i]`` belongs to ``decode[i]``.
         kernel_backend: "auto" (default), "reference", "cpu", "cuda" or "triton".
         cache: keep the compiled layout in an on-disk cache keyed by the vocabulary.
@@ -45,7 +45,7 @@ class TokenCharacterTrie(CompiledTrie):
                               "Token objects from decode_vocab() instead.",
                               DeprecationWarning, stacklevel=2)
             all_bytes &= isinstance(item, bytes)
-            key = (item.byte_string, item.token_id) if isinstance(item, Token) else item
+            key = token_fields(item) or item
             if key in self.word2leaf:
                 raise ValueError(f"Duplicate word in vocabulary: {key!r}")
             self.word2leaf[key] = idx  # replaced by the leaf id below

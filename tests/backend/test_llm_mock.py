@@ -482,6 +482,15 @@ def test_load_model_by_name(tokenizer, tmp_path):
     for backend in ("mlx", "sgl"):
         with pytest.raises(NotImplementedError, match="genlm_fast does not support"):
             load_model_by_name("gpt2", backend=backend)
+    # genlm's class names import (genlm-control does `from genlm.backend.llm import
+    # AsyncMlxLM` for backend="mlx"), and using them says why they cannot be used
+    from genlm_fast.backend.llm import AsyncMlxLM, AsyncSGLTransformer
+
+    for cls in (AsyncMlxLM, AsyncSGLTransformer):
+        with pytest.raises(NotImplementedError, match="genlm_fast does not support"):
+            cls.from_name("gpt2")
+        with pytest.raises(NotImplementedError, match="genlm_fast does not support"):
+            cls()
     with pytest.raises(ValueError, match="Invalid backend"):
         load_model_by_name("gpt2", backend="tpu")
     import importlib.util

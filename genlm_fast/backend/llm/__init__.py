@@ -2,7 +2,8 @@
 
 ``AsyncTransformer`` (Hugging Face transformers) and ``MockAsyncLM`` are available
 everywhere. ``AsyncVirtualLM`` (vLLM) resolves lazily; without vLLM it is a stand-in
-class whose construction raises ImportError. MLX and SGLang backends are not offered.
+class whose construction raises ImportError. MLX and SGLang backends are not offered:
+``AsyncMlxLM`` and ``AsyncSGLTransformer`` are stand-ins that raise NotImplementedError.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from genlm_fast.backend.llm.hf import AsyncTransformer
 
 __all__ = [
     "AsyncLM",
+    "AsyncMlxLM",
+    "AsyncSGLTransformer",
     "AsyncTransformer",
     "AsyncVirtualLM",
     "BatchedAsyncLM",
@@ -38,38 +41,33 @@ def _vllm_installed():
     return importlib.util.find_spec("vllm") is not None
 
 
-def _missing_vllm_class(reason):
-    class AsyncVirtualLM:
-        """Stand-in for the vLLM backend, which cannot be used here."""
+def _stand_in(name, reason, error):
+    """A class named ``name`` whose construction (or ``from_name``) raises ``error(reason)``:
+    imports of genlm's backend names keep working, using one says why it cannot be used."""
 
-        def __init__(self, *args, **kwargs):
-            raise ImportError(reason)
+    def refuse(*args, **kwargs):
+        raise error(reason)
 
-        @classmethod
-        def from_name(cls, *args, **kwargs):
-            raise ImportError(reason)
+    cls = type(name, (), {"__init__": refuse, "from_name": classmethod(refuse),
+                          "__doc__": f"Stand-in: {reason}", "__module__": __name__})
+    return cls
 
-    AsyncVirtualLM.__module__ = __name__
-    AsyncVirtualLM.__qualname__ = "AsyncVirtualLM"
-    return AsyncVirtualLM
+
+AsyncMlxLM = _stand_in("AsyncMlxLM", "genlm_fast does not support the MLX backend; use "
+                       "AsyncTransformer, or genlm.backend for MLX", NotImplementedError)
+AsyncSGLTransformer = _stand_in("AsyncSGLTransformer", "genlm_fast does not support the "
+                                "SGLang backend; use AsyncTransformer or AsyncVirtualLM, or "
+                                "genlm.backend for SGLang", NotImplementedError)
 
 
 def _load_vllm_class():
     if not _vllm_installed():
-        return _missing_vllm_class(
+        return _stand_in(
+            "AsyncVirtualLM",
             "vllm is not installed, so AsyncVirtualLM is unavailable; install vllm "
-            "(`pip install vllm`, needs a CUDA GPU) or use backend='hf' (AsyncTransformer)"
-        )
-    try:
-        module = importlib.import_module("genlm_fast.backend.llm.vllm")
-    except ModuleNotFoundError as exc:
-        if exc.name != "genlm_fast.backend.llm.vllm":
-            raise
-        return _missing_vllm_class(
-            "genlm_fast does not ship its vLLM backend yet; use backend='hf' "
-            "(AsyncTransformer) or genlm.backend's AsyncVirtualLM"
-        )
-    return module.AsyncVirtualLM
+            "(`pip install vllm`, needs a CUDA GPU) or use backend='hf' (AsyncTransformer)",
+            ImportError)
+    return importlib.import_module("genlm_fast.backend.llm.vllm").AsyncVirtualLM
 
 
 def __getattr__(name):

@@ -14,8 +14,9 @@ when the weight was replaced (another tensor or storage), changed in place throu
 (its version counter moves), or changed behind the version counter through ``.data`` (as
 peft's ``merge_adapter`` does): a strided sample of 256 of its entries is compared with a
 snapshot taken at packing (~2 us), which sees any edit of the whole tensor. An edit of a
-few entries through ``.data`` can slip past the sample: `forget_packed_weights` (called by
-``AsyncTransformer.clear_cache``) drops the copies. Inputs the op does not cover (another
+few entries through ``.data`` can slip past the sample: then call
+`forget_packed_weights(model)`, which drops the copies (repacking SmolLM2 takes ~0.24 s,
+which is why ``clear_cache`` does not). Inputs the op does not cover (another
 dtype or device, or anything that needs autograd) go to ``F.linear`` as before. The packed
 copies cost as much memory as the layers' weights.
 

@@ -16,11 +16,7 @@ import torch
 
 from genlm_fast.backend.cache import KVTrie
 from genlm_fast.backend.llm.base import BatchedAsyncLM, check_token_ids, unknown_lora
-from genlm_fast.backend.llm.cpu_linear import (
-    forget_packed_weights,
-    pack_linear_layers,
-    unpack_linear_layers,
-)
+from genlm_fast.backend.llm.cpu_linear import pack_linear_layers, unpack_linear_layers
 
 __all__ = ["AsyncTransformer"]
 
@@ -156,12 +152,9 @@ class AsyncTransformer(BatchedAsyncLM):
             torch.cuda.empty_cache()
 
     def clear_cache(self):
-        """Forget cached log probabilities and key/value states (and, on the CPU, the packed
-        weight copies: call it after changing the model's weights)."""
+        """Forget cached log probabilities and key/value states."""
         super().clear_cache()
         self.clear_kv_cache()
-        if self._packed_linears and self.model is not None:
-            forget_packed_weights(self.model)
 
     def clear_kv_cache(self):
         """Forget cached key/value states (log probabilities stay cached)."""

@@ -107,6 +107,11 @@ def _impl(backend: str):
     return extension.trie_reduce
 
 
+def result_dtype(reduction: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of every backend's result: float64 for float64 sum/max, else float32."""
+    return torch.float64 if dtype == torch.float64 and reduction != "log_mass" else torch.float32
+
+
 def validate_values(values, layout: TrieLayout, reduction: str, exact_width: int | None = None):
     """Check a ``[B, C]`` value/logit tensor's type and shape; raise a clear error naming the
     problem. Its entries are checked by :func:`check_rows` (or by the CPU kernel itself)."""
@@ -162,9 +167,8 @@ def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
         values = values.float()
     values = values.contiguous()
     if values.shape[0] == 0:
-        dtype = torch.float64 if values.dtype == torch.float64 and reduction != "log_mass" \
-            else torch.float32
-        return torch.empty(0, layout.num_nodes, dtype=dtype, device=values.device), chosen
+        return torch.empty(0, layout.num_nodes, dtype=result_dtype(reduction, values.dtype),
+                           device=values.device), chosen
     arrays = layout.device_arrays(mode, values.device)
     ml = layout.modes[mode]
     out = _impl(chosen)(values, arrays, reduction, num_nodes=layout.num_nodes,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from genlm_fast.ops.dispatch import result_dtype
+
 
 def _segments(arrays):
     """Expanded leaf positions and per-node lengths, built once per (mode, device)."""
@@ -51,6 +53,4 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, num_nodes: i
         scaled = torch.exp(data - safe_peak[:, owner])
         total = torch.segment_reduce(scaled, "sum", lengths=lens, axis=1, unsafe=True, initial=0.0)
         out = torch.where(torch.isinf(peak), peak, safe_peak + torch.log(total))
-    out_dtype = torch.float64 if (values.dtype == torch.float64 and reduction != "log_mass") \
-        else torch.float32
-    return out.to(out_dtype)
+    return out.to(result_dtype(reduction, values.dtype))

@@ -28,6 +28,7 @@ import os
 import torch
 
 from genlm_fast.kernels import trie_reduce as kernels
+from genlm_fast.ops.dispatch import result_dtype
 
 _CODES = {"sum": kernels.REDUCE_SUM, "max": kernels.REDUCE_MAX,
           "log_mass": kernels.REDUCE_LOG_MASS}
@@ -73,11 +74,6 @@ def _dot_rows(B: int) -> tuple[int, int]:
     tuned on a GPU.
     """
     return 16, 8
-
-
-def result_dtype(reduction: str, dtype: torch.dtype) -> torch.dtype:
-    """float64 results for float64 sum/max, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 and reduction != "log_mass" else torch.float32
 
 
 def uses_dot(reduction: str, dtype: torch.dtype) -> bool:

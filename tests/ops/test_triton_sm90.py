@@ -46,6 +46,7 @@ def _configs():
     from genlm_fast.kernels import trie_reduce as k
     from genlm_fast.ops import layout
     from genlm_fast.ops import triton_backend as tb
+    from genlm_fast.ops.dispatch import result_dtype
 
     tl_acc = {"fp32": tl.float32, "fp64": tl.float64}
     torch_dtype = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16,
@@ -54,7 +55,7 @@ def _configs():
     out = []
     for reduction, x in TRIE_CASES:
         acc = "fp64" if x == "fp64" else "fp32"
-        res = "fp64" if tb.result_dtype(reduction, torch_dtype[x]) == torch.float64 else "fp32"
+        res = "fp64" if result_dtype(reduction, torch_dtype[x]) == torch.float64 else "fp32"
         part = acc if reduction == "log_mass" else res  # pmax/psum (else unused: out)
         split = tb.LSE_MAX_SPLIT if reduction == "log_mass" else 1
         tag = f"{reduction}/{x}"

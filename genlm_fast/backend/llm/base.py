@@ -342,8 +342,19 @@ class BatchedAsyncLM(AsyncLM):
         self._pending = {}  # (lora, ids) -> _Row, in arrival order
         self._timer = None
         self._loop = None
-        self._active_lora = None
+        self._default_lora = None
         self.stats = {"batches": 0, "rows": 0, "cache_hits": 0}
+
+    @property
+    def _active_lora(self):
+        """The adapter calls without ``lora_name`` use (None: the base model)."""
+        return self._default_lora
+
+    @_active_lora.setter
+    def _active_lora(self, name):
+        # set, cleared, or its adapter reloaded: calls without lora_name may answer otherwise
+        self._default_lora = name
+        self.state_epoch += 1
 
     # ---- to be provided by a backend ---------------------------------------------
 

@@ -195,7 +195,6 @@ class AsyncTransformer(BatchedAsyncLM):
         Loading under a name already in use replaces that adapter. The adapter is used
         by calls that pass ``lora_name=...``, or by all calls after `set_lora`.
         """
-        self.state_epoch += 1
         self._check_open()
         _require_peft()
         default = self._active_lora
@@ -207,7 +206,6 @@ class AsyncTransformer(BatchedAsyncLM):
 
     def remove_lora(self, lora_name):
         """Unload an adapter and its caches."""
-        self.state_epoch += 1
         self._check_open()
         if lora_name not in self._loaded_adapters():
             raise unknown_lora(lora_name)
@@ -222,7 +220,6 @@ class AsyncTransformer(BatchedAsyncLM):
         Raises:
             UnknownLoraError: (a ValueError) if it was not loaded with `add_new_lora`.
         """
-        self.state_epoch += 1
         self._check_open()
         if lora_name not in self._loaded_adapters():
             raise unknown_lora(lora_name)
@@ -230,7 +227,6 @@ class AsyncTransformer(BatchedAsyncLM):
 
     def clear_lora(self):
         """Use the base model for calls that pass no ``lora_name``."""
-        self.state_epoch += 1
         self._check_open()
         self._active_lora = None
 

@@ -218,7 +218,6 @@ class AsyncVirtualLM(BatchedAsyncLM):
         self._engine_lock = threading.RLock()
         self._lora_requests = {}  # name -> LoRARequest
         self._next_lora_id = 1
-        self._active_lora = None
         super().__init__(
             llm.get_tokenizer(),
             batch_size=batch_size,
@@ -472,7 +471,6 @@ class AsyncVirtualLM(BatchedAsyncLM):
 
     def add_new_lora(self, lora_path, lora_name="lora_1"):
         """Register a LoRA adapter directory under ``lora_name`` (vLLM's LoRARequest)."""
-        self.state_epoch += 1
         from vllm.lora.request import LoRARequest
 
         self._require_lora()
@@ -486,7 +484,6 @@ class AsyncVirtualLM(BatchedAsyncLM):
 
     def remove_lora(self, lora_name):
         """Unregister ``lora_name`` and evict its weights from the engine."""
-        self.state_epoch += 1
         self._check_open()
         req = self._lora_requests.pop(lora_name, None)
         if req is None:
@@ -505,7 +502,6 @@ class AsyncVirtualLM(BatchedAsyncLM):
     def set_lora(self, lora_path=None, lora_name="lora_1"):
         """Use ``lora_name`` for calls that pass none (registering ``lora_path`` first
         when given)."""
-        self.state_epoch += 1
         self._check_open()
         if lora_path is not None:
             self.add_new_lora(lora_path, lora_name)
@@ -515,7 +511,6 @@ class AsyncVirtualLM(BatchedAsyncLM):
 
     def clear_lora(self):
         """Use the base model for calls that pass no ``lora_name``."""
-        self.state_epoch += 1
         self._check_open()
         self._active_lora = None
 

@@ -17,6 +17,7 @@ from collections import defaultdict
 import torch
 
 from genlm_fast.backend.trie.base import ParallelTokenCharacterTrie, TokenCharacterTrie
+from genlm_fast.ops.dispatch import validate_values
 from genlm_fast.trie_core import one_row
 
 logger = logging.getLogger(__name__)
@@ -138,15 +139,10 @@ class AsyncTrieFrontEnd:
         if not isinstance(op, str) or op not in OPS:
             raise ValueError(f"Invalid trie operation: {op!r} (expected one of {OPS})")
         one_row(ws, "expected one row of shape [V]", "await one call per row")
-        row = self.trie._as_batch(ws, None)[0]  # type and dtype are checked here
-        width, vocab = row.shape[0], self.trie.vocab_size
-        if op == "log_mass":
-            needed = self.trie.layout.num_columns
-            if width < needed:
-                raise ValueError(f"expected a logit row of at least {needed} entries (the "
-                                 f"vocabulary's columns), got {width}")
-        elif width != vocab:
-            raise ValueError(f"expected a weight vector of length {vocab}, got {width}")
+        row = self.trie._as_batch(ws, None)[0]
+        # the dispatcher's own checks (type, dtype, width), before the row joins a batch
+        validate_values(row[None], self.trie.layout, op,
+                        exact_width=None if op == "log_mass" else self.trie.vocab_size)
         return self._batcher.submit(op, mode, row)
 
     def start(self):

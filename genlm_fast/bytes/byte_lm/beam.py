@@ -18,7 +18,6 @@ from functools import cached_property
 
 import numpy as np
 
-from genlm_fast.backend.tokenization import Token
 from genlm_fast.bytes.byte_lm.heal import TokenHealer
 from genlm_fast.bytes.byte_lm.lm_state import StatefulByteLM
 from genlm_fast.bytes.byte_lm.trie_state import (
@@ -127,14 +126,6 @@ class BeamParams:
 _TRIES = weakref.WeakKeyDictionary()
 
 
-def _vocab_of(llm):
-    vocab = llm.byte_vocab
-    if len(vocab) and not isinstance(vocab[0], Token) and hasattr(vocab[0], "token_id"):
-        # another package's Token (e.g. genlm.backend's): same fields, our class
-        vocab = [Token(int(t.token_id), bytes(t)) for t in vocab]
-    return vocab
-
-
 def _trie_for(llm, eos_byte_strings, trie_opts):
     opts = dict(trie_opts or {})
     opts["eos_byte_strings"] = eos_byte_strings
@@ -146,7 +137,7 @@ def _trie_for(llm, eos_byte_strings, trie_opts):
         cache = {}
     trie = cache.get(key)
     if trie is None:
-        trie = cache[key] = AsyncTokenByteTrie.from_vocab(_vocab_of(llm), **opts)
+        trie = cache[key] = AsyncTokenByteTrie.from_vocab(llm.byte_vocab, **opts)
     return trie
 
 

@@ -87,13 +87,21 @@ def test_every_genlm_module_imports_or_says_why_not():
             except ImportError as error:
                 if name in NOT_PROVIDED:
                     assert "genlm_fast does not provide" in str(error), error
-                elif name == "genlm.backend.llm.vllm" and not vllm_installed:
-                    assert "vllm" in str(error), error
                 else:
                     raise
             else:
                 assert name not in NOT_PROVIDED, name
                 assert module.__name__.startswith("genlm_fast."), (name, module.__name__)
+
+        # as genlm's, the vLLM module imports without vllm; building the LM says why not
+        from genlm.backend.llm.vllm import AsyncVirtualLM
+        if not vllm_installed:
+            try:
+                AsyncVirtualLM.from_name("gpt2")
+            except ImportError as error:
+                assert "vllm is not installed" in str(error), error
+            else:
+                raise AssertionError("AsyncVirtualLM.from_name ran without vllm")
 
         from genlm.backend.trie.parallel import ParallelTokenCharacterTrie
         import genlm_fast.backend.trie

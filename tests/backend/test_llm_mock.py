@@ -501,7 +501,7 @@ def test_load_model_by_name(tokenizer, tmp_path):
         with pytest.raises(ImportError, match="vllm is not installed"):
             AsyncVirtualLM.from_name("gpt2")
         with pytest.raises(ImportError, match="vllm is not installed"):
-            AsyncVirtualLM()
+            AsyncVirtualLM(llm=None)
 
 
 def test_lazy_backend_exports():

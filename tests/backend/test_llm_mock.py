@@ -22,6 +22,7 @@ from genlm_fast.backend.llm import (
     UnknownLoraError,
     load_model_by_name,
 )
+from tests.backend.ownership import check_callers_own_their_rows
 from tests.vocabs import gpt2_tokenizer
 
 
@@ -125,6 +126,13 @@ async def test_logits_hook(tokenizer, vocab_size):
     await lm.next_token_logprobs([9, 9])
     row = await lm.next_token_logits([9, 9])
     torch.testing.assert_close(torch.log_softmax(row, -1), expected([9, 9], vocab_size))
+
+
+@pytest.mark.asyncio
+async def test_callers_own_their_rows(tokenizer, vocab_size):
+    lm = make(tokenizer)
+    await check_callers_own_their_rows(lm, [5, 6, 7])
+    assert torch.equal(await lm.next_token_logprobs([5, 6, 7]), expected([5, 6, 7], vocab_size))
 
 
 def test_sync_batch(tokenizer, vocab_size):

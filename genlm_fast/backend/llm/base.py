@@ -394,7 +394,8 @@ class BatchedAsyncLM(AsyncLM):
         """Run `_forward` on distinct ``rows`` in chunks of ``batch_size``.
 
         Returns the logits ``[n, V']`` and, if ``want_logprobs``, a list of the n float32
-        CPU log-probability rows (each one its own tensor, also stored in the output cache).
+        CPU log-probability rows (each one its own tensor, also stored in the output cache:
+        hand out copies, see `_cached`).
         """
         parts = []
         for i in range(0, len(rows), self.batch_size):
@@ -420,6 +421,9 @@ class BatchedAsyncLM(AsyncLM):
         return logits, logprobs
 
     def _cached(self, lora, ids):
+        """The cached row of a context, or None. Every caller gets a tensor of its own
+        (here and in `_flush`): editing a result in place (``logps[mask] = -inf``) must
+        change neither the cache nor another caller's row of the same context."""
         hit = self._outputs.get((lora, ids))
         if hit is not None:
             self.stats["cache_hits"] += 1
@@ -488,7 +492,7 @@ class BatchedAsyncLM(AsyncLM):
             for i, r in enumerate(group):
                 for fut, wants_lp in r.waiters:
                     if not fut.done():
-                        fut.set_result(logprobs[i] if wants_lp else logits[i])
+                        fut.set_result((logprobs[i] if wants_lp else logits[i]).clone())
         if fatal is not None:
             raise fatal
 
@@ -542,7 +546,7 @@ class BatchedAsyncLM(AsyncLM):
         lora, ids = self._prepare(token_ids, lora_name)
         hit = self._cached(lora, ids)
         if hit is not None:
-            return hit
+            return hit.clone()
         return await self._enqueue(lora, ids, True)
 
     def next_token_logprobs_sync(self, token_ids, lora_name=None):
@@ -550,8 +554,8 @@ class BatchedAsyncLM(AsyncLM):
         lora, ids = self._prepare(token_ids, lora_name)
         hit = self._cached(lora, ids)
         if hit is not None:
-            return hit
-        return self._evaluate(lora, [ids])[1][0]
+            return hit.clone()
+        return self._evaluate(lora, [ids])[1][0].clone()
 
     def batch_next_token_logprobs_sync(self, token_ids_list, lora_name=None):
         """Log probabilities for several contexts, ``[B, V']``, in as few calls as possible."""
@@ -593,7 +597,7 @@ class BatchedAsyncLM(AsyncLM):
         lora, ids = self._prepare(token_ids, lora_name)
         hit = self._cached(lora, ids)
         if hit is not None:
-            return hit.to(self.device, non_blocking=True)
+            return hit.to(self.device, non_blocking=True, copy=True)
         return await self._enqueue(lora, ids, False)
 
     async def batch_next_token_logits(self, token_ids_list, lora_name=None):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -306,22 +307,41 @@ def vocab_digest(*parts) -> str:
     return h.hexdigest()[:32]
 
 
+# A cache file: _CACHE_MAGIC, the SHA-256 of the payload, the pickled TrieLayout. The
+# checksum turns a damaged file (a flipped byte, a foreign file) into a rebuild instead of
+# an exception or, worse, a layout that silently computes wrong masses.
+_CACHE_MAGIC = b"genlm_fast trie layout\n"
+
+
 def load_cached(digest: str, cache_dir: str | None):
+    """The cached layout of ``digest``, or None when there is none or it is damaged."""
     path = os.path.join(cache_dir or default_cache_dir(), digest + ".pkl")
     try:
         with open(path, "rb") as f:
-            return pickle.load(f)
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
+            data = f.read()
+    except OSError:
         return None
+    head = len(_CACHE_MAGIC) + 32
+    if (not data.startswith(_CACHE_MAGIC)
+            or hashlib.sha256(memoryview(data)[head:]).digest() != data[len(_CACHE_MAGIC):head]):
+        return None
+    try:
+        layout = pickle.loads(memoryview(data)[head:])
+    except Exception:  # noqa: BLE001 - e.g. written by an incompatible version: rebuild
+        return None
+    return layout if isinstance(layout, TrieLayout) else None
 
 
 def store_cached(digest: str, layout: TrieLayout, cache_dir: str | None) -> None:
     directory = cache_dir or default_cache_dir()
+    payload = pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
     try:
         os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{digest}.{os.getpid()}.tmp")
+        tmp = os.path.join(directory, f".{digest}.{os.getpid()}.{threading.get_ident()}.tmp")
         with open(tmp, "wb") as f:
-            pickle.dump(layout, f, protocol=pickle.HIGHEST_PROTOCOL)
+            f.write(_CACHE_MAGIC)
+            f.write(hashlib.sha256(payload).digest())
+            f.write(payload)
         os.replace(tmp, os.path.join(directory, digest + ".pkl"))
     except OSError:
         pass  # a read-only home must not break trie construction

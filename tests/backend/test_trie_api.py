@@ -286,6 +286,35 @@ def test_layout_cache_round_trip(tmp_path):
     pickle.loads(pickle.dumps(first.layout))
 
 
+def _foreign_pickle_with_a_valid_checksum(data):
+    from genlm_fast.ops import layout as layout_mod
+    import hashlib
+    payload = pickle.dumps({"root": 0})
+    return layout_mod._CACHE_MAGIC + hashlib.sha256(payload).digest() + payload
+
+
+@pytest.mark.parametrize("damage", [
+    lambda data: data[: len(data) // 2],                                      # truncated
+    lambda data: data[:-100] + bytes([data[-100] ^ 0x10]) + data[-99:],       # one bit flipped
+    lambda data: b"\xff\xfe not a layout",                                    # garbage
+    lambda data: b"",                                                          # empty
+    lambda data: pickle.dumps(7),                                              # old/foreign format
+    _foreign_pickle_with_a_valid_checksum,                                     # wrong object
+], ids=["truncated", "bit-flip", "garbage", "empty", "foreign-pickle", "wrong-object"])
+def test_damaged_layout_cache_is_rebuilt(tmp_path, damage):
+    from genlm_fast.ops.layout import TrieLayout, load_cached
+
+    vocab = ours(SMALL)
+    w = torch.rand(len(vocab), dtype=torch.float64)
+    want = TokenByteTrie(vocab, device="cpu", cache_dir=str(tmp_path / "clean")).weight_sum(w)
+    TokenByteTrie(vocab, device="cpu", cache_dir=str(tmp_path))
+    (path,) = tmp_path.glob("*.pkl")
+    path.write_bytes(damage(path.read_bytes()))
+    rebuilt = TokenByteTrie(vocab, device="cpu", cache_dir=str(tmp_path))
+    torch.testing.assert_close(rebuilt.weight_sum(w), want, rtol=0, atol=0)
+    assert isinstance(load_cached(path.stem, str(tmp_path)), TrieLayout), "not rewritten"
+
+
 def test_llama3_layout_is_cached_on_disk(tmp_path):
     """The Llama-3 trie's layout is written to the cache once and read back identical.
     (Construction time is a benchmark: ``python -m bench.kernels`` reports it.)"""

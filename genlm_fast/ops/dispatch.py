@@ -165,7 +165,10 @@ def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
         check_rows(values, reduction)
     if reduction != "log_mass" and values.dtype in (torch.float16, torch.bfloat16):
         values = values.float()
-    values = values.contiguous()
+    # Node values are not differentiable: every backend gets a plain tensor (the reference
+    # would otherwise record autograd history, and fail when the layout's index tensors
+    # were made under torch.inference_mode()).
+    values = values.detach().contiguous()
     if values.shape[0] == 0:
         return torch.empty(0, layout.num_nodes, dtype=result_dtype(reduction, values.dtype),
                            device=values.device), chosen

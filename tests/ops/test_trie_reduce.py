@@ -116,6 +116,26 @@ def test_shapes_that_hurt(backend, reduction, shape):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_inference_mode_then_grad_tracking_rows(backend, reduction):
+    """A trie first used under torch.inference_mode() (its index tensors are made there)
+    later takes rows that require grad: plain results, equal to the oracle's."""
+    trie = TokenByteTrie([Token(i, w) for i, w in enumerate([b"a", b"ab", b"b", b"abc"])],
+                         device=device_for(backend))
+    trie.kernel_backend = backend
+    rows = make_rows(np.random.default_rng(3), 3, 4, reduction)
+    x = torch.from_numpy(rows).to(device_for(backend))
+    op = {"sum": trie.batch_weight_sum, "max": trie.batch_weight_max,
+          "log_mass": trie.batch_log_mass}[reduction]
+    with torch.inference_mode():
+        first = op(x)
+    got = op(x.clone().requires_grad_(True))
+    assert not got.requires_grad
+    torch.testing.assert_close(got, first.clone(), rtol=0, atol=0)
+    check_trie(trie, rows, reduction, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_log_mass_hundreds_of_nats(backend):
     """The reference underflows to -inf here (genlm-bytes issue #15); we must not."""
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(90)]

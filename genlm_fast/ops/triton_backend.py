@@ -68,7 +68,7 @@ def _dot_rows(B: int) -> tuple[int, int]:
     """Rows per program (the M side of the product; >= 16 for tl.dot) and num_warps.
 
     16 rows x 8 warps compiles for sm_90 (triton 3.9, tests/ops/test_triton_sm90.py) to
-    98 registers/thread for ``sum`` and 128 for ``log_mass`` (with 8-48 bytes of spills
+    98 registers/thread for ``sum`` and 128 for ``log_mass`` (with 24-56 bytes of spills
     for fp64 / 16-bit logits): two programs per SM. 64 rows take 226-254 registers (one
     program per SM), so larger batches take more row blocks rather than taller ones. To be
     tuned on a GPU.

@@ -74,6 +74,17 @@ def test_half_precision_logits(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype,offset", [(torch.float32, 5000.0), (torch.float32, 60000.0),
+                                          (torch.float16, 5000.0), (torch.float16, 60000.0)])
+def test_large_logit_offset(backend, dtype, offset):
+    """A big common offset (a small temperature; fp16 logits near their top): lse ~ offset
+    must not be rounded to one float32 (half an ulp of 60000 is 2e-3)."""
+    g = torch.Generator().manual_seed(int(offset))
+    logits = (torch.randn(3, 300, generator=g) * 3 + offset).to(dtype)
+    check(run(backend, logits, [2, 0], [1, 0], 2), logits, [2, 0], [1, 0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_selection_writes_nothing(backend):
     out = run(backend, torch.randn(2, 10), [], [], 3)
     assert (out == 7.0).all()

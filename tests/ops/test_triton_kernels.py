@@ -190,6 +190,24 @@ def test_log_mass_low_and_high_precision_logits(dtype):
     assert_matches(got, want, "log_mass", in_dtype=dtype)
 
 
+@pytest.mark.parametrize("path", ["dot", "dense"])
+@pytest.mark.parametrize("dtype,offset", [(torch.float32, 6000.0), (torch.float32, 20000.0),
+                                          (torch.float16, 60000.0)])
+def test_log_mass_large_logit_offset(monkeypatch, path, dtype, offset):
+    """Logits with a big common offset (logits / a small temperature; fp16 logits near the
+    top of their range): the row normaliser is ~offset, and rounding it to one float32
+    would put half an ulp of it (2.4e-4 at 6000) into every node. The kernels keep it as
+    (row max, log-sum) and must meet the 1e-4 bound whatever the offset."""
+    if path == "dense":
+        monkeypatch.setenv("GENLM_FAST_TRITON_DENSE", "1")
+    layout = layout_named("random")
+    rng = np.random.default_rng(int(offset) + (path == "dense"))
+    x = (rows_for(rng, 2, layout.num_columns + 3, "log_mass", spread=2.0) + offset).to(dtype)
+    got, want = run_both(x, layout, "log_mass", "with_eos")
+    assert (torch.isfinite(want) & (want >= -80)).sum() > 20
+    assert_matches(got, want, "log_mass", in_dtype=dtype)
+
+
 @pytest.mark.parametrize("reduction", ["sum", "max"])
 def test_float64_weights(reduction):
     layout = layout_named("random")

@@ -57,10 +57,6 @@ def clear_stale_lock(build_dir: str) -> None:
             age = time.time() - os.path.getmtime(lock)
         except OSError:
             return  # no lock (any more)
-        if not told and age < STALE_LOCK_S:
-            told = True
-            logger.warning("genlm_fast: waiting for another build of the CPU kernels (%s; "
-                           "delete it if no build is running)", lock)
         if age >= STALE_LOCK_S:
             logger.warning("genlm_fast: removing the build lock %s, %.0f s old, left by an "
                            "interrupted build", lock, age)
@@ -69,6 +65,10 @@ def clear_stale_lock(build_dir: str) -> None:
             except OSError:
                 pass
             return
+        if not told:
+            told = True
+            logger.warning("genlm_fast: waiting for another build of the CPU kernels (%s; "
+                           "delete it if no build is running)", lock)
         time.sleep(min(1.0, STALE_LOCK_S - age + 0.01))
 
 

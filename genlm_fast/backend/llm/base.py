@@ -385,10 +385,14 @@ class BatchedAsyncLM(AsyncLM):
 
     # ---- evaluation ----------------------------------------------------------------
 
+    def _check_context(self, token_ids):
+        """One context as a tuple of ids, or a clear error (a backend adds its limits)."""
+        return check_token_ids(token_ids, self._vocab_limit())
+
     def _prepare(self, token_ids, lora_name):
         self._check_open()
         lora = self._resolve_lora(lora_name)
-        return lora, check_token_ids(token_ids, self._vocab_limit())
+        return lora, self._check_context(token_ids)
 
     def _evaluate(self, lora, rows, want_logprobs=True):
         """Run `_forward` on distinct ``rows`` in chunks of ``batch_size``.
@@ -421,9 +425,9 @@ class BatchedAsyncLM(AsyncLM):
         return logits, logprobs
 
     def _cached(self, lora, ids):
-        """The cached row of a context, or None. Every caller gets a tensor of its own
-        (here and in `_flush`): editing a result in place (``logps[mask] = -inf``) must
-        change neither the cache nor another caller's row of the same context."""
+        """The cached row of a context itself, or None. What hands a row out copies it (as
+        `_flush` does): every caller gets a tensor of its own, so that editing a result in
+        place (``logps[mask] = -inf``) changes neither the cache nor another caller's row."""
         hit = self._outputs.get((lora, ids))
         if hit is not None:
             self.stats["cache_hits"] += 1
@@ -561,7 +565,7 @@ class BatchedAsyncLM(AsyncLM):
         """Log probabilities for several contexts, ``[B, V']``, in as few calls as possible."""
         self._check_open()
         lora = self._resolve_lora(lora_name)
-        all_ids = [check_token_ids(t, self._vocab_limit()) for t in token_ids_list]
+        all_ids = [self._check_context(t) for t in token_ids_list]
         found = {}
         todo = []
         for ids in all_ids:

@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from genlm_fast.backend.cache import KVTrie
-from genlm_fast.backend.llm.base import BatchedAsyncLM, check_token_ids, unknown_lora
+from genlm_fast.backend.llm.base import BatchedAsyncLM, unknown_lora
 from genlm_fast.backend.llm.cpu_linear import pack_linear_layers, unpack_linear_layers
 
 __all__ = ["AsyncTransformer"]
@@ -380,9 +380,7 @@ class AsyncTransformer(BatchedAsyncLM):
     @torch.no_grad()
     def next_token_logprobs_uncached(self, token_ids, lora_name=None):
         """Log probabilities from a full forward pass, bypassing every cache."""
-        self._check_open()
-        lora = self._resolve_lora(lora_name)
-        ids = check_token_ids(token_ids, self._vocab_limit())
+        lora, ids = self._prepare(token_ids, lora_name)
         self._activate(lora)
         logits = self.model(
             torch.tensor([ids], device=self._device), use_cache=False

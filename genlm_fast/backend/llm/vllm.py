@@ -360,23 +360,18 @@ class AsyncVirtualLM(BatchedAsyncLM):
             _log.warning("could not abort the requests of a failed generate call",
                          exc_info=True)
 
-    def _check_fits(self, ids):
+    def _check_context(self, token_ids):
+        # checked per request, so that one over-long context fails only its own caller
+        ids = super()._check_context(token_ids)
         if len(ids) >= self._max_model_len:
             raise ValueError(
                 f"context of {len(ids)} tokens does not fit max_model_len="
                 f"{self._max_model_len} (leave room for one more token)"
             )
-
-    def _prepare(self, token_ids, lora_name):
-        # per caller, so that one over-long context fails only its own request
-        lora, ids = super()._prepare(token_ids, lora_name)
-        self._check_fits(ids)
-        return lora, ids
+        return ids
 
     def _capture(self, lora, rows, want):
         """Next-token rows of ``rows`` (distinct contexts) captured in the engine."""
-        for ids in rows:  # the synchronous batch call comes here without `_prepare`
-            self._check_fits(ids)
         params = [
             SamplingParams(
                 max_tokens=1,

@@ -112,9 +112,8 @@ def test_every_genlm_module_imports_or_says_why_not():
 
 
 NAMESPACE_PROBE = """
-    import json, sys
-    if sys.argv[1] == "dropin":
-        import genlm_fast.dropin
+    import json
+    PREAMBLE
     import genlm.backend as backend, genlm.bytes as gbytes
     star = {}
     exec("from genlm.backend import *", star)
@@ -133,13 +132,11 @@ def test_package_namespaces_offer_what_genlm_offers():
     what the real packages give (each side in its own interpreter)."""
     import json
 
-    def probe(side):
-        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(NAMESPACE_PROBE), side],
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+    def probe(preamble):
+        out = run(NAMESPACE_PROBE.replace("PREAMBLE", preamble))
+        return json.loads(out.strip().splitlines()[-1])
 
-    real, ours = probe("real"), probe("dropin")
+    real, ours = probe("pass"), probe("import genlm_fast.dropin")
     assert set(real["star"]) <= set(ours["star"]), set(real["star"]) - set(ours["star"])
     assert real["submodules"] == ["llm", "trie", "tokenization", "cache"]
     assert ours["submodules"] == real["submodules"]

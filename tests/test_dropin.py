@@ -94,7 +94,8 @@ def test_every_genlm_module_imports_or_says_why_not():
                 assert module.__name__.startswith("genlm_fast."), (name, module.__name__)
 
         # as genlm's, the vLLM module imports without vllm; building the LM says why not
-        from genlm.backend.llm.vllm import AsyncVirtualLM
+        from genlm.backend.llm.vllm import HAS_VLLM, AsyncVirtualLM
+        assert HAS_VLLM is vllm_installed, HAS_VLLM
         if not vllm_installed:
             try:
                 AsyncVirtualLM.from_name("gpt2")

@@ -78,6 +78,7 @@ except ModuleNotFoundError as _error:
     LLM = SamplingParams = TokensPrompt = BatchUpdate = MoveDirectionality = None
 else:
     VLLM_MISSING = None
+HAS_VLLM = VLLM_MISSING is None  # genlm's public flag, for apps that check it
 
 from genlm_fast.backend.llm.base import (
     BatchedAsyncLM,

@@ -16,6 +16,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from genlm_fast.backend.tokenization.token import is_token
 from genlm_fast.ops import dispatch
 from genlm_fast.ops.layout import (
     build_structure, compile_layout, load_cached, store_cached, vocab_digest,
@@ -260,11 +261,10 @@ def is_leaf_key(key) -> bool:
 
 
 def token_fields(item):
-    """``(bytes, token_id)`` of a token — a ``bytes`` carrying an int ``token_id``, such as
-    genlm_fast's or genlm's ``Token`` — or None for anything else."""
-    token_id = getattr(item, "token_id", None)
-    if isinstance(item, bytes) and isinstance(token_id, int):
-        return bytes(item), token_id
+    """``(bytes, token_id)`` of a token (``is_token``: genlm_fast's or genlm's ``Token``),
+    or None for anything else."""
+    if is_token(item):
+        return bytes(item), item.token_id
     return None
 
 

@@ -23,6 +23,7 @@ from tests import vocabs
 from genlm_fast.backend.tokenization import (
     ByteDecoderError,
     ByteVocabError,
+    NotATokenizerError,
     Token,
     bytes_to_strs,
     decode_vocab,
@@ -521,3 +522,120 @@ def test_bytes_to_strs_direct(gpt2_tok):
     assert bytes_to_strs(gpt2_tok, vocab, "latin1")[-1] == "\xf0"
     assert bytes_to_strs(gpt2_tok, vocab, "replace")[-1] == "\ufffd"
     assert bytes_to_strs(gpt2_tok, vocab, "replace")[:-1] == ["!"] * i
+
+
+# --------------------------------------------------------------------------
+# Regression tests from the audit (each failed on the code before its fix)
+# --------------------------------------------------------------------------
+
+OPS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__")
+
+
+def _cmp(x, op, y):
+    return {
+        "__eq__": lambda: x == y,
+        "__ne__": lambda: x != y,
+        "__lt__": lambda: x < y,
+        "__le__": lambda: x <= y,
+        "__gt__": lambda: x > y,
+        "__ge__": lambda: x >= y,
+    }[op]()
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids, contents, ids, contents)
+def test_token_interoperates_with_genlm_token(i, a, j, b):
+    """Our Token meets genlm's Token when genlm modules were imported before
+    the drop-in: they must compare (and hash, and key dicts) by id exactly as two
+    genlm Tokens do, in both operand orders."""
+    for op in OPS:
+        expected = _cmp(ref.Token(i, a), op, ref.Token(j, b))
+        assert _cmp(Token(i, a), op, ref.Token(j, b)) == expected, op
+        assert _cmp(ref.Token(i, a), op, Token(j, b)) == expected, op
+    if i == j:
+        assert hash(Token(i, a)) == hash(ref.Token(j, b))
+        assert Token(i, a) in {ref.Token(j, b)} and ref.Token(j, b) in {Token(i, a)}
+    theirs = ref.Token(j, b)
+    assert Token.is_plain_bytes(theirs) == ref.Token.is_plain_bytes(theirs)
+    assert type(Token.as_bytes(theirs)) is type(ref.Token.as_bytes(theirs)) is bytes
+
+
+class _Bare:
+    pass
+
+
+@pytest.mark.parametrize(
+    "obj, hint",
+    [
+        (None, None),
+        (42, None),
+        (_Bare(), None),
+        ({}, None),
+        ("openai-community/gpt2", "from_pretrained"),
+        ("raw-tokenizers", "PreTrainedTokenizerFast"),
+    ],
+)
+def test_not_a_tokenizer_is_named(obj, hint, bytelevel_tok):
+    if obj == "raw-tokenizers":
+        obj = bytelevel_tok.backend_tokenizer  # a tokenizers.Tokenizer, not wrapped
+    with pytest.raises(AttributeError):  # what genlm raises
+        ref.decode_vocab(obj)
+    with pytest.raises(NotATokenizerError, match="Hugging Face") as info:
+        decode_vocab(obj)
+    assert isinstance(info.value, AttributeError)  # still caught like genlm's error
+    assert type(obj).__qualname__ in str(info.value)
+    if hint:
+        assert hint in str(info.value)
+
+
+def test_vocab_with_holes_is_a_clear_error():
+    """Ids 0..len-1 with one missing: genlm crashes with a bare TypeError;
+    we name the missing id."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(alphabet))}
+    missing_piece = sorted(alphabet)[65]
+    del vocab[missing_piece]
+    vocab["ab"] = len(alphabet) + 10
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    tok = _wrap(t, "local-holes")
+    missing = sorted(set(range(len(tok))) - set(vocab.values()))
+    assert missing == [65]
+    with pytest.raises(TypeError):  # genlm: "'NoneType' object is not iterable"
+        ref.decode_vocab(tok)
+    with pytest.raises(ValueError, match="local-holes") as info:
+        decode_vocab(tok)
+    assert isinstance(info.value.__cause__, ByteVocabError)
+    assert "(65)" in str(info.value.__cause__)
+
+
+def test_sp_malformed_byte_escape_is_literal():
+    """A piece that looks like ``<0xXX>`` without two hex digits is text: the
+    tokenizer's own decoder leaves it as is. genlm crashes in bytes.fromhex."""
+    pieces = ["<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+    odd = ["<0xGG>", "<0x%s>", "a<0xzz>b", "<0x4>", "<0xé>"]
+    pieces += odd
+    t = Tokenizer(
+        models.BPE(
+            vocab={p: i for i, p in enumerate(pieces)},
+            merges=[],
+            unk_token="<unk>",
+            byte_fallback=True,
+        )
+    )
+    t.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tok = _wrap(t, "local-odd-escapes", unk_token="<unk>")
+    with pytest.raises(ValueError):
+        ref.decode_vocab(tok)
+    byte_vocab, str_vocab = decode_vocab(tok)
+    for piece in odd + ["<0x41>", "<0xE2>"]:
+        i = tok.convert_tokens_to_ids(piece)
+        expected = t.decode([i], skip_special_tokens=False)  # the tokenizer's own decoder
+        if piece == "<0xE2>":  # a lone byte: the decoder gives U+FFFD
+            assert bytes(byte_vocab[i]) == b"\xe2"
+        else:
+            assert bytes(byte_vocab[i]) == expected.encode(), piece
+            assert str_vocab[i] == expected

@@ -1,6 +1,6 @@
 """Vocabulary layer compatible with ``genlm.backend.tokenization``."""
 
-from .bytes import ByteDecoderError, ByteVocabError, get_byte_vocab
+from .bytes import ByteDecoderError, ByteVocabError, NotATokenizerError, get_byte_vocab
 from .token import Token
 from .vocab import bytes_to_strs, decode_vocab
 
@@ -11,4 +11,5 @@ __all__ = [
     "get_byte_vocab",
     "ByteVocabError",
     "ByteDecoderError",
+    "NotATokenizerError",
 ]

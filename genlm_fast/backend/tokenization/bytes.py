@@ -12,12 +12,50 @@ class ByteVocabError(Exception):
     """The tokenizer's byte encoding cannot be determined."""
 
 
+class NotATokenizerError(TypeError, AttributeError):
+    """The object given as a tokenizer lacks the Hugging Face tokenizer methods.
+
+    An AttributeError too, which is what genlm raises in this case.
+    """
+
+
+# What every way of reading a vocabulary calls on the tokenizer.
+_REQUIRED_METHODS = ("get_added_vocab", "convert_ids_to_tokens", "__len__")
+
+
+def _require_tokenizer(tokenizer):
+    """Raise NotATokenizerError unless ``tokenizer`` looks like a HF tokenizer."""
+    missing = [m for m in _REQUIRED_METHODS if not callable(getattr(tokenizer, m, None))]
+    if not missing:
+        return
+    hint = ""
+    if type(tokenizer).__module__.split(".")[0] == "tokenizers":
+        hint = (
+            "; for a `tokenizers.Tokenizer`, wrap it first: "
+            "transformers.PreTrainedTokenizerFast(tokenizer_object=tok)"
+        )
+    elif isinstance(tokenizer, (str, bytes)):
+        hint = "; to load one by name: transformers.AutoTokenizer.from_pretrained(name)"
+    raise NotATokenizerError(
+        "expected a Hugging Face (transformers) tokenizer, got "
+        f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}, which lacks "
+        f"{', '.join(missing)}{hint}"
+    )
+
+
+def _name(tokenizer):
+    """The tokenizer's ``name_or_path`` for messages (its type if it has none)."""
+    return getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
+
+
 # Text whose round trip through the tokenizer validates a byte decoder: it is
 # made of multi-byte characters a byte-level vocabulary must split correctly.
 _PROBE = "’•¶∂ƒ˙∆£Ħ爨ൠᅘ∰፨"
 
 _SP_SPACE = "▁".encode()
-_SP_BYTE_ESCAPE = re.compile(rb"<0x(..)>")
+# Only a well-formed escape names a byte; text such as ``<0x%s>`` is left as it
+# is (as the tokenizer's ByteFallback decoder leaves it) rather than crashing.
+_SP_BYTE_ESCAPE = re.compile(rb"<0x([0-9A-Fa-f]{2})>")
 
 
 def get_byte_vocab(tokenizer):
@@ -42,13 +80,13 @@ def get_byte_vocab(tokenizer):
             check_byte_decoder(tokenizer, byte_decoder)
         except ByteDecoderError as e:
             raise ByteVocabError(
-                f"{tokenizer.name_or_path!r} has a ByteLevel decoder but its "
+                f"{_name(tokenizer)!r} has a ByteLevel decoder but its "
                 "tokens do not round-trip through the GPT-2 byte alphabet"
             ) from e
         return get_byte_tokens_from_byte_decoder(tokenizer, byte_decoder)
     if kinds:
         raise ByteVocabError(
-            f"{tokenizer.name_or_path!r} uses decoder {sorted(kinds)}, neither ByteLevel nor "
+            f"{_name(tokenizer)!r} uses decoder {sorted(kinds)}, neither ByteLevel nor "
             "SentencePiece (ByteFallback/Metaspace): the only encodings supported"
         )
 
@@ -59,7 +97,7 @@ def get_byte_vocab(tokenizer):
         check_byte_decoder(tokenizer, byte_decoder)
     except ByteDecoderError as e:
         raise ByteVocabError(
-            f"{tokenizer.name_or_path!r} has no decoder to inspect and its tokens "
+            f"{_name(tokenizer)!r} has no decoder to inspect and its tokens "
             "do not round-trip through a byte-level alphabet"
         ) from e
     return get_byte_tokens_from_byte_decoder(tokenizer, byte_decoder)
@@ -95,9 +133,24 @@ def _decoder_json(backend):
 
 
 def _pieces(tokenizer):
-    """``(id -> added-token text, token string of every id)``."""
+    """``(id -> added-token text, token string of every id)``.
+
+    Raises:
+        ByteVocabError: some id below ``len(tokenizer)`` has no token (the ids
+            have holes), so no list can hold token ``i`` at index ``i``.
+    """
+    _require_tokenizer(tokenizer)
     added = {i: text for text, i in tokenizer.get_added_vocab().items()}
-    return added, tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    holes = [i for i, piece in enumerate(pieces) if piece is None and i not in added]
+    if holes:
+        shown = ", ".join(map(str, holes[:10])) + (", ..." if len(holes) > 10 else "")
+        raise ByteVocabError(
+            f"{_name(tokenizer)!r}: {len(holes)} token id(s) below len(tokenizer)="
+            f"{len(pieces)} have no token ({shown}); the vocabulary's ids must be "
+            "0 .. len(tokenizer) - 1 without gaps"
+        )
+    return added, pieces
 
 
 def get_byte_tokens_from_byte_decoder(tokenizer, byte_decoder):
@@ -115,7 +168,8 @@ def get_byte_tokens_from_byte_decoder(tokenizer, byte_decoder):
 def get_byte_tokens_from_sp(tokenizer):
     """Turn SentencePiece pieces into bytes.
 
-    ``<0xXX>`` escapes become that byte, then every ``▁`` becomes a space.
+    ``<0xXX>`` escapes (two hex digits) become that byte, then every ``▁``
+    becomes a space.
     Added tokens are not unescaped but do get the ``▁`` replacement.
     """
     added, pieces = _pieces(tokenizer)
@@ -137,6 +191,7 @@ def check_byte_decoder(tokenizer, byte_decoder):
     It must cover every character of every non-added vocabulary entry, and
     the tokens of a probe text must map back to the probe's UTF-8 bytes.
     """
+    _require_tokenizer(tokenizer)
     added = tokenizer.get_added_vocab()
     chars = {c for piece in tokenizer.get_vocab() if piece not in added for c in piece}
     missing = chars - byte_decoder.keys()

@@ -3,15 +3,28 @@
 import operator
 
 
+def is_token(x) -> bool:
+    """A token is ``bytes`` carrying an int ``token_id``: this module's Token, or
+    another implementation's, such as genlm.backend's ``Token`` (a vocabulary built
+    by genlm itself, or genlm modules imported before ``genlm_fast.dropin``)."""
+    if isinstance(x, Token):
+        return True
+    return (  # plain bytes first: the common case, kept cheap
+        type(x) is not bytes
+        and isinstance(x, bytes)
+        and isinstance(getattr(x, "token_id", None), int)
+    )
+
+
 def _by_id(op):
     """Build a rich comparison that orders Tokens by id.
 
-    Against anything that is not a Token it returns NotImplemented, so Python
+    Against anything that is not a token it returns NotImplemented, so Python
     falls back to the other operand (for plain bytes: a content comparison).
     """
 
     def compare(self, other):
-        if isinstance(other, Token):
+        if is_token(other):
             return op(self.token_id, other.token_id)
         return NotImplemented
 
@@ -61,9 +74,9 @@ class Token(bytes):
     @staticmethod
     def as_bytes(x):
         """Plain bytes of a Token; any other value is returned unchanged."""
-        return bytes(x) if isinstance(x, Token) else x
+        return bytes(x) if is_token(x) else x
 
     @staticmethod
     def is_plain_bytes(x) -> bool:
         """True for a ``bytes`` object that is not a Token."""
-        return isinstance(x, bytes) and not isinstance(x, Token)
+        return isinstance(x, bytes) and not is_token(x)

@@ -1,6 +1,6 @@
 """Byte and string views of a Hugging Face tokenizer's vocabulary."""
 
-from .bytes import ByteVocabError, get_byte_vocab
+from .bytes import ByteVocabError, _name, get_byte_vocab
 from .token import Token
 
 _FALLBACKS = ("tokenizer", "latin1", "replace")
@@ -27,7 +27,7 @@ def decode_vocab(tokenizer, byte2str_fallback="tokenizer"):
     except ByteVocabError as e:
         raise ValueError(
             "Could not decode byte representation of the token vocabulary "
-            f"of tokenizer {tokenizer.name_or_path}"
+            f"of tokenizer {_name(tokenizer)}"
         ) from e
     byte_vocab = [Token(i, b) for i, b in enumerate(raw)]
     return byte_vocab, bytes_to_strs(tokenizer, raw, byte2str_fallback)

@@ -395,6 +395,91 @@ async def test_rows_are_reused_across_beams(mock):
     assert [s._mass for s in a2.states] == [s._mass for s in b2.states]
 
 
+class AdapterMock(PeakedMock):
+    """A mock with one LoRA-like adapter, ``"b"``: it answers for ``context + [7]``.
+    With ``switch_after_batch`` set, the next LM batch switches the default adapter to
+    ``"b"`` once its rows are computed: another task calling ``set_lora`` while a beam
+    step's batch is in flight."""
+
+    switch_after_batch = False
+
+    def _resolve_lora(self, lora_name):
+        return self._active_lora if lora_name is None else lora_name
+
+    def _forward(self, lora_name, rows):
+        if lora_name == "b":
+            rows = [list(r) + [7] for r in rows]
+        return super()._forward(None, rows)
+
+    async def batch_next_token_logits(self, token_ids_list, lora_name=None):
+        out = await super().batch_next_token_logits(token_ids_list, lora_name=lora_name)
+        if self.switch_after_batch:
+            self.switch_after_batch = False
+            self._active_lora = "b"  # moves state_epoch, as set_lora does
+        return out
+
+
+class RefAdapterB(RefPeakedMock):
+    """genlm.backend's mock giving what ``AdapterMock`` gives under adapter ``"b"``."""
+
+    def _get_logprobs(self, token_ids):
+        return super()._get_logprobs(list(token_ids) + [7])
+
+
+class LogpOnlyState:
+    """A token-level LM state offering only what genlm-bytes' LazyTrieState uses:
+    ``<< token`` and ``await logp_next()`` (no ``model`` / ``context``)."""
+
+    def __init__(self, model, context):
+        self._model, self._context = model, list(context)
+
+    def __lshift__(self, token):
+        return LogpOnlyState(self._model, self._context + [token])
+
+    async def logp_next(self):
+        return await self._model.next_token_logprobs(self._context)
+
+
+@pytest.mark.asyncio
+async def test_beam_over_logp_only_lm_states(mock, ref_mock, ref_tries):
+    # states whose LM state only offers logp_next() are materialized on their own; reading
+    # a byte used to crash looking ahead (``lm_state.model``)
+    bos = [mock.tokenizer.bos_token_id]
+    trie = (await ByteBeamState.initial(mock, BeamParams(K=3))).states[0].trie
+    state = LazyTrieState(LogpOnlyState(mock, bos), trie, trie.trie.root, 0.0)
+    ours, _ = await trajectory(ByteBeamState([await state.materialize()], BeamParams(K=3)),
+                               b"The c", b"at sat")
+    ref_trie = (await ref_tries.initial(ref_bytes.BeamParams(K=3))).states[0].trie
+    ref_state = ref_bytes.LazyTrieState(LogpOnlyState(ref_mock, bos), ref_trie,
+                                        ref_trie.trie.root, 0.0)
+    ref, _ = await trajectory(
+        ref_bytes.ByteBeamState([await ref_state.materialize()], ref_bytes.BeamParams(K=3)),
+        b"The c", b"at sat")
+    compare(ours, ref, tol=2e-4, logz_tol=1e-3, what="logp-only LM states")
+
+
+@pytest.mark.asyncio
+async def test_adapter_switch_during_a_step_is_not_remembered(tokenizer):
+    # A step's LM batch also computes logits of the next step's contexts (lookahead).
+    # If the default adapter changes while that batch is in flight, those logits (of the
+    # old adapter) were kept under the new adapter's key, and a beam under the new
+    # adapter read them: its next-byte distribution was off by tens of nats.
+    lm = AdapterMock(tokenizer)
+    beam = await (await ByteBeamState.initial(lm, BeamParams(K=3))).prefill(b"Hel")
+    lm.switch_after_batch = True
+    await (beam.prune() << ord("l"))
+    assert lm._active_lora == "b" and not lm.switch_after_batch
+    ours = await (await ByteBeamState.initial(lm, BeamParams(K=3))).prefill(b"Hell")
+    ours_lp = np.asarray((await ours.logp_next()).ps, dtype=np.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = await (await RefTries(RefAdapterB(tokenizer)).initial(
+            ref_bytes.BeamParams(K=3))).prefill(b"Hell")
+        ref_lp = np.asarray((await ref.logp_next()).ps, dtype=np.float64)
+    compare([(ours_lp, float(ours.logZ))], [(ref_lp, float(ref.logZ))], tol=2e-4,
+            logz_tol=1e-3, what="after an adapter switch")
+
+
 # ---------------------------------------------------------------------------- bad input
 
 
@@ -428,6 +513,10 @@ async def test_empty_beam(mock):
         await empty.logp_next()
     with pytest.raises(EmptyBeamError):
         await ByteBeamState([], BeamParams(K=1)).logp_next()
+    with pytest.raises(AssertionError):  # what genlm-bytes raises there: callers catch it
+        await empty.logp_next()
+    with pytest.raises(AssertionError, match="Beam is empty"):
+        await ref_bytes.ByteBeamState([], ref_bytes.BeamParams(K=1)).logp_next()
     assert len(empty.prune()) == 0 and await empty.extend(0.0) == []
 
 

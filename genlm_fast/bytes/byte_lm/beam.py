@@ -23,6 +23,7 @@ from genlm_fast.bytes.byte_lm.lm_state import StatefulByteLM
 from genlm_fast.bytes.byte_lm.trie_state import (
     LazyTrieState,
     _gather,
+    batchable,
     check_byte,
     materialize_states,
 )
@@ -42,8 +43,11 @@ __all__ = ["BeamParams", "ByteBeamState", "EmptyBeamError"]
 NEG_INF = -math.inf
 
 
-class EmptyBeamError(ValueError):
-    """The beam holds no hypothesis: the bytes read so far have probability zero."""
+class EmptyBeamError(ValueError, AssertionError):
+    """The beam holds no hypothesis: the bytes read so far have probability zero.
+
+    Also an ``AssertionError``, which is what genlm-bytes raises there ("Beam is empty"):
+    callers may catch either."""
 
 
 def _optional_count(value, name):
@@ -227,7 +231,7 @@ class ByteBeamState(StatefulByteLM):
                 continue
             info, children = state._info, state.children
             after = children[state.node].get(byte)
-            if after is not None:
+            if after is not None and batchable(state.lm_state):
                 for _, token in info.eot_edges(after):
                     out.append((state.lm_state.model, (state.lm_state << int(token)).context))
             if state in protos:
@@ -238,6 +242,8 @@ class ByteBeamState(StatefulByteLM):
             if first is not None and extensions:
                 tokens = [int(t) for _, t in info.eot_edges(first)]
                 for ext in extensions:
+                    if not batchable(ext.lm_state):  # e.g. a test double: no lookahead
+                        continue
                     for token in tokens:
                         out.append((ext.lm_state.model, (ext.lm_state << token).context))
         return out

@@ -132,13 +132,15 @@ class _TrieInfo:
             return entry[1]
         return None
 
-    def keep_logits(self, model, ctx, row):
+    def keep_logits(self, model, ctx, row, key_model):
+        """Keep ``row``, the logits of ``ctx``, under ``key_model``: the model's key
+        (``model_key``) when the row was asked for."""
         try:
             ref = weakref.ref(model)
         except TypeError:  # a model that cannot be weakly referenced: no lookahead
             return
         memo = self.logits_memo
-        key = (model_key(model), ctx)
+        key = (key_model, ctx)
         memo[key] = (ref, row)
         memo.move_to_end(key)
         while len(memo) > LOOKAHEAD_ROWS:
@@ -459,6 +461,7 @@ async def _materialize_group(states, trie, info, lookahead=()):
             info.stats["lookahead_hits"] += 1
     missing = [c for c in contexts if c not in rows_of]
     fresh = None  # the LM's output, when it holds the rows in ``contexts`` order
+    remember = True  # whether rows computed now may be reused later (memo, lookahead)
     if missing:
         extra = []
         seen = set(contexts)
@@ -470,16 +473,20 @@ async def _materialize_group(states, trie, info, lookahead=()):
                       or not _weakly_referable(model)):
             extra = []  # all or nothing: a partial lookahead rarely saves the next call
         logits = await _next_token_logits(model, [list(c) for c in missing + extra])
+        # The default adapter may have changed while the batch was in flight (set_lora /
+        # clear_lora / clear_cache from another task): then which one computed these rows
+        # is not known, and they must not be remembered under either key.
+        remember = model_key(model) == key_model
         info.stats["lm_batches"] += 1
         info.stats["lm_rows"] += len(missing) + len(extra)
         for i, ctx in enumerate(missing):
             rows_of[ctx] = logits[i]
         if len(missing) == len(contexts):
             fresh = logits
-        if extra:
+        if extra and remember:
             ahead = logits[len(missing):].clone()  # own storage: the batch can go
             for ctx, row in zip(extra, ahead):
-                info.keep_logits(model, ctx, row)
+                info.keep_logits(model, ctx, row, key_model)
             info.stats["lookahead_rows"] += len(extra)
     by_mode = {}
     for i, ctx in enumerate(contexts):
@@ -496,14 +503,15 @@ async def _materialize_group(states, trie, info, lookahead=()):
         pool = info.pool(masses.device)
         for i, row in zip(idx, pool.store(masses, model)):
             rows[(contexts[i], mode)] = row
-            info.memo[(key_model, mode, contexts[i])] = row
+            if remember:
+                info.memo[(key_model, mode, contexts[i])] = row
     for s, ctx in todo:
         if s._mass is None:
             s._mass = rows[(ctx, s.mode)]
             s.lm_state._n_calls += 1
 
 
-def _batchable(lm_state):
+def batchable(lm_state):
     """Whether ``lm_state`` exposes its model and context (as ``StatefulTokenizedLM`` does)."""
     return hasattr(lm_state, "model") and hasattr(lm_state, "context")
 
@@ -535,7 +543,7 @@ async def materialize_states(states, extra=(), after=None, lookahead=()):
             are kept (a later materialization of those contexts then needs no LM call).
     """
     pending = [s for s in states if s._mass is None]
-    for s in [s for s in pending if not _batchable(s.lm_state)]:
+    for s in [s for s in pending if not batchable(s.lm_state)]:
         await _materialize_alone(s)
     pending = [s for s in pending if s._mass is None]
     if pending:

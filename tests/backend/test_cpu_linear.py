@@ -84,6 +84,85 @@ def test_follows_edits_behind_the_version_counter():
 
 
 @needs_onednn
+def test_inference_mode_weights():
+    """A model built under ``torch.inference_mode`` has inference-tensor weights, which have
+    no version counter (reading ``_version`` raises): the packed path must still work, in and
+    out of inference mode, and follow edits made under inference mode."""
+    with torch.inference_mode():
+        model = small_model()
+    assert model[0].weight.is_inference()
+    assert pack_linear_layers(model) == 2
+    x = torch.randn(6, 37)
+
+    def check():
+        want = float64_linear(model[2], torch.tanh(float64_linear(model[0], x)).float())
+        torch.testing.assert_close(model(x).double(), want, rtol=1e-5, atol=1e-5)
+
+    with torch.no_grad():
+        check()
+    with torch.inference_mode():
+        check()
+        model[0].weight.mul_(-0.5)  # in place, and no version counter to move
+        check()
+
+
+@needs_onednn
+def test_packed_model_copies_and_pickles():
+    """A packed model is still the caller's model: copy.deepcopy and torch.save/torch.load
+    work after it has run (its packed copies are opaque oneDNN tensors, which neither copy
+    nor pickle), and the copy is a packed model of its own, bound to its own weights."""
+    import copy
+    import io
+
+    model = small_model()
+    pack_linear_layers(model)
+    x = torch.randn(4, 37)
+
+    def want(m):
+        return float64_linear(m[2], torch.tanh(float64_linear(m[0], x)).float())
+
+    with torch.no_grad():
+        before = model(x)  # packs
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        copies = [copy.deepcopy(model), torch.load(buf, weights_only=False)]
+        for twin in copies:
+            torch.testing.assert_close(twin(x).double(), want(model), rtol=1e-5, atol=1e-5)
+            assert "forward" in twin[0].__dict__  # still packed
+            twin[0].weight.mul_(-1.0)  # the copy follows its own weights...
+            torch.testing.assert_close(twin(x).double(), want(twin), rtol=1e-5, atol=1e-5)
+        assert torch.equal(model(x), before)  # ...and the original is untouched
+    unpack_linear_layers(copies[0])
+    assert "forward" not in copies[0][0].__dict__
+
+
+@needs_onednn
+def test_converted_model_drops_its_stale_copies():
+    """After model.to(bfloat16) the float32 packed copies (and the old float32 weights their
+    snapshots keep alive: as much memory again as the model) are released by the first
+    product in the new dtype, not held until a float32 product that may never come. A
+    float32 input against a bfloat16 weight gets torch's own dtype error, not oneDNN's."""
+    model = small_model()
+    pack_linear_layers(model)
+    linears = [model[0], model[2]]
+    x = torch.randn(3, 37)
+    with torch.no_grad():
+        model(x)  # packs
+        assert all(cpu_linear._PACK in m.__dict__ for m in linears)
+        model.to(torch.bfloat16)
+        reference = small_model().to(torch.bfloat16)  # the same weights, never packed
+        torch.testing.assert_close(model(x.bfloat16()), reference(x.bfloat16()), rtol=0, atol=0)
+        assert not any(cpu_linear._PACK in m.__dict__ for m in linears)
+        with pytest.raises(RuntimeError, match="dtype"):
+            model[0](x)
+        model.float()  # back: packs afresh, from the (rounded) float32 weights
+        want = float64_linear(model[2], torch.tanh(float64_linear(model[0], x)).float())
+        torch.testing.assert_close(model(x).double(), want, rtol=1e-5, atol=1e-5)
+        assert all(cpu_linear._PACK in m.__dict__ for m in linears)
+
+
+@needs_onednn
 def test_other_inputs_use_torch():
     layer = torch.nn.Linear(8, 3)
     pack_linear_layers(layer)

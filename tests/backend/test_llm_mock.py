@@ -115,6 +115,23 @@ async def test_sample_matches_genlm(tokenizer):
 
 
 @pytest.mark.asyncio
+async def test_sample_accepts_every_context_form(tokenizer):
+    """next_token_logprobs accepts a context as a torch tensor or numpy array; so do sample
+    and batch_sample (a tensor used to be split into 0-d tensors and rejected). The draws
+    are genlm's on the same context as a list."""
+    import genlm.backend.llm as genlm_llm
+    theirs = genlm_llm.MockAsyncLM(tokenizer)
+    ours = make(tokenizer)
+    prompt = [10, 20, 30]
+    want = await theirs.sample(prompt, 5, [50256], seed=4)
+    forms = [torch.tensor(prompt), torch.tensor(prompt, dtype=torch.int32),
+             np.array(prompt), tuple(prompt)]
+    for form in forms:
+        assert await ours.sample(form, 5, [50256], seed=4) == want
+    assert await ours.batch_sample(forms, 5, [50256], seed=4) == [want] * len(forms)
+
+
+@pytest.mark.asyncio
 async def test_logits_hook(tokenizer, vocab_size):
     lm = make(tokenizer)
     ctxs = [[1, 2], [3], [1, 2]]

@@ -252,7 +252,10 @@ class AsyncLM(ABC):
             generator = torch.Generator()
             generator.manual_seed(seed)
         eos = {int(t) for t in eos_token_ids}
-        context = list(prompt_token_ids)
+        if isinstance(prompt_token_ids, (torch.Tensor, np.ndarray)):
+            context = prompt_token_ids.tolist()  # ints, as next_token_logprobs accepts it
+        else:
+            context = list(prompt_token_ids)
         out = []
         for _ in range(max_tokens):
             logprobs = await self.next_token_logprobs(context + out, lora_name=lora_name)

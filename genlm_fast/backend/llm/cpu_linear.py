@@ -19,15 +19,17 @@ few entries through ``.data`` can slip past the sample: then call
 which is why ``clear_cache`` does not). Inputs the op does not cover (another
 dtype or device, or anything that needs autograd) go to ``F.linear`` as before. The packed
 copies cost as much memory as the layers' weights.
+A layer whose weight has moved on (``model.to(dtype)``) drops its stale copy at its next
+product; a copy of the model (``copy.deepcopy``, ``torch.save``) packs its own weights.
 
 ``GENLM_FAST_CPU_LINEAR=torch`` keeps torch's own linear layers.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import types
 
 import torch
 import torch.nn.functional as F
@@ -65,32 +67,57 @@ def onednn_linear_available() -> bool:
     return _available
 
 
+def _version(weight: torch.Tensor):
+    """The version counter of ``weight``, or None for an inference tensor (one created
+    under ``torch.inference_mode``), which has none: the sampled snapshot still sees
+    edits of the whole tensor."""
+    try:
+        return weight._version
+    except RuntimeError:
+        return None
+
+
 class _Packed:
     """A packed copy of ``weight`` and what tells whether it still matches the weight."""
 
     def __init__(self, weight: torch.Tensor):
         w = weight.detach()
         self.weight = weight
-        self.version = weight._version
+        self.version = _version(weight)
         self.data_ptr = w.data_ptr()
         flat = w.reshape(-1)  # a view: w is a contiguous float32 CPU weight
         self.probe = flat[:: max(1, flat.numel() // _PROBE_SIZE)]  # shares w's storage
         self.snapshot = self.probe.clone()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
 
+    def __reduce__(self):
+        # The packed weight is an opaque oneDNN tensor, which neither pickles nor deep-copies:
+        # a copy of the module (copy.deepcopy, torch.save / torch.load) gets no packed copy,
+        # and packs its own weight at its first product.
+        return (_no_packed_copy, ())
+
     def matches(self, weight: torch.Tensor) -> bool:
-        return (self.weight is weight and self.version == weight._version
+        return (self.weight is weight and self.version == _version(weight)
                 and self.data_ptr == weight.data_ptr()
                 and torch.equal(self.probe, self.snapshot))
 
 
+def _no_packed_copy():
+    return None
+
+
 def _packed_forward(self, x):
     w = self.weight
-    if (x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0
-            or not w.is_contiguous()
-            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-        return F.linear(x, w, self.bias)
     state = self.__dict__.get(_PACK)
+    if (x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu"
+            or w.device.type != "cpu" or x.numel() == 0 or not w.is_contiguous()
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        if state is not None and not state.matches(w):
+            # The weight moved on (model.to(dtype) or to(device), say): drop the stale copy
+            # now, and with it the old weight storage its snapshot keeps alive, rather than
+            # hold both until a float32 product that may never come.
+            del self.__dict__[_PACK]
+        return F.linear(x, w, self.bias)
     if state is None or not state.matches(w):
         state = self.__dict__[_PACK] = _Packed(w)
     return torch.ops.mkldnn._linear_pointwise(x, state.packed, self.bias, "none", [], "")
@@ -111,7 +138,9 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
     for module in model.modules():
         if (type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
                 and module.weight.device.type == "cpu"):
-            module.forward = types.MethodType(_packed_forward, module)
+            # a partial of a module-level function, not a bound method: the module must still
+            # pickle (torch.save(model)) and deep-copy, with its copy bound to the copy
+            module.forward = functools.partial(_packed_forward, module)
             count += 1
     return count
 

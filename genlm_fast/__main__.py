@@ -79,17 +79,43 @@ def demo(args) -> int:
     return 0
 
 
+def _int(text):
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
 def _positive(text):
-    value = int(text)
+    value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
 def _count(text):
-    value = int(text)
+    value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
+    return value
+
+
+def _seed(text):
+    from genlm_fast.demo import MAX_SEED
+
+    value = _int(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 2**64 - 1, got {value}")
+    return value
+
+
+def _threads(text):
+    from genlm_fast.demo import max_threads
+
+    value = _positive(text)
+    if value > max_threads():
+        raise argparse.ArgumentTypeError(
+            f"must be at most {max_threads()} (8 per CPU), got {value}")
     return value
 
 
@@ -124,10 +150,10 @@ def main(argv=None) -> int:
                    help="the particles' mask: tokens of at most N bytes (default: 10)")
     d.add_argument("--beam", type=_positive, default=5, metavar="K",
                    help="byte-level beam width (default: 5)")
-    d.add_argument("--seed", type=int, default=0, help="seed for sampling (default: 0)")
+    d.add_argument("--seed", type=_seed, default=0, help="seed for sampling (default: 0)")
     d.add_argument("--top", type=_positive, default=10,
                    help="next-byte outcomes to show (default: 10)")
-    d.add_argument("--threads", type=_positive, default=None,
+    d.add_argument("--threads", type=_threads, default=None,
                    help="torch CPU threads (default: torch's choice; on a busy machine 1 is "
                    "often faster)")
     d.add_argument("--device", default=None,

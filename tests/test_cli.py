@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -300,3 +303,118 @@ def test_model_preparation_is_quiet_when_asked(model_dir, capsys):
     assert captured.out == "" and captured.err == ""
     assert _show_progress(True) is False and _show_progress(False) is True
     assert _show_progress(None) is False  # pytest's captured stderr is not a terminal
+
+
+def test_cli_printed_weights_are_normalized(model_dir, capsys):
+    """The importance weights the demo prints (4 decimals each) add up to 1."""
+    rc = main(["demo", "--bytes", "0", "--particles", "3", "--tokens", "2", "--beam", "1",
+               "--string", "", "--top", "1", "--seed", "2", "--threads", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    start = out.index("   weight  continuation") + 1
+    weights = [float(line.split()[0]) for line in out[start:start + 3]]
+    assert "effective sample size" in out[start + 3]
+    assert sum(weights) == pytest.approx(1.0, abs=3 * 5e-5)
+    assert weights == sorted(weights, reverse=True)
+
+
+# ---------------------------------------------------------------------------- bad options
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seed", "-1"], "--seed: must be between 0 and 2**64 - 1, got -1"),
+    (["--seed", str(2**64)], "--seed: must be between 0 and 2**64 - 1"),
+    (["--threads", str(10**12)], "--threads: must be at most"),
+    (["--bytes", "x"], "--bytes: not an integer: 'x'"),
+    (["--beam", "1.5"], "--beam: not an integer: '1.5'"),
+])
+def test_cli_bad_options_rejected_before_anything_runs(args, message, capsys):
+    """Out-of-range seeds used to fail half-way through the demo (numpy: 'expected
+    non-negative integer'; torch: 'Overflow when unpacking long long'), --threads 100000
+    crashed the process, and bad integers named internal helpers ('invalid _count value')."""
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", *args])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
+    assert "_count" not in captured.err and "_positive" not in captured.err
+
+
+@pytest.mark.parametrize("option", [{"n_particles": 0}, {"K": 0}, {"seed": -1}, {"top": 0},
+                                    {"n_bytes": -1}, {"max_tokens": 0}, {"threads": 0},
+                                    {"seed": 2**64}, {"K": 2.5}])
+def test_demo_api_checks_options_before_loading(option, tmp_path):
+    """`demo(...)` rejects bad options first (n_particles=0 used to run every section and
+    then fail on an empty array); the missing model shows nothing was loaded."""
+    with pytest.raises(ValueError):
+        demo(model=str(tmp_path / "missing"), verbose=False, **option)
+
+
+def test_cli_cuda_is_checked_before_converting(tmp_path, monkeypatch, capsys):
+    """--device cuda on a machine without CUDA fails at once, not after a conversion."""
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    from genlm_fast import models
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("converted a model before checking the device")
+
+    monkeypatch.setenv("GENLM_FAST_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "_convert", no_conversion)
+    assert main(["demo", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "models")
+
+
+# ---------------------------------------------------------------------------- model paths
+
+
+def test_model_path_with_tilde(model_dir, tmp_path, monkeypatch):
+    """``--model '~/x'`` (e.g. ``--model=~/x``, which the shell leaves alone) is a local
+    directory: it used to pass the check and then fail with 'does not exist'."""
+    from genlm_fast.demo import load_model
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    os.symlink(model_dir, tmp_path / "smol lm")
+    llm = load_model("~/smol lm")
+    try:
+        assert len(llm.byte_vocab) == 49152
+    finally:
+        llm.cleanup()
+
+
+def test_model_hub_id_from_the_hub_cache(model_dir, tmp_path):
+    """A Hub id (``org/name``) in the Hub cache loads offline, as transformers loads it; the
+    demo used to take every id with a '/' for a missing local directory."""
+    snapshot = tmp_path / "hub" / "models--audit-org--tiny-smol" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "hub" / "models--audit-org--tiny-smol" / "refs").mkdir()
+    (tmp_path / "hub" / "models--audit-org--tiny-smol" / "refs" / "main").write_text("abc123")
+    for name in os.listdir(model_dir):
+        os.symlink(os.path.join(model_dir, name), snapshot / name)
+    env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1",
+           "GENLM_FAST_CACHE": str(tmp_path / "unused")}
+    code = ("from transformers import AutoConfig; "
+            "print(AutoConfig.from_pretrained('audit-org/tiny-smol').model_type); "
+            "from genlm_fast.demo import load_model; "
+            "llm = load_model('audit-org/tiny-smol'); print(len(llm.byte_vocab)); llm.cleanup()")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["llama", "49152"]  # transformers' own answer first
+
+
+def test_cli_damaged_weights_is_a_clear_error(model_dir, tmp_path, capsys):
+    """A model directory whose weights file is cut short: one line, exit status 2 (it used
+    to be safetensors' traceback)."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in os.listdir(model_dir):
+        if name != "model.safetensors":
+            os.symlink(os.path.join(model_dir, name), broken / name)
+    with open(os.path.join(model_dir, "model.safetensors"), "rb") as f:
+        (broken / "model.safetensors").write_bytes(f.read(1000))
+    assert main(["demo", "--model", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert "could not load model" in err and "broken" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -37,20 +37,12 @@ _LAYOUT_VERSION = 1
 
 
 def default_cache_dir() -> str:
-    """Where the SmolLM2 directory lives: ``<cache>/models/smollm2-135m-instruct``.
+    """Where the SmolLM2 directory lives: ``<cache>/models/smollm2-135m-instruct``, under
+    genlm_fast's cache root (`genlm_fast.cache_dir`: ``$GENLM_FAST_CACHE``, else
+    ``$XDG_CACHE_HOME/genlm_fast``, else ``~/.cache/genlm_fast``)."""
+    from genlm_fast import cache_dir
 
-    ``<cache>`` is genlm_fast's cache root, as for its other caches: ``$GENLM_FAST_CACHE``
-    when set, else ``$XDG_CACHE_HOME/genlm_fast`` (``~/.cache/genlm_fast``). As the XDG
-    base-directory specification asks, an empty or relative ``$XDG_CACHE_HOME`` is ignored
-    (it would otherwise put a 538 MB model under whatever the working directory is).
-    """
-    base = os.environ.get("GENLM_FAST_CACHE")
-    if not base:
-        xdg = os.environ.get("XDG_CACHE_HOME", "")
-        if not os.path.isabs(xdg):
-            xdg = os.path.expanduser("~/.cache")
-        base = os.path.join(xdg, "genlm_fast")
-    return os.path.join(os.path.expanduser(base), "models", "smollm2-135m-instruct")
+    return cache_dir("models", "smollm2-135m-instruct")
 
 
 def _gguf_source() -> tuple[str, str]:

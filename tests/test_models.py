@@ -66,16 +66,27 @@ def test_empty_or_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path, xdg)
     monkeypatch.delenv("GENLM_FAST_CACHE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("XDG_CACHE_HOME", xdg)
-    expected = os.path.join(str(tmp_path), ".cache", "genlm_fast", SUBDIR)
-    assert models.default_cache_dir() == expected
+    root = os.path.join(str(tmp_path), ".cache", "genlm_fast")
+    assert all_caches() == (os.path.join(root, SUBDIR), os.path.join(root, "tries"),
+                            os.path.join(root, "ext"))
+
+
+def all_caches():
+    """The model's, the trie layouts' and the JIT builds' folders: one root for all three."""
+    from genlm_fast.ops import extension, layout
+
+    return models.default_cache_dir(), layout.default_cache_dir(), extension.cache_dir()
 
 
 def test_cache_env_vars(monkeypatch, tmp_path):
     monkeypatch.setenv("GENLM_FAST_CACHE", str(tmp_path / "g"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert models.default_cache_dir() == os.path.join(str(tmp_path / "g"), SUBDIR)
+    assert all_caches()[0] == os.path.join(str(tmp_path / "g"), SUBDIR)
+    assert all_caches()[1:] == (str(tmp_path / "g" / "tries"), str(tmp_path / "g" / "ext"))
     monkeypatch.setenv("GENLM_FAST_CACHE", "")
-    assert models.default_cache_dir() == os.path.join(str(tmp_path / "x"), "genlm_fast", SUBDIR)
+    root = tmp_path / "x" / "genlm_fast"
+    assert all_caches() == (os.path.join(str(root), SUBDIR), str(root / "tries"),
+                            str(root / "ext"))
 
 
 # ---------------------------------------------------------------------------- never clobber

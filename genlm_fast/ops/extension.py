@@ -21,6 +21,8 @@ import sys
 import threading
 import time
 
+import genlm_fast
+
 logger = logging.getLogger("genlm_fast.ops")
 
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -41,10 +43,8 @@ _tried = False
 
 
 def cache_dir() -> str:
-    """Where JIT builds go: ``$GENLM_FAST_CACHE/ext`` or ``~/.cache/genlm_fast/ext``."""
-    base = os.environ.get("GENLM_FAST_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "genlm_fast")
-    return os.path.join(base, "ext")
+    """Where JIT builds go: ``<genlm_fast cache root>/ext`` (`genlm_fast.cache_dir`)."""
+    return genlm_fast.cache_dir("ext")
 
 
 def clear_stale_lock(build_dir: str) -> None:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from genlm_fast import cache_dir
+
 TILE = 64  # leaf positions per tile; a power of two (Triton block shapes)
 LAYOUT_VERSION = 1
 
@@ -294,9 +296,8 @@ def compile_layout(parent, node_first, leaf_node, token_column, edge_key, eos_no
 
 
 def default_cache_dir() -> str:
-    base = os.environ.get("GENLM_FAST_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "genlm_fast")
-    return os.path.join(base, "tries")
+    """Where layouts are cached: ``<genlm_fast cache root>/tries`` (`genlm_fast.cache_dir`)."""
+    return cache_dir("tries")
 
 
 def vocab_digest(*parts) -> str:

@@ -6,20 +6,25 @@
     python -m bench.gpu --dry-run-cpu            # the same code path on CPU, tiny vocabulary
 
 For every available GPU backend (``triton``, ``cuda``), batch size and op it
-1. checks the result against genlm_fast's float64 ``reference`` backend (the run stops on a
-   mismatch: relative error <= 1e-5 of every node mass >= 1e-30);
+1. checks the result against a float64 oracle computed with the reference's own ancestor
+   matrix (genlm.backend's when it imports: independent of genlm_fast's layout), in float64
+   (the run stops on a mismatch: relative error <= 1e-5 of every node mass >= 1e-30);
 2. times the public call (``TokenByteTrie(device="cuda").batch_log_mass`` / ``batch_weight_sum``
    / ``batch_weight_max``: input validation + kernels, result left on the device) and the
    kernels alone (the backend's ``trie_reduce``), with ``triton.testing.do_bench`` (median;
    L2 flushed between runs) or CUDA events;
 3. reports the compulsory traffic — logits/weights read once (B * V' * 4 bytes), node values
    written once (B * N * 4), the backend's index arrays read once — the effective bandwidth
-   (traffic / kernel time) and its fraction of the device's peak HBM bandwidth.
+   (traffic / time) of the kernels and of the public call (which also validates its input:
+   one more read of it), and their fractions of the device's peak HBM bandwidth.
 The reference is genlm.backend's ``ParallelTokenCharacterTrie(device="cuda")`` when
 ``genlm.backend`` imports (its own ancestor matrix), else the same algorithm inline (a torch
 sparse CSR ancestor matrix [V, N], ``torch.sparse.mm(ws[:, positions], M)``; for max its
 ``scatter_reduce`` amax); its device time (for log_mass: log_softmax, exp, sparse.mm, log) is
-what the speedup compares with (the headline: batch_weight_sum at B=32).
+what the speedup compares with (the headline: batch_weight_sum at B=32). At that B the full
+API calls are compared too, on equal terms: genlm's ``batch_weight_sum`` (rows stacked,
+product, numpy copy on the host) against genlm_fast's drop-in
+``ParallelTokenCharacterTrie(device="cuda").batch_weight_sum``, which also returns numpy.
 """
 
 from __future__ import annotations
@@ -49,12 +54,21 @@ SPEEDUP_B = 32
 INDEX_ARRAYS = {
     "triton": ("leaf_token", "tile_range_ptr", "range_start", "range_end", "range_dest",
                "span_node", "span_left", "span_right", "span_tile_lo", "span_tile_hi"),
-    "cpu": ("leaf_token", "leaf_end", "depth"),
+    # the CPU kernel's (genlm_fast/ops/extension.py, run_cpu_kernel): the layout's parent
+    # and leaf_token, and the arrays it derives once per layout (arrays["_cpu"])
+    "cpu": ("parent", "leaf_token", "leaf_node", "empty", "run_end", "run_depth",
+            "run_child_depth", "run_leaf", "run_of"),
 }
 # peak HBM bandwidth, GB/s (vendor figures), matched against the device name in order
-PEAKS = ((r"H200", 4800.0), (r"H100.*(PCIe|PCI-E)", 2000.0), (r"H100", 3350.0),
-         (r"GH200", 4000.0), (r"A100.*80", 2039.0), (r"A100", 1555.0), (r"L40S", 864.0),
-         (r"A10G?\b", 600.0), (r"L4\b", 300.0))
+# (GH200 before H200, which its name contains: GH200 96 GB HBM3 is 4000 GB/s, the 144 GB
+# HBM3e part 4900; pass --peak-gbs for the latter)
+PEAKS = ((r"GH200", 4000.0), (r"H200", 4800.0), (r"H100.*(PCIe|PCI-E)", 2000.0),
+         (r"H100.*NVL", 3900.0), (r"H100", 3350.0), (r"A100.*80", 2039.0), (r"A100", 1555.0),
+         (r"L40S", 864.0), (r"A10G?\b", 600.0), (r"L4\b", 300.0))
+# the issue's GPU goals (Llama-3): kernels' share of peak HBM bandwidth for batch_log_mass at
+# B=64, and the speedup over the reference's batch_weight_sum device time at B=32
+GOAL_PEAK_OP, GOAL_PEAK_B, GOAL_PEAK_FRAC = "log_mass", 64, 0.70
+GOAL_SPEEDUP = 10.0
 DRY_RUN_TOKENS = 500
 DRY_RUN_BATCHES = [1, 32]
 
@@ -199,6 +213,14 @@ class Reference:
                     warnings.simplefilter("ignore")
                     trie = ParallelTokenCharacterTrie(
                         [RefToken(t.token_id, t.byte_string) for t in vocab], device=device.type)
+                import numpy as np
+
+                # node-wise comparisons need genlm's numbering: genlm_fast's TokenByteTrie is
+                # genlm's character trie plus an EOS node numbered just before the root
+                if (len(trie.children) != layout.num_nodes - 1 or not np.array_equal(
+                        np.asarray(trie.idx_to_leaf)[:, 1], np.asarray(layout.leaf_node))):
+                    raise ValueError("it numbers the trie's nodes differently from genlm_fast "
+                                     "(a genlm_fast bug: tests/ should have caught it)")
                 self.trie, self.M, self.positions = trie, trie.M, trie.positions
                 self.src, self.dst = trie.src_indices, trie.dst_indices
                 self.source = "genlm.backend ParallelTokenCharacterTrie (installed package)"
@@ -210,6 +232,10 @@ class Reference:
             self.source = ("inline re-implementation of genlm.backend's ParallelTokenCharacterTrie "
                            f"algorithm ({why})")
         self.num_nodes = self.M.shape[1]
+        # the oracle's columns: genlm's character trie has no EOS node; genlm_fast's
+        # TokenByteTrie numbers one just before the root (empty in without_eos mode)
+        self.char_trie_columns = self.num_nodes == layout.num_nodes - 1
+        self._M64 = None
         _sync(device)
 
     @staticmethod
@@ -258,6 +284,39 @@ class Reference:
 
         return torch.log(self.device_sum(torch.log_softmax(logits, dim=-1).exp()))
 
+    def oracle(self, op, logits, probs):
+        """Float64 node values ``[B, N_ref]`` (numpy) from the reference's own ancestor matrix:
+        sums as a float64 sparse product, max as a float64 scatter amax, log-masses as the log
+        of the float64 sum of float64 softmax probabilities. With genlm.backend installed this
+        owes nothing to genlm_fast's layout."""
+        import numpy as np
+        import torch
+
+        if self._M64 is None:
+            self._M64 = self.M.to(torch.float64)
+        if op == "max":
+            ws = probs.double()
+            leaf = ws[:, self.positions]
+            out = torch.zeros(ws.shape[0], self.num_nodes, device=ws.device, dtype=torch.float64)
+            out.scatter_reduce_(1, self.dst.expand(ws.shape[0], -1), leaf[:, self.src],
+                                reduce="amax", include_self=False)
+            return out.cpu().numpy()
+        ws = torch.softmax(logits.double(), dim=-1) if op == "log_mass" else probs.double()
+        out = torch.sparse.mm(ws[:, self.positions], self._M64).cpu().numpy()
+        if op == "log_mass":
+            with np.errstate(divide="ignore"):
+                return np.log(out)
+        return out
+
+    def char_columns(self, want):
+        """``want`` without genlm_fast's EOS column, to compare with a character trie."""
+        import numpy as np
+
+        if self.char_trie_columns:
+            return want
+        n = want.shape[1]
+        return np.concatenate([want[:, : n - 2], want[:, n - 1:]], axis=1)
+
     def api_sum(self, ws):
         """The full reference call (row loop, device work, copy to host) when available."""
         return self.trie.batch_weight_sum(ws) if self.trie is not None else \
@@ -276,16 +335,26 @@ def detect_peak(name: str, override: float | None) -> float | None:
     return None
 
 
-def index_bytes(layout, backend: str, mode: str = "without_eos") -> int:
+def index_bytes(layout, backend: str, mode: str = "without_eos", device=None) -> int:
+    """Bytes of the index arrays ``backend``'s kernels read (``INDEX_ARRAYS``). A name found
+    nowhere is an error: a silent 0 would inflate the bandwidth."""
     ml = layout.modes[mode]
     names = INDEX_ARRAYS.get(backend, INDEX_ARRAYS["triton"])
+    derived = {}
+    if backend == "cpu":  # derived from the layout on the first call, kept with its arrays
+        from genlm_fast.ops import extension
+
+        derived = extension._cpu_arrays(layout.device_arrays(mode, device or "cpu"))
     total = 0
     for n in names:
         arr = getattr(ml, n, None)
         if arr is None:
             arr = getattr(layout, n, None)
-        if arr is not None:
-            total += int(arr.nbytes)
+        if arr is None:
+            arr = derived.get(n)
+        if arr is None:
+            raise KeyError(f"index array {n!r} of the {backend} backend not found in the layout")
+        total += int(arr.nbytes) if hasattr(arr, "nbytes") else arr.numel() * arr.element_size()
     return total
 
 
@@ -308,25 +377,6 @@ def kernel_call(backend, values, layout, reduction, mode="without_eos"):
     return fn
 
 
-def oracle(layout, op, logits, probs):
-    """Float64 node values from genlm_fast's reference backend, fed float64 (log-masses: log
-    of the float64 sum of float64 softmax probabilities)."""
-    import numpy as np
-    import torch
-
-    from genlm_fast.ops import dispatch
-
-    def f64_reduce(values, reduction):
-        out, _ = dispatch.trie_reduce(values.double(), layout, reduction, backend="reference")
-        assert out.dtype == torch.float64, out.dtype
-        return out.cpu().numpy()
-
-    if op == "log_mass":
-        with np.errstate(divide="ignore"):
-            return np.log(f64_reduce(torch.softmax(logits.double(), dim=-1), "sum"))
-    return f64_reduce(probs, op)
-
-
 def _kernels_alias() -> None:
     """In an uninstalled checkout ``genlm_fast.kernels`` is the top-level ``kernels/``
     (setup.py maps it at install time); alias it so the triton backend imports."""
@@ -342,11 +392,13 @@ def _kernels_alias() -> None:
 
 
 def run(args) -> tuple[list[dict], dict]:
+    import numpy as np
     import torch
 
     _kernels_alias()
 
     from bench import kernels as K
+    from genlm_fast.backend.trie import ParallelTokenCharacterTrie
     from genlm_fast.bytes import TokenByteTrie
     from genlm_fast.ops import dispatch
 
@@ -368,6 +420,9 @@ def run(args) -> tuple[list[dict], dict]:
     t = time.perf_counter()
     tries = {b: TokenByteTrie(vocab, device=device.type, kernel_backend=b) for b in backends}
     build_s = time.perf_counter() - t
+    # genlm.backend's API (numpy on the host) for the like-for-like full-call comparison
+    drop_in = {b: ParallelTokenCharacterTrie(vocab, device=device.type, kernel_backend=b)
+               for b in backends}
     layout = next(iter(tries.values())).layout
     N = layout.num_nodes
     t = time.perf_counter()
@@ -395,7 +450,8 @@ def run(args) -> tuple[list[dict], dict]:
                       if B == SPEEDUP_B else None)
         for op in args.ops:
             x = logits if op == "log_mass" else probs
-            want = oracle(layout, op, logits, probs)
+            want = ref.oracle(op, logits, probs)
+            in_byte_trie = ref.char_trie_columns  # the oracle lacks our EOS column
             traffic_in = B * x.shape[1] * x.element_size()
             traffic_out = B * N * 4
             for b in backends:
@@ -405,11 +461,21 @@ def run(args) -> tuple[list[dict], dict]:
                 try:  # verify first; a wrong or failing backend is reported, never timed
                     got = api(x)
                     assert trie.last_kernel_backend == b, (trie.last_kernel_backend, b)
-                    err = K.check_result(got, want, op, label=f"{b} {op} B={B}")
+                    err = K.check_result(got, want, op, byte_trie=in_byte_trie,
+                                         label=f"{b} {op} B={B}")
                     if kfn is not None:
-                        err = max(err, K.check_result(kfn(), want, op,
+                        err = max(err, K.check_result(kfn(), want, op, byte_trie=in_byte_trie,
                                                       label=f"{b} kernels {op} B={B}"))
                     del got
+                    host_fn = None
+                    if op == "sum" and B == SPEEDUP_B:  # genlm's API: numpy on the host
+                        host_fn = drop_in[b].batch_weight_sum
+                        host = host_fn(x)
+                        assert drop_in[b].last_kernel_backend == b
+                        assert isinstance(host, np.ndarray), type(host)
+                        K.check_result(host, ref.char_columns(want), op,
+                                       label=f"{b} drop-in {op} B={B}")
+                        del host
                 except Exception as e:  # noqa: BLE001
                     failures.append(f"{b} {op} B={B}: {type(e).__name__}: {e}")
                     print(f"{b:9s} {op:8s} B={B:<4d} FAILED: {failures[-1]}", flush=True)
@@ -417,18 +483,23 @@ def run(args) -> tuple[list[dict], dict]:
                     continue
                 api_ms = bench_ms(lambda f=api, v=x: f(v), device, how)
                 kernel_ms = bench_ms(kfn, device, how) if kfn is not None else None
-                idx = index_bytes(layout, b)
+                host_ms = (bench_ms(lambda f=host_fn, v=x: f(v), device, how)
+                           if host_fn is not None else None)
+                idx = index_bytes(layout, b, device=device)
                 moved = traffic_in + traffic_out + idx
                 t_ms = kernel_ms if kernel_ms is not None else api_ms
                 gbs = moved / (t_ms * 1e-3) / 1e9
+                api_gbs = moved / (api_ms * 1e-3) / 1e9
                 row = {
                     "backend": b, "op": op, "B": B, "api_ms": api_ms, "kernel_ms": kernel_ms,
                     "read_MB": traffic_in / 1e6, "write_MB": traffic_out / 1e6,
                     "index_MB": idx / 1e6, "moved_MB": moved / 1e6, "GBs": gbs,
                     "peak_frac": gbs / peak if peak else None,
+                    "api_GBs": api_gbs, "api_peak_frac": api_gbs / peak if peak else None,
                     "ref_ms": ref_ms[op], "speedup": ref_ms[op] / t_ms,
                     "ref_api_ms": ref_api_ms if op == "sum" else None,
-                    "speedup_api": (ref_api_ms / api_ms) if (ref_api_ms and op == "sum") else None,
+                    "host_api_ms": host_ms,
+                    "speedup_api": (ref_api_ms / host_ms) if (ref_api_ms and host_ms) else None,
                     "max_rel_err": err,
                 }
                 rows.append(row)
@@ -453,6 +524,9 @@ def run(args) -> tuple[list[dict], dict]:
                   "cuda_events": "CUDA events, median of 50, L2 flushed",
                   "perf_counter": "time.perf_counter, median"}[how],
         "reference": ref.source,
+        "oracle": "float64, from the reference's ancestor matrix" + (
+            " (genlm.backend's own: independent of genlm_fast's layout)" if ref.trie is not None
+            else " (rebuilt from genlm_fast's layout)"),
         "index arrays counted": "; ".join(
             f"{b}: {' + '.join(INDEX_ARRAYS.get(b, INDEX_ARRAYS['triton']))}"
             + ("" if b in INDEX_ARRAYS else " (assumed: same as triton)") for b in backends),
@@ -474,35 +548,66 @@ def table(rows, info, command: str) -> str:
               ("api ms: the public call (`TokenByteTrie.batch_log_mass` / `batch_weight_sum` / "
               "`batch_weight_max`, validation included, result on the device); kernel ms: the "
               "backend's kernels alone. Traffic: input read once (B x V' x 4 B), output written "
-              "once (B x N x 4 B), index arrays read once; GB/s = traffic / kernel ms. ref ms: the "
+              "once (B x N x 4 B), index arrays read once; GB/s = traffic / kernel ms (api GB/s: "
+              "/ api ms). ref ms: the "
               "reference's device work (sum: `sparse.mm(ws[:, positions], M)`; max: its "
               "`scatter_reduce` amax; log_mass: log_softmax, exp, sparse.mm, log); speedup = "
-              "ref ms / kernel ms. Every result was checked against the float64 reference first (max rel err = worst relative error of a node "
-              "mass >= 1e-30)."), "",
+              "ref ms / kernel ms. Every result was checked against the float64 oracle first "
+              "(max rel err = worst relative error of a node mass >= 1e-30)."), "",
               ("| backend | op | B | api ms | kernel ms | MB read | MB written | MB index | GB/s "
-               "| % of peak | ref ms | speedup | max rel err |"),
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+               "| % of peak | api GB/s | api % of peak | ref ms | speedup | max rel err |"),
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "failed" in r:
             lines.append(f"| {r['backend']} | {r['op']} | {r['B']} | FAILED verification: "
-                         f"{r['failed']} |" + " |" * 9)
+                         f"{r['failed']} |" + " |" * 11)
             continue
         frac = "-" if r["peak_frac"] is None else f"{100 * r['peak_frac']:.0f}%"
+        api_frac = "-" if r.get("api_peak_frac") is None else f"{100 * r['api_peak_frac']:.0f}%"
         speedup = "-" if r["speedup"] is None else f"{r['speedup']:.1f}x"
         lines.append(
             f"| {r['backend']} | {r['op']} | {r['B']} | {r['api_ms']:.4f} | "
             f"{_f(r['kernel_ms'], '.4f')} | {r['read_MB']:.2f} | {r['write_MB']:.2f} | "
-            f"{r['index_MB']:.2f} | {r['GBs']:.0f} | {frac} | {_f(r['ref_ms'], '.4f')} | "
-            f"{speedup} | {r['max_rel_err']:.1e} |")
+            f"{r['index_MB']:.2f} | {r['GBs']:.0f} | {frac} | {_f(r.get('api_GBs'), '.0f')} | "
+            f"{api_frac} | {_f(r['ref_ms'], '.4f')} | {speedup} | {r['max_rel_err']:.1e} |")
     lines += ["", f"Speedup at B={SPEEDUP_B} vs the reference's batch_weight_sum:", "",
-              "| backend | kernels vs ref device time | public call vs full ref call (host copy incl.) |",
+              ("| backend | kernels vs ref device time | full call vs full call (both return "
+               "numpy on the host: genlm's and genlm_fast's `ParallelTokenCharacterTrie`) |"),
               "|---|---:|---:|"]
     for r in rows:
         if r["op"] == "sum" and r["B"] == SPEEDUP_B and "failed" not in r:
             lines.append(f"| {r['backend']} | {_f(r['speedup'], '.1f')}x ({_f(r['ref_ms'], '.3f')} ms vs "
                          f"{_f(r['kernel_ms'], '.3f')} ms) | {_f(r['speedup_api'], '.1f')}x "
-                         f"({_f(r['ref_api_ms'], '.3f')} ms vs {r['api_ms']:.3f} ms) |")
+                         f"({_f(r['ref_api_ms'], '.3f')} ms vs {_f(r.get('host_api_ms'), '.3f')} ms) |")
+    lines += ["", "Goals (the issue's, Llama-3 vocabulary):", "",
+              "| goal | backend | measured | met |", "|---|---|---:|---|"]
+    for r in goals(rows):
+        lines.append(f"| {r['goal']} | {r['backend']} | {r['measured']} | {r['met']} |")
     return "\n".join(lines) + "\n"
+
+
+def goals(rows) -> list[dict]:
+    """The issue's two GPU goals for every backend: kernels at >= 70% of peak HBM bandwidth
+    for batch_log_mass at B=64, and >= 10x the reference's batch_weight_sum device time at
+    B=32 ("-": not measured, or no peak known)."""
+    out = []
+    for backend in dict.fromkeys(r["backend"] for r in rows):
+        mine = [r for r in rows if r["backend"] == backend and "failed" not in r]
+        peak_rows = [r for r in mine if r["op"] == GOAL_PEAK_OP and r["B"] == GOAL_PEAK_B]
+        frac = peak_rows[0]["peak_frac"] if peak_rows else None
+        out.append({"goal": f"batch_{GOAL_PEAK_OP} B={GOAL_PEAK_B}: kernels >= "
+                            f"{100 * GOAL_PEAK_FRAC:.0f}% of peak HBM bandwidth",
+                    "backend": backend,
+                    "measured": "-" if frac is None else f"{100 * frac:.0f}%",
+                    "met": "-" if frac is None else ("yes" if frac >= GOAL_PEAK_FRAC else "NO")})
+        sum_rows = [r for r in mine if r["op"] == "sum" and r["B"] == SPEEDUP_B]
+        sp = sum_rows[0]["speedup"] if sum_rows else None
+        out.append({"goal": f"batch_weight_sum B={SPEEDUP_B}: >= {GOAL_SPEEDUP:g}x the "
+                            "reference's device time",
+                    "backend": backend,
+                    "measured": "-" if sp is None else f"{sp:.1f}x",
+                    "met": "-" if sp is None else ("yes" if sp >= GOAL_SPEEDUP else "NO")})
+    return out
 
 
 def main(argv=None) -> int:

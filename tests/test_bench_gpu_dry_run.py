@@ -6,17 +6,23 @@ construction, the verification of every backend against the float64 oracle (the 
 exits 1 on a mismatch), timing and the markdown table, on the reference, cpu and Triton
 interpreter backends with a small slice of the Llama-3 vocabulary, at B=1 and at the
 batch size of the headline speedup.
+
+The fast tests below check the pieces the figures rest on: the oracle (computed with the
+reference's own ancestor matrix, genlm.backend's where it imports) and its column mapping,
+the bytes counted as traffic, the peak bandwidth looked up, and the goals' verdicts.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from bench import gpu
+from bench import kernels as K
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_dry_run_verifies_times_and_writes_the_table(tmp_path):
     out = tmp_path / "gpu.md"
     status = gpu.main(["--dry-run-cpu", "--limit", "300",
@@ -30,5 +36,108 @@ def test_dry_run_verifies_times_and_writes_the_table(tmp_path):
                 assert f"| {backend} | {op} | {B} |" in text, (backend, op, B)
     assert "FAILED" not in text
     assert f"Speedup at B={gpu.SPEEDUP_B}" in text
-    for backend in ("reference", "cpu", "triton"):  # the headline rows
-        assert f"\n| {backend} | " in text.split(f"Speedup at B={gpu.SPEEDUP_B}")[1]
+    headline = text.split(f"Speedup at B={gpu.SPEEDUP_B}")[1].split("Goals")[0]
+    for backend in ("reference", "cpu", "triton"):  # the headline rows, both comparisons timed
+        line = next(l for l in headline.splitlines() if l.startswith(f"| {backend} | "))
+        assert line.count(" ms vs ") == 2 and "- ms" not in line, line
+    assert "| oracle | float64, from the reference's ancestor matrix" in text
+    assert "Goals (the issue's" in text
+
+
+# --------------------------------------------------------------------------- fast checks
+
+
+@pytest.fixture(scope="module")
+def small():
+    """(vocab, TokenByteTrie, Reference) on 300 synthetic tokens, on CPU."""
+    from genlm_fast.backend.tokenization import Token
+    from genlm_fast.bytes import TokenByteTrie
+
+    vocab = [Token(i, b) for i, b in gpu._synthetic_pairs(300)]
+    trie = TokenByteTrie(vocab, device="cpu", kernel_backend="reference")
+    ref = gpu.Reference(vocab, trie.layout, torch.device("cpu"))
+    return vocab, trie, ref
+
+
+def layout_oracle(layout, op, logits, probs):
+    """Float64 node values from genlm_fast's own reference backend on its layout (log-masses:
+    log of the float64 sum of float64 softmax probabilities): what the benchmark's oracle,
+    computed from genlm.backend's ancestor matrix instead, must agree with."""
+    from genlm_fast.ops import dispatch
+
+    def f64_reduce(values, reduction):
+        out, _ = dispatch.trie_reduce(values.double(), layout, reduction, backend="reference")
+        assert out.dtype == torch.float64, out.dtype
+        return out.cpu().numpy()
+
+    if op == "log_mass":
+        with np.errstate(divide="ignore"):
+            return np.log(f64_reduce(torch.softmax(logits.double(), dim=-1), "sum"))
+    return f64_reduce(probs, op)
+
+
+@pytest.mark.parametrize("op", gpu.OPS)
+def test_oracle_agrees_with_the_layout_and_catches_a_wrong_node(small, op):
+    vocab, trie, ref = small
+    logits, probs = K.make_inputs(len(vocab), 4)
+    want = ref.oracle(op, logits, probs)
+    assert want.dtype == np.float64 and want.shape[0] == 4
+    # genlm.backend's character trie has no EOS node: the columns are mapped, not shifted
+    assert want.shape[1] == trie.layout.num_nodes - (1 if ref.char_trie_columns else 0)
+    got = layout_oracle(trie.layout, op, logits, probs)
+    K.check_result(got, want, op, byte_trie=ref.char_trie_columns)
+    # ... and a node off by 1e-4 (relative) is caught
+    bad = got.copy()
+    node = trie.layout.root if op != "max" else 0
+    bad[1, node] += 1e-4 * abs(bad[1, node]) if op != "log_mass" else 1e-4
+    with pytest.raises(AssertionError):
+        K.check_result(bad, want, op, byte_trie=ref.char_trie_columns)
+    # the drop-in ParallelTokenCharacterTrie's columns (no EOS node) line up too
+    assert ref.char_columns(want).shape[1] == trie.layout.num_nodes - 1
+
+
+def test_oracle_is_genlm_backends_own_when_it_imports(small):
+    pytest.importorskip("genlm.backend.trie")
+    _, _, ref = small
+    assert ref.trie is not None and ref.char_trie_columns
+    assert "installed package" in ref.source
+
+
+def test_index_bytes_count_the_arrays_each_backend_reads(small, monkeypatch):
+    _, trie, _ = small
+    layout = trie.layout
+    ml = layout.modes["without_eos"]
+    triton = sum(getattr(ml, n).nbytes for n in gpu.INDEX_ARRAYS["triton"])
+    assert gpu.index_bytes(layout, "triton") == triton > 0
+    from genlm_fast.ops import extension
+
+    if extension.has("cpu"):  # the CPU kernel's arrays, all of them found
+        assert gpu.index_bytes(layout, "cpu") > ml.leaf_token.nbytes + layout.parent.nbytes
+    monkeypatch.setitem(gpu.INDEX_ARRAYS, "triton", ("leaf_token", "no_such_array"))
+    with pytest.raises(KeyError, match="no_such_array"):  # never a silent 0
+        gpu.index_bytes(layout, "triton")
+
+
+@pytest.mark.parametrize(("name", "gbs"), [
+    ("NVIDIA H100 80GB HBM3", 3350.0), ("NVIDIA H100 PCIe", 2000.0),
+    ("NVIDIA H100 NVL", 3900.0), ("NVIDIA H200", 4800.0), ("NVIDIA GH200 480GB", 4000.0),
+    ("Tesla T4", None),
+])
+def test_peak_bandwidth_by_device_name(name, gbs):
+    assert gpu.detect_peak(name, None) == gbs
+    assert gpu.detect_peak(name, 1234.0) == 1234.0
+
+
+def test_goals_verdicts():
+    rows = [
+        {"backend": "triton", "op": "log_mass", "B": 64, "peak_frac": 0.71, "speedup": 3.0},
+        {"backend": "triton", "op": "sum", "B": 32, "peak_frac": 0.5, "speedup": 9.9},
+        {"backend": "cuda", "op": "log_mass", "B": 64, "peak_frac": None, "speedup": 2.0},
+        {"backend": "cuda", "op": "sum", "B": 32, "failed": "x"},
+    ]
+    got = {(g["backend"], g["goal"].split(":")[0]): (g["measured"], g["met"])
+           for g in gpu.goals(rows)}
+    assert got[("triton", "batch_log_mass B=64")] == ("71%", "yes")
+    assert got[("triton", "batch_weight_sum B=32")] == ("9.9x", "NO")
+    assert got[("cuda", "batch_log_mass B=64")] == ("-", "-")  # no peak known
+    assert got[("cuda", "batch_weight_sum B=32")] == ("-", "-")  # failed: not measured

@@ -144,39 +144,36 @@ def build_structure(words, leaf_keys, add_eos_node=False, eos_key=None):
     Returns (parent, node_first, leaf_node, edge_key, eos_node) in post-order ids.
     """
     children = [{}]
+    parent_old = [-1]  # by creation order (old ids), as are edge_key_old and children
+    edge_key_old = [None]
+
+    def add_child(node, key):
+        new = len(children)
+        children[node][key] = new
+        children.append({})
+        parent_old.append(node)
+        edge_key_old.append(key)
+        return new
+
     old_leaf = []
     for word, leaf_key in zip(words, leaf_keys):
         node = 0
         for letter in word:
             nxt = children[node].get(letter)
-            if nxt is None:
-                nxt = len(children)
-                children[node][letter] = nxt
-                children.append({})
-            node = nxt
-        leaf = len(children)
-        children[node][leaf_key] = leaf
-        children.append({})
-        old_leaf.append(leaf)
-    old_eos = None
-    if add_eos_node:
-        old_eos = len(children)
-        children[0][eos_key] = old_eos
-        children.append({})
+            node = add_child(node, letter) if nxt is None else nxt
+        old_leaf.append(add_child(node, leaf_key))
+    old_eos = add_child(0, eos_key) if add_eos_node else None
 
     post, first = _number_postorder(children, 0)
     post_arr = np.asarray(post, dtype=np.int64)
     n = len(children)
-    parent = np.full(n, -1, dtype=np.int32)
     node_first = np.empty(n, dtype=np.int32)
     node_first[post_arr] = first
-    edge_key = [None] * n
-    for old, kids in enumerate(children):
-        p = post[old]
-        for key, child in kids.items():
-            c = post[child]
-            parent[c] = p
-            edge_key[c] = key
+    parent = np.full(n, -1, dtype=np.int32)
+    parent[post_arr[1:]] = post_arr[np.asarray(parent_old[1:], dtype=np.int64)]
+    old_of = np.empty(n, dtype=np.int64)  # post-order id -> old id
+    old_of[post_arr] = np.arange(n)
+    edge_key = [edge_key_old[old] for old in old_of.tolist()]
     leaf_node = post_arr[np.asarray(old_leaf, dtype=np.int64)].astype(np.int32)
     eos_node = post[old_eos] if old_eos is not None else None
     return parent, node_first, leaf_node, edge_key, eos_node

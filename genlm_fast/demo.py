@@ -451,7 +451,7 @@ def _check_options(*, n_bytes, n_particles, max_tokens, max_token_length, K, see
     """Reject bad options up front, before the model is loaded (not half-way through)."""
     def integer(name, value, low, high=None):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
+            raise TypeError(f"{name} must be an integer, got {value!r}")
         if value < low or (high is not None and value > high):
             bound = f"between {low} and {high}" if high is not None else f"at least {low}"
             raise ValueError(f"{name} must be {bound}, got {value}")
@@ -467,7 +467,7 @@ def _check_options(*, n_bytes, n_particles, max_tokens, max_token_length, K, see
         integer("threads", threads, 1, max_threads())
     for name, text in (("prompt", prompt), ("string", string)):
         if not isinstance(text, str):
-            raise ValueError(f"{name} must be a str, got {type(text).__name__}")
+            raise TypeError(f"{name} must be a str, got {type(text).__name__}")
         text.encode("utf-8")  # a lone surrogate: UnicodeEncodeError, a ValueError
 
 
@@ -487,6 +487,7 @@ def demo(**kwargs):
         llm (AsyncLM, optional): an already loaded model to use (then not cleaned up here).
 
     Raises:
-        ValueError: an option out of range (checked before the model is loaded).
+        ValueError: an option out of range; TypeError: an option of the wrong type (both
+            checked before the model is loaded).
     """
     return asyncio.run(run_demo(**kwargs))

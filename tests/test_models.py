@@ -197,7 +197,7 @@ def test_concurrent_conversions_agree(needs_source, tmp_path, monkeypatch):
     def run():
         try:
             results.append(models.smollm2_path(target, quiet=True))
-        except BaseException as exc:  # pragma: no cover - reported below
+        except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=run) for _ in range(2)]
@@ -244,8 +244,8 @@ def test_real_conversion_matches_transformers_reading_the_gguf(needs_source, tmp
 
     env = {**os.environ, "GENLM_FAST_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(
-        [sys.executable, "-c", "from genlm_fast.models import smollm2_path; "
-         "print(smollm2_path(quiet=True))"],
+        [sys.executable, "-c", ("from genlm_fast.models import smollm2_path; "
+                                "print(smollm2_path(quiet=True))")],
         env=env, capture_output=True, text=True, timeout=300, check=True)
     path = out.stdout.strip().splitlines()[-1]
     assert path == os.path.join(str(tmp_path), SUBDIR)

@@ -8,6 +8,8 @@ Every trie offers genlm's ``weight_sum`` / ``weight_max`` (and batch forms) plus
 ``log_mass`` / ``batch_log_mass`` (logits in, log-mass of every node out, on the device).
 """
 
+import os
+
 __version__ = "0.1.0"
 
 
@@ -19,8 +21,6 @@ def cache_dir(*parts: str) -> str:
     relative ``$XDG_CACHE_HOME`` is ignored (it would put the caches under whatever the
     working directory is).
     """
-    import os
-
     root = os.environ.get("GENLM_FAST_CACHE")
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME", "")

@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 
+import genlm_fast
+
 SMOLLM2_NAMES = ("smollm2", "genlm-fast/smollm2", "genlm_fast/smollm2")
 """Model names that `load_model_by_name` / ``from_name`` resolve to `smollm2_path()`."""
 
@@ -40,9 +42,7 @@ def default_cache_dir() -> str:
     """Where the SmolLM2 directory lives: ``<cache>/models/smollm2-135m-instruct``, under
     genlm_fast's cache root (`genlm_fast.cache_dir`: ``$GENLM_FAST_CACHE``, else
     ``$XDG_CACHE_HOME/genlm_fast``, else ``~/.cache/genlm_fast``)."""
-    from genlm_fast import cache_dir
-
-    return cache_dir("models", "smollm2-135m-instruct")
+    return genlm_fast.cache_dir("models", "smollm2-135m-instruct")
 
 
 def _gguf_source() -> tuple[str, str]:

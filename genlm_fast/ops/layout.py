@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from genlm_fast import cache_dir
+import genlm_fast
 
 TILE = 64  # leaf positions per tile; a power of two (Triton block shapes)
 LAYOUT_VERSION = 1
@@ -294,7 +294,7 @@ def compile_layout(parent, node_first, leaf_node, token_column, edge_key, eos_no
 
 def default_cache_dir() -> str:
     """Where layouts are cached: ``<genlm_fast cache root>/tries`` (`genlm_fast.cache_dir`)."""
-    return cache_dir("tries")
+    return genlm_fast.cache_dir("tries")
 
 
 def vocab_digest(*parts) -> str:

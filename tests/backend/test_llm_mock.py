@@ -316,6 +316,29 @@ async def test_full_batch_does_not_wait_for_timer(tokenizer):
 
 
 @pytest.mark.asyncio
+async def test_identical_queries_fill_a_batch(tokenizer, vocab_size):
+    """batch_size counts queries as genlm does, identical ones each time: 3 callers of
+    one context and 2 of another fill a batch of 5 (one model call, 2 rows) without
+    waiting for the timer."""
+    lm = make(tokenizer, batch_size=5, timeout=60.0)
+    ctxs = [[4, 4]] * 3 + [[5]] * 2
+    rows = await asyncio.wait_for(
+        asyncio.gather(*(lm.next_token_logprobs(c) for c in ctxs)), 10
+    )
+    for ctx, row in zip(ctxs, rows):
+        torch.testing.assert_close(row, expected(ctx, vocab_size))
+    assert lm.stats["batches"] == 1 and lm.stats["rows"] == 2
+    # four queries are not a full batch: they wait (and are then answered together)
+    waiting = [asyncio.create_task(lm.next_token_logprobs([6, i % 2])) for i in range(4)]
+    await asyncio.sleep(0.05)
+    assert not any(t.done() for t in waiting) and lm._queued == 4
+    lm.batch_evaluate_queries()
+    for i, row in enumerate(await asyncio.gather(*waiting)):
+        torch.testing.assert_close(row, expected([6, i % 2], vocab_size))
+    assert lm.stats["batches"] == 2 and lm.stats["rows"] == 4 and lm._queued == 0
+
+
+@pytest.mark.asyncio
 async def test_timer_starts_at_first_query(tokenizer):
     """A steady trickle of queries must not postpone the batch (genlm's timer restarts)."""
     lm = make(tokenizer, batch_size=10_000, timeout=0.3)

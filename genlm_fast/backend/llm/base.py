@@ -8,9 +8,10 @@ next-token logits.
 
 Batching rules (those of genlm.backend, except for when the clock starts):
 
-* a batch is evaluated as soon as it holds ``batch_size`` distinct contexts, or
-  ``timeout`` seconds after the *first* query entered it (a steady trickle of
-  queries therefore never postpones a batch indefinitely);
+* a batch is evaluated as soon as ``batch_size`` queries wait in it (identical ones
+  counted each time, as genlm counts them), or ``timeout`` seconds after the *first*
+  query entered it (a steady trickle of queries therefore never postpones a batch
+  indefinitely);
 * identical requests (same context, same adapter) share one row of the batch;
 * a caller cancelled while waiting only loses its own answer;
 * an exception raised while evaluating a batch is set on every caller waiting on it;
@@ -325,7 +326,9 @@ class BatchedAsyncLM(AsyncLM):
 
     Args:
         tokenizer: Hugging Face tokenizer.
-        batch_size (int): Most distinct contexts per model call. Defaults to 20.
+        batch_size (int): Queries that make a batch full (each call counts, identical
+            ones included), hence also the most distinct contexts per model call.
+            Defaults to 20.
         timeout (float): Seconds, counted from the first waiting query, before a batch
             that is not full is evaluated anyway. Defaults to 0.02.
         cache_size (int): Rows of log probabilities kept in the LRU output cache
@@ -343,6 +346,7 @@ class BatchedAsyncLM(AsyncLM):
         self.cache_size = int(cache_size)
         self._outputs = OutputCache(self.cache_size)
         self._pending = {}  # (lora, ids) -> _Row, in arrival order
+        self._queued = 0  # queries waiting in _pending, identical ones counted each time
         self._timer = None
         self._loop = None
         self._default_lora = None
@@ -452,6 +456,7 @@ class BatchedAsyncLM(AsyncLM):
             if self._timer is not None:
                 self._timer.cancel()
             self._pending = {}
+            self._queued = 0
             self._timer = None
         self._loop = loop
         fut = loop.create_future()
@@ -460,7 +465,8 @@ class BatchedAsyncLM(AsyncLM):
         if row is None:
             row = self._pending[key] = _Row(lora, ids)
         row.waiters.append((fut, wants_logprobs))
-        if len(self._pending) >= self.batch_size:
+        self._queued += 1
+        if self._queued >= self.batch_size:
             self._flush()
         elif self._timer is None:
             self._timer = loop.call_later(self.timeout, self._on_timer)
@@ -475,7 +481,7 @@ class BatchedAsyncLM(AsyncLM):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        rows, self._pending = self._pending, {}
+        rows, self._pending, self._queued = self._pending, {}, 0
         groups = {}
         for row in rows.values():
             if row.live():  # rows whose callers all gave up are skipped
@@ -512,7 +518,7 @@ class BatchedAsyncLM(AsyncLM):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        rows, self._pending = self._pending, {}
+        rows, self._pending, self._queued = self._pending, {}, 0
         try:
             here = asyncio.get_running_loop()
         except RuntimeError:

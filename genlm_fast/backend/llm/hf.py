@@ -37,7 +37,9 @@ class AsyncTransformer(BatchedAsyncLM):
     Args:
         hf_model: A Hugging Face causal LM (``AutoModelForCausalLM``).
         hf_tokenizer: Its tokenizer.
-        batch_size (int, optional): Most distinct contexts per forward pass. Defaults to 20.
+        batch_size (int, optional): Waiting queries that make a batch full (identical
+            ones counted each time, as in genlm); also the most distinct contexts per
+            forward pass. Defaults to 20.
         timeout (float, optional): Seconds after the first waiting query before a batch
             that is not full runs anyway. Defaults to 0.02.
         cache_size (int, optional): Rows kept in the LRU output cache. Defaults to 1024.

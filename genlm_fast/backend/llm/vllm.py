@@ -224,7 +224,8 @@ class AsyncVirtualLM(BatchedAsyncLM):
 
     Args:
         llm: A ``vllm.LLM`` built with ``logits_processors=[_CaptureLogitsProcessor]``.
-        batch_size (int): Most distinct contexts per engine call. Defaults to 64.
+        batch_size (int): Waiting queries that make a batch full (see `BatchedAsyncLM`);
+            also the most distinct contexts per engine call. Defaults to 64.
         timeout (float): See `BatchedAsyncLM`. Defaults to 0.02.
         cache_size (int): Rows kept in the LRU output cache. Defaults to 1024.
     """

@@ -17,6 +17,7 @@ kernels only even with a CUDA torch.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import traceback
@@ -83,6 +84,7 @@ def _extensions():
         def build_extension(self, extension):
             try:
                 super().build_extension(extension)
+                self._stamp()
                 return
             except Exception:  # noqa: BLE001
                 failure = traceback.format_exc(limit=3)
@@ -97,10 +99,26 @@ def _extensions():
                     args["cxx"] = [a for a in args.get("cxx", []) if a != "-DWITH_CUDA"]
                 try:
                     super().build_extension(extension)
+                    self._stamp()
                     return
                 except Exception:  # noqa: BLE001
                     failure = traceback.format_exc(limit=3)
             _warn(f"building {extension.name} failed; installing without it.\n" + failure)
+
+        def _stamp(self):
+            """Beside an in-tree (editable) build: the digest of the csrc/ it was built from,
+            so that genlm_fast notices when csrc/ changes and the module is not rebuilt."""
+            if not (self.inplace or getattr(self, "editable_mode", False)):
+                return
+            try:
+                spec = importlib.util.spec_from_file_location(
+                    "genlm_fast_sources", os.path.join(HERE, "genlm_fast", "ops", "sources.py"))
+                sources = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(sources)
+                with open(os.path.join(HERE, "genlm_fast", "_C.sources"), "w") as f:
+                    f.write(sources.digest(os.path.join(HERE, "csrc")) + "\n")
+            except Exception as exc:  # noqa: BLE001  the module is built: keep it
+                _warn(f"could not record the digest of csrc/ ({exc})")
 
         def get_outputs(self):
             # a skipped extension has no output; editable installs must not look for it

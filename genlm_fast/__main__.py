@@ -32,6 +32,8 @@ def info() -> int:
     for kind in ("cpu", "cuda"):
         status = "built" if extension.has(kind) else f"not available ({extension.why_missing(kind)})"
         print(f"extension[{kind}]: {status}")
+    if extension.stale_reason():
+        print(f"warning: {extension.stale_reason()}")
     for device in devices:
         import warnings
 

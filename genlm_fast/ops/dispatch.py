@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 
 import torch
@@ -24,14 +25,40 @@ def _warn_once(key, message):
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def triton_usable(device: torch.device) -> bool:
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
+def _kernels_interpreted() -> bool | None:
+    """Whether genlm_fast's Triton kernels were made for the interpreter: triton decides
+    when a kernel is defined (its module imported), by TRITON_INTERPRET then. None when
+    they are not imported yet (the environment now decides)."""
+    module = sys.modules.get("genlm_fast.kernels.trie_reduce")
+    if module is None:
+        return None
+    kinds = {type(value).__name__ for value in vars(module).values()}
+    if "InterpretedFunction" in kinds:
+        return True
+    return False if "JITFunction" in kinds else None
+
+
+def triton_unusable_reason(device: torch.device) -> str:
+    """Why the 'triton' backend cannot run on ``device`` ("" when it can)."""
+    device = torch.device(device)
+    if device.type not in ("cuda", "cpu"):
+        return f"Triton runs on CUDA tensors (or CPU ones under its interpreter), not {device.type}"
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return ("a CPU tensor needs the Triton interpreter: TRITON_INTERPRET=1 set before "
+                    "triton is imported")
+        if _kernels_interpreted() is False:
+            return ("TRITON_INTERPRET=1 was set after genlm_fast's Triton kernels were compiled "
+                    "for the GPU (imported); set it at the start of the process")
     try:
         import triton  # noqa: F401
-    except ImportError:
-        return False
-    return device.type in ("cuda", "cpu")
+    except Exception as exc:  # noqa: BLE001  ImportError, or a broken install
+        return f"triton cannot be imported ({type(exc).__name__}: {exc})"
+    return ""
+
+
+def triton_usable(device: torch.device) -> bool:
+    return not triton_unusable_reason(device)
 
 
 def _extension_usable(kind: str, device: torch.device) -> bool:
@@ -62,6 +89,24 @@ def available_backends(device="cpu") -> list[str]:
     return found
 
 
+def _fallback_message(device: torch.device) -> str:
+    """The warning when "auto" ends on the reference: which fast paths are missing and why."""
+    reasons = []
+    kinds = ("cuda",) if device.type == "cuda" else ("cpu",) if device.type == "cpu" else ()
+    for kind in kinds:
+        try:
+            from genlm_fast.ops import extension
+
+            reasons.append(f"The {kind!r} kernels: {extension.why_missing(kind)}")
+        except Exception as exc:  # noqa: BLE001
+            reasons.append(f"The {kind!r} kernels: {type(exc).__name__}: {exc}")
+    if device.type == "cuda":
+        reasons.append(f"The 'triton' kernels: {triton_unusable_reason(device)}")
+    return (f"genlm_fast: no fast trie kernel for device {device.type!r}; using the plain-torch "
+            "reference (slow). " + " ".join(r if r.endswith(".") else r + "." for r in reasons)
+            + " `python -m genlm_fast info` shows what is built.")
+
+
 def resolve_backend(backend: str, device) -> str:
     """The concrete backend ``backend`` means on ``device`` ("auto" picks the fastest)."""
     device = torch.device(device)
@@ -72,17 +117,13 @@ def resolve_backend(backend: str, device) -> str:
             # the Triton interpreter is a correctness tool, never the CPU fast path
             choice = "cpu" if _extension_usable("cpu", device) else "reference"
         if choice == "reference":
-            _warn_once(("auto", device.type),
-                       f"genlm_fast: no compiled trie kernel for device {device.type!r}; "
-                       "falling back to the plain-torch reference (slow). Build the extension "
-                       "with `pip install -e .` (needs a C++ compiler) to get the fast path.")
+            _warn_once(("auto", device.type), _fallback_message(device))
         return choice
     if backend not in BACKENDS:
         raise ValueError(f"Unknown trie backend {backend!r}; expected 'auto' or one of {BACKENDS}")
     if backend == "triton" and not triton_usable(device):
-        raise RuntimeError(
-            "The 'triton' backend needs triton and a CUDA tensor (or TRITON_INTERPRET=1 set "
-            f"before triton is imported, for CPU tensors); got a {device.type} tensor.")
+        raise RuntimeError(f"The 'triton' backend cannot run on this {device.type} tensor: "
+                           f"{triton_unusable_reason(device)}.")
     if backend in ("cuda", "cpu"):
         if device.type != backend:
             raise ValueError(f"The {backend!r} backend needs a {backend} tensor, got one on {device}.")

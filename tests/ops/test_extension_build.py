@@ -23,14 +23,18 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import sysconfig
+import time
+import types
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
 from tests.layouts import make_layout, random_words
-from genlm_fast.ops import extension, trie_reduce
+from genlm_fast.ops import extension, sources, trie_reduce
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODES = ["without_eos", "with_eos"]
@@ -114,32 +118,183 @@ def test_extension_is_built_and_reported():
 
     assert "cpu" in available_backends("cpu")
     assert resolve_backend("auto", "cpu") == "cpu"
+    if extension.origin() == "prebuilt":  # setup.py stamped it with the digest of csrc/
+        stamp = os.path.join(os.path.dirname(extension.load_module().__file__), "_C.sources")
+        assert open(stamp).read().strip() == sources.digest()
+        assert extension.stale_reason() == ""
 
 
-def test_a_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path, monkeypatch):
-    """torch's build lock has no timeout: a lock left by a killed build must not block the
-    first trie reduction forever; a build running in another process is waited for."""
+def test_a_prebuilt_module_older_than_csrc_is_reported(tmp_path):
+    """An editable install keeps loading its old build after csrc/ is edited: the digest
+    setup.py stamped beside it tells; no stamp (or no csrc/) is no verdict."""
+    module = types.SimpleNamespace(__file__=str(tmp_path / "_C.so"))
+    assert extension._stale_reason(module) == ""
+    (tmp_path / "_C.sources").write_text(sources.digest() + "\n")
+    assert extension._stale_reason(module) == ""
+    (tmp_path / "_C.sources").write_text("0" * 64 + "\n")
+    assert "rebuild it with `pip install -e . --no-build-isolation`" in \
+        extension._stale_reason(module)
+    edited = tmp_path / "csrc"
+    shutil.copytree(sources.CSRC, edited)
+    before = sources.digest(str(edited))
+    with open(edited / "trie_reduce_cpu.cpp", "a") as f:
+        f.write("// edited\n")
+    assert sources.digest(str(edited)) != before
+    assert sources.digest(str(tmp_path / "no-csrc")) is None
+
+
+def _failing_compiler(tmp_path, message="fatal error: omp.h: No such file or directory"):
+    """A C++ "compiler" that fails every compilation (as clang without libomp does) and
+    counts its compilations in calls.txt; anything else (``--version``, ...) goes to g++."""
+    gxx = shutil.which("g++") or shutil.which("c++")
+    if gxx is None:
+        pytest.skip("needs g++ for the compiler probes torch runs")
+    calls = tmp_path / "calls.txt"
+    script = tmp_path / "bin" / "g++"
+    script.parent.mkdir()
+    script.write_text(f"""#!/bin/sh
+for a in "$@"; do
+  if [ "$a" = "-c" ]; then echo x >> "{calls}"; echo "src.cpp:1:10: {message}" >&2; exit 1; fi
+done
+exec {gxx} "$@"
+""")
+    script.chmod(0o755)
+    return script, calls
+
+
+def _count(calls):
+    return len(calls.read_text().splitlines()) if calls.exists() else 0
+
+
+@pytest.mark.timeout(240)
+def test_a_failed_jit_build_is_remembered_across_processes(tmp_path, monkeypatch, caplog):
+    """A build that fails (here: no omp.h) reports the compiler's error line, not ninja's
+    "build stopped", and is not retried by every later process (a minute each when the
+    compilation itself is slow) until the sources, flags or compiler change; a leftover
+    torch build lock from a killed build is removed at once, not after minutes."""
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        pytest.skip("ninja is not installed")
+    from torch.utils._cpp_extension_versioner import ExtensionVersioner
+
+    def new_process():  # torch never rebuilds a module twice in one process
+        monkeypatch.setattr(cpp_extension, "JIT_EXTENSION_VERSIONER", ExtensionVersioner())
+
+    script, calls = _failing_compiler(tmp_path)
+    monkeypatch.setenv("GENLM_FAST_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(script))
+    defines = ("GF_TEST_FAILING_BUILD",)
+    build_dir = tmp_path / "cache" / "ext" / extension.build_tag("-GF_TEST_FAILING_BUILD")
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").touch()  # a killed build's lock, made just now
+    start = time.monotonic()
+    new_process()
+    with pytest.raises(RuntimeError) as first:
+        extension._jit_build(defines=defines)
+    assert time.monotonic() - start < 120  # no waiting out the leftover lock
+    assert not (build_dir / "lock").exists()
+    summary = extension.summarize_error(first.value)
+    assert "omp.h" in summary and "build stopped" not in summary
+    compiled = _count(calls)
+    assert compiled >= 1
+    # the next process gets the same error without compiling
+    new_process()
+    with pytest.raises(RuntimeError, match="omp.h.*remembered.*failed.txt"):
+        extension._jit_build(defines=defines)
+    assert _count(calls) == compiled
+    # a different compiler (here: the same script, touched) is tried again
+    later = time.time() + 5
+    os.utime(script, (later, later))
+    new_process()
+    with pytest.raises(RuntimeError, match="Error building"):
+        extension._jit_build(defines=defines)
+    assert _count(calls) > compiled
+
+
+def test_no_compiler_fails_fast_with_a_clear_reason(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("GENLM_FAST_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    with caplog.at_level("WARNING", logger="genlm_fast.ops"), \
+            pytest.raises(RuntimeError, match="no C\\+\\+ compiler found"):
+        extension._jit_build(defines=("GF_TEST_NO_COMPILER",))
+    assert "compiling" not in caplog.text  # no "about a minute" announcement for nothing
+
+
+def test_the_build_lock_serializes_builders(tmp_path):
+    """Two builders of one folder: the second waits for the first (an flock, which the
+    kernel releases when its holder dies, so it never goes stale)."""
     import threading
-    import time
 
-    lock = tmp_path / "lock"
-    lock.touch()
-    old = time.time() - extension.STALE_LOCK_S - 5
-    os.utime(lock, (old, old))
-    extension.clear_stale_lock(str(tmp_path))
-    assert not lock.exists()
+    order = []
+    (tmp_path / "lock").touch()  # torch's lock, left by a killed build: removed under ours
+    with extension._BuildLock(str(tmp_path)):
+        assert not (tmp_path / "lock").exists()
 
-    lock.touch()  # a live build: its lock goes away when the build is done
-    threading.Timer(0.3, lock.unlink).start()
-    start = time.monotonic()
-    extension.clear_stale_lock(str(tmp_path))
-    assert 0.25 < time.monotonic() - start < 5
+        def second():
+            with extension._BuildLock(str(tmp_path)):
+                order.append("second")
 
-    monkeypatch.setattr(extension, "STALE_LOCK_S", 0.5)
-    lock.touch()  # left by a build killed a moment ago: removed once it is stale
-    start = time.monotonic()
-    extension.clear_stale_lock(str(tmp_path))
-    assert not lock.exists() and time.monotonic() - start < 5
+        thread = threading.Thread(target=second)
+        thread.start()
+        time.sleep(0.5)
+        order.append("first done")
+    thread.join(10)
+    assert order == ["first done", "second"]
+
+
+def test_jit_cache_folder_names_the_python_abi_and_torch():
+    tag = extension.build_tag()
+    assert sysconfig.get_config_var("SOABI") in tag
+    assert torch.__version__.replace("+", "_") in tag
+
+
+def test_fallback_warning_says_why_and_how(monkeypatch):
+    """"auto" ending on the reference warns once, with the reason the compiled kernels are
+    missing and a command that builds them (plain `pip install -e .` builds in isolation,
+    without torch, so without the kernels)."""
+    from genlm_fast.ops import dispatch
+
+    monkeypatch.setattr(extension, "has", lambda kind: False)
+    monkeypatch.setattr(extension, "why_missing", lambda kind: "REASON-XYZ; run `pip install "
+                        "-e . --no-build-isolation`")
+    monkeypatch.setattr(dispatch, "_warned", set())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        chosen = [dispatch.resolve_backend("auto", "cpu") for _ in range(2)]
+    assert chosen == ["reference", "reference"]
+    record = [w for w in record if issubclass(w.category, RuntimeWarning)]
+    assert len(record) == 1  # once per process and device
+    text = str(record[0].message)
+    assert "REASON-XYZ" in text and "--no-build-isolation" in text and "reference" in text
+
+
+def test_triton_interpreter_switched_on_after_the_kernels_were_imported(monkeypatch):
+    """TRITON_INTERPRET=1 set after the Triton kernels were defined for the GPU does not
+    make them run on CPU tensors: "triton" is not offered there, and asking for it says why
+    (instead of triton's "0 active drivers" from inside the kernel launch)."""
+    import sys
+    import types
+
+    from genlm_fast.ops import dispatch
+
+    pytest.importorskip("triton")
+    JITFunction = type("JITFunction", (), {})  # what triton.jit made without the interpreter
+    fake = types.ModuleType("genlm_fast.kernels.trie_reduce")
+    fake.kernel = JITFunction()
+    monkeypatch.setitem(sys.modules, "genlm_fast.kernels.trie_reduce", fake)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "triton" not in dispatch.available_backends("cpu")
+    with pytest.raises(RuntimeError, match="after genlm_fast's Triton kernels"):
+        dispatch.resolve_backend("triton", "cpu")
+    InterpretedFunction = type("InterpretedFunction", (), {})
+    fake.kernel = InterpretedFunction()
+    assert "triton" in dispatch.available_backends("cpu")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        dispatch.resolve_backend("triton", "cpu")
+    with pytest.raises(ValueError, match="Unknown trie backend"):
+        dispatch.resolve_backend("tpu", "cpu")
 
 
 # --------------------------------------------------------------------------- numerics
@@ -434,7 +589,7 @@ def test_baseline_build_matches_reference():
     x86-64 without AVX2 runs (vector lanes split into SSE2 halves, the plain expand_runs
     loop), which the AVX2 clones otherwise hide on this machine. Built once into the JIT
     cache (about a minute)."""
-    module, _ = extension._jit_build(defines=("GF_BASELINE_ONLY",))
+    module, where = extension._jit_build(defines=("GF_BASELINE_ONLY",))
     rng = np.random.default_rng(17)
     for name in ("random", "big"):
         layout = layout_named(name)
@@ -452,6 +607,24 @@ def test_baseline_build_matches_reference():
                                                        reduction, check=True,
                                                        num_threads=threads)
                         assert_matches(out, ref[rows])
+    # a read-only cache that holds this build is loaded as it is, without a compiler (in a
+    # new process: an extension module initialises once per process)
+    script = """
+import os, sys
+from torch.utils import cpp_extension
+from genlm_fast.ops import extension
+def no_build(*a, **k):
+    raise AssertionError("compiled")
+cpp_extension.load = no_build
+writable = os.access
+os.access = lambda path, mode: False if mode == os.W_OK else writable(path, mode)
+module, where = extension._jit_build(defines=("GF_BASELINE_ONLY",))
+print(where, hasattr(module, "trie_reduce_cpu"))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=False, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [where, "True"]
 
 
 # --------------------------------------------------------------------------- CUDA source

@@ -1,0 +1,29 @@
+"""Where the C++/CUDA sources of the compiled kernels live, and their digest.
+
+Imports nothing from genlm_fast: ``setup.py`` loads this file by path to stamp the
+``genlm_fast._C`` it builds with the digest of the sources it compiled, so that a
+prebuilt module older than an edited ``csrc/`` is noticed (`extension.stale_reason`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                    "csrc")
+_SUFFIXES = (".cpp", ".h", ".cu", ".cuh")
+
+
+def digest(csrc: str = CSRC) -> str | None:
+    """SHA-256 over the names and contents of csrc's source files; None where there is no
+    ``csrc/`` (an installed wheel has none)."""
+    try:
+        names = sorted(n for n in os.listdir(csrc) if n.endswith(_SUFFIXES))
+    except OSError:
+        return None
+    sha = hashlib.sha256()
+    for name in names:
+        with open(os.path.join(csrc, name), "rb") as f:
+            sha.update(name.encode() + b"\0" + f.read() + b"\0")
+    return sha.hexdigest()

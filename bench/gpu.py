@@ -56,14 +56,17 @@ INDEX_ARRAYS = {
                "span_node", "span_left", "span_right", "span_tile_lo", "span_tile_hi"),
     # the CPU kernel's (genlm_fast/ops/extension.py, run_cpu_kernel): the layout's parent
     # and leaf_token, and the arrays it derives once per layout (arrays["_cpu"])
+    # csrc/trie_reduce_cuda.cu reads the same tile decomposition as the Triton kernels
+    "cuda": ("leaf_token", "tile_range_ptr", "range_start", "range_end", "range_dest",
+             "span_node", "span_left", "span_right", "span_tile_lo", "span_tile_hi"),
     "cpu": ("parent", "leaf_token", "leaf_node", "empty", "run_end", "run_depth",
             "run_child_depth", "run_leaf", "run_of"),
 }
 # peak HBM bandwidth, GB/s (vendor figures), matched against the device name in order
 # (GH200 before H200, which its name contains: GH200 96 GB HBM3 is 4000 GB/s, the 144 GB
-# HBM3e part 4900; pass --peak-gbs for the latter)
-PEAKS = ((r"GH200", 4000.0), (r"H200", 4800.0), (r"H100.*(PCIe|PCI-E)", 2000.0),
-         (r"H100.*NVL", 3900.0), (r"H100", 3350.0), (r"A100.*80", 2039.0), (r"A100", 1555.0),
+# HBM3e part 4900; --peak-gbs overrides)
+PEAKS = ((r"GH200.*(144|HBM3e)", 4900.0), (r"GH200", 4000.0), (r"H200", 4800.0),
+         (r"H100.*(PCIe|PCI-E)", 2000.0), (r"H100.*NVL", 3900.0), (r"H100", 3350.0), (r"A100.*80", 2039.0), (r"A100", 1555.0),
          (r"L40S", 864.0), (r"A10G?\b", 600.0), (r"L4\b", 300.0))
 # the issue's GPU goals (Llama-3): kernels' share of peak HBM bandwidth for batch_log_mass at
 # B=64, and the speedup over the reference's batch_weight_sum device time at B=32
@@ -453,7 +456,8 @@ def run(args) -> tuple[list[dict], dict]:
             want = ref.oracle(op, logits, probs)
             in_byte_trie = ref.char_trie_columns  # the oracle lacks our EOS column
             traffic_in = B * x.shape[1] * x.element_size()
-            traffic_out = B * N * 4
+            out_dtype = dispatch.result_dtype(op, x.dtype)  # float32 here (float32 inputs)
+            traffic_out = B * N * torch.empty((), dtype=out_dtype).element_size()
             for b in backends:
                 trie = tries[b]
                 api = getattr(trie, OP_METHOD[op])

@@ -10,8 +10,12 @@
 // buffer (tile totals at slots [0, n_tiles), pieces after them).
 //
 // Kernels, enqueued in order on one stream:
-//  (a) row_lse (log_mass only): one block per row; lse = max + log(sum exp(x - max)) over
-//      all C columns, in double, stored in the row's last scratch column.
+//  (a) log_mass only: lse = max + log(sum exp(x - max)) over all C columns of each row, in
+//      double, stored in the row's last scratch column. (a1) row_lse_partial: grid (splits,
+//      rows), each block reads one slice of a row once (several independent loads in flight
+//      per thread; an online max/sum-exp, one exp per element) and writes a partial (max,
+//      sum) to scratch slots the tile kernel only fills later; (a2) row_lse_merge: one warp
+//      per row merges the partials. Splitting keeps the device busy even at B = 1.
 //  (b) tile: one block per (tile, row). The tile's TILE leaf values x[row, leaf_token[pos]]
 //      are loaded into shared memory once (as double; log_mass: x - lse = log-probs), then
 //      the block's threads each reduce some of the tile's local ranges
@@ -41,6 +45,9 @@ namespace {
 
 constexpr int kTileThreads = 128;
 constexpr int kLseThreads = 256;
+constexpr int kLseUnroll = 8;       // independent loads in flight per thread in (a1)
+constexpr int64_t kLseMinChunk = 4096;  // columns per (a1) block, at least
+constexpr int64_t kLseTargetBlocks = 1024;  // (a1) blocks per launch to aim for (B * splits)
 constexpr int kSpanWarps = 8;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int64_t kMaxGridY = 65535;
@@ -84,44 +91,86 @@ __device__ __forceinline__ double warp_max(double v) {
   for (int off = 16; off > 0; off >>= 1) v = dmax(v, __shfl_xor_sync(kFullMask, v, off));
   return v;
 }
-__device__ __forceinline__ double warp_sum(double v) {
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
-  return v;
+
+// One online log-sum-exp step: (m, s) absorbs x with one exp. -inf entries carry no mass.
+__device__ __forceinline__ void lse_push(double& m, double& s, double x) {
+  if (x > m) {
+    s = s * exp(m - x) + 1.0;  // m == -inf: s == 0 and exp(-inf) == 0
+    m = x;
+  } else if (x != neg_inf()) {
+    s += exp(x - m);
+  }
 }
 
+// (a1) grid (splits, rows): each block reads one contiguous slice of a row ONCE, with
+// kLseUnroll independent loads in flight per thread (a single dependent load per iteration
+// left one 128-byte request per warp in flight: ~2 GB/s per SM), keeps an online (max,
+// sum-exp) pair per thread, merges them across the block and writes the slice's partial
+// (m, s) to scratch slots [2 * split, 2 * split + 1] of its row. Those slots are free until
+// the tile kernel, which runs after (a2), writes its totals there.
 template <class T>
 __global__ void __launch_bounds__(kLseThreads)
-    row_lse_kernel(const T* __restrict__ values, int64_t C, double* __restrict__ scratch,
-                   int64_t stride, int64_t row0) {
-  __shared__ double red[kLseThreads / 32];
-  const int64_t row = row0 + blockIdx.x;
+    row_lse_partial_kernel(const T* __restrict__ values, int64_t C, int64_t chunk,
+                           double* __restrict__ scratch, int64_t stride, int64_t row0) {
+  __shared__ double red_m[kLseThreads / 32];
+  __shared__ double red_s[kLseThreads / 32];
+  const int64_t row = row0 + blockIdx.y;
+  const int64_t lo = static_cast<int64_t>(blockIdx.x) * chunk;
+  const int64_t hi = lo + chunk < C ? lo + chunk : C;
   const T* x = values + row * C;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-  double m = neg_inf();
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) m = dmax(m, to_double(x[c]));
-  m = warp_max(m);
-  if (lane == 0) red[warp] = m;
-  __syncthreads();
-  if (warp == 0) {
-    m = lane < kLseThreads / 32 ? red[lane] : neg_inf();
-    m = warp_max(m);
-    if (lane == 0) red[0] = m;
+  double m = neg_inf(), s = 0.0;
+  int64_t c = lo + threadIdx.x;
+  for (; c + (kLseUnroll - 1) * kLseThreads < hi; c += kLseUnroll * kLseThreads) {
+    double v[kLseUnroll];
+#pragma unroll
+    for (int u = 0; u < kLseUnroll; ++u) v[u] = to_double(x[c + u * kLseThreads]);
+#pragma unroll
+    for (int u = 0; u < kLseUnroll; ++u) lse_push(m, s, v[u]);
   }
-  __syncthreads();
-  m = red[0];
-  __syncthreads();
+  for (; c < hi; c += kLseThreads) lse_push(m, s, to_double(x[c]));
 
-  double s = 0.0;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) s += exp(to_double(x[c]) - m);
-  s = warp_sum(s);
-  if (lane == 0) red[warp] = s;
+  // block merge: every thread rescales its sum to the block max, then sums
+  const double bm_w = warp_max(m);
+  if (lane == 0) red_m[warp] = bm_w;
   __syncthreads();
-  if (warp == 0) {
-    s = lane < kLseThreads / 32 ? red[lane] : 0.0;
-    s = warp_sum(s);
-    if (lane == 0) scratch[row * stride + stride - 1] = m + log(s);
+  double bm = neg_inf();
+#pragma unroll
+  for (int w = 0; w < kLseThreads / 32; ++w) bm = dmax(bm, red_m[w]);
+  double sc = m == neg_inf() ? 0.0 : s * exp(m - bm);
+  for (int off = 16; off > 0; off >>= 1) sc += __shfl_xor_sync(kFullMask, sc, off);
+  if (lane == 0) red_s[warp] = sc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double tot = 0.0;
+#pragma unroll
+    for (int w = 0; w < kLseThreads / 32; ++w) tot += red_s[w];
+    double* out = scratch + row * stride + 2 * static_cast<int64_t>(blockIdx.x);
+    out[0] = bm;
+    out[1] = tot;
   }
+}
+
+// (a2) one warp per row merges the row's `splits` partials into lse = max + log(sum),
+// stored in the row's last scratch column.
+__global__ void __launch_bounds__(kSpanWarps * 32)
+    row_lse_merge_kernel(int64_t rows, int64_t splits, double* __restrict__ scratch,
+                         int64_t stride, int64_t row0) {
+  const int lane = threadIdx.x & 31;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kSpanWarps + (threadIdx.x >> 5);
+  if (r >= rows) return;  // uniform per warp
+  double* sc = scratch + (row0 + r) * stride;
+  double m = neg_inf(), z = 0.0;
+  for (int64_t k = lane; k < splits; k += 32) lse_merge(m, z, sc[2 * k], sc[2 * k + 1]);
+  for (int off = 16; off > 0; off >>= 1) {
+    const double m2 = __shfl_xor_sync(kFullMask, m, off);
+    const double z2 = __shfl_xor_sync(kFullMask, z, off);
+    lse_merge(m, z, m2, z2);
+  }
+  // no finite logit (all -inf; the dispatcher rejects such rows): NaN, never a silent -inf
+  if (lane == 0) sc[stride - 1] = m == neg_inf() ? __longlong_as_double(0x7ff8000000000000LL)
+                                                 : m + log(z);
 }
 
 // ---------------------------------------------------------------------------- (b) tiles
@@ -243,8 +292,22 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
   for (int64_t row0 = 0; row0 < A.B; row0 += kMaxGridY) {
     const int64_t rows = A.B - row0 < kMaxGridY ? A.B - row0 : kMaxGridY;
     if (RED == kLogMass) {
-      row_lse_kernel<T><<<static_cast<unsigned>(rows), kLseThreads, 0, stream>>>(
-          values, A.C, A.scratch, A.scratch_stride, row0);
+      // split each row into slices so that even B = 1 fills the device; each slice's
+      // partial takes two scratch slots (free until the tile kernel writes them)
+      int64_t splits = (kLseTargetBlocks + rows - 1) / rows;
+      const int64_t by_width = (A.C + kLseMinChunk - 1) / kLseMinChunk;
+      const int64_t by_room = (A.scratch_stride - 1) / 2;
+      if (splits > by_width) splits = by_width;
+      if (splits > by_room) splits = by_room;
+      if (splits < 1) splits = 1;
+      const int64_t chunk = (A.C + splits - 1) / splits;
+      splits = (A.C + chunk - 1) / chunk;  // no empty slice (C >= 1)
+      const dim3 pgrid(static_cast<unsigned>(splits), static_cast<unsigned>(rows));
+      row_lse_partial_kernel<T><<<pgrid, kLseThreads, 0, stream>>>(
+          values, A.C, chunk, A.scratch, A.scratch_stride, row0);
+      row_lse_merge_kernel<<<static_cast<unsigned>((rows + kSpanWarps - 1) / kSpanWarps),
+                             kSpanWarps * 32, 0, stream>>>(rows, splits, A.scratch,
+                                                          A.scratch_stride, row0);
     }
     const dim3 tgrid(static_cast<unsigned>(A.n_tiles), static_cast<unsigned>(rows));
     tile_kernel<T, Out, RED><<<tgrid, kTileThreads, shmem, stream>>>(
@@ -268,6 +331,7 @@ cudaError_t trie_reduce(const TrieArgs& A, cudaStream_t stream) {
   if (A.tile < 1 || A.tile > kMaxTile || A.n_tiles < 1 || A.scratch_stride < 1)
     return cudaErrorInvalidValue;
   if (A.reduction == kLogMass) {
+    if (A.C < 1) return cudaErrorInvalidValue;  // no logits: no log-sum-exp
     switch (A.dtype) {
       case kF32: return launch<float, float, kLogMass>(A, stream);
       case kF64: return launch<double, float, kLogMass>(A, stream);

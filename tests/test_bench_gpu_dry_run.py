@@ -121,6 +121,7 @@ def test_index_bytes_count_the_arrays_each_backend_reads(small, monkeypatch):
 @pytest.mark.parametrize(("name", "gbs"), [
     ("NVIDIA H100 80GB HBM3", 3350.0), ("NVIDIA H100 PCIe", 2000.0),
     ("NVIDIA H100 NVL", 3900.0), ("NVIDIA H200", 4800.0), ("NVIDIA GH200 480GB", 4000.0),
+    ("NVIDIA GH200 144G HBM3e", 4900.0), ("NVIDIA H200 NVL", 4800.0),
     ("Tesla T4", None),
 ])
 def test_peak_bandwidth_by_device_name(name, gbs):

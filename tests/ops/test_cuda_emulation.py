@@ -1,0 +1,511 @@
+"""The CUDA trie kernels (csrc/trie_reduce_cuda.cu), RUN on the CPU under an emulator.
+
+No GPU here, so the .cu itself is compiled as host C++ (g++, with CUDA's host headers for
+``__half``/``__nv_bfloat16``/``dim3``) after a mechanical rewrite of the few CUDA-only
+constructs, and executed with real thread semantics:
+
+* every launch ``k<<<grid, block, shmem, stream>>>(args)`` runs each block in turn, with one
+  OS thread per CUDA thread; the launch fails (as on a device) on a grid dimension of 0 or
+  past its limit (x < 2^31, y and z <= 65535), more than 1024 threads, or more than 48 KiB
+  of dynamic shared memory;
+* ``__syncthreads()`` is a block-wide barrier, ``__shfl_xor_sync`` a warp-wide exchange
+  that reports a lane missing from the full mask (an exited lane: undefined on a device);
+* dynamic shared memory is a heap block of exactly the launch's size, filled with NaN;
+* the harness is built with AddressSanitizer + UBSan and every device array is a heap block
+  of exactly its size, so an out-of-bounds read or write, or signed overflow, fails the run
+  (a stand-in for compute-sanitizer's memcheck); outputs and scratch start as NaN, so a node
+  the kernels never write shows up.
+
+The results are compared with the plain-torch reference backend on random tries
+(duplicates, empty tokens, deep chains, EOS mode, rows wider than the vocabulary, -inf
+logits, hundreds of nats, fp16/bf16 logits) and with the row chunking of ``launch``
+(gridDim.y <= 65535) forced down to 2 rows. What it cannot show: the device's own
+arithmetic (CUDA's exp/log are within 1-2 ulp of glibc's), memory-model races between
+blocks (blocks run one after another), timing, and csrc/bindings.cpp (torch + CUDA).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from genlm_fast.backend.tokenization import Token
+from genlm_fast.bytes import TokenByteTrie
+from genlm_fast.ops import dispatch
+from genlm_fast.ops.layout import TILE
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CU = os.path.join(REPO, "csrc", "trie_reduce_cuda.cu")
+DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+REDUCTION = {"sum": 0, "max": 1, "log_mass": 2}
+
+HARNESS = r"""
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include <cuda_runtime_api.h>  // cudaError_t, cudaStream_t, dim3 (host declarations only)
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#define __launch_bounds__(...)
+
+namespace emu {
+struct Warp {
+  std::barrier<> bar{32};
+  double slots[32];
+  std::atomic<int> exited{0};
+};
+struct Block {
+  std::barrier<> bar;
+  std::vector<std::unique_ptr<Warp>> warps;
+  unsigned char* shmem;
+  size_t shmem_bytes;
+  Block(int threads, size_t bytes) : bar(threads), shmem_bytes(bytes) {
+    for (int w = 0; w < threads / 32; ++w) warps.emplace_back(new Warp());
+    shmem = static_cast<unsigned char*>(std::malloc(bytes ? bytes : 1));
+    const double nan = std::nan("");
+    for (size_t i = 0; i + sizeof(double) <= bytes; i += sizeof(double))
+      std::memcpy(shmem + i, &nan, sizeof(double));
+  }
+  ~Block() { std::free(shmem); }
+};
+thread_local uint3 tid, bid;
+thread_local Block* blk = nullptr;
+dim3 gdim, bdim;
+int64_t max_grid_y = 65535;  // the kernels' row chunk (kMaxGridY), lowered by the tests
+std::atomic<int> errors{0};
+cudaError_t last_error = cudaSuccess;
+std::atomic<long> launches{0};
+
+void fail(const char* what) {
+  if (errors.fetch_add(1) < 5) std::fprintf(stderr, "EMULATOR ERROR: %s\n", what);
+}
+cudaError_t get_last_error() { cudaError_t e = last_error; last_error = cudaSuccess; return e; }
+inline void syncthreads() { blk->bar.arrive_and_wait(); }
+inline double longlong_as_double(long long v) { double d; std::memcpy(&d, &v, 8); return d; }
+
+template <class T>
+T shfl_xor(unsigned mask, T v, int off) {
+  static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
+  if (mask != 0xffffffffu) fail("__shfl_xor_sync with a partial mask");
+  const int lane = tid.x & 31;
+  Warp& w = *blk->warps[tid.x >> 5];
+  std::memcpy(&w.slots[lane], &v, sizeof(T));
+  w.bar.arrive_and_wait();
+  if (w.exited.load() != 0) fail("__shfl_xor_sync while a lane of the full mask has exited");
+  T r;
+  std::memcpy(&r, &w.slots[lane ^ off], sizeof(T));
+  w.bar.arrive_and_wait();
+  return r;
+}
+
+template <class F>
+void launch(dim3 g, dim3 b, size_t shmem, cudaStream_t, F body) {
+  launches++;
+  const unsigned long long threads = 1ull * b.x * b.y * b.z;
+  if (g.x == 0 || g.y == 0 || g.z == 0 || g.x > 2147483647u || g.y > 65535u || g.z > 65535u ||
+      threads == 0 || threads > 1024 || b.y != 1 || b.z != 1 || b.x % 32 != 0 ||
+      shmem > 48 * 1024) {
+    std::fprintf(stderr, "EMULATOR: invalid launch grid (%u, %u, %u) block (%u, %u, %u) "
+                 "shmem %zu\n", g.x, g.y, g.z, b.x, b.y, b.z, shmem);
+    last_error = cudaErrorInvalidConfiguration;
+    return;
+  }
+  gdim = g;
+  bdim = b;
+  for (unsigned z = 0; z < g.z; ++z)
+    for (unsigned y = 0; y < g.y; ++y)
+      for (unsigned x = 0; x < g.x; ++x) {
+        Block block(static_cast<int>(b.x), shmem);
+        std::vector<std::thread> pool;
+        pool.reserve(b.x);
+        for (unsigned t = 0; t < b.x; ++t)
+          pool.emplace_back([&, t, x, y, z] {
+            tid = uint3{t, 0, 0};
+            bid = uint3{x, y, z};
+            blk = &block;
+            body();
+            Warp& w = *block.warps[t >> 5];
+            w.exited.fetch_add(1);
+            w.bar.arrive_and_drop();
+            block.bar.arrive_and_drop();
+          });
+        for (auto& th : pool) th.join();
+      }
+}
+}  // namespace emu
+
+#include "EMULATED_SOURCE"
+
+// ---------------------------------------------------------------------------- driver
+// argv[1]: input file (int64 header, then arrays each prefixed by its byte length);
+// argv[2]: output file (int64 status, int64 emulator errors, out bytes, scratch bytes)
+
+static void* read_array(FILE* f, int64_t* nbytes) {
+  if (std::fread(nbytes, 8, 1, f) != 1) std::abort();
+  void* p = std::malloc(*nbytes ? *nbytes : 1);  // exactly sized: ASan sees any overrun
+  if (*nbytes && std::fread(p, 1, *nbytes, f) != static_cast<size_t>(*nbytes)) std::abort();
+  return p;
+}
+
+int main(int argc, char** argv) {
+  if (argc != 3) return 2;
+  FILE* f = std::fopen(argv[1], "rb");
+  int64_t h[12];
+  if (std::fread(h, 8, 12, f) != 12) return 3;
+  genlm_fast::cuda::TrieArgs A{};
+  A.dtype = static_cast<int>(h[0]);
+  A.B = h[1];
+  A.C = h[2];
+  A.num_nodes = h[3];
+  A.scratch_stride = h[4];
+  A.tile = static_cast<int>(h[5]);
+  A.out_double = h[6] != 0;
+  A.reduction = static_cast<int>(h[7]);
+  A.max_span_tiles = h[8];
+  emu::max_grid_y = h[9];
+  int64_t n;
+  A.values = read_array(f, &n);
+  A.leaf_token = static_cast<int32_t*>(read_array(f, &n)); A.L = n / 4;
+  A.tile_range_ptr = static_cast<int32_t*>(read_array(f, &n)); A.n_tiles = n / 4 - 1;
+  A.range_start = static_cast<int32_t*>(read_array(f, &n));
+  A.range_end = static_cast<int32_t*>(read_array(f, &n));
+  A.range_dest = static_cast<int32_t*>(read_array(f, &n));
+  A.span_node = static_cast<int32_t*>(read_array(f, &n)); A.S = n / 4;
+  A.span_left = static_cast<int32_t*>(read_array(f, &n));
+  A.span_right = static_cast<int32_t*>(read_array(f, &n));
+  A.span_tile_lo = static_cast<int32_t*>(read_array(f, &n));
+  A.span_tile_hi = static_cast<int32_t*>(read_array(f, &n));
+  int64_t scratch_bytes, out_bytes;
+  A.scratch = static_cast<double*>(read_array(f, &scratch_bytes));
+  A.out = read_array(f, &out_bytes);
+  std::fclose(f);
+  const cudaError_t status = genlm_fast::cuda::trie_reduce(A, nullptr);
+  FILE* o = std::fopen(argv[2], "wb");
+  const int64_t head[3] = {static_cast<int64_t>(status), emu::errors.load(), emu::launches.load()};
+  std::fwrite(head, 8, 3, o);
+  std::fwrite(A.out, 1, out_bytes, o);
+  std::fwrite(A.scratch, 1, scratch_bytes, o);
+  std::fclose(o);
+  return 0;
+}
+"""
+
+
+def _find_launch_end(src: str, start: int) -> int:
+    """Index just past the ``);`` closing the argument list that opens at ``src[start]``."""
+    assert src[start] == "("
+    depth = 0
+    for i in range(start, len(src)):
+        if src[i] == "(":
+            depth += 1
+        elif src[i] == ")":
+            depth -= 1
+            if depth == 0:
+                assert src[i + 1] == ";", src[start:i + 2]
+                return i + 2
+    raise AssertionError("unbalanced launch arguments")
+
+
+def emulated_source(src: str) -> str:
+    """The .cu with its CUDA-only constructs replaced by the emulator's (see HARNESS)."""
+    optional = {r"\bgridDim\b", r"\bblockDim\b", r"__longlong_as_double\("}
+    rewrites = [
+        (r"\bthreadIdx\b", "emu::tid"), (r"\bblockIdx\b", "emu::bid"),
+        (r"\bblockDim\b", "emu::bdim"), (r"\bgridDim\b", "emu::gdim"),
+        (r"__syncthreads\(\)", "emu::syncthreads()"),
+        (r"__shfl_xor_sync\(", "emu::shfl_xor("),
+        (r"__longlong_as_double\(", "emu::longlong_as_double("),
+        (r"cudaGetLastError\(\)", "emu::get_last_error()"),
+        (r"extern __shared__ (\w+) (\w+)\[\];",
+         r"\1* \2 = reinterpret_cast<\1*>(emu::blk->shmem);"),
+        (r"__shared__ ", "static "),  # static shared arrays: blocks run one at a time
+        (r"constexpr int64_t kMaxGridY = 65535;", "static const int64_t& kMaxGridY = emu::max_grid_y;"),
+    ]
+    for pattern, repl in rewrites:
+        src, count = re.subn(pattern, repl, src)
+        assert count or pattern in optional, f"the CUDA source no longer contains {pattern!r}: update the emulator"
+    out, pos, launches = [], 0, 0
+    while True:
+        i = src.find("<<<", pos)
+        if i < 0:
+            break
+        stmt = max(src.rfind(c, 0, i) for c in ";{}") + 1
+        j = src.index(">>>", i)
+        end = _find_launch_end(src, j + 3)
+        kernel = src[stmt:i].strip()
+        config = src[i + 3:j]
+        args = src[j + 4:end - 2]
+        indent = src[stmt:i][: len(src[stmt:i]) - len(src[stmt:i].lstrip())]
+        out.append(src[pos:stmt])
+        out.append(f"{indent}emu::launch({config}, [&]() {{ {kernel}({args}); }});")
+        pos = end
+        launches += 1
+    assert launches == 4, f"expected the 4 kernel launches of trie_reduce_cuda.cu, found {launches}"
+    out.append(src[pos:])
+    return "".join(out)
+
+
+def _cuda_include_dirs():
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    dry = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull], capture_output=True,
+                         text=True, timeout=120, check=False)
+    dirs = re.findall(r'-I"?([^"\s]+)', "".join(
+        line for line in dry.stderr.splitlines() if line.startswith("#$ INCLUDES=")))
+    return [d for d in dirs if os.path.exists(os.path.join(d, "cuda_fp16.h"))] or None
+
+
+@functools.lru_cache(maxsize=None)
+def build_emulator(build_dir: str) -> str:
+    cxx = shutil.which("g++") or shutil.which("c++")
+    includes = _cuda_include_dirs()
+    if cxx is None or includes is None:
+        pytest.skip("needs g++ and the CUDA toolkit's headers (nvcc on PATH)")
+    with open(CU) as f:
+        src = emulated_source(f.read())
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, "emulated.cu.h"), "w") as f:
+        f.write(src)
+    main = os.path.join(build_dir, "harness.cpp")
+    with open(main, "w") as f:
+        f.write(HARNESS.replace("EMULATED_SOURCE", "emulated.cu.h"))
+    exe = os.path.join(build_dir, "trie_reduce_cuda_emulated")
+    cmd = [cxx, "-std=c++20", "-O1", "-g", "-pthread", "-fsanitize=address,undefined",
+           "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
+           *(f"-I{d}" for d in includes), f"-I{os.path.dirname(CU)}", f"-I{build_dir}",
+           main, "-o", exe]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return exe
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return build_emulator(str(tmp_path_factory.mktemp("cuda_emu")))
+
+
+def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
+                 mode: str = "without_eos", max_grid_y: int = 65535, tile: int = TILE):
+    """The CUDA kernels' result for ``values`` (what extension._trie_reduce_cuda would return),
+    plus the launch status and the emulator's error count."""
+    ml = layout.modes[mode]
+    values = values.contiguous()
+    B, C = values.shape
+    out_double = values.dtype == torch.float64 and reduction != "log_mass"
+    stride = ml.num_scratch + 1
+    out = np.full((B, layout.num_nodes), np.nan, dtype=np.float64 if out_double else np.float32)
+    scratch = np.full((B, stride), np.nan)
+    raw = values.view(torch.int16).numpy() if values.dtype in (torch.float16, torch.bfloat16) \
+        else values.numpy()
+    header = np.array([DTYPES[values.dtype], B, C, layout.num_nodes, stride, tile,
+                       int(out_double), REDUCTION[reduction], ml.max_span_tiles, max_grid_y,
+                       0, 0], dtype=np.int64)
+    arrays = [raw, ml.leaf_token, ml.tile_range_ptr, ml.range_start, ml.range_end,
+              ml.range_dest, ml.span_node, ml.span_left, ml.span_right, ml.span_tile_lo,
+              ml.span_tile_hi, scratch, out]
+    path_in = os.path.join(tmp_dir, "in.bin")
+    path_out = os.path.join(tmp_dir, "out.bin")
+    with open(path_in, "wb") as f:
+        f.write(header.tobytes())
+        for a in arrays:
+            b = np.ascontiguousarray(a).tobytes()
+            f.write(np.int64(len(b)).tobytes())
+            f.write(b)
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0",
+               UBSAN_OPTIONS="print_stacktrace=1")
+    proc = subprocess.run([exe, path_in, path_out], capture_output=True, text=True, timeout=600,
+                          env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "EMULATOR ERROR" not in proc.stderr, proc.stderr
+    with open(path_out, "rb") as f:
+        status, errors, launches = np.frombuffer(f.read(24), dtype=np.int64)
+        got = np.frombuffer(f.read(out.nbytes), dtype=out.dtype).reshape(out.shape)
+    return int(status), int(errors), int(launches), got, proc.stderr
+
+
+def reference(values, layout, reduction, mode="without_eos"):
+    out, _ = dispatch.trie_reduce(values.double() if values.dtype != torch.float64 else values,
+                                  layout, reduction, mode=mode, backend="reference")
+    return out.numpy()
+
+
+def assert_matches(got, want, reduction, label=""):
+    """Float32 rounding of a float64 computation: same -inf/0 pattern, values to ~1 ulp."""
+    assert not np.isnan(got).any(), f"{label}: NaN (a node never written, or a bad lse)"
+    got = got.astype(np.float64)
+    if reduction == "max":
+        np.testing.assert_array_equal(got, want.astype(got.dtype if got.dtype == want.dtype
+                                                      else np.float32).astype(np.float64),
+                                      err_msg=label)
+        return
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want), err_msg=label)
+    fin = np.isfinite(want)
+    if reduction == "sum":
+        np.testing.assert_allclose(got[fin], want[fin], rtol=3e-7, atol=0, err_msg=label)
+    else:
+        err = np.abs(got[fin] - want[fin]) / np.maximum(1.0, np.abs(want[fin]))
+        assert err.max(initial=0) <= 2e-7, f"{label}: log-mass error {err.max():.3g}"
+
+
+def make_trie(words, eos=()):
+    vocab = [Token(i, w) for i, w in enumerate(words)]
+    return TokenByteTrie(vocab, device="cpu", eos_byte_strings=list(eos), cache=False,
+                         kernel_backend="reference")
+
+
+def make_values(rng, B, C, reduction, spread=10.0, neg_inf=0.0, dtype=torch.float32):
+    if reduction == "log_mass":
+        rows = rng.standard_normal((B, C)) * spread
+    elif reduction == "sum":
+        rows = rng.random((B, C)) ** 8
+        rows[rng.random((B, C)) < 0.1] = 0.0
+    else:
+        rows = rng.standard_normal((B, C)) * 5
+    if neg_inf and reduction != "sum":
+        rows[rng.random((B, C)) < neg_inf] = -np.inf
+        rows[:, 0] = 0.0  # a normalisable row
+    return torch.from_numpy(rows).to(dtype)
+
+
+def check(emulator, tmp_path, words, reduction, *, B=3, extra=0, eos=(), spread=10.0,
+          neg_inf=0.0, dtype=torch.float32, seed=0, max_grid_y=65535, rows=None):
+    trie = make_trie(words, eos)
+    layout = trie.layout
+    rng = np.random.default_rng(seed)
+    C = layout.num_columns + extra
+    x = rows if rows is not None else make_values(rng, B, C, reduction, spread, neg_inf, dtype)
+    modes = ["without_eos"] + (["with_eos"] if "with_eos" in layout.modes and eos else [])
+    for mode in modes:
+        status, errors, launches, got, _ = run_emulated(emulator, str(tmp_path), x, layout,
+                                                       reduction, mode, max_grid_y)
+        assert status == 0, f"launch failed with cudaError {status}"
+        assert errors == 0
+        want = reference(x, layout, reduction, mode)
+        assert_matches(got, want, reduction, f"{reduction}/{mode}/{dtype}")
+    return launches
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_emulated_source_rewrites_every_cuda_construct():
+    with open(CU) as f:
+        src = emulated_source(f.read())
+    for construct in ("<<<", ">>>", "__syncthreads", "__shfl", "threadIdx", "blockIdx",
+                      "__shared__"):
+        assert construct not in src, construct
+
+
+@pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
+def test_random_tries(emulator, tmp_path, reduction):
+    """Random vocabularies over a 3-letter alphabet: duplicates, empty tokens, prefixes of
+    each other, several tiles and spanning nodes; EOS mode; -inf entries."""
+    rng = np.random.default_rng(REDUCTION[reduction])
+    for case in range(6):
+        n = int(rng.choice([1, 2, 40, 63, 64, 65, 300, 700]))
+        words = [bytes(rng.integers(97, 100, size=rng.integers(0, 7))) for _ in range(n)]
+        eos = {words[0]} if case % 2 else ()
+        check(emulator, tmp_path, words, reduction, B=int(rng.integers(1, 4)),
+              extra=7 if reduction == "log_mass" and case % 3 == 0 else 0, eos=eos,
+              spread=[1.0, 50.0, 400.0][case % 3], neg_inf=0.3 if case >= 3 else 0.0,
+              seed=case)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
+@pytest.mark.parametrize("shape", ["one_token", "empty_token", "deep_chain", "wide_fanout",
+                                   "duplicates"])
+def test_shapes_that_hurt(emulator, tmp_path, reduction, shape):
+    words = {
+        "one_token": [b"x"],
+        "empty_token": [b""],
+        "deep_chain": [b"z" * k for k in range(1, 301)],  # a chain through 5 tiles
+        "wide_fanout": [bytes([a]) for a in range(256)]
+        + [bytes([a, b]) for a in range(0, 256, 5) for b in range(0, 256, 7)],
+        "duplicates": [b"ab", b"ab", b"a", b"ab", b"", b"", b"abc", b"b"] * 13,
+    }[shape]
+    check(emulator, tmp_path, words, reduction, B=2, spread=30.0, neg_inf=0.2,
+          extra=5 if reduction == "log_mass" else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_log_mass_every_logit_dtype(emulator, tmp_path, dtype):
+    rng = np.random.default_rng(4)
+    words = [bytes(rng.integers(97, 100, size=rng.integers(1, 6))) for _ in range(200)]
+    check(emulator, tmp_path, words, "log_mass", B=2, extra=3, dtype=dtype, spread=8.0)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "max"])
+def test_float64_sum_max_give_float64(emulator, tmp_path, reduction):
+    rng = np.random.default_rng(5)
+    words = [bytes(rng.integers(97, 100, size=rng.integers(1, 6))) for _ in range(200)]
+    check(emulator, tmp_path, words, reduction, B=2, dtype=torch.float64)
+
+
+def test_log_mass_hundreds_of_nats_and_neg_inf(emulator, tmp_path):
+    words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(200)]
+    rows = np.zeros((2, 200))
+    rows[0] = np.linspace(0, -900, 200)
+    rows[1] = -1000.0
+    rows[1, 5] = 0.0
+    rows[1, 40:150] = -np.inf  # whole tiles of -inf: -inf partials in the spanning merge
+    check(emulator, tmp_path, words, "log_mass", rows=torch.from_numpy(rows).float())
+
+
+@pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
+def test_rows_are_chunked_below_the_grid_limit(emulator, tmp_path, reduction):
+    """``launch`` splits B into chunks of kMaxGridY rows (gridDim.y <= 65535); with the
+    chunk lowered to 2, B=5 takes three chunks of every kernel."""
+    words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(150)]
+    kernels = 4 if reduction == "log_mass" else 2
+    launches = check(emulator, tmp_path, words, reduction, B=5, max_grid_y=2)
+    assert launches == 3 * kernels
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_log_mass_rows_split_into_slices(emulator, tmp_path, B):
+    """Rows much wider than the vocabulary: the row log-sum-exp is split into several slices
+    per row (partials in scratch, merged by one warp per row), with -inf runs that leave
+    whole slices without mass."""
+    words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(150)]
+    rng = np.random.default_rng(B)
+    rows = rng.standard_normal((B, 30000)) * 20
+    rows[:, 5000:17000] = -np.inf
+    check(emulator, tmp_path, words, "log_mass", rows=torch.from_numpy(rows).float())
+
+
+def test_a_real_vocabulary_slice(emulator, tmp_path):
+    """The real byte strings of Llama-3's first 2,000 tokens (skipped without quicktok)."""
+    quicktok = pytest.importorskip("quicktok")
+    enc = quicktok.get_encoding("llama3")
+    words = [enc.decode_single_token_bytes(i) for i in range(2000)]
+    for reduction in ("sum", "max", "log_mass"):
+        check(emulator, tmp_path, words, reduction, B=2, eos={words[-1]}, spread=20.0,
+              neg_inf=0.01, extra=17 if reduction == "log_mass" else 0)
+
+
+def test_bad_arguments_are_refused_before_any_launch(emulator, tmp_path):
+    """trie_reduce's own argument checks: a tile past kMaxTile is cudaErrorInvalidValue."""
+    trie = make_trie([b"a", b"b"])
+    x = torch.zeros(1, 2)
+    # a tile the kernels refuse (its shared memory would pass the limit)
+    status, _, launches, _, _ = run_emulated(emulator, str(tmp_path), x, trie.layout, "sum",
+                                             tile=100000)
+    assert status == 1 and launches == 0  # cudaErrorInvalidValue

@@ -286,6 +286,44 @@ def test_layout_cache_round_trip(tmp_path):
     pickle.loads(pickle.dumps(first.layout))
 
 
+@pytest.mark.parametrize("variant", ["eos", "atomic", "token_ids"])
+def test_layout_cache_tells_vocabularies_apart(tmp_path, variant):
+    """Tries that differ only in one option, or only in their token ids, share a cache
+    directory: each must get its own layout (structure as genlm builds it, masses in both
+    modes as the float64 oracle gives them), whichever was built first."""
+    from tests import oracle
+
+    words = SMALL
+    if variant == "eos":
+        configs = [{"eos_byte_strings": [b"<eos>"]}, {"eos_byte_strings": [b"ab"]}, {}]
+        ids = [list(range(len(words)))] * 3
+    elif variant == "atomic":
+        configs = [{}, {"atomic_byte_strings": [b"abc"]}]
+        ids = [list(range(len(words)))] * 2
+    else:  # same bytes in the same order, other token ids
+        configs = [{"eos_byte_strings": [b"<eos>"]}] * 2
+        ids = [list(range(len(words))), [(7 * i + 3) % len(words) for i in range(len(words))]]
+    rng = np.random.default_rng(0)
+    for _ in range(2):  # the second round reads every layout back from the cache
+        for kwargs, tids in zip(configs, ids):
+            vocab = [Token(t, w) for t, w in zip(tids, words)]
+            mine = TokenByteTrie(vocab, device="cpu", cache_dir=str(tmp_path), **kwargs)
+            ref = ref_bytes.TokenByteTrie([RefToken(t, w) for t, w in zip(tids, words)],
+                                          device="cpu", **kwargs)
+            assert mine.children == ref.children, kwargs
+            np.testing.assert_array_equal(mine.token_id_to_leaf, ref.token_id_to_leaf)
+            eos = set(kwargs.get("eos_byte_strings", ()))
+            eos_positions = [i for i, w in enumerate(words) if w in eos]
+            rows = rng.random((2, len(words)))
+            for mode in (TrieMode.WITHOUT_EOS, TrieMode.WITH_EOS):
+                want = oracle.reduce(
+                    oracle.members(mine, eos_positions, with_eos=mode == TrieMode.WITH_EOS),
+                    mine.num_nodes, rows, "sum", columns=tids)
+                got = mine.batch_weight_sum(torch.from_numpy(rows), mode=mode)
+                oracle.assert_close(got.numpy(), want, "sum", f"{variant} {kwargs} {mode}")
+    assert len(list(tmp_path.glob("*.pkl"))) == len(configs)
+
+
 def _foreign_pickle_with_a_valid_checksum(data):
     from genlm_fast.ops import layout as layout_mod
     import hashlib

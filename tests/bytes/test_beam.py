@@ -27,8 +27,10 @@ from genlm.bytes.byte_lm import beam as ref_beam_module
 from genlm.bytes.trie import TrieMode as RefTrieMode
 
 from genlm_fast.backend.llm import MockAsyncLM
+from genlm_fast.backend.tokenization import Token
 from genlm_fast.bytes import (
     EOS,
+    AsyncTokenByteTrie,
     BeamParams,
     ByteBeamState,
     Chart,
@@ -730,3 +732,81 @@ async def test_smollm2_beam_follows_the_default_adapter(lms, smollm2_dir, tmp_pa
     finally:
         ours_lm.clear_lora()
         ours_lm.remove_lora("a")
+
+
+# ---------------------------------------------------------------------------- duplicate tokens
+
+
+class _LengthLM:
+    """A token-level LM whose next-token logits depend only on the context's length (a
+    fixed float64 table), for brute-force oracles over a tiny vocabulary."""
+
+    def __init__(self, V, seed=0):
+        self.table = np.random.default_rng(seed).standard_normal((16, V)) * 2.0
+
+    def logp64(self, context):
+        row = self.table[len(context) % len(self.table)]
+        return row - np.logaddexp.reduce(row)
+
+    async def next_token_logprobs(self, context):
+        return torch.from_numpy(self.logp64(context)).float()
+
+
+# distinct ids, equal bytes: b"ab" three times, b"a" twice; b"<e>" is the EOS token
+DUP_VOCAB = [b"a", b"ab", b"ab", b"b", b"abc", b"a", b"ab", b"ba", b"<e>", b"c"]
+
+
+def _brute_next(logp, vocab, prefix, eos=()):
+    """float64 oracle of a state at ``prefix``: log P(next symbol) over 258 symbols (bytes,
+    EOT, EOS), from the token distribution ``logp``, EOS tokens counting only towards EOS."""
+    p = np.exp(logp)
+    byte_tokens = [i for i, t in enumerate(vocab) if t not in eos]
+    z = sum(p[i] for i in byte_tokens if vocab[i].startswith(prefix))
+    if not prefix:
+        z += sum(p[i] for i, t in enumerate(vocab) if t in eos)
+    out = np.zeros(258)
+    for i in byte_tokens:
+        t = vocab[i]
+        if t == prefix:
+            out[256] += p[i]
+        elif t.startswith(prefix):
+            out[t[len(prefix)]] += p[i]
+    if not prefix:
+        out[257] = sum(p[i] for i, t in enumerate(vocab) if t in eos)
+    with np.errstate(divide="ignore"):
+        return np.log(out / z)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", [TrieMode.WITHOUT_EOS, TrieMode.WITH_EOS])
+async def test_state_next_byte_and_extensions_with_duplicate_tokens(mode):
+    # Distinct token ids sharing their bytes each end at their own leaf under one node: the
+    # end-of-token probability there is the SUM of their masses, and every one of them
+    # gives its own extension, weighted by its own probability (float64 brute force).
+    vocab = [Token(i, b) for i, b in enumerate(DUP_VOCAB)]
+    eos = {b"<e>"}
+    trie = AsyncTokenByteTrie.from_vocab(vocab, eos_byte_strings=eos, device="cpu")
+    lm = _LengthLM(len(vocab), seed=4)
+    state = LazyTrieState(LogpOnlyState(lm, [1, 2]), trie, trie.trie.root, 0.0, mode=mode)
+    await state.materialize()
+    logp = lm.logp64([1, 2])
+    counted_eos = eos if mode == TrieMode.WITH_EOS else set()
+    for prefix in [b"", b"a", b"ab", b"b"]:
+        s = state
+        for byte in prefix:
+            s = s << byte
+        want = _brute_next(logp, DUP_VOCAB, prefix, counted_eos)
+        got = np.asarray(s.logp_next.ps, dtype=np.float64)
+        finite = np.isfinite(want)
+        assert np.array_equal(np.isfinite(got), finite), prefix
+        np.testing.assert_allclose(got[finite], want[finite], atol=1e-5, err_msg=repr(prefix))
+        # the path weight is the log-mass of the prefix (the root holds all the mass)
+        mass = sum(np.exp(logp[i]) for i, t in enumerate(DUP_VOCAB)
+                   if t.startswith(prefix) and (t not in counted_eos or not prefix))
+        assert abs(s.weight - np.log(mass)) <= 1e-5, prefix
+        exts = s.extend_all()
+        ids = sorted(i for i, t in enumerate(DUP_VOCAB) if t == prefix and t not in counted_eos)
+        assert sorted(e.lm_state._context[-1] for e in exts) == ids, prefix
+        for e in exts:
+            assert abs(e.weight - logp[e.lm_state._context[-1]]) <= 1e-5, prefix
+    await state.cleanup()

@@ -209,6 +209,28 @@ def test_bad_rows_are_named(backend, reduction, value, message):
                 trie.batch_weight_max(x)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_one_short_or_one_long_are_named(backend):
+    """Logit rows may be wider than the vocabulary but not one entry narrower; weight rows
+    must have exactly its length: a clear error on every backend (no read past the row,
+    no silently ignored column), and the exact width works (against the oracle)."""
+    words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(40)]
+    trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device=device_for(backend),
+                         cache=False)
+    trie.kernel_backend = backend
+    dev = device_for(backend)
+    with pytest.raises(ValueError, match="needs at least 40"):
+        trie.batch_log_mass(torch.zeros(2, 39, device=dev))
+    with pytest.raises(ValueError, match="needs at least 40"):
+        trie.log_mass(torch.zeros(39, device=dev))
+    for op in (trie.batch_weight_sum, trie.batch_weight_max):
+        for width in (39, 41):
+            with pytest.raises(ValueError, match="length 40"):
+                op(torch.ones(2, width, device=dev))
+    rows = make_rows(np.random.default_rng(2), 2, 40, "sum")
+    check_trie(trie, rows, "sum", backend, TrieMode.WITHOUT_EOS)
+
+
 # ------------------------------------------------------------------ real vocabularies
 
 REAL = [("gpt2", 4), ("smollm2", 4), ("llama3", 2)]

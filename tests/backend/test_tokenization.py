@@ -448,6 +448,24 @@ def test_no_backend_bad_byte_decoder(bytelevel_tok):
     assert isinstance(info.value.__cause__.__cause__, ByteDecoderError)
 
 
+def test_no_backend_byte_decoder_missing_a_vocabulary_character(bytelevel_tok):
+    """A byte decoder that passes the probe round trip but lacks a character some entry
+    uses ("z": the probe is all non-ASCII) is refused up front, as genlm refuses it,
+    not with a KeyError halfway through the vocabulary."""
+    from genlm_fast.backend.tokenization.bytes import _gpt2_byte_decoder
+
+    partial = _gpt2_byte_decoder()
+    del partial["z"]
+    assert any("z" in piece for piece in bytelevel_tok.get_vocab())
+    tok = _NoBackend(bytelevel_tok, byte_decoder=partial)
+    with pytest.raises(ValueError):
+        ref.decode_vocab(tok)
+    with pytest.raises(ValueError, match="local-bytelevel") as info:
+        decode_vocab(tok)
+    assert isinstance(info.value.__cause__.__cause__, ByteDecoderError)
+    assert "missing" in str(info.value.__cause__.__cause__)
+
+
 # --------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------

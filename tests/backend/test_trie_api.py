@@ -331,6 +331,17 @@ def _foreign_pickle_with_a_valid_checksum(data):
     return layout_mod._CACHE_MAGIC + hashlib.sha256(payload).digest() + payload
 
 
+def _one_array_rewritten(data):
+    """A damaged file that still unpickles to a TrieLayout: the leaf order reversed in
+    place (only the checksum can tell it from a good file)."""
+    from genlm_fast.ops import layout as layout_mod
+    head = len(layout_mod._CACHE_MAGIC) + 32
+    arr = pickle.loads(data[head:]).modes["without_eos"].leaf_token
+    raw = arr.tobytes()
+    assert len(set(arr.tolist())) > 1 and raw in data
+    return data.replace(raw, arr[::-1].tobytes())
+
+
 @pytest.mark.parametrize("damage", [
     lambda data: data[: len(data) // 2],                                      # truncated
     lambda data: data[:-100] + bytes([data[-100] ^ 0x10]) + data[-99:],       # one bit flipped
@@ -338,7 +349,9 @@ def _foreign_pickle_with_a_valid_checksum(data):
     lambda data: b"",                                                          # empty
     lambda data: pickle.dumps(7),                                              # old/foreign format
     _foreign_pickle_with_a_valid_checksum,                                     # wrong object
-], ids=["truncated", "bit-flip", "garbage", "empty", "foreign-pickle", "wrong-object"])
+    _one_array_rewritten,                                                      # loads, wrong
+], ids=["truncated", "bit-flip", "garbage", "empty", "foreign-pickle", "wrong-object",
+        "array-rewritten"])
 def test_damaged_layout_cache_is_rebuilt(tmp_path, damage):
     from genlm_fast.ops.layout import TrieLayout, load_cached
 
@@ -351,6 +364,20 @@ def test_damaged_layout_cache_is_rebuilt(tmp_path, damage):
     rebuilt = TokenByteTrie(vocab, device="cpu", cache_dir=str(tmp_path))
     torch.testing.assert_close(rebuilt.weight_sum(w), want, rtol=0, atol=0)
     assert isinstance(load_cached(path.stem, str(tmp_path)), TrieLayout), "not rewritten"
+
+
+@pytest.mark.parametrize("setting", ["LAYOUT_VERSION", "TILE"])
+def test_layout_cache_key_covers_format_version_and_tile(tmp_path, monkeypatch, setting):
+    """A layout cached under another layout format or tile size (the kernels read the
+    current TILE, not the file's) must not be reused: the same vocabulary gets a new file."""
+    from genlm_fast.ops import layout as layout_mod
+
+    vocab = ours(SMALL)
+    TokenByteTrie(vocab, device="cpu", cache_dir=str(tmp_path))
+    assert len(list(tmp_path.glob("*.pkl"))) == 1
+    monkeypatch.setattr(layout_mod, setting, getattr(layout_mod, setting) * 2)
+    TokenByteTrie(vocab, device="cpu", cache_dir=str(tmp_path))
+    assert len(list(tmp_path.glob("*.pkl"))) == 2, f"a layout cached under another {setting} was reused"
 
 
 def test_llama3_layout_is_cached_on_disk(tmp_path):

@@ -180,6 +180,30 @@ def test_log_mass_neg_inf_mask(mode):
     assert_matches(got, want, "log_mass")
 
 
+@pytest.mark.parametrize("path", ["dot", "dense"])
+def test_log_mass_spanning_node_of_whole_tiles_far_below_the_max(monkeypatch, path):
+    """A spanning node made of whole tiles only (no left or right piece) whose log-mass is
+    hundreds of nats below the row's max: the spanning kernel's online log-sum-exp starts
+    from an empty (-inf) pair and must not rescale it by exp(+hundreds) (0 * inf = NaN)."""
+    if path == "dense":
+        monkeypatch.setenv("GENLM_FAST_TRITON_DENSE", "1")
+    # leaf order: the TILE tokens under b"a" fill tile 0, the 2 * TILE under b"b" tiles 1-2
+    words = [b"a" + bytes([i]) for i in range(TILE)] + [b"b" + bytes([i]) for i in range(2 * TILE)]
+    layout = make_layout(words, eos_positions=[0])
+    b_node = layout.parent[layout.leaf_node[TILE]]
+    while layout.parent[b_node] != layout.root:
+        b_node = layout.parent[b_node]
+    ml = layout.modes["without_eos"]
+    k = list(ml.span_node).index(b_node)  # b"b" spans whole tiles, no pieces
+    assert ml.span_left[k] == -1 and ml.span_right[k] == -1 and ml.span_tile_hi[k] - ml.span_tile_lo[k] == 2
+    x = torch.zeros(2, len(words))
+    x[:, TILE:] = torch.linspace(-300.0, -200.0, 2 * TILE)
+    x[1, TILE:] -= 300.0
+    got, want = run_both(x, layout, "log_mass", "without_eos")
+    assert -600 < want[0, b_node] < -150 and -900 < want[1, b_node] < -450
+    assert_matches(got, want, "log_mass")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_log_mass_low_and_high_precision_logits(dtype):
     layout = layout_named("random")

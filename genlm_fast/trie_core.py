@@ -97,7 +97,7 @@ class CompiledTrie:
         """The path of edge keys from the root to every node (leaf edges add nothing)."""
         parent = self._layout.parent.tolist()
         edge_key = self._layout.edge_key
-        letters = {}  # edge key -> the letters it adds (a leaf edge: none)
+        letters = {}  # inner edge key -> the letters it adds
         prefix = [None] * self.num_nodes
         prefix[self.root] = []
         with _gc_paused():
@@ -114,7 +114,8 @@ class CompiledTrie:
             return dict(enumerate(prefix))
 
     def _edge_letters(self, key) -> list:
-        return [] if is_leaf_key(key) else [key]
+        """The letters an inner edge adds to ``node2prefix`` (the key itself, here)."""
+        return [key]
 
     @cached_property
     def leaf2word(self) -> dict:

@@ -140,9 +140,7 @@ class TokenByteTrie(CompiledTrie):
         return (self.eot_sentinel, key[1]) if is_leaf_key(key) else key
 
     def _edge_letters(self, key) -> list:
-        if is_leaf_key(key):
-            return []
-        if isinstance(key, bytes):
+        if isinstance(key, bytes):  # an atomic byte string: its bytes
             return list(key)
         return [key]
 

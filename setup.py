@@ -25,7 +25,20 @@ import traceback
 from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CXX_FLAGS = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]  # no -march: any x86-64
+
+
+def _load_sources_module():
+    """genlm_fast/ops/sources.py, loaded by path (the package is not importable yet): the
+    CPU sources and C++ flags the JIT build uses too, and the digest of csrc/."""
+    spec = importlib.util.spec_from_file_location(
+        "genlm_fast_sources", os.path.join(HERE, "genlm_fast", "ops", "sources.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SOURCES = _load_sources_module()
+CXX_FLAGS = list(SOURCES.CXX_FLAGS)
 NVCC_FLAGS = ["-O3", "-DWITH_CUDA"]
 
 
@@ -47,7 +60,7 @@ def _extensions():
         return [], {}
 
     csrc = "csrc"
-    sources = [f"{csrc}/bindings.cpp", f"{csrc}/trie_reduce_cpu.cpp"]
+    sources = [f"{csrc}/{name}" for name in SOURCES.CPU_SOURCES]
     # headers and the .cu (even when building without CUDA) go into sdists through `depends`
     depends = [f"{csrc}/trie_reduce_cpu.h", f"{csrc}/trie_reduce_cuda.h", f"{csrc}/trie_reduce_cuda.cu"]
     # torch finds the toolkit from CUDA_HOME / CUDA_PATH or the nvcc on PATH
@@ -111,12 +124,8 @@ def _extensions():
             if not (self.inplace or getattr(self, "editable_mode", False)):
                 return
             try:
-                spec = importlib.util.spec_from_file_location(
-                    "genlm_fast_sources", os.path.join(HERE, "genlm_fast", "ops", "sources.py"))
-                sources = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(sources)
                 with open(os.path.join(HERE, "genlm_fast", "_C.sources"), "w") as f:
-                    f.write(sources.digest(os.path.join(HERE, "csrc")) + "\n")
+                    f.write(SOURCES.digest(os.path.join(HERE, "csrc")) + "\n")
             except Exception as exc:  # noqa: BLE001  the module is built: keep it
                 _warn(f"could not record the digest of csrc/ ({exc})")
 

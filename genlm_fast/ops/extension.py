@@ -38,9 +38,6 @@ from genlm_fast.ops import sources as csrc
 
 logger = logging.getLogger("genlm_fast.ops")
 
-_CPU_SOURCES = ("bindings.cpp", "trie_reduce_cpu.cpp")
-_CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
-
 _lock = threading.Lock()
 _module = None  # the loaded extension module
 _origin = None  # "prebuilt" or the JIT build directory
@@ -179,7 +176,7 @@ def _jit_build(defines=()):
     own module name and directory (tests build -DGF_BASELINE_ONLY this way)."""
     from torch.utils import cpp_extension
 
-    sources = [os.path.join(csrc.CSRC, name) for name in _CPU_SOURCES]
+    sources = [os.path.join(csrc.CSRC, name) for name in csrc.CPU_SOURCES]
     missing = [s for s in sources if not os.path.exists(s)]
     if missing:
         raise RuntimeError(f"the C++ sources are not available for a JIT build ({missing[0]} "
@@ -192,7 +189,7 @@ def _jit_build(defines=()):
         raise RuntimeError("ninja is not installed (`pip install ninja`)")
     variant = "".join(f"-{d}" for d in defines)
     name = "genlm_fast_C" + variant.replace("-", "_").lower()
-    cflags = [*_CFLAGS, *(f"-D{d}" for d in defines)]
+    cflags = [*csrc.CXX_FLAGS, *(f"-D{d}" for d in defines)]
     build_dir = os.path.join(cache_dir(), build_tag(variant))
     fingerprint = _fingerprint(cflags, compiler)
     built = os.path.join(build_dir, "built.txt")  # the fingerprint of the module there

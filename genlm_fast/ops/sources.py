@@ -1,8 +1,10 @@
-"""Where the C++/CUDA sources of the compiled kernels live, and their digest.
+"""The compiled kernels' sources: where they live, what the CPU build compiles and with
+which flags, and their digest.
 
-Imports nothing from genlm_fast: ``setup.py`` loads this file by path to stamp the
-``genlm_fast._C`` it builds with the digest of the sources it compiled, so that a
-prebuilt module older than an edited ``csrc/`` is noticed (`extension.stale_reason`).
+Imports nothing from genlm_fast: ``setup.py`` loads this file by path, so that the install
+and the JIT build (`extension`) compile the same files with the same flags, and so that it
+can stamp the ``genlm_fast._C`` it builds with the digest of the sources it compiled (a
+prebuilt module older than an edited ``csrc/`` is then noticed: `extension.stale_reason`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                     "csrc")
+CPU_SOURCES = ("bindings.cpp", "trie_reduce_cpu.cpp")  # the CUDA build adds trie_reduce_cuda.cu
+CXX_FLAGS = ("-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno")  # no -march: any x86-64
 _SUFFIXES = (".cpp", ".h", ".cu", ".cuh")
 
 

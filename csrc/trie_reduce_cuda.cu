@@ -91,14 +91,16 @@ __device__ __forceinline__ double warp_max(double v) {
   for (int off = 16; off > 0; off >>= 1) v = dmax(v, __shfl_xor_sync(kFullMask, v, off));
   return v;
 }
-
-// One online log-sum-exp step: (m, s) absorbs x with one exp. -inf entries carry no mass.
-__device__ __forceinline__ void lse_push(double& m, double& s, double x) {
-  if (x > m) {
-    s = s * exp(m - x) + 1.0;  // m == -inf: s == 0 and exp(-inf) == 0
-    m = x;
-  } else if (x != neg_inf()) {
-    s += exp(x - m);
+__device__ __forceinline__ double warp_sum(double v) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
+  return v;
+}
+// every lane of the warp ends with the merge of all lanes' (m, z) pairs
+__device__ __forceinline__ void warp_lse_merge(double& m, double& z) {
+  for (int off = 16; off > 0; off >>= 1) {
+    const double m2 = __shfl_xor_sync(kFullMask, m, off);
+    const double z2 = __shfl_xor_sync(kFullMask, z, off);
+    lse_merge(m, z, m2, z2);
   }
 }
 
@@ -127,9 +129,9 @@ __global__ void __launch_bounds__(kLseThreads)
 #pragma unroll
     for (int u = 0; u < kLseUnroll; ++u) v[u] = to_double(x[c + u * kLseThreads]);
 #pragma unroll
-    for (int u = 0; u < kLseUnroll; ++u) lse_push(m, s, v[u]);
+    for (int u = 0; u < kLseUnroll; ++u) lse_merge(m, s, v[u], 1.0);  // one exp each
   }
-  for (; c < hi; c += kLseThreads) lse_push(m, s, to_double(x[c]));
+  for (; c < hi; c += kLseThreads) lse_merge(m, s, to_double(x[c]), 1.0);
 
   // block merge: every thread rescales its sum to the block max, then sums
   const double bm_w = warp_max(m);
@@ -138,8 +140,7 @@ __global__ void __launch_bounds__(kLseThreads)
   double bm = neg_inf();
 #pragma unroll
   for (int w = 0; w < kLseThreads / 32; ++w) bm = dmax(bm, red_m[w]);
-  double sc = m == neg_inf() ? 0.0 : s * exp(m - bm);
-  for (int off = 16; off > 0; off >>= 1) sc += __shfl_xor_sync(kFullMask, sc, off);
+  const double sc = warp_sum(m == neg_inf() ? 0.0 : s * exp(m - bm));
   if (lane == 0) red_s[warp] = sc;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -163,11 +164,7 @@ __global__ void __launch_bounds__(kSpanWarps * 32)
   double* sc = scratch + (row0 + r) * stride;
   double m = neg_inf(), z = 0.0;
   for (int64_t k = lane; k < splits; k += 32) lse_merge(m, z, sc[2 * k], sc[2 * k + 1]);
-  for (int off = 16; off > 0; off >>= 1) {
-    const double m2 = __shfl_xor_sync(kFullMask, m, off);
-    const double z2 = __shfl_xor_sync(kFullMask, z, off);
-    lse_merge(m, z, m2, z2);
-  }
+  warp_lse_merge(m, z);
   // no finite logit (all -inf; the dispatcher rejects such rows): NaN, never a silent -inf
   if (lane == 0) sc[stride - 1] = m == neg_inf() ? __longlong_as_double(0x7ff8000000000000LL)
                                                  : m + log(z);
@@ -255,11 +252,7 @@ __global__ void __launch_bounds__(kSpanWarps * 32)
   if (RED == kLogMass) {
     double m = neg_inf(), z = 0.0;
     for (int32_t t = t0 + lane; t < t1; t += 32) lse_merge(m, z, sc[t], 1.0);
-    for (int off = 16; off > 0; off >>= 1) {
-      const double m2 = __shfl_xor_sync(kFullMask, m, off);
-      const double z2 = __shfl_xor_sync(kFullMask, z, off);
-      lse_merge(m, z, m2, z2);
-    }
+    warp_lse_merge(m, z);
     if (lane != 0) return;
     const int32_t l = span_left[s], r = span_right[s];
     if (l >= 0) lse_merge(m, z, sc[l], 1.0);

@@ -13,15 +13,20 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 PY=python3
 
+# whether genlm_fast._C holds CUDA kernels built from the csrc/ here (GENLM_FAST_NO_JIT:
+# the probe must not JIT-build the CPU kernels instead)
+cuda_kernels_current() {
+  GENLM_FAST_NO_JIT=1 $PY -c "import sys; from genlm_fast.ops import extension as e
+sys.exit(0 if e.has('cuda') and not e.stale_reason() else 1)" 2>/dev/null
+}
+
 setup() {
   if [ ! -f /tmp/site/.done ]; then
     [ -d .whl ] || { echo "no .whl/: run scripts/gpu_prepare.sh here and carry .whl" >&2; exit 1; }
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && touch /tmp/site/.done || exit 1
   fi
-  # (GENLM_FAST_NO_JIT: the probe must not JIT-build the CPU kernels instead)
-  if ! GENLM_FAST_NO_JIT=1 $PY -c "import sys; from genlm_fast.ops import extension as e
-sys.exit(0 if e.has('cuda') and not e.stale_reason() else 1)" 2>/dev/null; then
+  if ! cuda_kernels_current; then
     echo "== building genlm_fast with its CUDA kernels (log: $OUT/install.log)"
     # sm_90 (H100/H200) unless told otherwise; ninja builds the three sources in parallel
     TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} \
@@ -29,8 +34,7 @@ sys.exit(0 if e.has('cuda') and not e.stale_reason() else 1)" 2>/dev/null; then
       || { tail -40 "$OUT/install.log"; exit 1; }
     # setup.py falls back to the CPU kernels when the CUDA build fails: say so loudly (the
     # Triton and CPU tests still run), with nvcc's/g++'s errors from the log
-    if ! GENLM_FAST_NO_JIT=1 $PY -c "import sys; from genlm_fast.ops import extension as e
-sys.exit(0 if e.has('cuda') else 1)" 2>/dev/null; then
+    if ! cuda_kernels_current; then
       echo "!! genlm_fast._C was built WITHOUT the CUDA kernels; the build log says:" >&2
       grep -n -E "error|Error|WARNING \(genlm_fast\)" "$OUT/install.log" | head -40 >&2
     fi

@@ -1,21 +1,21 @@
 // Python bindings of the trie kernels: module genlm_fast._C (or genlm_fast_C when JIT-built).
 //
-//   trie_reduce_cpu(values, parent, leaf_node, leaf_token, empty_nodes, run_end, run_depth,
+//   trie_reduce_cpu(values, parent, node_of_leaf, leaf_token, empty_nodes, run_end, run_depth,
 //                   run_child_depth, run_leaf, run_of, max_depth, reduction,
 //                   check_indices=True, num_threads=0) -> (Tensor[B, N], bad_row)
 //                   bad_row = -1, or the first row the kernel rejected (a NaN for sum/max;
 //                   no finite maximum for log_mass), whose result is then incomplete
 //   trie_reduce_cuda(values, leaf_token, tile_range_ptr, range_start, range_end, range_dest,
 //                    span_node, span_left, span_right, span_tile_lo, span_tile_hi, scratch,
-//                    reduction, num_nodes, num_scratch, max_span_tiles, tile)
+//                    reduction, num_nodes, num_scratch, tile)
 //                    -> Tensor[B, num_nodes]   (only when built with -DWITH_CUDA; scratch is a
 //                    float64 [B, num_scratch + 1] workspace the caller allocates)
 //   empty_output_cache()  frees the cached blocks large CPU results reuse (OutputPool below)
 //   output_cache_sizes()  the bytes of each cached block, least recently returned first
 //
 // The index arrays are the int32 arrays of genlm_fast.ops.layout.TrieLayout.device_arrays,
-// plus those the CPU path derives once per layout (genlm_fast/ops/extension.py caches them):
-// `leaf_node[pos]` = the node receiving leaf position pos (non-decreasing), `empty_nodes` = the
+// plus those the CPU path derives once per layout (genlm_fast/ops/cpu_backend.py caches them):
+// `node_of_leaf[pos]` = the node receiving leaf position pos (non-decreasing), `empty_nodes` = the
 // nodes with no leaves (they are 0 under "max"), the runs of single-child links the row sweep
 // steps over (see trie_reduce_cpu.h) and the maximum depth. Validation of
 // dtypes, devices, shapes and contiguity always runs; check_indices=True also checks every
@@ -195,7 +195,7 @@ void check_index(const at::Tensor& t, const char* name, const at::Device& device
 }
 
 std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
-    const at::Tensor& values, const at::Tensor& parent, const at::Tensor& leaf_node,
+    const at::Tensor& values, const at::Tensor& parent, const at::Tensor& node_of_leaf,
     const at::Tensor& leaf_token, const at::Tensor& empty_nodes, const at::Tensor& run_end,
     const at::Tensor& run_depth, const at::Tensor& run_child_depth, const at::Tensor& run_leaf,
     const at::Tensor& run_of, int64_t max_depth, const std::string& reduction,
@@ -206,7 +206,7 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
   check_values(values, red, "cpu");
   const at::Device dev = values.device();
   check_index(parent, "parent", dev);
-  check_index(leaf_node, "leaf_node", dev);
+  check_index(node_of_leaf, "node_of_leaf", dev);
   check_index(leaf_token, "leaf_token", dev);
   check_index(empty_nodes, "empty_nodes", dev);
   check_index(run_end, "run_end", dev);
@@ -220,8 +220,8 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
   TORCH_CHECK(N >= 1, "trie_reduce_cpu: the trie has no nodes (parent is empty)");
   TORCH_CHECK(N < (int64_t(1) << 31) - 1 && L < (int64_t(1) << 31) - 1,
               "trie_reduce_cpu: too many nodes/leaves for int32 indices");
-  TORCH_CHECK(leaf_node.numel() == L, "trie_reduce_cpu: leaf_node has ", leaf_node.numel(),
-              " entries but leaf_token has ", L);
+  TORCH_CHECK(node_of_leaf.numel() == L, "trie_reduce_cpu: node_of_leaf has ",
+              node_of_leaf.numel(), " entries but leaf_token has ", L);
   TORCH_CHECK(R >= 1 && run_depth.numel() == R && run_child_depth.numel() == R &&
                   run_leaf.numel() == R + 1 && run_of.numel() == N,
               "trie_reduce_cpu: the run arrays need R >= 1 entries (run_end, run_depth, "
@@ -231,7 +231,7 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
   TORCH_CHECK(max_depth >= 0 && max_depth < N, "trie_reduce_cpu: max_depth = ", max_depth,
               " is not in [0, N)");
   const int32_t* par = parent.data_ptr<int32_t>();
-  const int32_t* ln = leaf_node.data_ptr<int32_t>();
+  const int32_t* ln = node_of_leaf.data_ptr<int32_t>();
   const int32_t* lt = leaf_token.data_ptr<int32_t>();
   const int32_t* en = empty_nodes.data_ptr<int32_t>();
   const int32_t* rend = run_end.data_ptr<int32_t>();
@@ -254,8 +254,8 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
     }
     int32_t prev = 0;
     for (int64_t i = 0; i < L; ++i) {
-      TORCH_CHECK(ln[i] >= prev && ln[i] < N, "trie_reduce_cpu: leaf_node must be "
-                  "non-decreasing node ids in [0, N); leaf_node[", i, "] = ", ln[i]);
+      TORCH_CHECK(ln[i] >= prev && ln[i] < N, "trie_reduce_cpu: node_of_leaf must be "
+                  "non-decreasing node ids in [0, N); node_of_leaf[", i, "] = ", ln[i]);
       prev = ln[i];
       TORCH_CHECK(lt[i] >= 0 && lt[i] < C, "trie_reduce_cpu: leaf_token[", i, "] = ", lt[i],
                   " is outside the ", C, " value columns");
@@ -304,7 +304,7 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
   A.run_of = rof;
   A.num_runs = R;
   A.max_depth = static_cast<int32_t>(max_depth);
-  A.leaf_node = ln;
+  A.node_of_leaf = ln;
   A.leaf_token = lt;
   A.N = N;
   A.L = L;
@@ -330,7 +330,7 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
                             const at::Tensor& span_right, const at::Tensor& span_tile_lo,
                             const at::Tensor& span_tile_hi, const at::Tensor& scratch,
                             const std::string& reduction, int64_t num_nodes, int64_t num_scratch,
-                            int64_t max_span_tiles, int64_t tile) {
+                            int64_t tile) {
   const int red = parse_reduction(reduction);
   TORCH_CHECK(values.is_cuda(), "trie_reduce_cuda: values must be a CUDA tensor, got one on ",
               values.device());
@@ -392,7 +392,6 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   A.num_nodes = num_nodes;
   A.scratch = scratch.data_ptr<double>();
   A.scratch_stride = scratch.size(1);
-  A.max_span_tiles = max_span_tiles;
   A.tile = static_cast<int>(tile);
   A.out = out.data_ptr();
   A.out_double = out_double;
@@ -409,7 +408,7 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "genlm_fast trie reduction kernels";
   m.def("trie_reduce_cpu", &trie_reduce_cpu, "Per-node sum/max/log_mass of a vocabulary trie (CPU)",
-        pybind11::arg("values"), pybind11::arg("parent"), pybind11::arg("leaf_node"),
+        pybind11::arg("values"), pybind11::arg("parent"), pybind11::arg("node_of_leaf"),
         pybind11::arg("leaf_token"), pybind11::arg("empty_nodes"), pybind11::arg("run_end"),
         pybind11::arg("run_depth"), pybind11::arg("run_child_depth"), pybind11::arg("run_leaf"),
         pybind11::arg("run_of"), pybind11::arg("max_depth"), pybind11::arg("reduction"),
@@ -426,7 +425,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("span_node"), pybind11::arg("span_left"), pybind11::arg("span_right"),
         pybind11::arg("span_tile_lo"), pybind11::arg("span_tile_hi"), pybind11::arg("scratch"),
         pybind11::arg("reduction"), pybind11::arg("num_nodes"), pybind11::arg("num_scratch"),
-        pybind11::arg("max_span_tiles"), pybind11::arg("tile"));
+        pybind11::arg("tile"));
   m.attr("has_cuda") = true;
 #else
   m.attr("has_cuda") = false;

@@ -3,7 +3,7 @@
 // Problem. A vocabulary trie has N nodes numbered in post-order (children before parents,
 // so parent[n] > n, root = N-1 with parent -1; depth[n] = edges from the root). Leaf position
 // pos (the layout's "leaf order", sorted by node) deposits column leaf_token[pos] of a value
-// row at node leaf_node[pos]. A node's value is a reduction over all deposits in its subtree:
+// row at node node_of_leaf[pos]. A node's value is a reduction over all deposits in its subtree:
 // "sum", "max", or "log_mass" (log of the softmax mass). Output [B, N].
 //
 // Several rows (the usual case): the depth-stack sweep. In post-order a node's subtree is the
@@ -11,7 +11,7 @@
 // finished and nothing else has touched depth d+1 since n's previous sibling (or parent's
 // previous sibling) closed. One accumulator slot per depth therefore suffices:
 //   v = slot[d+1] (the children of n, combined), slot[d+1] = identity
-//   v (+= | max=) leaf value                  for the leaves of n (leaf_node[pos] == n)
+//   v (+= | max=) leaf value                  for the leaves of n (node_of_leaf[pos] == n)
 //   out[n] = v;  slot[d] (+= | max=) v        (n joins its siblings)
 // The sweep steps over runs rather than nodes: a node with exactly one child and no leaf has
 // its child's value, and in post-order that child is n - 1, so chains of such nodes are runs
@@ -283,20 +283,20 @@ constexpr double identity() {
   return RED == kMax ? -kInf : 0.0;
 }
 
-// acc[leaf_node[pos]] op= src[leaf_token[pos]] for pos in [p0, p1), or op= src[pos] when
+// acc[node_of_leaf[pos]] op= src[leaf_token[pos]] for pos in [p0, p1), or op= src[pos] when
 // leaf_token is null (values already gathered into leaf order)
 template <int RED, class Src>
-inline void deposit(double* __restrict acc, const Src* __restrict src, const int32_t* leaf_node,
+inline void deposit(double* __restrict acc, const Src* __restrict src, const int32_t* node_of_leaf,
                     const int32_t* leaf_token, int64_t p0, int64_t p1) {
   if (leaf_token == nullptr) {
     for (int64_t pos = p0; pos < p1; ++pos) {
-      double& a = acc[leaf_node[pos]];
+      double& a = acc[node_of_leaf[pos]];
       a = combine<RED>(a, load(src, pos));
     }
     return;
   }
   for (int64_t pos = p0; pos < p1; ++pos) {
-    double& a = acc[leaf_node[pos]];
+    double& a = acc[node_of_leaf[pos]];
     a = combine<RED>(a, load(src, leaf_token[pos]));
   }
 }
@@ -375,7 +375,7 @@ void exact_low_pass(const Args& A, const In* x, double m, double lse, float* out
     }
   };
   for (int64_t pos = 0; pos < A.L; ++pos) {
-    const int32_t n = A.leaf_node[pos];
+    const int32_t n = A.node_of_leaf[pos];
     if (low(n)) add(n, load(x, A.leaf_token[pos]), 1.0);
   }
   for (int32_t n = 0; n < static_cast<int32_t>(N); ++n) {
@@ -640,7 +640,7 @@ bool run_row_chunked(const Args& A, int64_t r, int T) {
   std::vector<int64_t> pb(T + 1);
   for (int j = 0; j <= T; ++j) {
     nb[j] = static_cast<int32_t>((A.N * j) / T);
-    pb[j] = std::lower_bound(A.leaf_node, A.leaf_node + A.L, nb[j]) - A.leaf_node;
+    pb[j] = std::lower_bound(A.node_of_leaf, A.node_of_leaf + A.L, nb[j]) - A.node_of_leaf;
   }
   std::vector<std::vector<std::pair<int32_t, double>>> carries(T);
   std::vector<double> part_max(T, -kInf), part_sum(T, 0.0);
@@ -689,12 +689,12 @@ bool run_row_chunked(const Args& A, int64_t r, int T) {
         std::fill(acc + nb[j], acc + nb[j + 1], identity<RED>());
         if constexpr (RED == kLogMass) {
           gather_leaves_exp(x, A.leaf_token + pb[j], pb[j + 1] - pb[j], m, lv + pb[j]);
-          deposit<kSum>(acc, lv, A.leaf_node, static_cast<const int32_t*>(nullptr), pb[j],
+          deposit<kSum>(acc, lv, A.node_of_leaf, static_cast<const int32_t*>(nullptr), pb[j],
                         pb[j + 1]);
           sweep<kSum, false>(acc, A.parent, static_cast<float*>(nullptr), nb[j], nb[j + 1],
                              nb[j + 1], &carries[j]);
         } else {
-          deposit<RED>(acc, x, A.leaf_node, A.leaf_token, pb[j], pb[j + 1]);
+          deposit<RED>(acc, x, A.node_of_leaf, A.leaf_token, pb[j], pb[j + 1]);
           sweep<RED, true>(acc, A.parent, o, nb[j], nb[j + 1], nb[j + 1], &carries[j]);
         }
       }

@@ -25,7 +25,7 @@ struct Args {
   const int32_t* run_of;           // [N] the run holding each node
   int64_t num_runs;
   int32_t max_depth;  // >= every depth
-  const int32_t* leaf_node;   // [L] node of each leaf position, non-decreasing
+  const int32_t* node_of_leaf;   // [L] node of each leaf position, non-decreasing
   const int32_t* leaf_token;  // [L] value column of each leaf position
   int64_t N, L;
   const int32_t* empty_nodes;  // [E] nodes with no leaves

@@ -37,7 +37,6 @@ struct TrieArgs {
   double* scratch;  // [B, scratch_stride] workspace; scratch_stride >= num_scratch + 1, the
                     // last column of each row holds the row's log-sum-exp (log_mass)
   int64_t scratch_stride;
-  int64_t max_span_tiles;  // informational (each spanning node is reduced by one warp)
   int tile;                // leaf positions per tile, <= kMaxTile
   void* out;               // [B, num_nodes] float32, or float64 when out_double
   bool out_double;         // only with kF64 input and sum/max

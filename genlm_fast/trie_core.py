@@ -21,10 +21,12 @@ import torch
 from genlm_fast.backend.tokenization.token import is_token
 from genlm_fast.ops import dispatch
 from genlm_fast.ops.layout import (
-    build_structure, compile_layout, load_cached, store_cached, vocab_digest,
+    build_structure,
+    compile_layout,
+    load_cached,
+    store_cached,
+    vocab_digest,
 )
-
-_TORCH_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class CompiledTrie:
@@ -150,7 +152,7 @@ class CompiledTrie:
                             f"got {type(ws).__name__}")
         if batch.dim() == 1:
             batch = batch.unsqueeze(0)
-        if batch.dtype not in _TORCH_FLOATS:
+        if batch.dtype not in dispatch.FLOAT_DTYPES:
             raise TypeError(f"expected floating-point weights, got {batch.dtype}")
         if device is not None:
             batch = batch.to(device)

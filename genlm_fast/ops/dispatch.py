@@ -1,4 +1,18 @@
-"""One dispatcher: validate the input once, pick a backend, run it."""
+"""One dispatcher for ``trie_reduce``: validate the input once, pick a backend, run it.
+
+Every backend module (``reference``, ``triton_backend``, ``cpu_backend``, ``cuda_backend``)
+implements the same function, on inputs this module has already checked::
+
+    trie_reduce(values, arrays, reduction, *, num_nodes, num_scratch, tile)
+        -> Tensor[B, num_nodes] on values.device
+
+``values``: [B, C] contiguous, B >= 1, float32/float64 (``sum``/``max``) or any float dtype
+(``log_mass``), rows checked for NaN (and +inf / all -inf for ``log_mass``) except on the
+``cpu`` backend, whose kernel checks each row as it reads it. ``arrays``: the mode's index
+tensors on the values' device (``TrieLayout.device_arrays``); a backend may cache what it
+derives from them there under a ``_<backend>`` key. ``num_scratch`` and ``tile`` come from
+the mode's ``ModeLayout``. The result dtype is :func:`result_dtype`.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +23,13 @@ import warnings
 
 import torch
 
-from genlm_fast.ops.layout import TILE, TrieLayout
+from genlm_fast.ops.layout import TrieLayout
 
 logger = logging.getLogger("genlm_fast.ops")
 
 BACKENDS = ("reference", "triton", "cuda", "cpu")
 REDUCTIONS = ("sum", "max", "log_mass")
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _warned = set()
 
 
@@ -134,18 +148,16 @@ def resolve_backend(backend: str, device) -> str:
     return backend
 
 
-def _impl(backend: str):
+def _backend_module(backend: str):
     if backend == "reference":
-        from genlm_fast.ops import reference
-
-        return reference.trie_reduce
-    if backend == "triton":
-        from genlm_fast.ops import triton_backend
-
-        return triton_backend.trie_reduce
-    from genlm_fast.ops import extension
-
-    return extension.trie_reduce
+        from genlm_fast.ops import reference as module
+    elif backend == "triton":
+        from genlm_fast.ops import triton_backend as module
+    elif backend == "cpu":
+        from genlm_fast.ops import cpu_backend as module
+    else:
+        from genlm_fast.ops import cuda_backend as module
+    return module
 
 
 def result_dtype(reduction: str, dtype: torch.dtype) -> torch.dtype:
@@ -153,14 +165,14 @@ def result_dtype(reduction: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 and reduction != "log_mass" else torch.float32
 
 
-def validate_values(values, layout: TrieLayout, reduction: str, exact_width: int | None = None):
+def validate_values(values, layout: TrieLayout, exact_width: int | None = None):
     """Check a ``[B, C]`` value/logit tensor's type and shape; raise a clear error naming the
     problem. Its entries are checked by :func:`check_rows` (or by the CPU kernel itself)."""
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor of values, got {type(values).__name__}")
     if values.dim() != 2:
         raise ValueError(f"expected a 2-D [batch, vocab] tensor, got shape {tuple(values.shape)}")
-    if values.dtype not in _FLOAT_DTYPES:
+    if values.dtype not in FLOAT_DTYPES:
         raise TypeError(f"expected a floating-point tensor (float16/bfloat16/float32/float64), "
                         f"got {values.dtype}")
     width = values.shape[1]
@@ -200,10 +212,20 @@ def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
         raise ValueError(f"unknown reduction {reduction!r}; expected one of {REDUCTIONS}")
     if mode not in layout.modes:
         raise ValueError(f"this trie has no {mode!r} mode (modes: {sorted(layout.modes)})")
-    validate_values(values, layout, reduction, exact_width)
+    validate_values(values, layout, exact_width)
     chosen = resolve_backend(backend, values.device)
     if chosen != "cpu":  # the CPU kernel checks each row as it reads it
         check_rows(values, reduction)
+    out = run_backend(values, layout, reduction, mode, chosen)
+    logger.debug("trie_reduce %s %s B=%d N=%d on %s via %s", reduction, mode,
+                 values.shape[0], layout.num_nodes, values.device, chosen)
+    return out, chosen
+
+
+def run_backend(values: torch.Tensor, layout: TrieLayout, reduction: str, mode: str,
+                backend: str) -> torch.Tensor:
+    """Run one concrete backend on values :func:`trie_reduce` has validated (and checked
+    row by row, unless ``backend`` is ``cpu``); ``bench.gpu`` times this directly."""
     if reduction != "log_mass" and values.dtype in (torch.float16, torch.bfloat16):
         values = values.float()
     # Node values are not differentiable: every backend gets a plain tensor (the reference
@@ -212,11 +234,8 @@ def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
     values = values.detach().contiguous()
     if values.shape[0] == 0:
         return torch.empty(0, layout.num_nodes, dtype=result_dtype(reduction, values.dtype),
-                           device=values.device), chosen
-    arrays = layout.device_arrays(mode, values.device)
+                           device=values.device)
     ml = layout.modes[mode]
-    out = _impl(chosen)(values, arrays, reduction, num_nodes=layout.num_nodes,
-                        num_scratch=ml.num_scratch, max_span_tiles=ml.max_span_tiles, tile=TILE)
-    logger.debug("trie_reduce %s %s B=%d N=%d on %s via %s", reduction, mode,
-                 values.shape[0], layout.num_nodes, values.device, chosen)
-    return out, chosen
+    return _backend_module(backend).trie_reduce(
+        values, layout.device_arrays(mode, values.device), reduction,
+        num_nodes=layout.num_nodes, num_scratch=ml.num_scratch, tile=ml.tile)

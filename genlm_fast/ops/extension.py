@@ -1,4 +1,5 @@
-"""Loader of the compiled trie kernels (``csrc/``): the ``cpu`` and ``cuda`` backends.
+"""Loader of the compiled trie kernels (``csrc/``), which ``cpu_backend`` and ``cuda_backend``
+run.
 
 ``genlm_fast._C`` is built by ``pip install -e .`` (a ``CppExtension``, or a
 ``CUDAExtension`` when torch has CUDA and nvcc is found). When it was not built, the CPU
@@ -15,11 +16,6 @@ never goes stale; a process waiting for it loads the finished module). A failed 
 leaves ``failed.txt`` with the error and a fingerprint of what was tried (sources, flags,
 compiler, ninja, torch): later processes skip the same doomed build (no minute-long retry
 in every new process) until any of that changes or the file is deleted.
-
-Backend contract (see ``genlm_fast.ops.dispatch``)::
-
-    trie_reduce(values, arrays, reduction, *, num_nodes, num_scratch, max_span_tiles, tile)
-        -> Tensor[B, num_nodes]
 """
 
 from __future__ import annotations
@@ -327,138 +323,3 @@ def why_missing(kind: str) -> str:
     return ("genlm_fast._C was built without CUDA kernels (the installing torch had no CUDA "
             "or nvcc was not found); reinstall with a CUDA build of torch and CUDA_HOME set: "
             "`pip install -e . --no-build-isolation`")
-
-
-# --------------------------------------------------------------------------- the backend
-
-
-def _node_depths(parent):
-    """Edges from the root of every node (int64), by pointer jumping: ``jump[n]`` is an
-    ancestor of n (itself for a root) at distance ``dist[n]``; doubling the jump
-    ceil(log2(depth)) times reaches the roots."""
-    import torch
-
-    is_root = parent < 0
-    jump = torch.where(is_root, torch.arange(parent.numel()), parent)
-    dist = (~is_root).long()
-    while not bool(is_root[jump].all()):
-        dist = dist + dist[jump]
-        jump = jump[jump]
-    return dist
-
-
-def _single_child_runs(parent, leaf_counts, depth):
-    """The runs the CPU row sweep steps over (csrc/trie_reduce_cpu.h): maximal chains of
-    consecutive node ids in which every node above the first has exactly one child and no
-    leaf. In post-order a node's last child is the node just before it, so such a node n
-    continues the run of n - 1 and has its value."""
-    import torch
-
-    num_nodes = parent.numel()
-    children = torch.bincount(parent[parent >= 0], minlength=num_nodes)
-    link = (children == 1) & (leaf_counts == 0)  # n holds the value of n - 1
-    start = torch.nonzero(~link).flatten()  # node 0 has no child, so it starts a run
-    end = torch.cat([start[1:], start.new_tensor([num_nodes])])
-    leaf_start = torch.cumsum(leaf_counts, 0) - leaf_counts
-    as_i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
-    return {
-        "run_end": as_i32(end),
-        "run_depth": as_i32(depth[end - 1]),
-        "run_child_depth": as_i32(depth[start] + 1),
-        "run_leaf": as_i32(torch.cat([leaf_start[start], leaf_counts.sum().reshape(1)])),
-        "run_of": as_i32(torch.cumsum((~link).long(), 0) - 1),
-    }
-
-
-def _cpu_arrays(arrays: dict):
-    """Index arrays the CPU kernel needs, derived once per (layout, mode) and cached in
-    ``arrays`` (the layout's per-device dict): the node of every leaf position (leaf_end is
-    cumulative per node in leaf order), the list of empty nodes, the runs of single-child
-    links and the maximum depth."""
-    cached = arrays.get("_cpu")
-    if cached is None:
-        import torch
-
-        leaf_end = arrays["leaf_end"].long()
-        counts = torch.diff(leaf_end, prepend=leaf_end.new_zeros(1))
-        num_nodes = leaf_end.numel()
-        leaf_node = torch.repeat_interleave(torch.arange(num_nodes, dtype=torch.int32), counts)
-        empty = torch.nonzero(arrays["leaf_start"] == arrays["leaf_end"]).flatten()
-        token = arrays["leaf_token"]
-        parent = arrays["parent"].long()
-        depth = _node_depths(parent)
-        cached = {
-            "max_depth": int(depth.max()) if depth.numel() else 0,
-            "leaf_node": leaf_node.contiguous(),
-            "empty": empty.to(torch.int32).contiguous(),
-            "min_columns": int(token.max()) + 1 if token.numel() else 0,
-            "checked": False,
-            **_single_child_runs(parent, counts, depth),
-        }
-        arrays["_cpu"] = cached
-    return cached
-
-
-def run_cpu_kernel(module, values, arrays: dict, reduction: str, *, check: bool | None = None,
-                   num_threads: int = 0):
-    """``module.trie_reduce_cpu`` on a layout's arrays. ``check=None`` checks every index on
-    the layout's first call only (the arrays are immutable afterwards). A row the kernel
-    rejects (NaN; for log_mass also +inf or no finite logit) raises the dispatcher's error."""
-    cpu = _cpu_arrays(arrays)
-    check = not cpu["checked"] if check is None else check
-    out, bad_row = module.trie_reduce_cpu(
-        values, arrays["parent"], cpu["leaf_node"], arrays["leaf_token"], cpu["empty"],
-        cpu["run_end"], cpu["run_depth"], cpu["run_child_depth"], cpu["run_leaf"],
-        cpu["run_of"], cpu["max_depth"], reduction, check, num_threads)
-    cpu["checked"] = cpu["checked"] or check
-    if bad_row >= 0:
-        from genlm_fast.ops.dispatch import raise_bad_row
-
-        raise_bad_row(values, bad_row, reduction)
-    return out
-
-
-def _trie_reduce_cpu(module, values, arrays, reduction, num_nodes):
-    cpu = _cpu_arrays(arrays)
-    if arrays["parent"].numel() != num_nodes:
-        raise ValueError(f"num_nodes={num_nodes} but the layout has "
-                         f"{arrays['parent'].numel()} nodes")
-    if values.shape[1] < cpu["min_columns"]:
-        raise ValueError(f"rows have {values.shape[1]} entries but the vocabulary needs at "
-                         f"least {cpu['min_columns']}")
-    return run_cpu_kernel(module, values, arrays, reduction)
-
-
-def _trie_reduce_cuda(module, values, arrays, reduction, num_nodes, num_scratch,
-                      max_span_tiles, tile):
-    import torch
-
-    cached = arrays.get("_cuda")
-    if cached is None:  # one device sync per (layout, mode, device)
-        token = arrays["leaf_token"]
-        cached = arrays["_cuda"] = {"min_columns": int(token.max()) + 1 if token.numel() else 0}
-    if values.shape[1] < cached["min_columns"]:
-        raise ValueError(f"rows have {values.shape[1]} entries but the vocabulary needs at "
-                         f"least {cached['min_columns']}")
-    # per-row workspace: tile totals and pieces, plus the row's log-sum-exp in the last column
-    scratch = torch.empty(values.shape[0], num_scratch + 1, dtype=torch.float64,
-                          device=values.device)
-    return module.trie_reduce_cuda(
-        values, arrays["leaf_token"], arrays["tile_range_ptr"], arrays["range_start"],
-        arrays["range_end"], arrays["range_dest"], arrays["span_node"], arrays["span_left"],
-        arrays["span_right"], arrays["span_tile_lo"], arrays["span_tile_hi"], scratch,
-        reduction, num_nodes, num_scratch, max_span_tiles, tile)
-
-
-def trie_reduce(values, arrays: dict, reduction: str, *, num_nodes: int, num_scratch: int,
-                max_span_tiles: int, tile: int):
-    """Per-node ``reduction`` of ``values`` ([B, C], contiguous) with the compiled kernels,
-    on the values' device. Output float32 (float64 for float64 sum/max)."""
-    kind = values.device.type
-    if not has(kind):
-        raise RuntimeError(f"The {kind!r} trie kernels are not available: {why_missing(kind)}")
-    module = load_module()
-    if kind == "cpu":
-        return _trie_reduce_cpu(module, values, arrays, reduction, num_nodes)
-    return _trie_reduce_cuda(module, values, arrays, reduction, num_nodes, num_scratch,
-                             max_span_tiles, tile)

@@ -33,7 +33,7 @@ import torch
 import genlm_fast
 
 TILE = 64  # leaf positions per tile; a power of two (Triton block shapes)
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # bump when the pickled layout changes (the disk cache key has it)
 
 
 @dataclass
@@ -43,9 +43,8 @@ class ModeLayout:
     leaf_token: np.ndarray  # [L] token column of the leaf at each leaf position
     leaf_start: np.ndarray  # [N] first leaf position beneath each node
     leaf_end: np.ndarray  # [N] one past the last leaf position beneath each node
-    token_node: np.ndarray  # [L] node that receives each token's value (bottom-up backends)
-    token_of_deposit: np.ndarray  # [L] token column matching token_node
     # tile decomposition (GPU backends)
+    tile: int  # leaf positions per tile (TILE)
     tile_range_ptr: np.ndarray  # [n_tiles + 1] CSR over local ranges, by tile
     range_start: np.ndarray  # [R] absolute leaf position (inclusive)
     range_end: np.ndarray  # [R] absolute leaf position (exclusive)
@@ -55,8 +54,7 @@ class ModeLayout:
     span_right: np.ndarray  # [S] scratch slot of the right piece, or -1
     span_tile_lo: np.ndarray  # [S] first whole tile (its total is at scratch slot = tile id)
     span_tile_hi: np.ndarray  # [S] one past the last whole tile
-    num_scratch: int
-    max_span_tiles: int
+    num_scratch: int  # scratch slots per row: tile totals, then left and right pieces
 
 
 @dataclass
@@ -70,7 +68,6 @@ class TrieLayout:
     num_nodes: int
     root: int
     parent: np.ndarray  # [N] int32
-    node_first: np.ndarray  # [N] int32: smallest node id in the subtree of n
     leaf_node: np.ndarray  # [V] int32: leaf node of vocabulary position i
     token_column: np.ndarray  # [V] int32: weight column of vocabulary position i
     edge_key: list
@@ -98,8 +95,7 @@ class TrieLayout:
             cached = {
                 name: torch.from_numpy(np.ascontiguousarray(getattr(ml, name))).to(device)
                 for name in (
-                    "leaf_token", "token_node", "token_of_deposit",
-                    "tile_range_ptr", "range_start", "range_end", "range_dest",
+                    "leaf_token", "tile_range_ptr", "range_start", "range_end", "range_dest",
                     "span_node", "span_left", "span_right", "span_tile_lo", "span_tile_hi",
                     "leaf_start", "leaf_end",
                 )
@@ -179,7 +175,7 @@ def build_structure(words, leaf_keys, add_eos_node=False, eos_key=None):
     return parent, node_first, leaf_node, edge_key, eos_node
 
 
-def _mode_layout(num_nodes, node_first, leaf_node, token_column, deposit_node, tile):
+def _mode_layout(num_nodes, node_first, token_column, deposit_node, tile=TILE):
     """Leaf order, node ranges and tile decomposition for one mode.
 
     ``deposit_node[i]`` is the node whose subtree receives vocabulary position i: its own
@@ -239,15 +235,14 @@ def _mode_layout(num_nodes, node_first, leaf_node, token_column, deposit_node, t
     ptr = np.zeros(n_tiles + 1, dtype=np.int64)
     np.cumsum(counts, out=ptr[1:])
 
-    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
+    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)
     # spanning nodes sorted by how many whole tiles they sum, so a block of them loops alike
     span_order = np.argsort(hi_tile - lo_tile, kind="stable")
     return ModeLayout(
         leaf_token=i32(token_column[order]),
         leaf_start=i32(leaf_start),
         leaf_end=i32(leaf_end),
-        token_node=i32(deposit_node),
-        token_of_deposit=i32(token_column),
+        tile=tile,
         tile_range_ptr=i32(ptr),
         range_start=i32(r_start[by_tile]),
         range_end=i32(r_end[by_tile]),
@@ -258,12 +253,11 @@ def _mode_layout(num_nodes, node_first, leaf_node, token_column, deposit_node, t
         span_tile_lo=i32(lo_tile[span_order]),
         span_tile_hi=i32(hi_tile[span_order]),
         num_scratch=int(n_tiles + n_left + n_right),
-        max_span_tiles=int((hi_tile - lo_tile).max()) if len(span) else 0,
     )
 
 
 def compile_layout(parent, node_first, leaf_node, token_column, edge_key, eos_node,
-                   eos_positions=(), tile=TILE) -> TrieLayout:
+                   eos_positions=()) -> TrieLayout:
     """Turn a numbered trie into a ``TrieLayout`` with a ``without_eos`` mode and, when
     the trie has an EOS node, a ``with_eos`` mode where ``eos_positions`` deposit there."""
     num_nodes = len(parent)
@@ -273,19 +267,16 @@ def compile_layout(parent, node_first, leaf_node, token_column, edge_key, eos_no
         num_nodes=num_nodes,
         root=num_nodes - 1,
         parent=np.ascontiguousarray(parent, dtype=np.int32),
-        node_first=np.ascontiguousarray(node_first, dtype=np.int32),
         leaf_node=leaf_node.astype(np.int32),
         token_column=token_column.astype(np.int32),
         edge_key=edge_key,
         eos_node=eos_node,
     )
-    layout.modes["without_eos"] = _mode_layout(
-        num_nodes, node_first, leaf_node, token_column, leaf_node, tile)
+    layout.modes["without_eos"] = _mode_layout(num_nodes, node_first, token_column, leaf_node)
     if eos_node is not None:
         deposit = leaf_node.copy()
         deposit[np.asarray(list(eos_positions), dtype=np.int64)] = eos_node
-        layout.modes["with_eos"] = _mode_layout(
-            num_nodes, node_first, leaf_node, token_column, deposit, tile)
+        layout.modes["with_eos"] = _mode_layout(num_nodes, node_first, token_column, deposit)
     return layout
 
 
@@ -325,7 +316,7 @@ def load_cached(digest: str, cache_dir: str | None):
         return None
     try:
         layout = pickle.loads(memoryview(data)[head:])
-    except Exception:  # noqa: BLE001 - e.g. written by an incompatible version: rebuild
+    except Exception:
         return None
     return layout if isinstance(layout, TrieLayout) else None
 

@@ -15,7 +15,7 @@ from genlm_fast.ops.dispatch import result_dtype
 
 def _segments(arrays):
     """Expanded leaf positions and per-node lengths, built once per (mode, device)."""
-    seg = arrays.get("_ref_segments")
+    seg = arrays.get("_reference")
     if seg is None:
         start = arrays["leaf_start"].long()
         end = arrays["leaf_end"].long()
@@ -25,12 +25,13 @@ def _segments(arrays):
         offset = torch.arange(total, device=start.device) - torch.repeat_interleave(
             torch.cumsum(lengths, 0) - lengths, lengths)
         positions = start[owner] + offset
-        seg = arrays["_ref_segments"] = (positions, lengths)
+        seg = arrays["_reference"] = (positions, lengths)
     return seg
 
 
-def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, num_nodes: int,
-                **_unused) -> torch.Tensor:
+def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
+                num_scratch: int = 0, tile: int = 0) -> torch.Tensor:
+    """The backend contract of ``genlm_fast.ops.dispatch`` (tiles and scratch unused)."""
     positions, lengths = _segments(arrays)
     B = values.shape[0]
     x = values.to(torch.float64)

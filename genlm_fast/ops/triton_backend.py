@@ -1,11 +1,6 @@
 """Triton backend: launches the fused trie-reduction kernels of ``genlm_fast.kernels``.
 
-Implements the backend contract of ``genlm_fast.ops.dispatch``::
-
-    trie_reduce(values, arrays, reduction, *, num_nodes, num_scratch, max_span_tiles, tile)
-        -> Tensor[B, num_nodes]
-
-Runs on CUDA tensors, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``
+``trie_reduce`` follows the backend contract of ``genlm_fast.ops.dispatch``. Runs on CUDA tensors, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``
 set before triton is imported; a correctness tool, ~100x slower than torch).
 
 Paths (see the kernel module's docstring for the algorithm):
@@ -22,6 +17,7 @@ tile kernel (for comparisons and as an escape hatch).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -38,6 +34,12 @@ LSE_MAX_SPLIT = 64  # slices per row for the normaliser (a power of two)
 DENSE_RB = 32  # ranges per chunk in the dense tile kernel
 DOT_RB = 64  # ranges per chunk (the N side of the mask product) in the dot tile kernel
 DOT_SUB = 16  # ranges per step of the dot kernel's dense rewrite (sum with inf weights)
+# Rows per dot-kernel program (the M side of the product; >= 16 for tl.dot) and its warps:
+# compiled for sm_90 (tests/ops/test_triton_sm90.py), 16 x 8 takes 98 registers/thread for
+# sum and 128 for log_mass (two programs per SM); 64 rows take 226-254 (one per SM), so
+# larger batches get more row blocks rather than taller ones. To be tuned on a GPU.
+DOT_ROWS = 16
+DOT_WARPS = 8
 SPAN_BLOCK = 32  # spanning nodes per program
 SPAN_TILES = 64  # tile totals loaded per spanning node and iteration
 MAX_GRID_ROWS = 65535  # CUDA's limit on a grid's second axis, where the kernels put rows
@@ -62,18 +64,6 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1  # interpreter: few programs is fastest
-
-
-def _dot_rows(B: int) -> tuple[int, int]:
-    """Rows per program (the M side of the product; >= 16 for tl.dot) and num_warps.
-
-    16 rows x 8 warps compiles for sm_90 (triton 3.9, tests/ops/test_triton_sm90.py) to
-    98 registers/thread for ``sum`` and 128 for ``log_mass`` (with 24-56 bytes of spills
-    for fp64 / 16-bit logits): two programs per SM. 64 rows take 226-254 registers (one
-    program per SM), so larger batches take more row blocks rather than taller ones. To be
-    tuned on a GPU.
-    """
-    return 16, 8
 
 
 def uses_dot(reduction: str, dtype: torch.dtype) -> bool:
@@ -101,17 +91,10 @@ def _row_lse_partials(values: torch.Tensor, acc_dtype: torch.dtype):
 
 
 def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
-                num_scratch: int, max_span_tiles: int, tile: int, **_unused) -> torch.Tensor:
-    if reduction not in _CODES:
-        raise ValueError(f"unknown reduction {reduction!r}")
-    values = values.contiguous()
+                num_scratch: int, tile: int) -> torch.Tensor:
     B = values.shape[0]
     out = torch.empty(B, num_nodes, dtype=result_dtype(reduction, values.dtype),
                       device=values.device)
-    if B == 0 or num_nodes == 0:
-        return out
-    if reduction != "log_mass" and values.dtype not in (torch.float32, torch.float64):
-        values = values.float()
     # rows are a grid's second axis, which CUDA caps at 65535: launch in row chunks
     for r0 in range(0, B, MAX_GRID_ROWS):
         r1 = min(B, r0 + MAX_GRID_ROWS)
@@ -136,7 +119,9 @@ def _reduce_rows(values: torch.Tensor, out: torch.Tensor, arrays: dict, reductio
     NS = scratch.shape[1]
     code = _CODES[reduction]
 
-    with _on_device(device):
+    # Triton launches on the current CUDA device
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with on_device:
         if reduction == "log_mass":
             acc_dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
             pmax, psum, split = _row_lse_partials(values, acc_dtype)
@@ -146,15 +131,14 @@ def _reduce_rows(values: torch.Tensor, out: torch.Tensor, arrays: dict, reductio
             split = 1
         dense_only = os.environ.get("GENLM_FAST_TRITON_DENSE") == "1"
         if uses_dot(reduction, values.dtype) and not dense_only:
-            rows, warps = _dot_rows(B)
-            kernels._tile_ranges_dot[(n_tiles, _cdiv(B, rows))](
+            kernels._tile_ranges_dot[(n_tiles, _cdiv(B, DOT_ROWS))](
                 values, B, C, L, leaf_token, tile_range_ptr, arrays["range_start"],
                 arrays["range_end"], arrays["range_dest"], out, num_nodes, scratch, NS,
                 pmax, psum,
-                LOG_MASS=(reduction == "log_mass"), SPLIT=split, TILE=tile, ROWS=rows,
+                LOG_MASS=(reduction == "log_mass"), SPLIT=split, TILE=tile, ROWS=DOT_ROWS,
                 RB=DOT_RB, SUB=DOT_SUB, ACC=_tl_dtype(acc_dtype),
                 FAST_MIN_MASS=kernels._FAST_MIN_MASS, LEVEL_GAP=kernels._LEVEL_GAP,
-                num_warps=warps)
+                num_warps=DOT_WARPS)
         else:
             kernels._tile_ranges_dense[(n_tiles, B)](
                 values, C, L, leaf_token, tile_range_ptr, arrays["range_start"],
@@ -168,18 +152,3 @@ def _reduce_rows(values: torch.Tensor, out: torch.Tensor, arrays: dict, reductio
                 arrays["span_right"], arrays["span_tile_lo"], arrays["span_tile_hi"],
                 REDUCTION=code, SB=SPAN_BLOCK, TB=SPAN_TILES, num_warps=4)
 
-
-class _on_device:
-    """``torch.cuda.device(d)`` for CUDA tensors (Triton launches on the current device)."""
-
-    def __init__(self, device: torch.device):
-        self._ctx = torch.cuda.device(device) if device.type == "cuda" else None
-
-    def __enter__(self):
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self._ctx is not None:
-            return self._ctx.__exit__(*exc)
-        return False

@@ -31,7 +31,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -40,7 +39,6 @@ import torch
 from genlm_fast.backend.tokenization import Token
 from genlm_fast.bytes import TokenByteTrie
 from genlm_fast.ops import dispatch
-from genlm_fast.ops.layout import TILE
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CU = os.path.join(REPO, "csrc", "trie_reduce_cuda.cu")
@@ -178,7 +176,6 @@ int main(int argc, char** argv) {
   A.tile = static_cast<int>(h[5]);
   A.out_double = h[6] != 0;
   A.reduction = static_cast<int>(h[7]);
-  A.max_span_tiles = h[8];
   emu::max_grid_y = h[9];
   int64_t n;
   A.values = read_array(f, &n);
@@ -303,10 +300,11 @@ def emulator(tmp_path_factory):
 
 
 def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
-                 mode: str = "without_eos", max_grid_y: int = 65535, tile: int = TILE):
-    """The CUDA kernels' result for ``values`` (what extension._trie_reduce_cuda would return),
+                 mode: str = "without_eos", max_grid_y: int = 65535, tile: int | None = None):
+    """The CUDA kernels' result for ``values`` (what cuda_backend.trie_reduce would return),
     plus the launch status and the emulator's error count."""
     ml = layout.modes[mode]
+    tile = ml.tile if tile is None else tile
     values = values.contiguous()
     B, C = values.shape
     out_double = values.dtype == torch.float64 and reduction != "log_mass"
@@ -316,7 +314,7 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
     raw = values.view(torch.int16).numpy() if values.dtype in (torch.float16, torch.bfloat16) \
         else values.numpy()
     header = np.array([DTYPES[values.dtype], B, C, layout.num_nodes, stride, tile,
-                       int(out_double), REDUCTION[reduction], ml.max_span_tiles, max_grid_y,
+                       int(out_double), REDUCTION[reduction], 0, max_grid_y,
                        0, 0], dtype=np.int64)
     arrays = [raw, ml.leaf_token, ml.tile_range_ptr, ml.range_start, ml.range_end,
               ml.range_dest, ml.span_node, ml.span_left, ml.span_right, ml.span_tile_lo,

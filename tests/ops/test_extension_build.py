@@ -33,8 +33,8 @@ import numpy as np
 import pytest
 import torch
 
+from genlm_fast.ops import cpu_backend, extension, sources, trie_reduce
 from tests.layouts import make_layout, random_words
-from genlm_fast.ops import extension, sources, trie_reduce
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODES = ["without_eos", "with_eos"]
@@ -92,7 +92,7 @@ def random_values(rng, layout, B, reduction, dtype=torch.float32, extra_columns=
 def raw_cpu(layout, mode="without_eos"):
     """The raw extension entry point and the arrays it takes."""
     arrays = layout.device_arrays(mode, "cpu")
-    cpu = extension._cpu_arrays(arrays)
+    cpu = cpu_backend.cpu_arrays(arrays)
     module = extension.load_module()
     return module, arrays, cpu
 
@@ -419,7 +419,7 @@ def test_split_row_and_row_parallel_paths(reduction, mode):
     ref = reference(x, layout, reduction, mode)
     for threads in (1, 2, 3, 4):
         for rows in (slice(0, 1), slice(1, 2), slice(2, 3), slice(0, 5)):
-            out = extension.run_cpu_kernel(module, x[rows].contiguous(), arrays, reduction,
+            out = cpu_backend.run_kernel(module, x[rows].contiguous(), arrays, reduction,
                                            check=True, num_threads=threads)
             assert_matches(out, ref[rows])
     # a NaN row is found by every path (the split-row one checks its column slices)
@@ -428,7 +428,7 @@ def test_split_row_and_row_parallel_paths(reduction, mode):
     for threads in (1, 2, 3, 4):
         for rows, name in ((slice(3, 4), 0), (slice(0, 5), 3)):
             with pytest.raises(ValueError, match=f"row {name} contains NaN"):
-                extension.run_cpu_kernel(module, bad[rows].contiguous(), arrays, reduction,
+                cpu_backend.run_kernel(module, bad[rows].contiguous(), arrays, reduction,
                                          num_threads=threads)
 
 
@@ -492,7 +492,7 @@ def test_result_pool_keeps_the_most_recent_sizes():
 def test_raw_function_rejects_bad_input():
     layout = layout_named("seven")
     module, arrays, cpu = raw_cpu(layout)
-    parent, leaf_node, leaf_token, empty = (arrays["parent"], cpu["leaf_node"],
+    parent, node_of_leaf, leaf_token, empty = (arrays["parent"], cpu["node_of_leaf"],
                                             arrays["leaf_token"], cpu["empty"])
     x = torch.randn(2, layout.num_columns)
 
@@ -500,7 +500,7 @@ def test_raw_function_rejects_bad_input():
     max_depth = cpu["max_depth"]
     assert runs["run_end"].numel() < layout.num_nodes  # the layout has links to merge
 
-    def call(values=x, reduction="sum", par=parent, ln=leaf_node, lt=leaf_token, em=empty,
+    def call(values=x, reduction="sum", par=parent, ln=node_of_leaf, lt=leaf_token, em=empty,
              max_dep=max_depth, **changed):
         r = {**runs, **changed}
         return module.trie_reduce_cpu(values, par, ln, lt, em, r["run_end"], r["run_depth"],
@@ -555,9 +555,9 @@ def test_raw_function_rejects_bad_input():
              run_child_depth=child[1:].contiguous(),
              run_leaf=torch.cat([leaf[:1], leaf[2:]]).contiguous(), run_of=merged_of)
     with pytest.raises(RuntimeError, match="non-decreasing"):
-        call(ln=leaf_node.flip(0).contiguous())
-    with pytest.raises(RuntimeError, match="leaf_node has"):
-        call(ln=leaf_node[:-1].contiguous())
+        call(ln=node_of_leaf.flip(0).contiguous())
+    with pytest.raises(RuntimeError, match="node_of_leaf has"):
+        call(ln=node_of_leaf[:-1].contiguous())
     # rows the kernel rejects are reported, not raised: the first one's index comes back
     for reduction, value in (("sum", "nan"), ("max", "nan"), ("log_mass", "nan"),
                              ("log_mass", "inf"), ("log_mass", "all -inf")):
@@ -569,16 +569,20 @@ def test_raw_function_rejects_bad_input():
         bad[2, 0] = float("nan")
         assert call(values=bad, reduction=reduction)[1] == 1, (reduction, value)
     with pytest.raises(TypeError):
-        module.trie_reduce_cpu(x, parent, leaf_node, leaf_token, empty, max_depth)
+        module.trie_reduce_cpu(x, parent, node_of_leaf, leaf_token, empty, max_depth)
 
 
-def test_backend_wrapper_rejects_narrow_rows():
+def test_backend_rejects_narrow_rows_after_checking_once():
+    """Called directly (not through the dispatcher), after its first call has checked the
+    indices, the backend must still not read a row too narrow past its end."""
     layout = layout_named("permuted")
     arrays = layout.device_arrays("without_eos", "cpu")
-    x = torch.randn(1, layout.num_columns - 1)
+    wide = torch.rand(1, layout.num_columns)
+    cpu_backend.trie_reduce(wide, arrays, "sum", num_nodes=layout.num_nodes)
+    assert cpu_backend.cpu_arrays(arrays)["checked"]
     with pytest.raises(ValueError, match="at least"):
-        extension.trie_reduce(x, arrays, "sum", num_nodes=layout.num_nodes, num_scratch=0,
-                              max_span_tiles=0, tile=64)
+        cpu_backend.trie_reduce(wide[:, :-1].contiguous(), arrays, "sum",
+                                num_nodes=layout.num_nodes)
 
 
 # --------------------------------------------------------------------------- baseline build
@@ -603,7 +607,7 @@ def test_baseline_build_matches_reference():
                     ref = reference(x, layout, reduction, mode)
                     # 15 rows: blocks of 8, 4, 2 and 1 rows; one row on 2 threads: split
                     for rows, threads in ((slice(0, 15), 1), (slice(2, 3), 2)):
-                        out = extension.run_cpu_kernel(module, x[rows].contiguous(), arrays,
+                        out = cpu_backend.run_kernel(module, x[rows].contiguous(), arrays,
                                                        reduction, check=True,
                                                        num_threads=threads)
                         assert_matches(out, ref[rows])

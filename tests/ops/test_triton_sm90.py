@@ -41,9 +41,9 @@ def _configs():
     ``genlm_fast.ops.triton_backend`` and ``genlm_fast.ops.log_softmax`` on CUDA."""
     import torch
     import triton.language as tl
-
     from genlm_fast.kernels import log_softmax_rows as capture
     from genlm_fast.kernels import trie_reduce as k
+
     from genlm_fast.ops import layout
     from genlm_fast.ops import triton_backend as tb
     from genlm_fast.ops.dispatch import result_dtype
@@ -72,7 +72,7 @@ def _configs():
             "psum_ptr": f"*{part}",
         }
         if tb.uses_dot(reduction, torch_dtype[x]):
-            rows, warps = tb._dot_rows(64)
+            rows, warps = tb.DOT_ROWS, tb.DOT_WARPS
             out.append((f"_tile_ranges_dot {tag}", k._tile_ranges_dot, tile_args,
                         {"LOG_MASS": reduction == "log_mass", "SPLIT": split,
                          "TILE": layout.TILE, "ROWS": rows, "RB": tb.DOT_RB,

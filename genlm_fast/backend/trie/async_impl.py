@@ -141,7 +141,7 @@ class AsyncTrieFrontEnd:
         one_row(ws, "expected one row of shape [V]", "await one call per row")
         row = self.trie._as_batch(ws, None)[0]
         # the dispatcher's own checks (type, dtype, width), before the row joins a batch
-        validate_values(row[None], self.trie.layout, op,
+        validate_values(row[None], self.trie.layout,
                         exact_width=None if op == "log_mass" else self.trie.vocab_size)
         return self._batcher.submit(op, mode, row)
 

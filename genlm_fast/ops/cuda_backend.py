@@ -1,0 +1,34 @@
+"""CUDA backend: the kernels of ``csrc/trie_reduce_cuda.cu`` (algorithm in its header).
+
+``trie_reduce`` follows the backend contract of ``genlm_fast.ops.dispatch``: the same tile
+decomposition as the Triton backend, read from the layout's arrays on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from genlm_fast.ops import extension
+
+
+def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
+                num_scratch: int, tile: int) -> torch.Tensor:
+    if not extension.has("cuda"):
+        raise RuntimeError(f"The 'cuda' trie kernels are not available: "
+                           f"{extension.why_missing('cuda')}")
+    # the kernels gather columns by leaf_token unchecked: never read past a narrow row's end
+    cached = arrays.get("_cuda")
+    if cached is None:  # one device sync per (layout, mode, device)
+        token = arrays["leaf_token"]
+        cached = arrays["_cuda"] = {"min_columns": int(token.max()) + 1 if token.numel() else 0}
+    if values.shape[1] < cached["min_columns"]:
+        raise ValueError(f"rows have {values.shape[1]} entries but the vocabulary needs at "
+                         f"least {cached['min_columns']}")
+    # per-row workspace: tile totals and pieces, plus the row's log-sum-exp in the last column
+    scratch = torch.empty(values.shape[0], num_scratch + 1, dtype=torch.float64,
+                          device=values.device)
+    return extension.load_module().trie_reduce_cuda(
+        values, arrays["leaf_token"], arrays["tile_range_ptr"], arrays["range_start"],
+        arrays["range_end"], arrays["range_dest"], arrays["span_node"], arrays["span_left"],
+        arrays["span_right"], arrays["span_tile_lo"], arrays["span_tile_hi"], scratch,
+        reduction, num_nodes, num_scratch, tile)

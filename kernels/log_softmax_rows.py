@@ -1,4 +1,5 @@
-"""Triton kernel: log-softmax of selected logit rows into selected rows of a buffer.
+"""Triton kernel: log-softmax of selected logit rows into selected rows of a buffer
+(launched by ``genlm_fast.ops.log_softmax``).
 
 ``out[dst[i], :] = logits[src[i], :] - logsumexp(logits[src[i], :])`` for i < n, float32.
 It is how an inference engine hands out full-vocabulary log-probabilities: the engine's
@@ -61,14 +62,3 @@ def _log_softmax_rows(x_ptr, x_stride, src_ptr, dst_ptr, out_ptr, out_stride, V,
         mask = k + offs < V
         x = tl.load(row + k + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(dst_row + k + offs, (x - big) - log_total, mask=mask)
-
-
-def log_softmax_rows(logits, src, dst, out, block: int = 1024):
-    """Launch: ``logits`` [R, V] (fp32/fp16/bf16, unit stride along V), ``src``/``dst``
-    int32/int64 [n] on the same device, ``out`` float32 [S, V] (unit stride along V)."""
-    n = src.numel()
-    if n == 0:
-        return out
-    _log_softmax_rows[(n,)](logits, logits.stride(0), src, dst, out, out.stride(0),
-                            logits.shape[1], BLOCK=block)
-    return out

@@ -79,9 +79,10 @@ import triton.language as tl
 
 from genlm_fast.kernels.log_softmax_rows import lse_merge, online_lse_update
 
-REDUCE_SUM = 0
-REDUCE_MAX = 1
-REDUCE_LOG_MASS = 2
+# the REDUCTION constexpr of every kernel (a kernel reads globals only when they are constexpr)
+REDUCE_SUM = tl.constexpr(0)
+REDUCE_MAX = tl.constexpr(1)
+REDUCE_LOG_MASS = tl.constexpr(2)
 
 # a range whose mass relative to its tile's max is below this is redone with a lower shift
 _FAST_MIN_MASS = 1e-24
@@ -133,9 +134,9 @@ def _store_ranges(out_rows, scr_rows, dest, res, ok):
 def _dense_reduce(v, pos, start, end, REDUCTION: tl.constexpr):
     """Reduce v[TILE] over each range [start, end) of a chunk ([RB]) -> [RB]."""
     member = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
-    if REDUCTION == 0:
+    if REDUCTION == REDUCE_SUM:
         res = tl.sum(tl.where(member, v[None, :], 0.0), axis=1)
-    elif REDUCTION == 1:
+    elif REDUCTION == REDUCE_MAX:
         res = tl.max(tl.where(member, v[None, :], float("-inf")), axis=1)
         res = tl.where(end > start, res, 0.0)
     else:
@@ -185,13 +186,13 @@ def _tile_ranges_dense(x_ptr, C, L, leaf_token_ptr, range_ptr_ptr, range_start_p
     pos_ok = pos < L
     tok = tl.load(leaf_token_ptr + pos, mask=pos_ok, other=0)
     x_row = x_ptr + row.to(tl.int64) * C
-    if REDUCTION == 2:
+    if REDUCTION == REDUCE_LOG_MASS:
         sp = tl.arange(0, SPLIT)
         pm = tl.load(pmax_ptr + row * SPLIT + sp).to(ACC)
         ps = tl.load(psum_ptr + row * SPLIT + sp).to(ACC)
         big = tl.max(pm, axis=0)
         big_safe = tl.where(big == float("-inf"), 0.0, big)
-        # lse = big + s, kept as the pair (see the module docstring)
+        # lse = big + s, kept as the pair: _row_normaliser's merge, for one row
         s = tl.log(tl.sum(ps * tl.exp(pm - big_safe), axis=0))
         x = tl.load(x_row + tok, mask=pos_ok, other=float("-inf")).to(ACC)
         v = ((x - big_safe) - s).to(tl.float32)
@@ -348,7 +349,7 @@ def _spanning_nodes(scratch_ptr, NS, out_ptr, N, S, span_node_ptr, span_left_ptr
     j = tl.arange(0, TB)
     has_l = s_ok & (left >= 0)
     has_r = s_ok & (right >= 0)
-    if REDUCTION == 0:
+    if REDUCTION == REDUCE_SUM:
         acc = tl.zeros([SB], tl.float64)
         for j0 in range(0, n_chunks, TB):
             msk = (j0 + j)[None, :] < count[:, None]
@@ -357,7 +358,7 @@ def _spanning_nodes(scratch_ptr, NS, out_ptr, N, S, span_node_ptr, span_left_ptr
         acc += tl.load(scr + left, mask=has_l, other=0.0).to(tl.float64)
         acc += tl.load(scr + right, mask=has_r, other=0.0).to(tl.float64)
         res = acc
-    elif REDUCTION == 1:
+    elif REDUCTION == REDUCE_MAX:
         acc = tl.load(scr + left, mask=has_l, other=float("-inf"))
         acc = tl.maximum(acc, tl.load(scr + right, mask=has_r, other=float("-inf")))
         for j0 in range(0, n_chunks, TB):

@@ -8,7 +8,6 @@ need when they are called.
 from __future__ import annotations
 
 import html
-import math
 import operator
 
 import numpy as np
@@ -320,7 +319,3 @@ def format_byte(byte_val) -> str:
     except TypeError:
         pass
     return str(byte_val)
-
-
-def is_neg_inf(x) -> bool:
-    return x == -math.inf

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from genlm_fast.ops.dispatch import triton_usable
+from genlm_fast.ops.dispatch import triton_unusable_reason, triton_usable
 
 BACKENDS = ("reference", "triton")
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+TRITON_BLOCK = 1024  # logits per program per step (a row of 128k: 125 steps per pass)
 
 
 def resolve(backend: str, device) -> str:
@@ -26,8 +27,8 @@ def resolve(backend: str, device) -> str:
         raise ValueError(f"unknown log_softmax_rows backend {backend!r}; expected 'auto' or "
                          f"one of {BACKENDS}")
     if backend == "triton" and not triton_usable(device):
-        raise RuntimeError("the 'triton' backend needs triton and a CUDA tensor (or "
-                           "TRITON_INTERPRET=1 for CPU tensors)")
+        raise RuntimeError(f"The 'triton' backend cannot run on this {device.type} tensor: "
+                           f"{triton_unusable_reason(device)}.")
     return backend
 
 
@@ -68,7 +69,9 @@ def log_softmax_rows(logits: torch.Tensor, src, dst, out: torch.Tensor,
         # (not empty_like, which would keep out's strides)
         target = out if out.stride(1) == 1 else torch.empty(out.shape, dtype=out.dtype,
                                                              device=out.device)
-        kernel.log_softmax_rows(logits, src.to(logits.device), dst.to(logits.device), target)
+        kernel._log_softmax_rows[(src.numel(),)](
+            logits, logits.stride(0), src.to(logits.device), dst.to(logits.device), target,
+            target.stride(0), logits.shape[1], BLOCK=TRITON_BLOCK)
         if target is not out:
             out[dst] = target[dst.to(out.device)]
     else:

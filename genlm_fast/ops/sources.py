@@ -14,7 +14,8 @@ import os
 
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                     "csrc")
-CPU_SOURCES = ("bindings.cpp", "trie_reduce_cpu.cpp")  # the CUDA build adds trie_reduce_cuda.cu
+CPU_SOURCES = ("bindings.cpp", "trie_reduce_cpu.cpp")
+CUDA_SOURCES = ("trie_reduce_cuda.cu",)  # added, with -DWITH_CUDA, by a CUDA build only
 CXX_FLAGS = ("-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno")  # no -march: any x86-64
 _SUFFIXES = (".cpp", ".h", ".cu", ".cuh")
 
@@ -23,7 +24,7 @@ def digest(csrc: str = CSRC) -> str | None:
     """SHA-256 over the names and contents of csrc's source files; None where there is no
     ``csrc/`` (an installed wheel has none)."""
     try:
-        names = sorted(n for n in os.listdir(csrc) if n.endswith(_SUFFIXES))
+        names = source_files(csrc)
     except OSError:
         return None
     sha = hashlib.sha256()
@@ -31,3 +32,8 @@ def digest(csrc: str = CSRC) -> str | None:
         with open(os.path.join(csrc, name), "rb") as f:
             sha.update(name.encode() + b"\0" + f.read() + b"\0")
     return sha.hexdigest()
+
+
+def source_files(csrc: str = CSRC) -> list[str]:
+    """Names of every source and header in ``csrc`` (sorted)."""
+    return sorted(n for n in os.listdir(csrc) if n.endswith(_SUFFIXES))

@@ -26,8 +26,8 @@ import torch
 from genlm_fast.kernels import trie_reduce as kernels
 from genlm_fast.ops.dispatch import result_dtype
 
-_CODES = {"sum": kernels.REDUCE_SUM, "max": kernels.REDUCE_MAX,
-          "log_mass": kernels.REDUCE_LOG_MASS}
+_CODES = {"sum": kernels.REDUCE_SUM.value, "max": kernels.REDUCE_MAX.value,
+          "log_mass": kernels.REDUCE_LOG_MASS.value}
 
 LSE_BLOCK = 1024  # elements per iteration of the row-normaliser kernel
 LSE_MAX_SPLIT = 64  # slices per row for the normaliser (a power of two)

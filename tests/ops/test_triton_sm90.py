@@ -44,7 +44,7 @@ def _configs():
     from genlm_fast.kernels import log_softmax_rows as capture
     from genlm_fast.kernels import trie_reduce as k
 
-    from genlm_fast.ops import layout
+    from genlm_fast.ops import layout, log_softmax
     from genlm_fast.ops import triton_backend as tb
     from genlm_fast.ops.dispatch import result_dtype
 
@@ -94,7 +94,7 @@ def _configs():
                     {"x_ptr": f"*{x}", "x_stride": "i64", "src_ptr": "*i64",
                      "dst_ptr": "*i64", "out_ptr": "*fp32", "out_stride": "i64",
                      "V": "i32"},
-                    {"BLOCK": 1024}, 4))
+                    {"BLOCK": log_softmax.TRITON_BLOCK}, 4))
     return out
 
 

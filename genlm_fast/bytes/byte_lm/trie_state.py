@@ -112,10 +112,7 @@ class _TrieInfo:
         self.root = trie.root
         self.eos_node = trie.eos_node
         self.eot_sentinel = trie.eot_sentinel
-        layout = trie.layout
-        self.parent = layout.parent
-        self.edge_key = layout.edge_key
-        self.num_nodes = int(layout.num_nodes)
+        self.num_nodes = int(trie.layout.num_nodes)
         self.pools = {}
         # (model_key(model), mode, context) -> _Row while some state uses that row
         self.memo = weakref.WeakValueDictionary()
@@ -152,22 +149,6 @@ class _TrieInfo:
         if pool is None:
             pool = self.pools[key] = _MassPool(self.num_nodes, torch.device(device), self.stats)
         return pool
-
-    def prefix(self, node):
-        keys = []
-        parent, edge_key, root = self.parent, self.edge_key, self.root
-        while node != root and node >= 0:
-            keys.append(edge_key[node])
-            node = int(parent[node])
-        out = []
-        for key in reversed(keys):
-            if isinstance(key, tuple):
-                continue
-            if isinstance(key, bytes):
-                out.extend(key)
-            else:
-                out.append(key)
-        return out
 
     def eot_edges(self, node):
         sentinel = self.eot_sentinel
@@ -619,7 +600,7 @@ class LazyTrieState:
     @property
     def partial(self):
         """The bytes of the current node (those of the token being read), as a list."""
-        return self._info.prefix(self.node)
+        return self.trie.trie.prefix_of(self.node)
 
     @property
     def mass(self):

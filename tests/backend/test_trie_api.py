@@ -57,6 +57,7 @@ def test_character_trie_structure_matches_genlm(words):
     assert mine.root == ref.root
     assert mine.children == ref.children
     assert mine.node2prefix == ref.node2prefix
+    assert {n: mine.prefix_of(n) for n in range(mine.num_nodes)} == ref.node2prefix
     assert mine.word2leaf == ref.word2leaf and mine.leaf2word == ref.leaf2word
     np.testing.assert_array_equal(mine.idx_to_leaf, ref.idx_to_leaf)
     assert [list(j) for j in mine.jump] == [list(j) for j in ref.jump]
@@ -70,6 +71,7 @@ def test_byte_trie_structure_matches_genlm(kwargs):
     for attr in ("root", "eos_node", "children", "node2prefix", "word2leaf", "leaf2word",
                  "leaf2token_id", "eos_token_ids", "lookup"):
         assert getattr(mine, attr) == getattr(ref, attr), attr
+    assert {n: mine.prefix_of(n) for n in range(mine.num_nodes)} == ref.node2prefix
     np.testing.assert_array_equal(mine.token_id_to_leaf, ref.token_id_to_leaf)
     assert mine.children[mine.root][EOS] == mine.eos_node
 
@@ -113,6 +115,7 @@ def test_tuple_letters_are_letters_unless_they_start_with_none():
     assert TokenCharacterTrie(vocab[:2], cache=False).node2prefix == ref.node2prefix
     assert mine.node2prefix[mine.word2leaf[((1, 2), (3,))]] == [(1, 2), (3,)]
     assert mine.node2prefix[mine.word2leaf[("x", ())]] == ["x", ()]
+    assert all(mine.prefix_of(n) == mine.node2prefix[n] for n in range(mine.num_nodes))
 
 
 def test_eot_sentinel_is_the_callers_own_object_and_is_never_pickled(tmp_path):
@@ -199,6 +202,20 @@ def test_gpt2_values_match_genlm(gpt2, gpt2_reference_tries):
     ref_mass = ref_byte.batch_weight_sum(p32, mode=ref_bytes.TrieMode.WITH_EOS)
     keep = ref_mass > 1e-6
     torch.testing.assert_close(lm[keep], torch.log(ref_mass[keep]), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("cls", [TokenCharacterTrie, ParallelTokenCharacterTrie])
+def test_older_mass_sum_names(cls):
+    """``mass_sum`` / ``batch_mass_sum`` (the names older genlm documentation shows) give
+    genlm.backend's ``weight_sum`` / ``batch_weight_sum``: one row of node masses per input."""
+    rng = np.random.default_rng(3)
+    p = rng.dirichlet(np.ones(len(SMALL)), size=3)
+    mine = cls(ours(SMALL), cache=False)
+    ref = ref_trie.TokenCharacterTrie(theirs(SMALL))
+    expected = np.stack([ref.weight_sum(row) for row in p])
+    np.testing.assert_allclose(mine.mass_sum(torch.tensor(p[1])), expected[1], rtol=1e-6)
+    np.testing.assert_allclose(mine.batch_mass_sum(torch.tensor(p)), expected, rtol=1e-6)
+    assert mine.mass_sum(p[0]).shape == (mine.num_nodes,)
 
 
 def test_weight_max_allows_negative_log_weights():

@@ -312,14 +312,16 @@ def token_fields(item):
     return None
 
 
-def item_path(item):
-    """The edge keys spelling a vocabulary item, and whether it is plain bytes."""
+def item_entry(item):
+    """How the genlm.backend tries read a vocabulary item: the edge keys spelling it, its
+    key in ``word2leaf`` (``(bytes, token_id)`` for a token, else the item) and whether it
+    is plain bytes."""
     fields = token_fields(item)
     if fields is not None:
-        return fields[0], False
+        return fields[0], fields, False
     if isinstance(item, bytes):
-        return item, True
+        return item, item, True
     if isinstance(item, Iterable):
-        return item, False
+        return item, item, False
     raise TypeError(f"vocabulary items must be Token, bytes or iterable, got "
                     f"{type(item).__name__}: {item!r}")

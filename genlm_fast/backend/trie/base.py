@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import torch
 
-from genlm_fast.trie_core import CompiledTrie, item_path, one_row, token_fields
+from genlm_fast.trie_core import CompiledTrie, item_entry, one_row
 
 
 class TokenCharacterTrie(CompiledTrie):
@@ -38,14 +38,13 @@ class TokenCharacterTrie(CompiledTrie):
         all_bytes = True
         self.word2leaf = {}
         for idx, item in enumerate(decode):
-            word, plain = item_path(item)
+            word, key, plain = item_entry(item)
             if plain and not plain_bytes_seen:
                 plain_bytes_seen = True
                 warnings.warn("Passing plain bytes to TokenCharacterTrie is deprecated; use "
                               "Token objects from decode_vocab() instead.",
                               DeprecationWarning, stacklevel=2)
             all_bytes &= isinstance(item, bytes)
-            key = token_fields(item) or item
             if key in self.word2leaf:
                 raise ValueError(f"Duplicate word in vocabulary: {key!r}")
             self.word2leaf[key] = idx  # replaced by the leaf id below

@@ -5,6 +5,14 @@
 # Each step installs what it needs first (once per machine): the wheels that
 # scripts/gpu_prepare.sh put in .whl/ (carried), and genlm_fast with its CUDA extension.
 # Logs and results go to $OUT, which the device tool sends back.
+#
+# The lent machine (H100/H200, Python 3.12, torch with CUDA, Triton, nvcc) has no internet and
+# lacks a few packages: first, here, `bash scripts/gpu_prepare.sh` puts their wheels in .whl/
+# (~5 MB); then run `tests` and `bench` as two device-tool commands (each under its 10-minute
+# limit), back to back so that the build stays warm, each carrying [".whl"]. What comes back:
+# the logs, the test report, the sm_90 compile table and the benchmark table; commit the table
+# under bench/results/. SmolLM2's vocabulary cases are left out there (its tokenizer ships in a
+# 96 MB GGUF, over the transfer limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session}

@@ -2,16 +2,18 @@
 # On a lent GPU machine (the device tool; README "GPU sessions"):
 #     bash scripts/gpu_session.sh tests    # build with the CUDA kernels, run the GPU tests
 #     bash scripts/gpu_session.sh bench    # python -m bench.gpu (Llama-3 vocabulary)
+#     bash scripts/gpu_session.sh all      # both in one device call: build, bench, tests
 # Each step installs what it needs first (once per machine): the wheels that
 # scripts/gpu_prepare.sh put in .whl/ (carried), and genlm_fast with its CUDA extension.
 # Logs and results go to $OUT, which the device tool sends back.
 #
 # The lent machine (H100/H200, Python 3.12, torch with CUDA, Triton, nvcc) has no internet and
 # lacks a few packages: first, here, `bash scripts/gpu_prepare.sh` puts their wheels in .whl/
-# (~5 MB); then run `tests` and `bench` as two device-tool commands (each under its 10-minute
-# limit), back to back so that the build stays warm, each carrying [".whl"]. What comes back:
-# the logs, the test report, the sm_90 compile table and the benchmark table; commit the table
-# under bench/results/. SmolLM2's vocabulary cases are left out there (its tokenizer ships in a
+# (~5 MB); then run `all` as one device-tool command carrying [".whl"] (a machine goes back
+# 30 s after a call, so two calls usually mean two builds; `all` bounds the benchmark and the
+# tests with timeouts, BENCH_S and TESTS_S, to fit the 10-minute limit; PYTEST_ARGS adds
+# pytest arguments). What comes back: the logs, the test report, the sm_90 compile table and
+# the benchmark table; commit the table under bench/results/. SmolLM2's vocabulary cases are left out there (its tokenizer ships in a
 # 96 MB GGUF, over the transfer limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,24 +57,35 @@ setup() {
   } | tee "$OUT/env.txt"
 }
 
+run_tests() {
+  # tests/ops: every kernel test with the compiled Triton and CUDA backends, real
+  # vocabularies included; SmolLM2's vocabulary comes from a 96 MB GGUF that cannot
+  # travel, so its cases are left out. The sm_90 compile report uses this triton.
+  $PY tests/ops/test_triton_sm90.py >"$OUT/sm90-compile.txt" 2>&1
+  $PY -m pytest tests/ops -q -ra -k "not smollm2" -p no:cacheprovider \
+    --durations=10 --junitxml="$OUT/tests-ops.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests-ops.log"
+  return "${PIPESTATUS[0]}"
+}
+
+run_bench() {
+  $PY -m bench.gpu --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
+  return "${PIPESTATUS[0]}"
+}
+
 case "${1:-}" in
-  tests)
+  tests) setup; run_tests; exit $? ;;
+  bench) setup; run_bench; exit $? ;;
+  all)
     setup
-    # tests/ops: every kernel test with the compiled Triton and CUDA backends, real
-    # vocabularies included; SmolLM2's vocabulary comes from a 96 MB GGUF that cannot
-    # travel, so its cases are left out. The sm_90 compile report uses this triton.
-    $PY tests/ops/test_triton_sm90.py >"$OUT/sm90-compile.txt" 2>&1
-    $PY -m pytest tests/ops -q -ra -k "not smollm2" -p no:cacheprovider \
-      --junitxml="$OUT/tests-ops.xml" 2>&1 | tee "$OUT/tests-ops.log"
-    exit "${PIPESTATUS[0]}"
-    ;;
-  bench)
-    setup
-    $PY -m bench.gpu --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
-    exit "${PIPESTATUS[0]}"
+    export -f run_bench run_tests
+    export OUT PY
+    timeout "${BENCH_S:-270}" bash -c run_bench; bench_rc=$?
+    timeout "${TESTS_S:-240}" bash -c run_tests; tests_rc=$?
+    echo "== bench exit $bench_rc, tests exit $tests_rc (124: stopped by its timeout)"
+    exit $(( bench_rc || tests_rc ))
     ;;
   *)
-    echo "usage: bash scripts/gpu_session.sh tests|bench" >&2
+    echo "usage: bash scripts/gpu_session.sh tests|bench|all" >&2
     exit 2
     ;;
 esac

@@ -16,11 +16,13 @@
 //      per thread; an online max/sum-exp, one exp per element) and writes a partial (max,
 //      sum) to scratch slots the tile kernel only fills later; (a2) row_lse_merge: one warp
 //      per row merges the partials. Splitting keeps the device busy even at B = 1.
-//  (b) tile: one block per (tile, row). The tile's TILE leaf values x[row, leaf_token[pos]]
-//      are loaded into shared memory once (as double; log_mass: x - lse = log-probs), then
-//      the block's threads each reduce some of the tile's local ranges
-//      [tile_range_ptr[t], tile_range_ptr[t+1]) straight from shared memory: a destination
-//      >= 0 is a node (written to out), < 0 is scratch slot -1 - dest.
+//  (b) tile: one block per (tile, block of up to 8 rows). The tile's leaf values
+//      x[row, leaf_token[pos]] of those rows are gathered into shared memory once (as double;
+//      log_mass: x - lse = log-probs, then exp(v - the tile's max) per leaf), then the block's
+//      threads each reduce some of the tile's local ranges [tile_range_ptr[t],
+//      tile_range_ptr[t+1]) for all the block's rows at once: the index arrays are read once
+//      per 8 rows, and a log_mass range only adds. A destination >= 0 is a node (written to
+//      out), < 0 is scratch slot -1 - dest.
 //  (c) span: one warp per (spanning node, row): the lanes stride over the node's whole-tile
 //      totals in scratch, reduce across the warp with shuffles, and lane 0 adds the left and
 //      right pieces. Spanning nodes are sorted by tile count, so a block's warps loop alike.
@@ -172,65 +174,121 @@ __global__ void __launch_bounds__(kSpanWarps * 32)
 
 // ---------------------------------------------------------------------------- (b) tiles
 
-template <class T, class Out, int RED>
+// (b) one block per (tile, block of ROWS rows). The index arrays of the tile (leaf_token and
+// its local ranges) are read once for ROWS rows, and every range is reduced for the ROWS rows
+// at once from shared memory laid out [position][row] (row stride ROWS + 1, an odd number of
+// doubles: threads at consecutive positions hit different banks).
+// log_mass: the values are log-probabilities v = x - lse. Per row, the block takes the tile's
+// largest v as a shift and stores terms = exp(v - shift) in double, ONE exp per leaf and row
+// (the ranges then only add). A range whose term sum is >= kMinTermSum is exact to double
+// rounding: its own largest term is >= kMinTermSum / tile, so it is normal, and every term
+// exp() flushed to zero is below e^-745, over 1e-29 below it. A range under that (every leaf
+// more than ~670 nats under the tile's max, or all -inf: masks of -1e30) is rare and redone
+// on its own: max, then sum of exp(v - max).
+constexpr double kMinTermSum = 1e-290;
+
+template <int RED, int ROWS>
+__device__ __forceinline__ void reduce_range(const double* __restrict__ src, int a, int b,
+                                             double (&acc)[ROWS]) {
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) acc[j] = RED == kMax ? neg_inf() : 0.0;
+  for (int i = a; i < b; ++i) {
+    const double* e = src + i * (ROWS + 1);
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) acc[j] = RED == kMax ? dmax(acc[j], e[j]) : acc[j] + e[j];
+  }
+}
+
+// log of sum exp(v) over positions [a, b) of row j, by its own max (-inf when none is finite)
+template <int ROWS>
+__device__ double range_lse(const double* __restrict__ vals, int a, int b, int j) {
+  double m = neg_inf();
+  for (int i = a; i < b; ++i) m = dmax(m, vals[i * (ROWS + 1) + j]);
+  if (m == neg_inf()) return m;
+  double s = 0.0;
+  for (int i = a; i < b; ++i) s += exp(vals[i * (ROWS + 1) + j] - m);
+  return m + log(s);
+}
+
+template <class T, class Out, int RED, int ROWS>
 __global__ void __launch_bounds__(kTileThreads)
     tile_kernel(const T* __restrict__ values, int64_t C, const int32_t* __restrict__ leaf_token,
                 int64_t L, const int32_t* __restrict__ tile_range_ptr,
                 const int32_t* __restrict__ range_start, const int32_t* __restrict__ range_end,
                 const int32_t* __restrict__ range_dest, double* __restrict__ scratch,
                 int64_t stride, Out* __restrict__ out, int64_t num_nodes, int tile,
-                int64_t row0) {
-  extern __shared__ double vals[];
+                int64_t row0, int64_t row_end) {
+  constexpr int kStride = ROWS + 1;
+  extern __shared__ double smem[];
+  double* vals = smem;                   // [tile][kStride] values / log-probabilities
+  double* terms = smem + tile * kStride;  // log_mass: exp(v - shift) [tile][kStride]
+  __shared__ double shift[ROWS];          // log_mass: per row, the tile's largest v (0 if none)
   const int t = blockIdx.x;
-  const int64_t row = row0 + blockIdx.y;
+  const int64_t first_row = row0 + static_cast<int64_t>(blockIdx.y) * ROWS;
+  const int rows = row_end - first_row < ROWS ? static_cast<int>(row_end - first_row) : ROWS;
   const int64_t base = static_cast<int64_t>(t) * tile;
-  const T* x = values + row * C;
-  double* sc = scratch + row * stride;
-  const double shift = RED == kLogMass ? sc[stride - 1] : 0.0;
 
-  for (int i = threadIdx.x; i < tile; i += blockDim.x) {
-    const int64_t pos = base + i;
+  // consecutive threads: consecutive positions of one row (leaf_token reads coalesce)
+  for (int i = threadIdx.x; i < tile * ROWS; i += blockDim.x) {
+    const int p = i % tile, j = i / tile;
     double v = identity<RED == kLogMass ? kMax : RED>();
-    if (pos < L) {
-      v = to_double(x[leaf_token[pos]]);
-      if (RED == kLogMass) v -= shift;  // log-probability; -inf stays -inf
+    if (j < rows && base + p < L) {
+      const int64_t row = first_row + j;
+      v = to_double(values[row * C + leaf_token[base + p]]);
+      if (RED == kLogMass) v -= scratch[row * stride + stride - 1];  // -inf stays -inf
     }
-    vals[i] = v;
+    vals[p * kStride + j] = v;
   }
   __syncthreads();
+  if (RED == kLogMass) {
+    const int lane = threadIdx.x & 31;
+    for (int j = threadIdx.x >> 5; j < ROWS; j += kTileThreads / 32) {  // a warp per row
+      double m = neg_inf();
+      for (int p = lane; p < tile; p += 32) m = dmax(m, vals[p * kStride + j]);
+      m = warp_max(m);
+      if (lane == 0) shift[j] = m == neg_inf() ? 0.0 : m;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < tile * ROWS; i += blockDim.x) {
+      const int p = i % tile, j = i / tile;
+      terms[p * kStride + j] = exp(vals[p * kStride + j] - shift[j]);  // -inf -> 0
+    }
+    __syncthreads();
+  }
 
   const int r0 = tile_range_ptr[t], r1 = tile_range_ptr[t + 1];
   for (int r = r0 + threadIdx.x; r < r1; r += blockDim.x) {
-    const int64_t a64 = range_start[r] - base, b64 = range_end[r] - base;
-    const int a = static_cast<int>(a64), b = static_cast<int>(b64);
-    double res;
-    if (RED == kSum) {
-      double s = 0.0;
-      for (int i = a; i < b; ++i) s += vals[i];
-      res = s;
-    } else if (RED == kMax) {
-      double m = neg_inf();
-      for (int i = a; i < b; ++i) m = dmax(m, vals[i]);
-      res = m;
-    } else {
-      double m = neg_inf();
-      for (int i = a; i < b; ++i) m = dmax(m, vals[i]);
-      if (m == neg_inf()) {
-        res = m;
+    const int a = static_cast<int>(range_start[r] - base), b = static_cast<int>(range_end[r] - base);
+    double acc[ROWS];
+    reduce_range<RED == kLogMass ? kSum : RED, ROWS>(RED == kLogMass ? terms : vals, a, b, acc);
+    const int32_t d = range_dest[r];
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+      if (j >= rows) break;
+      double res = acc[j];
+      if (RED == kMax && b <= a) res = 0.0;  // an empty node is 0 under max
+      if (RED == kLogMass)
+        res = acc[j] >= kMinTermSum ? shift[j] + log(acc[j]) : range_lse<ROWS>(vals, a, b, j);
+      const int64_t row = first_row + j;
+      if (d >= 0) {
+        out[row * num_nodes + d] = static_cast<Out>(res);
       } else {
-        double s = 0.0;
-        for (int i = a; i < b; ++i) s += exp(vals[i] - m);
-        res = m + log(s);
+        scratch[row * stride - 1 - static_cast<int64_t>(d)] = res;
       }
     }
-    const int32_t d = range_dest[r];
-    if (d >= 0) {
-      if (RED == kMax && b <= a) res = 0.0;  // an empty node is 0 under max
-      out[row * num_nodes + d] = static_cast<Out>(res);
-    } else {
-      sc[-1 - static_cast<int64_t>(d)] = res;
-    }
   }
+}
+
+// ROWS rows per tile block: 8 once there are that many, fewer for a small batch
+template <class T, class Out, int RED, int ROWS>
+void launch_tiles(const TrieArgs& A, const T* values, Out* out, int64_t row0, int64_t rows,
+                  cudaStream_t stream) {
+  const size_t shmem = static_cast<size_t>(A.tile) * (ROWS + 1) * sizeof(double) *
+                       (RED == kLogMass ? 2 : 1);
+  const dim3 grid(static_cast<unsigned>(A.n_tiles), static_cast<unsigned>((rows + ROWS - 1) / ROWS));
+  tile_kernel<T, Out, RED, ROWS><<<grid, kTileThreads, shmem, stream>>>(
+      values, A.C, A.leaf_token, A.L, A.tile_range_ptr, A.range_start, A.range_end,
+      A.range_dest, A.scratch, A.scratch_stride, out, A.num_nodes, A.tile, row0, row0 + rows);
 }
 
 // ---------------------------------------------------------------------------- (c) spanning nodes
@@ -281,7 +339,6 @@ template <class T, class Out, int RED>
 cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
   const T* values = static_cast<const T*>(A.values);
   Out* out = static_cast<Out*>(A.out);
-  const size_t shmem = static_cast<size_t>(A.tile) * sizeof(double);
   for (int64_t row0 = 0; row0 < A.B; row0 += kMaxGridY) {
     const int64_t rows = A.B - row0 < kMaxGridY ? A.B - row0 : kMaxGridY;
     if (RED == kLogMass) {
@@ -302,10 +359,15 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
                              kSpanWarps * 32, 0, stream>>>(rows, splits, A.scratch,
                                                           A.scratch_stride, row0);
     }
-    const dim3 tgrid(static_cast<unsigned>(A.n_tiles), static_cast<unsigned>(rows));
-    tile_kernel<T, Out, RED><<<tgrid, kTileThreads, shmem, stream>>>(
-        values, A.C, A.leaf_token, A.L, A.tile_range_ptr, A.range_start, A.range_end,
-        A.range_dest, A.scratch, A.scratch_stride, out, A.num_nodes, A.tile, row0);
+    if (rows >= 8) {
+      launch_tiles<T, Out, RED, 8>(A, values, out, row0, rows, stream);
+    } else if (rows >= 4) {
+      launch_tiles<T, Out, RED, 4>(A, values, out, row0, rows, stream);
+    } else if (rows >= 2) {
+      launch_tiles<T, Out, RED, 2>(A, values, out, row0, rows, stream);
+    } else {
+      launch_tiles<T, Out, RED, 1>(A, values, out, row0, rows, stream);
+    }
     if (A.S > 0) {
       const dim3 sgrid(static_cast<unsigned>((A.S + kSpanWarps - 1) / kSpanWarps),
                        static_cast<unsigned>(rows));

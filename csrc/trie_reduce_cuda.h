@@ -10,7 +10,9 @@
 namespace genlm_fast {
 namespace cuda {
 
-constexpr int kMaxTile = 1024;  // leaf positions per tile the tile kernel accepts
+// leaf positions per tile the tile kernel accepts: its shared memory, 2 * tile * 9 doubles for
+// log_mass with 8 rows per block, stays under the 48 KiB a launch gets without opting in
+constexpr int kMaxTile = 256;
 
 enum DType : int { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3 };
 enum Reduction : int { kSum = 0, kMax = 1, kLogMass = 2 };

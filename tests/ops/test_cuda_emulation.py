@@ -477,6 +477,28 @@ def test_rows_are_chunked_below_the_grid_limit(emulator, tmp_path, reduction):
     assert launches == 3 * kernels
 
 
+@pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
+@pytest.mark.parametrize("B", [4, 8, 13])
+def test_row_blocks_give_each_row_its_own_result(emulator, tmp_path, reduction, B):
+    """The tile kernel reduces 8 rows per block (4, 2 or 1 for a smaller batch), full and
+    partial row blocks, each row with its own scale: spreads from 1 to 3000 nats, -1e30 masks
+    and -inf (log_mass: ranges far below their tile's max take the exact per-range path in
+    one row while the others add shifted terms)."""
+    words = [bytes(np.random.default_rng(i).integers(97, 100, size=1 + i % 6)) for i in range(300)]
+    rng = np.random.default_rng(B)
+    C = len(words) + (3 if reduction == "log_mass" else 0)
+    x = make_values(rng, B, C, reduction).double()
+    if reduction != "sum":
+        x[1] *= 300.0 if reduction == "log_mass" else 1.0  # a row spanning thousands of nats
+        x[2, ::3] = -1e30  # masked logits
+        x[3, 1::2] = -np.inf
+        x[3, 0] = 0.0
+    else:
+        x[1] *= 1e-30
+        x[3] *= 1e20
+    check(emulator, tmp_path, words, reduction, rows=x.float())
+
+
 @pytest.mark.parametrize("B", [1, 3])
 def test_log_mass_rows_split_into_slices(emulator, tmp_path, B):
     """Rows much wider than the vocabulary: the row log-sum-exp is split into several slices

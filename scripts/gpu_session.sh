@@ -12,9 +12,10 @@
 # (~5 MB); then run `all` as one device-tool command carrying [".whl"] (a machine goes back
 # 30 s after a call, so two calls usually mean two builds; `all` bounds the benchmark and the
 # tests with timeouts, BENCH_S and TESTS_S, to fit the 10-minute limit; PYTEST_ARGS adds
-# pytest arguments). What comes back: the logs, the test report, the sm_90 compile table and
-# the benchmark table; commit the table under bench/results/. SmolLM2's vocabulary cases are left out there (its tokenizer ships in a
-# 96 MB GGUF, over the transfer limit).
+# pytest arguments). What comes back: the logs, the test report, the sm_90 compile table, the
+# benchmark table and, if a test crashed the interpreter, its C stack (crash.txt); commit the
+# table under bench/results/. SmolLM2's vocabulary cases are
+# left out there (its tokenizer ships in a 96 MB GGUF, over the transfer limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session}
@@ -62,9 +63,28 @@ run_tests() {
   # vocabularies included; SmolLM2's vocabulary comes from a 96 MB GGUF that cannot
   # travel, so its cases are left out. The sm_90 compile report uses this triton.
   $PY tests/ops/test_triton_sm90.py >"$OUT/sm90-compile.txt" 2>&1
-  $PY -m pytest tests/ops -q -ra -k "not smollm2" -p no:cacheprovider \
-    --durations=10 --junitxml="$OUT/tests-ops.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests-ops.log"
-  return "${PIPESTATUS[0]}"
+  # A test that kills the interpreter (a signal: rc > 128) would end the run there; its
+  # C stack goes to $OUT/crash.txt (gdb, where there is one) and the run goes on without
+  # it, up to 3 times. pytest's faulthandler names the test in the log.
+  local deselect=() rc crashed python
+  for attempt in 1 2 3 4; do
+    $PY -m pytest tests/ops -q -ra -k "not smollm2" -p no:cacheprovider \
+      --durations=10 --junitxml="$OUT/tests-ops.xml" ${PYTEST_ARGS:-} "${deselect[@]}" 2>&1 \
+      | tee -a "$OUT/tests-ops.log"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -gt 128 ] && [ "$attempt" -lt 4 ] || return "$rc"
+    crashed=$(grep -oE 'tests/ops/[A-Za-z0-9_]+\.py", line [0-9]+ in test_[A-Za-z0-9_]+' \
+      "$OUT/tests-ops.log" | tail -1 | sed -E 's/", line [0-9]+ in /::/')
+    [ -n "$crashed" ] || return "$rc"
+    echo "!! $crashed killed pytest (rc $rc); its stack: $OUT/crash.txt; going on without it"
+    if command -v gdb >/dev/null; then
+      echo "== $crashed" >>"$OUT/crash.txt"
+      python=$($PY -c "import sys; print(sys.executable)")  # not a shim script
+      timeout 120 gdb -q -batch -ex run -ex bt --args "$python" -m pytest -q -p no:cacheprovider \
+        "$crashed" 2>&1 | sed -n '/received signal/,$p' | head -40 >>"$OUT/crash.txt"
+    fi
+    deselect+=(--deselect "$crashed")
+  done
 }
 
 run_bench() {

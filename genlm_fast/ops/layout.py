@@ -26,6 +26,7 @@ import os
 import pickle
 import threading
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -80,7 +81,7 @@ class TrieLayout:
         state["_device_cache"] = {}  # tensors and backend scratch are rebuilt per process
         return state
 
-    @property
+    @cached_property  # read on every call: a max over V is ~7 us of a ~30 us small call
     def num_columns(self) -> int:
         """Smallest width a weight/logit row must have."""
         return int(self.token_column.max()) + 1 if len(self.token_column) else 0

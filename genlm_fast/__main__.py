@@ -39,8 +39,10 @@ def info() -> int:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            auto = resolve_backend("auto", device)
-        print(f"{device}: backends {available_backends(device)}; auto -> {auto}")
+            auto = {op: resolve_backend("auto", device, op) for op in ("sum", "max", "log_mass")}
+        chosen = (next(iter(auto.values())) if len(set(auto.values())) == 1
+                  else ", ".join(f"{op}: {b}" for op, b in auto.items()))
+        print(f"{device}: backends {available_backends(device)}; auto -> {chosen}")
     return 0
 
 

@@ -269,6 +269,32 @@ def test_fallback_warning_says_why_and_how(monkeypatch):
     assert "REASON-XYZ" in text and "--no-build-isolation" in text and "reference" in text
 
 
+@pytest.mark.parametrize("built", [("triton", "cuda"), ("triton",), ("cuda",), ()])
+def test_auto_on_a_gpu_picks_per_reduction(monkeypatch, built):
+    """On a CUDA device "auto" takes, per reduction, the first of GPU_PREFERENCE that is
+    available (the faster one on the H100 for that op), the other one when only it is,
+    and the reference (with a warning) when neither is."""
+    from genlm_fast.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "triton_usable", lambda device: "triton" in built)
+    monkeypatch.setattr(dispatch, "_extension_usable",
+                        lambda kind, device: kind == "cuda" and "cuda" in built)
+    monkeypatch.setattr(dispatch, "_warned", set())
+    assert set(dispatch.GPU_PREFERENCE) == set(dispatch.REDUCTIONS)
+    expected = {"sum": "cuda", "max": "cuda", "log_mass": "triton"}
+    for reduction in dispatch.REDUCTIONS:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            chosen = dispatch.resolve_backend("auto", "cuda", reduction)
+        want = (expected[reduction] if expected[reduction] in built
+                else built[0] if built else "reference")
+        assert chosen == want, reduction
+        assert any("reference" in str(w.message) for w in record) == (want == "reference")
+        monkeypatch.setattr(dispatch, "_warned", set())
+    with pytest.raises(ValueError, match="unknown reduction 'mean'"):
+        dispatch.resolve_backend("auto", "cuda", "mean")
+
+
 def test_triton_interpreter_switched_on_after_the_kernels_were_imported(monkeypatch):
     """TRITON_INTERPRET=1 set after the Triton kernels were defined for the GPU does not
     make them run on CPU tensors: "triton" is not offered there, and asking for it says why

@@ -50,16 +50,23 @@ and every node range is pre-split (by the layout) into *local ranges* lying insi
    ``x - big`` is exact (Sterbenz) or rounded relative to ``|x - big|``, ``s`` carries
    an ulp of ``log C``, so ``v`` is good to an ulp or two of ``|v|`` whatever the offset.
 
-3. ``_tile_ranges_dense`` (``max``, float64 ``sum``/``max``, and an optional fallback for
-   everything), grid (n_tiles, B): the straightforward version; per chunk of RB ranges it
-   builds the [RB, TILE] mask and reduces along the tile axis (sum; max; logsumexp as max,
-   then sum exp(v - max), guarded for -inf).
+3. ``_tile_ranges_max`` (``max``), grid (n_tiles, cdiv(B, ROWS)): a sparse table per row
+   and tile, ``t_j[p]`` = max of the window ``[p, p + 2^j)``, built by doubling
+   (``t_{j+1}[p] = max(t_j[p], t_j[p + 2^j])``, log2(TILE) register gathers); then any range
+   ``[s, e)`` of length ``n`` is ``max(t_k[s], t_k[e - 2^k])`` with ``k = floor(log2 n)``:
+   two overlapping windows that cover it exactly, so the result is exact. Per range that is
+   two gathers per level instead of the dense path's TILE masked compares.
+
+4. ``_tile_ranges_dense`` (float64 ``sum``, and an optional fallback for everything), grid
+   (n_tiles, B): the straightforward version; per chunk of RB ranges it builds the [RB, TILE]
+   mask and reduces along the tile axis (sum; max; logsumexp as max, then sum exp(v - max),
+   guarded for -inf).
 
    Every local range is written once, to ``out[row, dest]`` when ``dest >= 0`` or to the
    per-row scratch slot ``-1 - dest`` (tile totals and left/right pieces of spanning nodes).
    Empty ranges give the identity: 0 for sum and max, -inf for log_mass.
 
-4. ``_spanning_nodes``, grid (cdiv(S, SPAN_BLOCK), B): a node whose leaves cross tile
+5. ``_spanning_nodes``, grid (cdiv(S, SPAN_BLOCK), B): a node whose leaves cross tile
    boundaries combines its left piece, its right piece and the totals of the whole tiles
    ``[lo, hi)`` from scratch. Spanning nodes are sorted by tile count, so a block loops only
    to its own largest count, TB tiles at a time (vector loads, tree reduction per chunk).
@@ -207,6 +214,69 @@ def _tile_ranges_dense(x_ptr, C, L, leaf_token_ptr, range_ptr_ptr, range_start_p
                                               c, r1, RB)
         res = _dense_reduce(v, pos, start, end, REDUCTION)
         _store_ranges(out_row, scr_row, dest, res.to(out_ptr.dtype.element_ty), r_ok)
+
+
+@triton.jit
+def _window_doubled(t, pos_l, w: tl.constexpr, TILE: tl.constexpr):
+    """t[:, p] = max of the window [p, p + w) -> max of [p, p + 2w). Past the tile's end
+    the index clamps to its last position: those windows are never queried (a query's
+    window lies inside its range, which lies inside the tile)."""
+    idx = tl.broadcast_to(tl.minimum(pos_l + w, TILE - 1)[None, :], t.shape)
+    return tl.maximum(t, tl.gather(t, idx, axis=1))
+
+
+@triton.jit
+def _window_query(t, first, last, n, res, w: tl.constexpr):
+    """Ranges of length n in [w, 2w): max of the windows of length w at ``first`` and
+    ``last`` (= end - w), which together cover the range; other ranges keep res."""
+    both = tl.maximum(tl.gather(t, first, axis=1), tl.gather(t, last, axis=1))
+    return tl.where((n >= w) & (n < 2 * w), both, res)
+
+
+@triton.jit
+def _tile_ranges_max(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_ptr,
+                     range_end_ptr, range_dest_ptr, out_ptr, N, scratch_ptr, NS,
+                     TILE: tl.constexpr, ROWS: tl.constexpr, RB: tl.constexpr):
+    """One (tile, block of ROWS rows) per program: range maxima from a sparse table."""
+    tl.static_assert(TILE <= 64, "the sparse table has levels for windows up to 64")
+    t = tl.program_id(0)
+    rb = tl.program_id(1)
+    rows = rb * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < B
+    pos_l = tl.arange(0, TILE)
+    pos = t * TILE + pos_l
+    pos_ok = pos < L
+    tok = tl.load(leaf_token_ptr + pos, mask=pos_ok, other=0)
+    t0 = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + tok[None, :],
+                 mask=row_ok[:, None] & pos_ok[None, :], other=float("-inf"))
+    t1 = _window_doubled(t0, pos_l, 1, TILE)
+    t2 = _window_doubled(t1, pos_l, 2, TILE)
+    t3 = _window_doubled(t2, pos_l, 4, TILE)
+    t4 = _window_doubled(t3, pos_l, 8, TILE)
+    t5 = _window_doubled(t4, pos_l, 16, TILE)
+    t6 = _window_doubled(t5, pos_l, 32, TILE)
+
+    out_rows = out_ptr + rows.to(tl.int64)[:, None] * N
+    scr_rows = scratch_ptr + rows.to(tl.int64)[:, None] * NS
+    r0 = tl.load(range_ptr_ptr + t)
+    r1 = tl.load(range_ptr_ptr + t + 1)
+    for c in range(r0, r1, RB):
+        r_ok, start, end, dest = _load_ranges(range_start_ptr, range_end_ptr, range_dest_ptr,
+                                              c, r1, RB)
+        n = tl.broadcast_to((end - start)[None, :], (ROWS, RB))
+        # tile-local positions, clamped for the chunk's padding (start = end = 0)
+        first = tl.broadcast_to(tl.minimum(tl.maximum(start - t * TILE, 0), TILE - 1)[None, :],
+                                (ROWS, RB))
+        res = tl.zeros([ROWS, RB], dtype=t0.dtype)  # an empty range's max is 0
+        res = _window_query(t0, first, tl.maximum(first + n - 1, 0), n, res, 1)
+        res = _window_query(t1, first, tl.maximum(first + n - 2, 0), n, res, 2)
+        res = _window_query(t2, first, tl.maximum(first + n - 4, 0), n, res, 4)
+        res = _window_query(t3, first, tl.maximum(first + n - 8, 0), n, res, 8)
+        res = _window_query(t4, first, tl.maximum(first + n - 16, 0), n, res, 16)
+        res = _window_query(t5, first, tl.maximum(first + n - 32, 0), n, res, 32)
+        res = _window_query(t6, first, tl.maximum(first + n - 64, 0), n, res, 64)
+        _store_ranges(out_rows, scr_rows, dest[None, :], res.to(out_ptr.dtype.element_ty),
+                      row_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit

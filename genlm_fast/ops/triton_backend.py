@@ -1,14 +1,17 @@
 """Triton backend: launches the fused trie-reduction kernels of ``genlm_fast.kernels``.
 
-``trie_reduce`` follows the backend contract of ``genlm_fast.ops.dispatch``. Runs on CUDA tensors, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``
-set before triton is imported; a correctness tool, ~100x slower than torch).
+``trie_reduce`` follows the backend contract of ``genlm_fast.ops.dispatch``. Runs on CUDA
+tensors, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before
+triton is imported; a correctness tool, ~100x slower than torch).
 
 Paths (see the kernel module's docstring for the algorithm):
 
 * ``log_mass`` (any float dtype) and float32 ``sum``: ``_tile_ranges_dot`` (range sums as a
   TF32-split product with the 0/1 membership mask, exact fallback for the rare ranges that
   need it), after ``_row_lse_partial`` for ``log_mass``.
-* ``max`` and float64 ``sum``: ``_tile_ranges_dense``.
+* ``max``: ``_tile_ranges_max`` (a sparse table of window maxima per tile, two lookups
+  per range).
+* float64 ``sum``: ``_tile_ranges_dense``.
 * then ``_spanning_nodes`` when the trie has nodes crossing tile boundaries.
 
 ``GENLM_FAST_TRITON_DENSE=1`` in the environment sends every reduction through the dense
@@ -40,6 +43,9 @@ DOT_SUB = 16  # ranges per step of the dot kernel's dense rewrite (sum with inf 
 # larger batches get more row blocks rather than taller ones. To be tuned on a GPU.
 DOT_ROWS = 16
 DOT_WARPS = 8
+MAX_ROWS = 16  # rows per program of the max kernel (its sparse table: 7 x [16, 64] values)
+MAX_RB = 32  # ranges per chunk of the max kernel
+MAX_WARPS = 4
 SPAN_BLOCK = 32  # spanning nodes per program
 SPAN_TILES = 64  # tile totals loaded per spanning node and iteration
 MAX_GRID_ROWS = 65535  # CUDA's limit on a grid's second axis, where the kernels put rows
@@ -66,10 +72,15 @@ def _num_sms(device: torch.device) -> int:
     return 1  # interpreter: few programs is fastest
 
 
-def uses_dot(reduction: str, dtype: torch.dtype) -> bool:
-    """Whether the tile kernel is ``_tile_ranges_dot`` (else ``_tile_ranges_dense``) for
-    inputs of ``dtype`` (the dispatcher hands sum/max float32 or float64)."""
-    return reduction == "log_mass" or (reduction == "sum" and dtype == torch.float32)
+def tile_kernel(reduction: str, dtype: torch.dtype) -> str:
+    """Which tile kernel runs for inputs of ``dtype`` (the dispatcher hands sum/max float32
+    or float64): "dot", "max" or "dense" (also for everything with
+    GENLM_FAST_TRITON_DENSE=1)."""
+    if os.environ.get("GENLM_FAST_TRITON_DENSE") == "1":
+        return "dense"
+    if reduction == "max":
+        return "max"
+    return "dot" if reduction == "log_mass" or dtype == torch.float32 else "dense"
 
 
 def _row_lse_partials(values: torch.Tensor, acc_dtype: torch.dtype):
@@ -129,8 +140,8 @@ def _reduce_rows(values: torch.Tensor, out: torch.Tensor, arrays: dict, reductio
             acc_dtype = values.dtype
             pmax = psum = out  # unused by the kernels
             split = 1
-        dense_only = os.environ.get("GENLM_FAST_TRITON_DENSE") == "1"
-        if uses_dot(reduction, values.dtype) and not dense_only:
+        kind = tile_kernel(reduction, values.dtype)
+        if kind == "dot":
             kernels._tile_ranges_dot[(n_tiles, _cdiv(B, DOT_ROWS))](
                 values, B, C, L, leaf_token, tile_range_ptr, arrays["range_start"],
                 arrays["range_end"], arrays["range_dest"], out, num_nodes, scratch, NS,
@@ -139,6 +150,11 @@ def _reduce_rows(values: torch.Tensor, out: torch.Tensor, arrays: dict, reductio
                 RB=DOT_RB, SUB=DOT_SUB, ACC=_tl_dtype(acc_dtype),
                 FAST_MIN_MASS=kernels._FAST_MIN_MASS, LEVEL_GAP=kernels._LEVEL_GAP,
                 num_warps=DOT_WARPS)
+        elif kind == "max":
+            kernels._tile_ranges_max[(n_tiles, _cdiv(B, MAX_ROWS))](
+                values, B, C, L, leaf_token, tile_range_ptr, arrays["range_start"],
+                arrays["range_end"], arrays["range_dest"], out, num_nodes, scratch, NS,
+                TILE=tile, ROWS=MAX_ROWS, RB=MAX_RB, num_warps=MAX_WARPS)
         else:
             kernels._tile_ranges_dense[(n_tiles, B)](
                 values, C, L, leaf_token, tile_range_ptr, arrays["range_start"],

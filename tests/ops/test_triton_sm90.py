@@ -71,7 +71,13 @@ def _configs():
             "scratch_ptr": f"*{res}", "NS": "i32", "pmax_ptr": f"*{part}",
             "psum_ptr": f"*{part}",
         }
-        if tb.uses_dot(reduction, torch_dtype[x]):
+        kind = tb.tile_kernel(reduction, torch_dtype[x])
+        if kind == "max":
+            out.append((f"_tile_ranges_max {tag}", k._tile_ranges_max,
+                        {n: t for n, t in tile_args.items() if n not in ("pmax_ptr", "psum_ptr")},
+                        {"TILE": layout.TILE, "ROWS": tb.MAX_ROWS, "RB": tb.MAX_RB},
+                        tb.MAX_WARPS))
+        if kind == "dot":
             rows, warps = tb.DOT_ROWS, tb.DOT_WARPS
             out.append((f"_tile_ranges_dot {tag}", k._tile_ranges_dot, tile_args,
                         {"LOG_MASS": reduction == "log_mass", "SPLIT": split,

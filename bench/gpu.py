@@ -16,7 +16,9 @@ For every available GPU backend (``triton``, ``cuda``), batch size and op it
 3. reports the compulsory traffic — logits/weights read once (B * V' * 4 bytes), node values
    written once (B * N * 4), the backend's index arrays read once — the effective bandwidth
    (traffic / time) of the kernels and of the public call (which also validates its input:
-   one more read of it), and their fractions of the device's peak HBM bandwidth.
+   one more read of it), and their fractions of the device's peak HBM bandwidth;
+4. at B=64, profiles each backend's kernels (torch.profiler): the time of each kernel of
+   its chain, to show where the time goes.
 The reference is genlm.backend's ``ParallelTokenCharacterTrie(device="cuda")`` when
 ``genlm.backend`` imports (its own ancestor matrix), else the same algorithm inline (a torch
 sparse CSR ancestor matrix [V, N], ``torch.sparse.mm(ws[:, positions], M)``; for max its
@@ -194,6 +196,28 @@ def timer_name(device) -> str:
         return "do_bench"
     except ImportError:
         return "cuda_events"
+
+
+def kernel_breakdown(fn, device, calls: int = 20) -> list[tuple[str, float]]:
+    """(kernel, ms per call) of the device work ``fn`` does, by torch.profiler, slowest
+    first: which kernel of a backend's chain the time goes to. Calls run back to back (L2
+    not flushed). On CPU (the dry run) the top ops by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    fn()
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync(device)
+    found = []
+    for event in prof.key_averages():
+        us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        if us > 0:
+            name = re.sub(r"\(.*", "", event.key)  # a C++ kernel's parameter list
+            found.append((name[-70:], us / calls / 1e3))
+    return sorted(found, key=lambda item: -item[1])
 
 
 # --------------------------------------------------------------------------- reference
@@ -434,6 +458,7 @@ def run(args) -> tuple[list[dict], dict]:
         dev_name = f"CPU ({K.cpu_model()}, {os.cpu_count()} cores) -- dry run"
     peak = detect_peak(dev_name, args.peak_gbs)
     rows, failures = [], []
+    breakdown_b = GOAL_PEAK_B if GOAL_PEAK_B in args.batch_sizes else max(args.batch_sizes)
     for B in args.batch_sizes:
         logits, probs = K.make_inputs(len(vocab), B)
         logits, probs = logits.to(device), probs.to(device)
@@ -497,6 +522,12 @@ def run(args) -> tuple[list[dict], dict]:
                     "speedup_api": (ref_api_ms / host_ms) if (ref_api_ms and host_ms) else None,
                     "max_rel_err": err,
                 }
+                if B == breakdown_b:
+                    try:  # a profiler problem must not cost the session its timings
+                        row["breakdown"] = kernel_breakdown(kfn, device)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"{b} {op} B={B}: no kernel breakdown: {type(e).__name__}: {e}",
+                              flush=True)
                 rows.append(row)
                 print(f"{b:9s} {op:8s} B={B:<4d} api {api_ms:9.4f} ms  kernels "
                       f"{kernel_ms:9.4f} ms  {gbs:8.1f} GB/s"
@@ -574,6 +605,14 @@ def table(rows, info, command: str) -> str:
             lines.append(f"| {r['backend']} | {_f(r['speedup'], '.1f')}x ({_f(r['ref_ms'], '.3f')} ms vs "
                          f"{_f(r['kernel_ms'], '.3f')} ms) | {_f(r['speedup_api'], '.1f')}x "
                          f"({_f(r['ref_api_ms'], '.3f')} ms vs {_f(r.get('host_api_ms'), '.3f')} ms) |")
+    broken_down = [r for r in rows if r.get("breakdown")]
+    if broken_down:
+        lines += ["", f"Where the kernel time goes at B={broken_down[0]['B']} (torch.profiler, "
+                  "20 calls back to back; ms per call):", "",
+                  "| backend | op | kernel | ms |", "|---|---|---|---:|"]
+        for r in broken_down:
+            for name, ms in r["breakdown"][:6]:
+                lines.append(f"| {r['backend']} | {r['op']} | `{name}` | {ms:.4f} |")
     lines += ["", "Goals (the issue's, Llama-3 vocabulary):", "",
               "| goal | backend | measured | met |", "|---|---|---:|---|"]
     for r in goals(rows):

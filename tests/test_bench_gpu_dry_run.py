@@ -41,6 +41,10 @@ def test_dry_run_verifies_times_and_writes_the_table(tmp_path):
         line = next(l for l in headline.splitlines() if l.startswith(f"| {backend} | "))
         assert line.count(" ms vs ") == 2 and "- ms" not in line, line
     assert "| oracle | float64, from the reference's ancestor matrix" in text
+    where = text.split(f"Where the kernel time goes at B={gpu.SPEEDUP_B}")[1].split("Goals")[0]
+    for backend in ("reference", "cpu", "triton"):
+        for op in gpu.OPS:
+            assert f"| {backend} | {op} | `" in where, (backend, op)
     assert "Goals (the issue's" in text
 
 

@@ -215,9 +215,19 @@ def kernel_breakdown(fn, device, calls: int = 20) -> list[tuple[str, float]]:
     for event in prof.key_averages():
         us = event.self_device_time_total if cuda else event.self_cpu_time_total
         if us > 0:
-            name = re.sub(r"\(.*", "", event.key)  # a C++ kernel's parameter list
-            found.append((name[-70:], us / calls / 1e3))
+            found.append((kernel_name(event.key), us / calls / 1e3))
     return sorted(found, key=lambda item: -item[1])
+
+
+def kernel_name(key: str) -> str:
+    """A profiler key, shortened for the table: a C++ kernel's signature (it has a parameter
+    list) loses its return type, namespaces (anonymous ones included) and parameters,
+    keeping its name and template arguments; other keys (Triton kernels, aten ops) stay."""
+    if "(" not in key:
+        return key[:70]
+    name = key.replace("(anonymous namespace)::", "")
+    name = name.split("(", 1)[0].removeprefix("void ")
+    return re.sub(r"^(\w+::)+", "", name)[:70]
 
 
 # --------------------------------------------------------------------------- reference

@@ -51,6 +51,16 @@ def test_dry_run_verifies_times_and_writes_the_table(tmp_path):
 # --------------------------------------------------------------------------- fast checks
 
 
+@pytest.mark.parametrize("key,name", [
+    ("void genlm_fast::cuda::(anonymous namespace)::tile_kernel<float, float, 2, 8>"
+     "(float const*, int const*, long)", "tile_kernel<float, float, 2, 8>"),
+    ("_tile_ranges_max", "_tile_ranges_max"),
+    ("aten::index", "aten::index"),
+])
+def test_kernel_names_keep_the_kernel(key, name):
+    assert gpu.kernel_name(key) == name
+
+
 @pytest.fixture(scope="module")
 def small():
     """(vocab, TokenByteTrie, Reference) on 300 synthetic tokens, on CPU."""

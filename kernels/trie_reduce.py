@@ -226,9 +226,10 @@ def _window_doubled(t, pos_l, w: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
-def _window_query(t, first, last, n, res, w: tl.constexpr):
-    """Ranges of length n in [w, 2w): max of the windows of length w at ``first`` and
-    ``last`` (= end - w), which together cover the range; other ranges keep res."""
+def _window_query(t, first, n, res, w: tl.constexpr):
+    """Ranges of length n in [w, 2w): max of the windows of length w at ``first`` and at
+    ``first + n - w``, which together cover the range; other ranges keep res."""
+    last = tl.maximum(first + n - w, 0)  # clamped for the ranges this level does not answer
     both = tl.maximum(tl.gather(t, first, axis=1), tl.gather(t, last, axis=1))
     return tl.where((n >= w) & (n < 2 * w), both, res)
 
@@ -268,13 +269,13 @@ def _tile_ranges_max(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_
         first = tl.broadcast_to(tl.minimum(tl.maximum(start - t * TILE, 0), TILE - 1)[None, :],
                                 (ROWS, RB))
         res = tl.zeros([ROWS, RB], dtype=t0.dtype)  # an empty range's max is 0
-        res = _window_query(t0, first, tl.maximum(first + n - 1, 0), n, res, 1)
-        res = _window_query(t1, first, tl.maximum(first + n - 2, 0), n, res, 2)
-        res = _window_query(t2, first, tl.maximum(first + n - 4, 0), n, res, 4)
-        res = _window_query(t3, first, tl.maximum(first + n - 8, 0), n, res, 8)
-        res = _window_query(t4, first, tl.maximum(first + n - 16, 0), n, res, 16)
-        res = _window_query(t5, first, tl.maximum(first + n - 32, 0), n, res, 32)
-        res = _window_query(t6, first, tl.maximum(first + n - 64, 0), n, res, 64)
+        res = _window_query(t0, first, n, res, 1)
+        res = _window_query(t1, first, n, res, 2)
+        res = _window_query(t2, first, n, res, 4)
+        res = _window_query(t3, first, n, res, 8)
+        res = _window_query(t4, first, n, res, 16)
+        res = _window_query(t5, first, n, res, 32)
+        res = _window_query(t6, first, n, res, 64)
         _store_ranges(out_rows, scr_rows, dest[None, :], res.to(out_ptr.dtype.element_ty),
                       row_ok[:, None] & r_ok[None, :])
 

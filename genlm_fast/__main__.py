@@ -14,6 +14,7 @@ def info() -> int:
     import genlm_fast
     from genlm_fast.ops import available_backends, resolve_backend
     from genlm_fast.ops import extension
+    from genlm_fast.ops.dispatch import REDUCTIONS
 
     print(f"genlm_fast {genlm_fast.__version__}  python {platform.python_version()}  "
           f"torch {torch.__version__}")
@@ -39,7 +40,7 @@ def info() -> int:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            auto = {op: resolve_backend("auto", device, op) for op in ("sum", "max", "log_mass")}
+            auto = {op: resolve_backend("auto", device, op) for op in REDUCTIONS}
         chosen = (next(iter(auto.values())) if len(set(auto.values())) == 1
                   else ", ".join(f"{op}: {b}" for op, b in auto.items()))
         print(f"{device}: backends {available_backends(device)}; auto -> {chosen}")

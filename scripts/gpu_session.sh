@@ -14,8 +14,8 @@
 # tests with timeouts, BENCH_S and TESTS_S, to fit the 10-minute limit; PYTEST_ARGS adds
 # pytest arguments). What comes back: the logs, the test report, the sm_90 compile table, the
 # benchmark table and, if a test crashed the interpreter, its C stack (crash.txt); commit the
-# table under bench/results/. SmolLM2's vocabulary cases are
-# left out there (its tokenizer ships in a 96 MB GGUF, over the transfer limit).
+# table under bench/results/. SmolLM2's vocabulary cases are left out there (its tokenizer
+# ships in a 96 MB GGUF, over the transfer limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session}
@@ -65,7 +65,8 @@ run_tests() {
   $PY tests/ops/test_triton_sm90.py >"$OUT/sm90-compile.txt" 2>&1
   # A test that kills the interpreter (a signal: rc > 128) would end the run there; its
   # C stack goes to $OUT/crash.txt (gdb, where there is one) and the run goes on without
-  # it, up to 3 times. pytest's faulthandler names the test in the log.
+  # it, up to 3 times. pytest's faulthandler names the test in the log, which collects every
+  # attempt (the XML report holds the last one).
   local deselect=() rc crashed python
   for attempt in 1 2 3 4; do
     $PY -m pytest tests/ops -q -ra -k "not smollm2" -p no:cacheprovider \

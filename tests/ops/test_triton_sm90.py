@@ -77,7 +77,7 @@ def _configs():
                         {n: t for n, t in tile_args.items() if n not in ("pmax_ptr", "psum_ptr")},
                         {"TILE": layout.TILE, "ROWS": tb.MAX_ROWS, "RB": tb.MAX_RB},
                         tb.MAX_WARPS))
-        if kind == "dot":
+        elif kind == "dot":
             rows, warps = tb.DOT_ROWS, tb.DOT_WARPS
             out.append((f"_tile_ranges_dot {tag}", k._tile_ranges_dot, tile_args,
                         {"LOG_MASS": reduction == "log_mass", "SPLIT": split,

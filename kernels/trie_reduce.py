@@ -5,7 +5,11 @@ Algorithm
 ---------
 The leaves of the trie, sorted by post-order node id, form the *leaf order*; every node's
 leaves are one contiguous slice of it. The leaf order is cut into tiles of ``TILE`` positions
-and every node range is pre-split (by the layout) into *local ranges* lying inside one tile:
+and every node range is pre-split (by the layout) into *local ranges* lying inside one tile.
+A tile's *unit* ranges (one leaf: ~80% of all ranges on real vocabularies, the leaves and the
+single-child chains above them) come first in its list: the tile kernels copy their leaf's own
+value (a gather from the registers; exact, also for ``log_mass``: the log-probability itself)
+and run the reductions below only on the other ranges.
 
 1. ``_row_lse_partial`` (``log_mass`` only), grid (B, SPLIT): each program reads one
    contiguous slice of a logit row once, coalesced, and keeps an online (max, sum-exp) pair
@@ -130,6 +134,19 @@ def _load_ranges(start_ptr, end_ptr, dest_ptr, c, r1, RB: tl.constexpr):
 
 
 @triton.jit
+def _unit_positions(start_ptr, dest_ptr, c, u1, t, ROWS: tl.constexpr, UB: tl.constexpr,
+                    TILE: tl.constexpr):
+    """Unit ranges [c, c + UB) of a tile's list, which end at u1: (valid, dest, their leaf's
+    tile-local position broadcast over ROWS rows, for a gather along the tile axis)."""
+    uidx = c + tl.arange(0, UB)
+    u_ok = uidx < u1
+    start = tl.load(start_ptr + uidx, mask=u_ok, other=0)
+    dest = tl.load(dest_ptr + uidx, mask=u_ok, other=0)
+    local = tl.minimum(tl.maximum(start - t * TILE, 0), TILE - 1)  # clamped for the padding
+    return u_ok, dest, tl.broadcast_to(local[None, :], (ROWS, UB))
+
+
+@triton.jit
 def _store_ranges(out_rows, scr_rows, dest, res, ok):
     """res to out[dest] where dest >= 0, to scratch[-1 - dest] where dest < 0 (masked by ok);
     broadcasts over rows when out_rows / scr_rows are [ROWS, 1] row pointers."""
@@ -235,9 +252,9 @@ def _window_query(t, first, n, res, w: tl.constexpr):
 
 
 @triton.jit
-def _tile_ranges_max(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_ptr,
-                     range_end_ptr, range_dest_ptr, out_ptr, N, scratch_ptr, NS,
-                     TILE: tl.constexpr, ROWS: tl.constexpr, RB: tl.constexpr):
+def _tile_ranges_max(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, unit_end_ptr,
+                     range_start_ptr, range_end_ptr, range_dest_ptr, out_ptr, N, scratch_ptr,
+                     NS, TILE: tl.constexpr, ROWS: tl.constexpr, RB: tl.constexpr):
     """One (tile, block of ROWS rows) per program: range maxima from a sparse table."""
     tl.static_assert(TILE <= 64, "the sparse table has levels for windows up to 64")
     t = tl.program_id(0)
@@ -260,8 +277,15 @@ def _tile_ranges_max(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_
     out_rows = out_ptr + rows.to(tl.int64)[:, None] * N
     scr_rows = scratch_ptr + rows.to(tl.int64)[:, None] * NS
     r0 = tl.load(range_ptr_ptr + t)
+    u1 = tl.load(unit_end_ptr + t)
     r1 = tl.load(range_ptr_ptr + t + 1)
-    for c in range(r0, r1, RB):
+    for c in range(r0, u1, RB):  # unit ranges: their leaf's value
+        u_ok, dest, at = _unit_positions(range_start_ptr, range_dest_ptr, c, u1, t, ROWS, RB,
+                                         TILE)
+        _store_ranges(out_rows, scr_rows, dest[None, :],
+                      tl.gather(t0, at, axis=1).to(out_ptr.dtype.element_ty),
+                      row_ok[:, None] & u_ok[None, :])
+    for c in range(u1, r1, RB):
         r_ok, start, end, dest = _load_ranges(range_start_ptr, range_end_ptr, range_dest_ptr,
                                               c, r1, RB)
         n = tl.broadcast_to((end - start)[None, :], (ROWS, RB))
@@ -281,11 +305,11 @@ def _tile_ranges_max(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_
 
 
 @triton.jit
-def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_ptr,
-                     range_end_ptr, range_dest_ptr, out_ptr, N, scratch_ptr, NS,
-                     pmax_ptr, psum_ptr,
+def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, unit_end_ptr,
+                     range_start_ptr, range_end_ptr, range_dest_ptr, out_ptr, N, scratch_ptr,
+                     NS, pmax_ptr, psum_ptr,
                      LOG_MASS: tl.constexpr, SPLIT: tl.constexpr, TILE: tl.constexpr,
-                     ROWS: tl.constexpr, RB: tl.constexpr, SUB: tl.constexpr,
+                     ROWS: tl.constexpr, RB: tl.constexpr, UB: tl.constexpr, SUB: tl.constexpr,
                      ACC: tl.constexpr, FAST_MIN_MASS: tl.constexpr,
                      LEVEL_GAP: tl.constexpr):
     """One (tile, block of ROWS rows) per program: range sums as w @ membership-mask."""
@@ -322,9 +346,18 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_
     out_rows = out_ptr + rows.to(tl.int64)[:, None] * N
     scr_rows = scratch_ptr + rows.to(tl.int64)[:, None] * NS
     r0 = tl.load(range_ptr_ptr + t)
+    u1 = tl.load(unit_end_ptr + t)
     r1 = tl.load(range_ptr_ptr + t + 1)
+    # unit ranges: their leaf's own value, exact (log_mass: its log-probability; sum: its
+    # weight, infinite ones included), gathered from the registers
+    for c in range(r0, u1, UB):
+        u_ok, dest, at = _unit_positions(range_start_ptr, range_dest_ptr, c, u1, t, ROWS, UB,
+                                         TILE)
+        _store_ranges(out_rows, scr_rows, dest[None, :],
+                      tl.gather(v, at, axis=1).to(out_ptr.dtype.element_ty),
+                      row_ok[:, None] & u_ok[None, :])
     row_todo = tl.zeros([ROWS], tl.int32)  # rows with a range the fast path cannot do
-    for c in range(r0, r1, RB):
+    for c in range(u1, r1, RB):
         r_ok, start, end, dest = _load_ranges(range_start_ptr, range_end_ptr, range_dest_ptr,
                                               c, r1, RB)
         member = (pos[:, None] >= start[None, :]) & (pos[:, None] < end[None, :])
@@ -360,7 +393,7 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_
             xr = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + tok[None, :],
                          mask=lmask & redo[:, None], other=float("-inf")).to(ACC)
             vr = ((xr - big_safe[:, None]) - lse_s[:, None]).to(tl.float32)
-            for c in range(r0, r1, RB):
+            for c in range(u1, r1, RB):
                 r_ok, start, end, dest = _load_ranges(range_start_ptr, range_end_ptr,
                                                       range_dest_ptr, c, r1, RB)
                 member = (pos[:, None] >= start[None, :]) & (pos[:, None] < end[None, :])
@@ -392,7 +425,7 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, range_start_
                     row = (rb * ROWS + r).to(tl.int64)
                     v_r = tl.load(x_ptr + row * C + tok, mask=pos_ok, other=0.0)
                     v_r = v_r.to(tl.float32)
-                    for c2 in range(r0, r1, SUB):
+                    for c2 in range(u1, r1, SUB):
                         s_ok, st, en, de = _load_ranges(range_start_ptr, range_end_ptr,
                                                         range_dest_ptr, c2, r1, SUB)
                         d_r = _dense_reduce(v_r, pos, st, en, 0)

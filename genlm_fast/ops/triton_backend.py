@@ -36,6 +36,7 @@ LSE_BLOCK = 1024  # elements per iteration of the row-normaliser kernel
 LSE_MAX_SPLIT = 64  # slices per row for the normaliser (a power of two)
 DENSE_RB = 32  # ranges per chunk in the dense tile kernel
 DOT_RB = 64  # ranges per chunk (the N side of the mask product) in the dot tile kernel
+DOT_UB = 64  # unit ranges per chunk (one gather from the registers) in the dot tile kernel
 DOT_SUB = 16  # ranges per step of the dot kernel's dense rewrite (sum with inf weights)
 # Rows per dot-kernel program (the M side of the product; >= 16 for tl.dot) and its warps:
 # compiled for sm_90 (tests/ops/test_triton_sm90.py), 16 x 8 takes 98 registers/thread for
@@ -143,18 +144,18 @@ def _reduce_rows(values: torch.Tensor, out: torch.Tensor, arrays: dict, reductio
         kind = tile_kernel(reduction, values.dtype)
         if kind == "dot":
             kernels._tile_ranges_dot[(n_tiles, _cdiv(B, DOT_ROWS))](
-                values, B, C, L, leaf_token, tile_range_ptr, arrays["range_start"],
-                arrays["range_end"], arrays["range_dest"], out, num_nodes, scratch, NS,
-                pmax, psum,
+                values, B, C, L, leaf_token, tile_range_ptr, arrays["tile_unit_end"],
+                arrays["range_start"], arrays["range_end"], arrays["range_dest"], out,
+                num_nodes, scratch, NS, pmax, psum,
                 LOG_MASS=(reduction == "log_mass"), SPLIT=split, TILE=tile, ROWS=DOT_ROWS,
-                RB=DOT_RB, SUB=DOT_SUB, ACC=_tl_dtype(acc_dtype),
+                RB=DOT_RB, UB=DOT_UB, SUB=DOT_SUB, ACC=_tl_dtype(acc_dtype),
                 FAST_MIN_MASS=kernels._FAST_MIN_MASS, LEVEL_GAP=kernels._LEVEL_GAP,
                 num_warps=DOT_WARPS)
         elif kind == "max":
             kernels._tile_ranges_max[(n_tiles, _cdiv(B, MAX_ROWS))](
-                values, B, C, L, leaf_token, tile_range_ptr, arrays["range_start"],
-                arrays["range_end"], arrays["range_dest"], out, num_nodes, scratch, NS,
-                TILE=tile, ROWS=MAX_ROWS, RB=MAX_RB, num_warps=MAX_WARPS)
+                values, B, C, L, leaf_token, tile_range_ptr, arrays["tile_unit_end"],
+                arrays["range_start"], arrays["range_end"], arrays["range_dest"], out,
+                num_nodes, scratch, NS, TILE=tile, ROWS=MAX_ROWS, RB=MAX_RB, num_warps=MAX_WARPS)
         else:
             kernels._tile_ranges_dense[(n_tiles, B)](
                 values, C, L, leaf_token, tile_range_ptr, arrays["range_start"],

@@ -71,3 +71,60 @@ def test_numbering_matches_genlm(words):
         ref = ref_trie.TokenCharacterTrie([RefToken(i, w) for i, w in enumerate(words)])
     assert mine.children == ref.children
     assert mine.word2leaf == ref.word2leaf
+
+
+# --------------------------------------------------------------------------- tile decomposition
+
+
+def evaluate_tiles(ml, num_nodes, weights):
+    """Node sums from a mode's tile decomposition alone, the way the GPU kernels read it:
+    every local range into its destination, then spanning nodes from their pieces and whole
+    tile totals (float64, plain numpy)."""
+    out = np.full(num_nodes, np.nan)
+    scratch = np.full(ml.num_scratch, np.nan)
+    leaf_w = weights[ml.leaf_token]
+    for start, end, dest in zip(ml.range_start, ml.range_end, ml.range_dest):
+        value = leaf_w[start:end].sum()
+        if dest >= 0:
+            out[dest] = value
+        else:
+            scratch[-1 - dest] = value
+    for node, left, right, lo, hi in zip(ml.span_node, ml.span_left, ml.span_right,
+                                         ml.span_tile_lo, ml.span_tile_hi):
+        parts = list(scratch[lo:hi]) + [scratch[s] for s in (left, right) if s >= 0]
+        out[node] = np.sum(parts)
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(words=st.lists(st.binary(max_size=12).map(lambda b: bytes(x % 3 + 97 for x in b)),
+                      min_size=1, max_size=400),
+       n_eos=st.integers(0, 2), tile=st.sampled_from([1, 2, 8, 64]))
+def test_tile_decomposition_gives_every_node(words, n_eos, tile):
+    """Every node is written once, by a local range or as a spanning node, and the sums
+    agree with the float64 oracle; within each tile the unit ranges (one leaf) come first."""
+    from genlm_fast.bytes import TokenByteTrie
+    from tests import oracle
+
+    eos = sorted(set(words[:n_eos]))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layout, "TILE", tile)
+        trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device="cpu",
+                             eos_byte_strings=eos, cache=False, kernel_backend="reference")
+    weights = np.random.default_rng(len(words)).random(len(words))
+    eos_positions = [i for i, w in enumerate(words) if w in set(eos)]
+    for mode, ml in trie.layout.modes.items():
+        assert ml.tile == tile
+        lengths = ml.range_end - ml.range_start
+        for t in range(len(ml.tile_range_ptr) - 1):
+            r0, u1, r1 = ml.tile_range_ptr[t], ml.tile_unit_end[t], ml.tile_range_ptr[t + 1]
+            assert r0 <= u1 <= r1
+            assert (lengths[r0:u1] == 1).all() and (lengths[u1:r1] != 1).all()
+            inside = (ml.range_start[r0:r1] >= t * tile) & (ml.range_end[r0:r1] <= (t + 1) * tile)
+            assert inside[lengths[r0:r1] > 0].all()
+        dests = np.concatenate([ml.range_dest[ml.range_dest >= 0], ml.span_node])
+        np.testing.assert_array_equal(np.sort(dests), np.arange(trie.layout.num_nodes))
+        want = oracle.reduce(oracle.members(trie, eos_positions, with_eos=mode == "with_eos"),
+                             trie.layout.num_nodes, weights[None], "sum")[0]
+        np.testing.assert_allclose(evaluate_tiles(ml, trie.layout.num_nodes, weights), want,
+                                   rtol=1e-12, atol=0)

@@ -66,8 +66,8 @@ def _configs():
                         {"SPLIT": split, "BLOCK": tb.LSE_BLOCK, "ACC": tl_acc[acc]}, 4))
         tile_args = {
             "x_ptr": f"*{x}", "B": "i32", "C": "i32", "L": "i32", "leaf_token_ptr": idx,
-            "range_ptr_ptr": idx, "range_start_ptr": idx, "range_end_ptr": idx,
-            "range_dest_ptr": idx, "out_ptr": f"*{res}", "N": "i32",
+            "range_ptr_ptr": idx, "unit_end_ptr": idx, "range_start_ptr": idx,
+            "range_end_ptr": idx, "range_dest_ptr": idx, "out_ptr": f"*{res}", "N": "i32",
             "scratch_ptr": f"*{res}", "NS": "i32", "pmax_ptr": f"*{part}",
             "psum_ptr": f"*{part}",
         }
@@ -81,11 +81,11 @@ def _configs():
             rows, warps = tb.DOT_ROWS, tb.DOT_WARPS
             out.append((f"_tile_ranges_dot {tag}", k._tile_ranges_dot, tile_args,
                         {"LOG_MASS": reduction == "log_mass", "SPLIT": split,
-                         "TILE": layout.TILE, "ROWS": rows, "RB": tb.DOT_RB,
+                         "TILE": layout.TILE, "ROWS": rows, "RB": tb.DOT_RB, "UB": tb.DOT_UB,
                          "SUB": tb.DOT_SUB, "ACC": tl_acc[acc],
                          "FAST_MIN_MASS": k._FAST_MIN_MASS, "LEVEL_GAP": k._LEVEL_GAP},
                         warps))
-        dense_args = {n: t for n, t in tile_args.items() if n != "B"}
+        dense_args = {n: t for n, t in tile_args.items() if n not in ("B", "unit_end_ptr")}
         out.append((f"_tile_ranges_dense {tag}", k._tile_ranges_dense, dense_args,
                     {"REDUCTION": tb._CODES[reduction], "SPLIT": split,
                      "TILE": layout.TILE, "RB": tb.DENSE_RB, "ACC": tl_acc[acc]}, 4))

@@ -1,43 +1,62 @@
 // CUDA trie reduction kernels: the tile decomposition of genlm_fast/ops/layout.py (the
-// same algorithm as the Triton backend). No torch headers: plain device pointers, sizes
+// same decomposition as the Triton backend). No torch headers: plain device pointers, sizes
 // and a cudaStream_t (see trie_reduce_cuda.h); compiles standalone with `nvcc -c`.
 //
 // Layout recap. Leaves are sorted by node id ("leaf order"), so the leaves beneath any node
-// are one contiguous range of leaf positions. The leaf order is cut into tiles of TILE
+// are one contiguous range of leaf positions. The leaf order is cut into tiles of `tile`
 // positions. A node whose range lies inside one tile is "local"; the others are "spanning"
 // and are split into an optional left piece, whole tiles, and an optional right piece. The
 // pieces and each tile's total are themselves local ranges that write to a per-row scratch
-// buffer (tile totals at slots [0, n_tiles), pieces after them).
+// buffer (tile totals at slots [0, n_tiles), pieces after them). Within a tile, the "unit"
+// ranges (one leaf: ~80% of all ranges on real vocabularies, the leaves and the single-child
+// chains above them) come first, [tile_range_ptr[t], tile_unit_end[t]); the other ranges
+// (empty, or two leaves and more) follow.
 //
 // Kernels, enqueued in order on one stream:
-//  (a) log_mass only: lse = max + log(sum exp(x - max)) over all C columns of each row, in
-//      double, stored in the row's last scratch column. (a1) row_lse_partial: grid (splits,
-//      rows), each block reads one slice of a row once (several independent loads in flight
-//      per thread; an online max/sum-exp, one exp per element) and writes a partial (max,
-//      sum) to scratch slots the tile kernel only fills later; (a2) row_lse_merge: one warp
-//      per row merges the partials. Splitting keeps the device busy even at B = 1.
-//  (b) tile: one block per (tile, block of up to 8 rows). The tile's leaf values
-//      x[row, leaf_token[pos]] of those rows are gathered into shared memory once (as double;
-//      log_mass: x - lse = log-probs, then exp(v - the tile's max) per leaf), then the block's
-//      threads each reduce some of the tile's local ranges [tile_range_ptr[t],
-//      tile_range_ptr[t+1]) for all the block's rows at once: the index arrays are read once
-//      per 8 rows, and a log_mass range only adds. A destination >= 0 is a node (written to
-//      out), < 0 is scratch slot -1 - dest.
+//  (a) log_mass only: lse = max + log(sum exp(x - max)) of each row over all C columns,
+//      stored (double) in the row's last scratch column. (a1) row_lse_partial: grid (splits,
+//      rows), each block reads one slice of a row once (kLseUnroll independent loads in
+//      flight per thread) keeping an online (max, sum-exp) pair per thread: one float exp per
+//      element, the sum in double; it writes the slice's partial (max, sum) to two scratch
+//      slots the tile kernel only fills later. (a2) row_lse_merge: one warp per row merges
+//      the partials. Splitting rows keeps the device busy even at B = 1.
+//  (b) tile: one block per (tile, block of ROWS rows, ROWS = 1..32). The tile's leaf values
+//      of those rows, x[row, leaf_token[pos]], are gathered into shared memory once (log_mass:
+//      as log-probabilities x - lse, float), laid out [position][row] with an odd row stride,
+//      so that both "lanes = rows" and "lanes = positions" accesses are free of bank
+//      conflicts. Then
+//        units: a thread per unit range copies its leaf's value to the destination of every
+//          row; consecutive threads write consecutive node columns, so stores coalesce. The
+//          value is exact (log_mass: the log-probability itself, no exp/log round trip).
+//        other ranges: lanes = rows, so a warp walks the same range(s) for its rows with no
+//          divergence; results go to a staging buffer and from there, lanes = ranges, to
+//          coalesced stores. sum: a double sum; max: the max (exact); log_mass: per row the
+//          tile's largest log-probability is the shift, each leaf's term exp(v - shift) is
+//          computed once (float), and a range is shift + log(sum of its terms), the sum in
+//          double. That is exact to float rounding when the sum is >= kFastMinMass (1e-24):
+//          a term exp() flushed or made subnormal is < 2^-126, 64 of them < 1e-36, i.e.
+//          < 1e-12 of the range's mass. A range below that (every leaf over ~55 nats under
+//          the tile's max, or all -inf: masks of -1e30) is redone on its own lane: its own
+//          max, then the sum of exp(v - max): exact whatever the spread. -inf only where
+//          every leaf is -inf.
+//      A destination >= 0 is a node (written to out), < 0 is scratch slot -1 - dest.
 //  (c) span: one warp per (spanning node, row): the lanes stride over the node's whole-tile
 //      totals in scratch, reduce across the warp with shuffles, and lane 0 adds the left and
 //      right pieces. Spanning nodes are sorted by tile count, so a block's warps loop alike.
-// Sums accumulate in double; log_mass ranges use max-shifted sums and the spanning
-// reduction an online (max, scaled sum) log-sum-exp, so no node underflows: a node whose
-// leaves all have log-prob -800 gives -800, all -inf leaves give -inf, never NaN.
-// Empty nodes (no leaves; always local): 0 for sum and max, -inf for log_mass.
+//      In double: sums, and log_mass as an online (max, scaled sum) log-sum-exp.
+// Empty nodes (no leaves; always local): 0 for sum and max, -inf for log_mass. Floats are
+// enough where they are used: the design's bound on log-masses is 1e-4 absolute, these
+// kernels stay within a few float ulps of the float64 reference (tests/ops/
+// test_cuda_emulation.py runs this file on the CPU and checks it).
 // Templates over the input type (float, double, __half, __nv_bfloat16), the output type
-// (float, double) and the reduction.
+// (float, double), the reduction and the rows per tile block.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "trie_reduce_cuda.h"
 
@@ -46,6 +65,9 @@ namespace cuda {
 namespace {
 
 constexpr int kTileThreads = 128;
+constexpr int kTileWarps = kTileThreads / 32;
+constexpr int kStageRanges = 64;    // non-unit ranges staged per pass of the tile kernel
+constexpr float kFastMinMass = 1e-24f;
 constexpr int kLseThreads = 256;
 constexpr int kLseUnroll = 8;       // independent loads in flight per thread in (a1)
 constexpr int64_t kLseMinChunk = 4096;  // columns per (a1) block, at least
@@ -56,16 +78,14 @@ constexpr int64_t kMaxGridY = 65535;
 
 __device__ __forceinline__ double neg_inf() { return -__longlong_as_double(0x7ff0000000000000LL); }
 
-__device__ __forceinline__ double to_double(float v) { return static_cast<double>(v); }
-__device__ __forceinline__ double to_double(double v) { return v; }
-__device__ __forceinline__ double to_double(__half v) {
-  return static_cast<double>(__half2float(v));
-}
-__device__ __forceinline__ double to_double(__nv_bfloat16 v) {
-  return static_cast<double>(__bfloat162float(v));
-}
+// logits as the arithmetic type of (a1): float, or double for double logits
+__device__ __forceinline__ float to_arith(float v) { return v; }
+__device__ __forceinline__ double to_arith(double v) { return v; }
+__device__ __forceinline__ float to_arith(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_arith(__nv_bfloat16 v) { return __bfloat162float(v); }
 
-__device__ __forceinline__ double dmax(double a, double b) { return b > a ? b : a; }
+template <class V>
+__device__ __forceinline__ V vmax(V a, V b) { return b > a ? b : a; }
 
 // (m, s) represents m + log(s); merges (m2, s2) into it. m == -inf means "no mass".
 __device__ __forceinline__ void lse_merge(double& m, double& s, double m2, double s2) {
@@ -87,10 +107,9 @@ __device__ __forceinline__ double identity() {
   return RED == kSum ? 0.0 : neg_inf();
 }
 
-// ---------------------------------------------------------------------------- (a) row lse
-
-__device__ __forceinline__ double warp_max(double v) {
-  for (int off = 16; off > 0; off >>= 1) v = dmax(v, __shfl_xor_sync(kFullMask, v, off));
+template <class V>
+__device__ __forceinline__ V warp_max(V v) {
+  for (int off = 16; off > 0; off >>= 1) v = vmax(v, __shfl_xor_sync(kFullMask, v, off));
   return v;
 }
 __device__ __forceinline__ double warp_sum(double v) {
@@ -106,16 +125,31 @@ __device__ __forceinline__ void warp_lse_merge(double& m, double& z) {
   }
 }
 
+// ---------------------------------------------------------------------------- (a) row lse
+
+// One logit into a thread's online pair: m the largest logit so far (exact), s the sum of
+// exp(x - m) in double; one float exp per logit. A = float, or double for double logits.
+template <class A>
+__device__ __forceinline__ void online_lse(A& m, double& s, A x) {
+  if (x == static_cast<A>(neg_inf())) return;  // no mass (and never -inf - -inf)
+  if (x > m) {
+    s = s * static_cast<double>(expf(static_cast<float>(m - x))) + 1.0;  // m = -inf: s = 0
+    m = x;
+  } else {
+    s += static_cast<double>(expf(static_cast<float>(x - m)));
+  }
+}
+
 // (a1) grid (splits, rows): each block reads one contiguous slice of a row ONCE, with
-// kLseUnroll independent loads in flight per thread (a single dependent load per iteration
-// left one 128-byte request per warp in flight: ~2 GB/s per SM), keeps an online (max,
-// sum-exp) pair per thread, merges them across the block and writes the slice's partial
-// (m, s) to scratch slots [2 * split, 2 * split + 1] of its row. Those slots are free until
-// the tile kernel, which runs after (a2), writes its totals there.
+// kLseUnroll independent loads in flight per thread, keeps an online (max, sum-exp) pair per
+// thread, merges them across the block and writes the slice's partial (m, s) to scratch
+// slots [2 * split, 2 * split + 1] of its row. Those slots are free until the tile kernel,
+// which runs after (a2), writes its totals there.
 template <class T>
 __global__ void __launch_bounds__(kLseThreads)
     row_lse_partial_kernel(const T* __restrict__ values, int64_t C, int64_t chunk,
                            double* __restrict__ scratch, int64_t stride, int64_t row0) {
+  using A = decltype(to_arith(T()));
   __shared__ double red_m[kLseThreads / 32];
   __shared__ double red_s[kLseThreads / 32];
   const int64_t row = row0 + blockIdx.y;
@@ -124,25 +158,27 @@ __global__ void __launch_bounds__(kLseThreads)
   const T* x = values + row * C;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-  double m = neg_inf(), s = 0.0;
+  A m = static_cast<A>(neg_inf());
+  double s = 0.0;
   int64_t c = lo + threadIdx.x;
   for (; c + (kLseUnroll - 1) * kLseThreads < hi; c += kLseUnroll * kLseThreads) {
-    double v[kLseUnroll];
+    A v[kLseUnroll];
 #pragma unroll
-    for (int u = 0; u < kLseUnroll; ++u) v[u] = to_double(x[c + u * kLseThreads]);
+    for (int u = 0; u < kLseUnroll; ++u) v[u] = to_arith(x[c + u * kLseThreads]);
 #pragma unroll
-    for (int u = 0; u < kLseUnroll; ++u) lse_merge(m, s, v[u], 1.0);  // one exp each
+    for (int u = 0; u < kLseUnroll; ++u) online_lse(m, s, v[u]);
   }
-  for (; c < hi; c += kLseThreads) lse_merge(m, s, to_double(x[c]), 1.0);
+  for (; c < hi; c += kLseThreads) online_lse(m, s, to_arith(x[c]));
 
   // block merge: every thread rescales its sum to the block max, then sums
-  const double bm_w = warp_max(m);
+  const double md = static_cast<double>(m);
+  const double bm_w = warp_max(md);
   if (lane == 0) red_m[warp] = bm_w;
   __syncthreads();
   double bm = neg_inf();
 #pragma unroll
-  for (int w = 0; w < kLseThreads / 32; ++w) bm = dmax(bm, red_m[w]);
-  const double sc = warp_sum(m == neg_inf() ? 0.0 : s * exp(m - bm));
+  for (int w = 0; w < kLseThreads / 32; ++w) bm = vmax(bm, red_m[w]);
+  const double sc = warp_sum(md == neg_inf() ? 0.0 : s * exp(md - bm));
   if (lane == 0) red_s[warp] = sc;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -174,121 +210,191 @@ __global__ void __launch_bounds__(kSpanWarps * 32)
 
 // ---------------------------------------------------------------------------- (b) tiles
 
-// (b) one block per (tile, block of ROWS rows). The index arrays of the tile (leaf_token and
-// its local ranges) are read once for ROWS rows, and every range is reduced for the ROWS rows
-// at once from shared memory laid out [position][row] (row stride ROWS + 1, an odd number of
-// doubles: threads at consecutive positions hit different banks).
-// log_mass: the values are log-probabilities v = x - lse. Per row, the block takes the tile's
-// largest v as a shift and stores terms = exp(v - shift) in double, ONE exp per leaf and row
-// (the ranges then only add). A range whose term sum is >= kMinTermSum is exact to double
-// rounding: its own largest term is >= kMinTermSum / tile, so it is normal, and every term
-// exp() flushed to zero is below e^-745, over 1e-29 below it. A range under that (every leaf
-// more than ~670 nats under the tile's max, or all -inf: masks of -1e30) is rare and redone
-// on its own: max, then sum of exp(v - max).
-constexpr double kMinTermSum = 1e-290;
+// What the tile kernel keeps per (position, row): log_mass the log-probability (float),
+// sum the weight as the double its sums accumulate in, max the input itself (exact).
+template <class T, int RED>
+using TileValue = std::conditional_t<RED == kLogMass, float,
+                                     std::conditional_t<RED == kSum, double, T>>;
 
-template <int RED, int ROWS>
-__device__ __forceinline__ void reduce_range(const double* __restrict__ src, int a, int b,
-                                             double (&acc)[ROWS]) {
-#pragma unroll
-  for (int j = 0; j < ROWS; ++j) acc[j] = RED == kMax ? neg_inf() : 0.0;
-  for (int i = a; i < b; ++i) {
-    const double* e = src + i * (ROWS + 1);
-#pragma unroll
-    for (int j = 0; j < ROWS; ++j) acc[j] = RED == kMax ? dmax(acc[j], e[j]) : acc[j] + e[j];
+// bytes of dynamic shared memory of a tile block
+template <class T, int RED, int ROWS>
+constexpr size_t tile_shared_bytes(int tile) {
+  return static_cast<size_t>(ROWS + 1) *
+         ((kStageRanges + tile) * sizeof(TileValue<T, RED>) +
+          (RED == kLogMass ? tile * sizeof(float) : 0));
+}
+
+// A range of two leaves or more (or none), positions [a, b) of the tile, for row j.
+template <class T, int RED, int ROWS>
+__device__ __forceinline__ TileValue<T, RED> reduce_range(const TileValue<T, RED>* vals,
+                                                          const float* terms, float shift,
+                                                          int a, int b, int j) {
+  constexpr int kStride = ROWS + 1;
+  if constexpr (RED == kSum) {
+    double acc = 0.0;
+    for (int p = a; p < b; ++p) acc += vals[p * kStride + j];
+    return acc;
+  } else if constexpr (RED == kMax) {
+    if (b <= a) return TileValue<T, RED>(0);  // an empty node is 0 under max
+    TileValue<T, RED> m = vals[a * kStride + j];
+    for (int p = a + 1; p < b; ++p) m = vmax(m, vals[p * kStride + j]);
+    return m;
+  } else {
+    double sum = 0.0;
+    for (int p = a; p < b; ++p) sum += terms[p * kStride + j];
+    if (sum >= kFastMinMass) return shift + logf(static_cast<float>(sum));
+    // all leaves far below the tile's max (or -inf, or none): by the range's own max
+    float m = static_cast<float>(neg_inf());
+    for (int p = a; p < b; ++p) m = vmax(m, vals[p * kStride + j]);
+    if (m == static_cast<float>(neg_inf())) return m;
+    double z = 0.0;
+    for (int p = a; p < b; ++p) z += expf(vals[p * kStride + j] - m);
+    return m + logf(static_cast<float>(z));
   }
 }
 
-// log of sum exp(v) over positions [a, b) of row j, by its own max (-inf when none is finite)
-template <int ROWS>
-__device__ double range_lse(const double* __restrict__ vals, int a, int b, int j) {
-  double m = neg_inf();
-  for (int i = a; i < b; ++i) m = dmax(m, vals[i * (ROWS + 1) + j]);
-  if (m == neg_inf()) return m;
-  double s = 0.0;
-  for (int i = a; i < b; ++i) s += exp(vals[i * (ROWS + 1) + j] - m);
-  return m + log(s);
+// The values src[0, rows) of one range (destination d) to out, or to scratch when d < 0.
+// Consecutive threads hold consecutive ranges, so each row's stores coalesce.
+template <int ROWS, class Dst, class V>
+__device__ __forceinline__ void store_rows(const V* src, Dst* dst, int64_t row_stride, int rows) {
+  if (rows == ROWS) {  // a full block of rows: no per-row test
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) dst[j * row_stride] = static_cast<Dst>(src[j]);
+  } else {
+    for (int j = 0; j < rows; ++j) dst[j * row_stride] = static_cast<Dst>(src[j]);
+  }
+}
+
+template <int ROWS, class Out, class V>
+__device__ __forceinline__ void store_range(const V* src, int32_t d, int rows, Out* out,
+                                            int64_t num_nodes, double* scratch, int64_t stride,
+                                            int64_t first_row) {
+  if (d >= 0)
+    store_rows<ROWS>(src, out + first_row * num_nodes + d, num_nodes, rows);
+  else
+    store_rows<ROWS>(src, scratch + first_row * stride - 1 - static_cast<int64_t>(d), stride,
+                     rows);
 }
 
 template <class T, class Out, int RED, int ROWS>
 __global__ void __launch_bounds__(kTileThreads)
     tile_kernel(const T* __restrict__ values, int64_t C, const int32_t* __restrict__ leaf_token,
                 int64_t L, const int32_t* __restrict__ tile_range_ptr,
+                const int32_t* __restrict__ tile_unit_end,
                 const int32_t* __restrict__ range_start, const int32_t* __restrict__ range_end,
                 const int32_t* __restrict__ range_dest, double* __restrict__ scratch,
                 int64_t stride, Out* __restrict__ out, int64_t num_nodes, int tile,
                 int64_t row0, int64_t row_end) {
-  constexpr int kStride = ROWS + 1;
+  using V = TileValue<T, RED>;
+  constexpr int kStride = ROWS + 1;  // odd: lanes at consecutive rows or positions hit
+                                     // different banks
   extern __shared__ double smem[];
-  double* vals = smem;                   // [tile][kStride] values / log-probabilities
-  double* terms = smem + tile * kStride;  // log_mass: exp(v - shift) [tile][kStride]
-  __shared__ double shift[ROWS];          // log_mass: per row, the tile's largest v (0 if none)
+  V* stage = reinterpret_cast<V*>(smem);  // [kStageRanges][kStride] results of other ranges
+  V* vals = stage + kStageRanges * kStride;                 // [tile][kStride]
+  float* terms = reinterpret_cast<float*>(vals + tile * kStride);  // log_mass: exp(v - shift)
+  __shared__ float shift[ROWS];     // log_mass: per row, the tile's largest v (0 if none)
+  __shared__ double row_lse[ROWS];  // log_mass: per row, its log-sum-exp
+  __shared__ int32_t stage_dest[kStageRanges];
   const int t = blockIdx.x;
   const int64_t first_row = row0 + static_cast<int64_t>(blockIdx.y) * ROWS;
   const int rows = row_end - first_row < ROWS ? static_cast<int>(row_end - first_row) : ROWS;
   const int64_t base = static_cast<int64_t>(t) * tile;
 
-  // consecutive threads: consecutive positions of one row (leaf_token reads coalesce)
-  for (int i = threadIdx.x; i < tile * ROWS; i += blockDim.x) {
-    const int p = i % tile, j = i / tile;
-    double v = identity<RED == kLogMass ? kMax : RED>();
+  if constexpr (RED == kLogMass) {
+    if (threadIdx.x < ROWS)
+      row_lse[threadIdx.x] = static_cast<int>(threadIdx.x) < rows
+                                 ? scratch[(first_row + threadIdx.x) * stride + stride - 1]
+                                 : 0.0;
+    __syncthreads();
+  }
+  // gather: consecutive threads take consecutive rows of a position (ROWS is a power of 2)
+  for (int i = threadIdx.x; i < tile * ROWS; i += kTileThreads) {
+    const int j = i % ROWS, p = i / ROWS;
+    V v = static_cast<V>(identity<RED == kSum ? kSum : kMax>());  // never read by a range
     if (j < rows && base + p < L) {
-      const int64_t row = first_row + j;
-      v = to_double(values[row * C + leaf_token[base + p]]);
-      if (RED == kLogMass) v -= scratch[row * stride + stride - 1];  // -inf stays -inf
+      const T x = values[(first_row + j) * C + leaf_token[base + p]];
+      if constexpr (RED == kLogMass)
+        v = static_cast<float>(static_cast<double>(to_arith(x)) - row_lse[j]);  // -inf stays
+      else
+        v = static_cast<V>(x);
     }
     vals[p * kStride + j] = v;
   }
   __syncthreads();
-  if (RED == kLogMass) {
+  if constexpr (RED == kLogMass) {
     const int lane = threadIdx.x & 31;
-    for (int j = threadIdx.x >> 5; j < ROWS; j += kTileThreads / 32) {  // a warp per row
-      double m = neg_inf();
-      for (int p = lane; p < tile; p += 32) m = dmax(m, vals[p * kStride + j]);
+    for (int j = threadIdx.x >> 5; j < ROWS; j += kTileWarps) {  // a warp per row
+      float m = static_cast<float>(neg_inf());
+      for (int p = lane; p < tile; p += 32) m = vmax(m, vals[p * kStride + j]);
       m = warp_max(m);
-      if (lane == 0) shift[j] = m == neg_inf() ? 0.0 : m;
+      if (lane == 0) shift[j] = m == static_cast<float>(neg_inf()) ? 0.0f : m;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < tile * ROWS; i += blockDim.x) {
-      const int p = i % tile, j = i / tile;
-      terms[p * kStride + j] = exp(vals[p * kStride + j] - shift[j]);  // -inf -> 0
+    for (int i = threadIdx.x; i < tile * ROWS; i += kTileThreads) {
+      const int j = i % ROWS, p = i / ROWS;
+      terms[p * kStride + j] = expf(vals[p * kStride + j] - shift[j]);  // -inf -> 0
     }
     __syncthreads();
   }
 
-  const int r0 = tile_range_ptr[t], r1 = tile_range_ptr[t + 1];
-  for (int r = r0 + threadIdx.x; r < r1; r += blockDim.x) {
-    const int a = static_cast<int>(range_start[r] - base), b = static_cast<int>(range_end[r] - base);
-    double acc[ROWS];
-    reduce_range<RED == kLogMass ? kSum : RED, ROWS>(RED == kLogMass ? terms : vals, a, b, acc);
-    const int32_t d = range_dest[r];
-#pragma unroll
-    for (int j = 0; j < ROWS; ++j) {
-      if (j >= rows) break;
-      double res = acc[j];
-      if (RED == kMax && b <= a) res = 0.0;  // an empty node is 0 under max
-      if (RED == kLogMass)
-        res = acc[j] >= kMinTermSum ? shift[j] + log(acc[j]) : range_lse<ROWS>(vals, a, b, j);
-      const int64_t row = first_row + j;
-      if (d >= 0) {
-        out[row * num_nodes + d] = static_cast<Out>(res);
-      } else {
-        scratch[row * stride - 1 - static_cast<int64_t>(d)] = res;
+  const int r0 = tile_range_ptr[t], u1 = tile_unit_end[t], r1 = tile_range_ptr[t + 1];
+  // unit ranges: their leaf's own value
+  for (int r = r0 + static_cast<int>(threadIdx.x); r < u1; r += kTileThreads) {
+    const int a = static_cast<int>(range_start[r] - base);
+    store_range<ROWS>(vals + a * kStride, range_dest[r], rows, out, num_nodes, scratch, stride,
+                      first_row);
+  }
+  // the other ranges, kStageRanges at a time: lanes = rows reduce, lanes = ranges store
+  constexpr int kGroups = kTileThreads / ROWS;  // ranges reduced at once
+  const int j = static_cast<int>(threadIdx.x) % ROWS, g = static_cast<int>(threadIdx.x) / ROWS;
+  for (int c0 = u1; c0 < r1; c0 += kStageRanges) {
+    const int n = r1 - c0 < kStageRanges ? r1 - c0 : kStageRanges;
+    for (int k = g; k < n; k += kGroups) {
+      const int a = static_cast<int>(range_start[c0 + k] - base);
+      const int b = static_cast<int>(range_end[c0 + k] - base);
+      if (j < rows) {
+        float sh = 0.0f;
+        if constexpr (RED == kLogMass) sh = shift[j];
+        stage[k * kStride + j] = reduce_range<T, RED, ROWS>(vals, terms, sh, a, b, j);
       }
+      if (j == 0) stage_dest[k] = range_dest[c0 + k];
     }
+    __syncthreads();
+    for (int k = threadIdx.x; k < n; k += kTileThreads)
+      store_range<ROWS>(stage + k * kStride, stage_dest[k], rows, out, num_nodes, scratch,
+                        stride, first_row);
+    __syncthreads();
   }
 }
 
-// ROWS rows per tile block: 8 once there are that many, fewer for a small batch
+// ROWS rows per tile block: the largest of 32, 16, ..., 1 the batch fills
 template <class T, class Out, int RED, int ROWS>
 void launch_tiles(const TrieArgs& A, const T* values, Out* out, int64_t row0, int64_t rows,
                   cudaStream_t stream) {
-  const size_t shmem = static_cast<size_t>(A.tile) * (ROWS + 1) * sizeof(double) *
-                       (RED == kLogMass ? 2 : 1);
+  const size_t shmem = tile_shared_bytes<T, RED, ROWS>(A.tile);
   const dim3 grid(static_cast<unsigned>(A.n_tiles), static_cast<unsigned>((rows + ROWS - 1) / ROWS));
   tile_kernel<T, Out, RED, ROWS><<<grid, kTileThreads, shmem, stream>>>(
-      values, A.C, A.leaf_token, A.L, A.tile_range_ptr, A.range_start, A.range_end,
-      A.range_dest, A.scratch, A.scratch_stride, out, A.num_nodes, A.tile, row0, row0 + rows);
+      values, A.C, A.leaf_token, A.L, A.tile_range_ptr, A.tile_unit_end, A.range_start,
+      A.range_end, A.range_dest, A.scratch, A.scratch_stride, out, A.num_nodes, A.tile, row0,
+      row0 + rows);
+}
+
+template <class T, class Out, int RED>
+void launch_tiles_for(const TrieArgs& A, const T* values, Out* out, int64_t row0, int64_t rows,
+                      cudaStream_t stream) {
+  if (rows >= 32) {
+    launch_tiles<T, Out, RED, 32>(A, values, out, row0, rows, stream);
+  } else if (rows >= 16) {
+    launch_tiles<T, Out, RED, 16>(A, values, out, row0, rows, stream);
+  } else if (rows >= 8) {
+    launch_tiles<T, Out, RED, 8>(A, values, out, row0, rows, stream);
+  } else if (rows >= 4) {
+    launch_tiles<T, Out, RED, 4>(A, values, out, row0, rows, stream);
+  } else if (rows >= 2) {
+    launch_tiles<T, Out, RED, 2>(A, values, out, row0, rows, stream);
+  } else {
+    launch_tiles<T, Out, RED, 1>(A, values, out, row0, rows, stream);
+  }
 }
 
 // ---------------------------------------------------------------------------- (c) spanning nodes
@@ -319,15 +425,15 @@ __global__ void __launch_bounds__(kSpanWarps * 32)
   } else {
     double acc = identity<RED>();
     for (int32_t t = t0 + lane; t < t1; t += 32)
-      acc = RED == kSum ? acc + sc[t] : dmax(acc, sc[t]);
+      acc = RED == kSum ? acc + sc[t] : vmax(acc, sc[t]);
     for (int off = 16; off > 0; off >>= 1) {
       const double o = __shfl_xor_sync(kFullMask, acc, off);
-      acc = RED == kSum ? acc + o : dmax(acc, o);
+      acc = RED == kSum ? acc + o : vmax(acc, o);
     }
     if (lane != 0) return;
     const int32_t l = span_left[s], r = span_right[s];
-    if (l >= 0) acc = RED == kSum ? acc + sc[l] : dmax(acc, sc[l]);
-    if (r >= 0) acc = RED == kSum ? acc + sc[r] : dmax(acc, sc[r]);
+    if (l >= 0) acc = RED == kSum ? acc + sc[l] : vmax(acc, sc[l]);
+    if (r >= 0) acc = RED == kSum ? acc + sc[r] : vmax(acc, sc[r]);
     res = acc;
   }
   out[row * num_nodes + span_node[s]] = static_cast<Out>(res);
@@ -359,15 +465,7 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
                              kSpanWarps * 32, 0, stream>>>(rows, splits, A.scratch,
                                                           A.scratch_stride, row0);
     }
-    if (rows >= 8) {
-      launch_tiles<T, Out, RED, 8>(A, values, out, row0, rows, stream);
-    } else if (rows >= 4) {
-      launch_tiles<T, Out, RED, 4>(A, values, out, row0, rows, stream);
-    } else if (rows >= 2) {
-      launch_tiles<T, Out, RED, 2>(A, values, out, row0, rows, stream);
-    } else {
-      launch_tiles<T, Out, RED, 1>(A, values, out, row0, rows, stream);
-    }
+    launch_tiles_for<T, Out, RED>(A, values, out, row0, rows, stream);
     if (A.S > 0) {
       const dim3 sgrid(static_cast<unsigned>((A.S + kSpanWarps - 1) / kSpanWarps),
                        static_cast<unsigned>(rows));

@@ -10,9 +10,10 @@
 namespace genlm_fast {
 namespace cuda {
 
-// leaf positions per tile the tile kernel accepts: its shared memory, 2 * tile * 9 doubles for
-// log_mass with 8 rows per block, stays under the 48 KiB a launch gets without opting in
-constexpr int kMaxTile = 256;
+// leaf positions per tile the tile kernel accepts: its shared memory, (64 + tile) * 33
+// doubles for sum with 32 rows per block, stays under the 48 KiB a launch gets without
+// opting in (genlm_fast/ops/layout.py uses 64)
+constexpr int kMaxTile = 64;
 
 enum DType : int { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3 };
 enum Reduction : int { kSum = 0, kMax = 1, kLogMass = 2 };
@@ -25,6 +26,8 @@ struct TrieArgs {
   const int32_t* leaf_token;  // [L] column of each leaf position
   int64_t L;
   const int32_t* tile_range_ptr;  // [n_tiles + 1] CSR of local ranges by tile
+  const int32_t* tile_unit_end;   // [n_tiles] a tile's unit ranges (one leaf) come first,
+                                  // [tile_range_ptr[t], tile_unit_end[t])
   int64_t n_tiles;
   const int32_t* range_start;  // [R] absolute leaf positions
   const int32_t* range_end;

@@ -181,6 +181,7 @@ int main(int argc, char** argv) {
   A.values = read_array(f, &n);
   A.leaf_token = static_cast<int32_t*>(read_array(f, &n)); A.L = n / 4;
   A.tile_range_ptr = static_cast<int32_t*>(read_array(f, &n)); A.n_tiles = n / 4 - 1;
+  A.tile_unit_end = static_cast<int32_t*>(read_array(f, &n));
   A.range_start = static_cast<int32_t*>(read_array(f, &n));
   A.range_end = static_cast<int32_t*>(read_array(f, &n));
   A.range_dest = static_cast<int32_t*>(read_array(f, &n));
@@ -316,8 +317,8 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
     header = np.array([DTYPES[values.dtype], B, C, layout.num_nodes, stride, tile,
                        int(out_double), REDUCTION[reduction], 0, max_grid_y,
                        0, 0], dtype=np.int64)
-    arrays = [raw, ml.leaf_token, ml.tile_range_ptr, ml.range_start, ml.range_end,
-              ml.range_dest, ml.span_node, ml.span_left, ml.span_right, ml.span_tile_lo,
+    arrays = [raw, ml.leaf_token, ml.tile_range_ptr, ml.tile_unit_end, ml.range_start,
+              ml.range_end, ml.range_dest, ml.span_node, ml.span_left, ml.span_right, ml.span_tile_lo,
               ml.span_tile_hi, scratch, out]
     path_in = os.path.join(tmp_dir, "in.bin")
     path_out = os.path.join(tmp_dir, "out.bin")
@@ -346,7 +347,9 @@ def reference(values, layout, reduction, mode="without_eos"):
 
 
 def assert_matches(got, want, reduction, label=""):
-    """Float32 rounding of a float64 computation: same -inf/0 pattern, values to ~1 ulp."""
+    """Same -inf/0 pattern; max exact, sums (double accumulation) to ~1 float ulp, log-masses
+    (float arithmetic: log-probabilities, exp, log, the shift) to a few float ulps of
+    max(1, |value|): 50x inside the design's 1e-4."""
     assert not np.isnan(got).any(), f"{label}: NaN (a node never written, or a bad lse)"
     got = got.astype(np.float64)
     if reduction == "max":
@@ -360,7 +363,7 @@ def assert_matches(got, want, reduction, label=""):
         np.testing.assert_allclose(got[fin], want[fin], rtol=3e-7, atol=0, err_msg=label)
     else:
         err = np.abs(got[fin] - want[fin]) / np.maximum(1.0, np.abs(want[fin]))
-        assert err.max(initial=0) <= 2e-7, f"{label}: log-mass error {err.max():.3g}"
+        assert err.max(initial=0) <= 2e-6, f"{label}: log-mass error {err.max():.3g}"
 
 
 def make_trie(words, eos=()):
@@ -478,12 +481,12 @@ def test_rows_are_chunked_below_the_grid_limit(emulator, tmp_path, reduction):
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
-@pytest.mark.parametrize("B", [4, 8, 13])
+@pytest.mark.parametrize("B", [4, 8, 13, 21, 40])
 def test_row_blocks_give_each_row_its_own_result(emulator, tmp_path, reduction, B):
-    """The tile kernel reduces 8 rows per block (4, 2 or 1 for a smaller batch), full and
-    partial row blocks, each row with its own scale: spreads from 1 to 3000 nats, -1e30 masks
-    and -inf (log_mass: ranges far below their tile's max take the exact per-range path in
-    one row while the others add shifted terms)."""
+    """The tile kernel takes 32 rows per block (16, 8, 4, 2 or 1 for a smaller batch): full
+    and partial row blocks of every size but 1 and 2, each row with its own scale: spreads from
+    1 to 3000 nats, -1e30 masks and -inf (log_mass: ranges far below their tile's max take the
+    exact per-range path in one row while the others add shifted terms)."""
     words = [bytes(np.random.default_rng(i).integers(97, 100, size=1 + i % 6)) for i in range(300)]
     rng = np.random.default_rng(B)
     C = len(words) + (3 if reduction == "log_mass" else 0)

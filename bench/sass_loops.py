@@ -46,20 +46,21 @@ def _toolchain():
 
 
 def loops(sass: str) -> list[tuple[int, int]]:
-    """(instructions in the body, first source line or 0) of every loop of one function."""
-    labels, lines, found = {}, {}, []
-    count, last_line = 0, 0
+    """(instructions in the body, source line of its first instruction or 0) of every loop
+    of one function."""
+    labels, line_of, found = {}, [], []
+    last_line = 0
     for text in sass.splitlines():
         if (m := _LINE.search(text)):
             last_line = int(m.group(1))
         if (m := _LABEL.match(text)):
-            labels[m.group(1)] = count
-            lines[m.group(1)] = last_line
+            labels[m.group(1)] = len(line_of)
         elif (m := _INSTR.match(text)):
-            count += 1
+            line_of.append(last_line)
             b = _BRANCH.search(m.group(2))
             if b and b.group(1) in labels and "BRA.DIV" not in m.group(2):
-                found.append((count - labels[b.group(1)], lines[b.group(1)]))
+                first = labels[b.group(1)]
+                found.append((len(line_of) - first, line_of[first]))
     return found
 
 

@@ -67,6 +67,7 @@ namespace {
 constexpr int kTileThreads = 128;
 constexpr int kTileWarps = kTileThreads / 32;
 constexpr int kStageRanges = 64;    // non-unit ranges staged per pass of the tile kernel
+constexpr int kGatherUnroll = 8;    // independent leaf loads in flight per thread in (b)
 constexpr float kFastMinMass = 1e-24f;
 constexpr int kLseThreads = 256;
 constexpr int kLseUnroll = 8;       // independent loads in flight per thread in (a1)
@@ -295,30 +296,46 @@ __global__ void __launch_bounds__(kTileThreads)
   __shared__ float shift[ROWS];     // log_mass: per row, the tile's largest v (0 if none)
   __shared__ double row_lse[ROWS];  // log_mass: per row, its log-sum-exp
   __shared__ int32_t stage_dest[kStageRanges];
+  __shared__ int32_t token[kMaxTile];
   const int t = blockIdx.x;
   const int64_t first_row = row0 + static_cast<int64_t>(blockIdx.y) * ROWS;
   const int rows = row_end - first_row < ROWS ? static_cast<int>(row_end - first_row) : ROWS;
   const int64_t base = static_cast<int64_t>(t) * tile;
 
+  // the tile's token columns (-1 past the last leaf) and, for log_mass, the rows' lse
+  for (int p = threadIdx.x; p < tile; p += kTileThreads)
+    token[p] = base + p < L ? leaf_token[base + p] : -1;
   if constexpr (RED == kLogMass) {
     if (threadIdx.x < ROWS)
       row_lse[threadIdx.x] = static_cast<int>(threadIdx.x) < rows
                                  ? scratch[(first_row + threadIdx.x) * stride + stride - 1]
                                  : 0.0;
-    __syncthreads();
   }
-  // gather: consecutive threads take consecutive rows of a position (ROWS is a power of 2)
-  for (int i = threadIdx.x; i < tile * ROWS; i += kTileThreads) {
-    const int j = i % ROWS, p = i / ROWS;
-    V v = static_cast<V>(identity<RED == kSum ? kSum : kMax>());  // never read by a range
-    if (j < rows && base + p < L) {
-      const T x = values[(first_row + j) * C + leaf_token[base + p]];
-      if constexpr (RED == kLogMass)
-        v = static_cast<float>(static_cast<double>(to_arith(x)) - row_lse[j]);  // -inf stays
-      else
-        v = static_cast<V>(x);
+  __syncthreads();
+  // gather: consecutive threads take consecutive rows of a position (ROWS is a power of 2),
+  // kGatherUnroll independent loads in flight per thread (the loads are scattered: each is
+  // a sector of its own, and one at a time per thread leaves the SM waiting on latency)
+  for (int i0 = threadIdx.x; i0 < tile * ROWS; i0 += kGatherUnroll * kTileThreads) {
+    T x[kGatherUnroll];
+#pragma unroll
+    for (int u = 0; u < kGatherUnroll; ++u) {
+      const int i = i0 + u * kTileThreads, j = i % ROWS, p = i / ROWS;
+      if (i < tile * ROWS && j < rows && token[p] >= 0)
+        x[u] = values[(first_row + j) * C + token[p]];
     }
-    vals[p * kStride + j] = v;
+#pragma unroll
+    for (int u = 0; u < kGatherUnroll; ++u) {
+      const int i = i0 + u * kTileThreads, j = i % ROWS, p = i / ROWS;
+      if (i >= tile * ROWS) break;
+      V v = static_cast<V>(identity<RED == kSum ? kSum : kMax>());  // never read by a range
+      if (j < rows && token[p] >= 0) {
+        if constexpr (RED == kLogMass)
+          v = static_cast<float>(static_cast<double>(to_arith(x[u])) - row_lse[j]);  // -inf stays
+        else
+          v = static_cast<V>(x[u]);
+      }
+      vals[p * kStride + j] = v;
+    }
   }
   __syncthreads();
   if constexpr (RED == kLogMass) {

@@ -4,6 +4,7 @@
                         [--batch-sizes 1 8 32 64 128] [--backends triton cuda] [--peak-gbs 3350]
     python -m bench.gpu --dump-vocab vocab.pkl   # (on a machine with quicktok) for --vocab-file
     python -m bench.gpu --dry-run-cpu            # the same code path on CPU, tiny vocabulary
+    python -m bench.gpu --sweep                  # also: the Triton kernels' launch configurations
 
 For every available GPU backend (``triton``, ``cuda``), batch size and op it
 1. checks the result against a float64 oracle computed with the reference's own ancestor
@@ -18,7 +19,9 @@ For every available GPU backend (``triton``, ``cuda``), batch size and op it
    (traffic / time) of the kernels and of the public call (which also validates its input:
    one more read of it), and their fractions of the device's peak HBM bandwidth;
 4. at B=64, profiles each backend's kernels (torch.profiler): the time of each kernel of
-   its chain, to show where the time goes.
+   its chain, to show where the time goes;
+5. with ``--sweep``, times the Triton tile kernels in each launch configuration of
+   ``TRITON_SWEEP`` (rows per program, warps, chunk sizes), to choose the defaults from.
 The reference is genlm.backend's ``ParallelTokenCharacterTrie(device="cuda")`` when
 ``genlm.backend`` imports (its own ancestor matrix), else the same algorithm inline (a torch
 sparse CSR ancestor matrix [V, N], ``torch.sparse.mm(ws[:, positions], M)``; for max its
@@ -32,6 +35,7 @@ product, numpy copy on the host) against genlm_fast's drop-in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import pickle
@@ -77,6 +81,17 @@ GOAL_PEAK_OP, GOAL_PEAK_B, GOAL_PEAK_FRAC = "log_mass", 64, 0.70
 GOAL_SPEEDUP = 10.0
 DRY_RUN_TOKENS = 500
 DRY_RUN_BATCHES = [1, 32]
+# --sweep: Triton tile-kernel configurations to time, per tile kernel (module constants of
+# genlm_fast.ops.triton_backend, set for one measurement each). The defaults there were
+# chosen from sm_90 compile reports (registers, no spills), not from GPU timings; this is the
+# table to choose them from. ROWS >= 16 for tl.dot.
+TRITON_SWEEP = {
+    "dot": [{"DOT_ROWS": rows, "DOT_WARPS": warps} for rows, warps in
+            ((16, 4), (16, 8), (32, 4), (32, 8), (64, 8))]
+           + [{"DOT_ROWS": 16, "DOT_WARPS": 8, "DOT_UB": 32, "DOT_RB": 32}],
+    "max": [{"MAX_ROWS": rows, "MAX_WARPS": warps, "MAX_RB": rb} for rows, warps, rb in
+            ((8, 4, 32), (16, 4, 32), (16, 8, 32), (32, 4, 32), (32, 8, 32), (16, 4, 64))],
+}
 
 
 # --------------------------------------------------------------------------- vocabulary
@@ -571,14 +586,82 @@ def run(args) -> tuple[list[dict], dict]:
     }
     if failures:
         info["FAILED (not timed)"] = "; ".join(failures)
-    return rows, info
+    context = {"vocab": vocab, "layout": layout, "ref": ref, "device": device, "how": how,
+               "peak": peak, "backends": backends}
+    return rows, info, context
+
+
+@contextlib.contextmanager
+def triton_config(**constants):
+    """The Triton backend's launch constants (``DOT_ROWS=32``, ...) set for the block."""
+    from genlm_fast.ops import triton_backend as tb
+
+    saved = {name: getattr(tb, name) for name in constants}  # AttributeError for a typo
+    try:
+        for name, value in constants.items():
+            setattr(tb, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(tb, name, value)
+
+
+def triton_sweep(args, context) -> list[dict]:
+    """Kernel time of every TRITON_SWEEP configuration of the tile kernel each op runs, at
+    the goals' batch sizes (sum: SPEEDUP_B; log_mass, max: GOAL_PEAK_B), where in
+    --batch-sizes (else the largest). Each is checked against the oracle before it is timed."""
+    import torch
+
+    from bench import kernels as K
+    from genlm_fast.ops import dispatch
+    from genlm_fast.ops import triton_backend as tb
+
+    if "triton" not in context["backends"]:
+        print("--sweep: the triton backend is not available; nothing to sweep", flush=True)
+        return []
+    layout, ref, device = context["layout"], context["ref"], context["device"]
+    how, peak = context["how"], context["peak"]
+    out = []
+    for op in args.ops:
+        B = {"sum": SPEEDUP_B}.get(op, GOAL_PEAK_B)
+        B = B if B in args.batch_sizes else max(args.batch_sizes)
+        logits, probs = K.make_inputs(len(context["vocab"]), B)
+        want = ref.oracle(op, logits, probs)
+        x = (logits if op == "log_mass" else probs).to(device).contiguous()
+        kind = tb.tile_kernel(op, x.dtype)
+        moved = (x.numel() * x.element_size() + index_bytes(layout, "triton", device=device)
+                 + B * layout.num_nodes
+                 * torch.empty((), dtype=dispatch.result_dtype(op, x.dtype)).element_size())
+        for config in TRITON_SWEEP.get(kind, []):
+            label = ", ".join(f"{k}={v}" for k, v in config.items())
+            default = all(getattr(tb, k) == v for k, v in config.items())
+            row = {"op": op, "B": B, "kernel": kind, "config": label, "default": default}
+            with triton_config(**config):
+                kfn = kernel_call("triton", x, layout, op)
+                try:  # a configuration that fails to compile or to verify is reported
+                    row["max_rel_err"] = K.check_result(
+                        kfn(), want, op, byte_trie=ref.char_trie_columns,
+                        label=f"triton {op} B={B} {label}")
+                    row["kernel_ms"] = bench_ms(kfn, device, how)
+                except Exception as e:  # noqa: BLE001
+                    row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
+            if "kernel_ms" in row:
+                row["GBs"] = moved / (row["kernel_ms"] * 1e-3) / 1e9
+                row["peak_frac"] = row["GBs"] / peak if peak else None
+                print(f"sweep triton {op:8s} B={B:<4d} {label:45s} {row['kernel_ms']:9.4f} ms "
+                      f"{row['GBs']:8.1f} GB/s" + (" (default)" if default else ""), flush=True)
+            else:
+                print(f"sweep triton {op:8s} B={B:<4d} {label:45s} FAILED: {row['failed']}",
+                      flush=True)
+            out.append(row)
+    return out
 
 
 def _f(x, fmt):
     return "-" if x is None else format(x, fmt)
 
 
-def table(rows, info, command: str) -> str:
+def table(rows, info, command: str, sweep_rows=()) -> str:
     lines = ["# genlm_fast GPU trie kernels", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in info.items()]
     lines += ["", f"Command: `{command}`", "",
@@ -628,6 +711,26 @@ def table(rows, info, command: str) -> str:
               "| goal | backend | measured | met |", "|---|---|---:|---|"]
     for r in goals(rows):
         lines.append(f"| {r['goal']} | {r['backend']} | {r['measured']} | {r['met']} |")
+    if sweep_rows:
+        lines += ["", "Triton tile-kernel configurations (`--sweep`; constants of "
+                  "`genlm_fast.ops.triton_backend`; kernels alone, each checked against the "
+                  "oracle first; fastest per op in bold):", "",
+                  "| op | B | tile kernel | configuration | kernel ms | GB/s | % of peak | "
+                  "max rel err |", "|---|---:|---|---|---:|---:|---:|---:|"]
+        timed = [r for r in sweep_rows if "kernel_ms" in r]
+        best = {op: min(r["kernel_ms"] for r in timed if r["op"] == op)
+                for op in {r["op"] for r in timed}}
+        for r in sweep_rows:
+            config = r["config"] + (" (default)" if r["default"] else "")
+            if "failed" in r:
+                lines.append(f"| {r['op']} | {r['B']} | {r['kernel']} | {config} | FAILED: "
+                             f"{r['failed']} | | | |")
+                continue
+            ms = f"{r['kernel_ms']:.4f}"
+            ms = f"**{ms}**" if r["kernel_ms"] == best[r["op"]] else ms
+            frac = "-" if r["peak_frac"] is None else f"{100 * r['peak_frac']:.0f}%"
+            lines.append(f"| {r['op']} | {r['B']} | {r['kernel']} | {config} | {ms} | "
+                         f"{r['GBs']:.0f} | {frac} | {r['max_rel_err']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -678,6 +781,9 @@ def main(argv=None) -> int:
                         help=f"run the same code path on CPU (reference/cpu/triton-interpreter "
                         f"backends, first {DRY_RUN_TOKENS} tokens, B in {DRY_RUN_BATCHES}) to test this "
                         "script")
+    parser.add_argument("--sweep", action="store_true",
+                        help="then time the Triton tile kernels in every TRITON_SWEEP "
+                        "configuration (a section of the table)")
     args = parser.parse_args(argv)
 
     if args.dump_vocab:
@@ -688,11 +794,8 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         if args.batch_sizes == list(DEFAULT_BATCHES):
             args.batch_sizes = list(DRY_RUN_BATCHES)
-    rows, info = run(args)
+    rows, info, context = run(args)
     command = "python -m bench.gpu " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = table(rows, info, command.strip())
-    print()
-    print(text)
     if args.out:
         out = Path(args.out)
     else:
@@ -700,7 +803,14 @@ def main(argv=None) -> int:
         dev = "cpu-dry-run" if args.dry_run_cpu else dev
         out = REPO / "bench" / "results" / f"gpu-{dev}-{datetime.date.today().isoformat()}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    text = table(rows, info, command.strip())
+    out.write_text(text)  # before the sweep: a session cut short keeps the main table
+    if args.sweep:
+        sweep_rows = triton_sweep(args, context)
+        text = table(rows, info, command.strip(), sweep_rows)
+        out.write_text(text)
+    print()
+    print(text)
     print(f"wrote {out}")
     if "FAILED (not timed)" in info:
         print("some backends FAILED verification: " + info["FAILED (not timed)"], file=sys.stderr)

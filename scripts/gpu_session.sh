@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (the device tool; README "GPU sessions"):
 #     bash scripts/gpu_session.sh tests    # build with the CUDA kernels, run the GPU tests
-#     bash scripts/gpu_session.sh bench    # python -m bench.gpu (Llama-3 vocabulary)
+#     bash scripts/gpu_session.sh bench    # python -m bench.gpu --sweep (Llama-3 vocabulary)
 #     bash scripts/gpu_session.sh all      # both in one device call: build, bench, tests
 # Each step installs what it needs first (once per machine): the wheels that
 # scripts/gpu_prepare.sh put in .whl/ (carried), and genlm_fast with its CUDA extension.
@@ -89,7 +89,8 @@ run_tests() {
 }
 
 run_bench() {
-  $PY -m bench.gpu --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
+  # --sweep: after the main table (written first), the Triton kernels' launch configurations
+  $PY -m bench.gpu --sweep --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
   return "${PIPESTATUS[0]}"
 }
 

@@ -48,6 +48,44 @@ def test_dry_run_verifies_times_and_writes_the_table(tmp_path):
     assert "Goals (the issue's" in text
 
 
+@pytest.mark.slow
+def test_sweep_verifies_each_configuration_and_restores_the_defaults(tmp_path, monkeypatch):
+    from genlm_fast.ops import triton_backend as tb
+
+    defaults = (tb.DOT_ROWS, tb.DOT_WARPS, tb.MAX_ROWS)
+    monkeypatch.setattr(gpu, "TRITON_SWEEP", {
+        "dot": [{"DOT_ROWS": tb.DOT_ROWS, "DOT_WARPS": tb.DOT_WARPS}, {"DOT_ROWS": 32},
+                {"DOT_UB": 0}],  # a chunk of 0 unit ranges cannot launch: reported, not fatal
+        "max": [{"MAX_ROWS": 32, "MAX_WARPS": 8}],
+    })
+    out = tmp_path / "gpu.md"
+    assert gpu.main(["--dry-run-cpu", "--limit", "120", "--batch-sizes", "2",
+                     "--backends", "triton", "--ops", "sum", "max", "--sweep",
+                     "--out", str(out)]) == 0
+    assert (tb.DOT_ROWS, tb.DOT_WARPS, tb.MAX_ROWS) == defaults
+    sweep = out.read_text().split("Triton tile-kernel configurations")[1]
+    rows = [line for line in sweep.splitlines() if line.startswith("| sum |")
+            or line.startswith("| max |")]
+    assert len(rows) == 4, rows
+    assert f"| sum | 2 | dot | DOT_ROWS={tb.DOT_ROWS}, DOT_WARPS={tb.DOT_WARPS} (default) |" \
+        in sweep
+    assert "| sum | 2 | dot | DOT_ROWS=32 |" in sweep  # timed: it passed the oracle
+    assert "| sum | 2 | dot | DOT_UB=0 | FAILED: " in sweep
+    assert "| max | 2 | max | MAX_ROWS=32, MAX_WARPS=8 | **" in sweep  # the only one: fastest
+
+
+def test_triton_config_sets_and_restores_constants():
+    from genlm_fast.ops import triton_backend as tb
+
+    before = tb.DOT_ROWS
+    with pytest.raises(RuntimeError), gpu.triton_config(DOT_ROWS=before * 2):
+        assert tb.DOT_ROWS == before * 2
+        raise RuntimeError
+    assert tb.DOT_ROWS == before
+    with pytest.raises(AttributeError), gpu.triton_config(NO_SUCH_CONSTANT=1):
+        pass
+
+
 # --------------------------------------------------------------------------- fast checks
 
 

@@ -41,7 +41,8 @@ DOT_SUB = 16  # ranges per step of the dot kernel's dense rewrite (sum with inf 
 # Rows per dot-kernel program (the M side of the product; >= 16 for tl.dot) and its warps:
 # compiled for sm_90 (tests/ops/test_triton_sm90.py), 16 x 8 takes 98 registers/thread for
 # sum and 128 for log_mass (two programs per SM); 64 rows take 226-254 (one per SM), so
-# larger batches get more row blocks rather than taller ones. To be tuned on a GPU.
+# larger batches get more row blocks rather than taller ones. To be tuned on a GPU
+# (`python -m bench.gpu --sweep` times the alternatives).
 DOT_ROWS = 16
 DOT_WARPS = 8
 MAX_ROWS = 16  # rows per program of the max kernel (its sparse table: 7 x [16, 64] values)

@@ -76,22 +76,13 @@ def _function(sass: str, fragment: str) -> str:
 
 
 def triton_sass(name: str) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     sys.path.insert(0, str(REPO / "tests" / "ops"))
     import test_triton_sm90
 
     for label, kernel, args, constexprs, warps in test_triton_sm90._configs():
         if label != name:
             continue
-        signature = {a: ("constexpr" if a in constexprs else args[a]) for a in kernel.arg_names}
-        aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
-                   if signature[a].startswith("*")}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature,
-                                            constexprs=constexprs, attrs=aligned),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        compiled = test_triton_sm90.compile_sm90(kernel, args, constexprs, warps)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
             f.flush()

@@ -104,25 +104,29 @@ def _configs():
     return out
 
 
-def compile_all():
-    """Compile every configuration for sm_90; one dict of resource usage per kernel."""
+def compile_sm90(kernel, args, constexprs, warps):
+    """One configuration of ``_configs()`` compiled for sm_90 (pointers 16-byte aligned)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    signature = {a: ("constexpr" if a in constexprs else args[a]) for a in kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
+               if signature[a].startswith("*")}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps})
+
+
+def compile_all():
+    """Compile every configuration for sm_90; one dict of resource usage per kernel."""
+    import triton
+
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
                              "bin", "cuobjdump")
-    target = GPUTarget("cuda", 90, 32)
     report = []
     for name, kernel, args, constexprs, warps in _configs():
-        signature = {a: ("constexpr" if a in constexprs else args[a])
-                     for a in kernel.arg_names}
-        aligned = {(i,): [["tt.divisibility", 16]]
-                   for i, a in enumerate(kernel.arg_names)
-                   if signature[a].startswith("*")}
-        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
-                           attrs=aligned)
-        compiled = triton.compile(source, target=target, options={"num_warps": warps})
+        compiled = compile_sm90(kernel, args, constexprs, warps)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
             f.flush()

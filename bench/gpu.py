@@ -411,6 +411,18 @@ def index_bytes(layout, backend: str, mode: str = "without_eos", device=None) ->
     return total
 
 
+def io_bytes(x, op: str, num_nodes: int) -> tuple[int, int]:
+    """The compulsory traffic of one call on ``x`` [B, V']: (bytes read: the input once,
+    bytes written: the [B, N] result once)."""
+    import torch
+
+    from genlm_fast.ops import dispatch
+
+    out_dtype = dispatch.result_dtype(op, x.dtype)  # float32 for float32 inputs
+    return (x.shape[0] * x.shape[1] * x.element_size(),
+            x.shape[0] * num_nodes * torch.empty((), dtype=out_dtype).element_size())
+
+
 def kernel_call(backend, values, layout, reduction, mode="without_eos"):
     """The backend alone (``dispatch.run_backend``: no validation, no row check)."""
     from genlm_fast.ops import dispatch
@@ -499,9 +511,7 @@ def run(args) -> tuple[list[dict], dict]:
             x = logits if op == "log_mass" else probs
             want = ref.oracle(op, logits, probs)
             in_byte_trie = ref.char_trie_columns  # the oracle lacks our EOS column
-            traffic_in = B * x.shape[1] * x.element_size()
-            out_dtype = dispatch.result_dtype(op, x.dtype)  # float32 here (float32 inputs)
-            traffic_out = B * N * torch.empty((), dtype=out_dtype).element_size()
+            traffic_in, traffic_out = io_bytes(x, op, N)
             for b in backends:
                 trie = tries[b]
                 api = getattr(trie, OP_METHOD[op])
@@ -610,10 +620,7 @@ def triton_sweep(args, context) -> list[dict]:
     """Kernel time of every TRITON_SWEEP configuration of the tile kernel each op runs, at
     the goals' batch sizes (sum: SPEEDUP_B; log_mass, max: GOAL_PEAK_B), where in
     --batch-sizes (else the largest). Each is checked against the oracle before it is timed."""
-    import torch
-
     from bench import kernels as K
-    from genlm_fast.ops import dispatch
     from genlm_fast.ops import triton_backend as tb
 
     if "triton" not in context["backends"]:
@@ -629,9 +636,8 @@ def triton_sweep(args, context) -> list[dict]:
         want = ref.oracle(op, logits, probs)
         x = (logits if op == "log_mass" else probs).to(device).contiguous()
         kind = tb.tile_kernel(op, x.dtype)
-        moved = (x.numel() * x.element_size() + index_bytes(layout, "triton", device=device)
-                 + B * layout.num_nodes
-                 * torch.empty((), dtype=dispatch.result_dtype(op, x.dtype)).element_size())
+        moved = sum(io_bytes(x, op, layout.num_nodes)) + index_bytes(layout, "triton",
+                                                                     device=device)
         for config in TRITON_SWEEP.get(kind, []):
             label = ", ".join(f"{k}={v}" for k, v in config.items())
             default = all(getattr(tb, k) == v for k, v in config.items())

@@ -67,7 +67,7 @@ INDEX_ARRAYS = {
     # the CPU kernel's (genlm_fast/ops/cpu_backend.py): the layout's parent and leaf_token,
     # and the arrays it derives once per layout (cpu_backend.cpu_arrays)
     "cpu": ("parent", "leaf_token", "node_of_leaf", "empty", "run_end", "run_depth",
-            "run_child_depth", "run_leaf", "run_of"),
+            "run_child_slot", "run_join_slot", "run_leaf", "run_of"),
 }
 # peak HBM bandwidth, GB/s (vendor figures), matched against the device name in order
 # (GH200 before H200, which its name contains: GH200 96 GB HBM3 is 4000 GB/s, the 144 GB

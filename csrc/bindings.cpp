@@ -1,7 +1,7 @@
 // Python bindings of the trie kernels: module genlm_fast._C (or genlm_fast_C when JIT-built).
 //
 //   trie_reduce_cpu(values, parent, node_of_leaf, leaf_token, empty_nodes, run_end, run_depth,
-//                   run_child_depth, run_leaf, run_of, max_depth, reduction,
+//                   run_child_slot, run_join_slot, run_leaf, run_of, max_depth, reduction,
 //                   check_indices=True, num_threads=0) -> (Tensor[B, N], bad_row)
 //                   bad_row = -1, or the first row the kernel rejected (a NaN for sum/max;
 //                   no finite maximum for log_mass), whose result is then incomplete
@@ -198,8 +198,8 @@ void check_index(const at::Tensor& t, const char* name, const at::Device& device
 std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
     const at::Tensor& values, const at::Tensor& parent, const at::Tensor& node_of_leaf,
     const at::Tensor& leaf_token, const at::Tensor& empty_nodes, const at::Tensor& run_end,
-    const at::Tensor& run_depth, const at::Tensor& run_child_depth, const at::Tensor& run_leaf,
-    const at::Tensor& run_of, int64_t max_depth, const std::string& reduction,
+    const at::Tensor& run_depth, const at::Tensor& run_child_slot,
+    const at::Tensor& run_join_slot, const at::Tensor& run_leaf, const at::Tensor& run_of, int64_t max_depth, const std::string& reduction,
     bool check_indices, int64_t num_threads) {
   const int red = parse_reduction(reduction);
   TORCH_CHECK(values.device().is_cpu(), "trie_reduce_cpu: values must be a CPU tensor, got one on ",
@@ -212,7 +212,8 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
   check_index(empty_nodes, "empty_nodes", dev);
   check_index(run_end, "run_end", dev);
   check_index(run_depth, "run_depth", dev);
-  check_index(run_child_depth, "run_child_depth", dev);
+  check_index(run_child_slot, "run_child_slot", dev);
+  check_index(run_join_slot, "run_join_slot", dev);
   check_index(run_leaf, "run_leaf", dev);
   check_index(run_of, "run_of", dev);
   const int64_t B = values.size(0), C = values.size(1);
@@ -223,12 +224,12 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
               "trie_reduce_cpu: too many nodes/leaves for int32 indices");
   TORCH_CHECK(node_of_leaf.numel() == L, "trie_reduce_cpu: node_of_leaf has ",
               node_of_leaf.numel(), " entries but leaf_token has ", L);
-  TORCH_CHECK(R >= 1 && run_depth.numel() == R && run_child_depth.numel() == R &&
-                  run_leaf.numel() == R + 1 && run_of.numel() == N,
+  TORCH_CHECK(R >= 1 && run_depth.numel() == R && run_child_slot.numel() == R &&
+                  run_join_slot.numel() == R && run_leaf.numel() == R + 1 && run_of.numel() == N,
               "trie_reduce_cpu: the run arrays need R >= 1 entries (run_end, run_depth, "
-              "run_child_depth), R + 1 (run_leaf) and N (run_of); got ", R, ", ",
-              run_depth.numel(), ", ", run_child_depth.numel(), ", ", run_leaf.numel(), ", ",
-              run_of.numel(), " with N = ", N);
+              "run_child_slot, run_join_slot), R + 1 (run_leaf) and N (run_of); got ", R, ", ",
+              run_depth.numel(), ", ", run_child_slot.numel(), ", ", run_join_slot.numel(), ", ",
+              run_leaf.numel(), ", ", run_of.numel(), " with N = ", N);
   TORCH_CHECK(max_depth >= 0 && max_depth < N, "trie_reduce_cpu: max_depth = ", max_depth,
               " is not in [0, N)");
   const int32_t* par = parent.data_ptr<int32_t>();
@@ -237,16 +238,17 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
   const int32_t* en = empty_nodes.data_ptr<int32_t>();
   const int32_t* rend = run_end.data_ptr<int32_t>();
   const int32_t* rdep = run_depth.data_ptr<int32_t>();
-  const int32_t* rcd = run_child_depth.data_ptr<int32_t>();
+  const int32_t* rcs = run_child_slot.data_ptr<int32_t>();
+  const int32_t* rjs = run_join_slot.data_ptr<int32_t>();
   const int32_t* rleaf = run_leaf.data_ptr<int32_t>();
   const int32_t* rof = run_of.data_ptr<int32_t>();
   if (check_indices) {
-    std::vector<int32_t> depth(N), children(N, 0);
+    std::vector<int32_t> depth(N), children(N, 0), first_child(N, -1);
     for (int64_t n = 0; n < N; ++n) {
       const int32_t p = par[n];
       TORCH_CHECK(p == -1 || (p > n && p < N), "trie_reduce_cpu: parent[", n, "] = ", p,
                   " is not a post-order parent (need n < parent < N, or -1 for a root)");
-      if (p >= 0) ++children[p];
+      if (p >= 0 && children[p]++ == 0) first_child[p] = static_cast<int32_t>(n);
     }
     for (int64_t n = N - 1; n >= 0; --n) {  // parents first
       depth[n] = par[n] == -1 ? 0 : depth[par[n]] + 1;
@@ -279,10 +281,15 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
                     "trie_reduce_cpu: node ", n, " of run ", i, " is not the single-child "
                     "parent of node ", n - 1);
       }
-      TORCH_CHECK(rdep[i] == depth[end - 1] && rcd[i] == depth[start] + 1,
-                  "trie_reduce_cpu: run ", i, " has run_depth ", rdep[i], " and "
-                  "run_child_depth ", rcd[i], " but its nodes say ", depth[end - 1], " and ",
-                  depth[start] + 1);
+      const int32_t identity_slot = static_cast<int32_t>(max_depth) + 1;
+      const int32_t top = end - 1;
+      const bool first = par[top] == -1 || first_child[par[top]] == top;
+      const int32_t child_slot = children[start] ? depth[start] + 1 : identity_slot;
+      const int32_t join_slot = first ? identity_slot : depth[top];
+      TORCH_CHECK(rdep[i] == depth[top] && rcs[i] == child_slot && rjs[i] == join_slot,
+                  "trie_reduce_cpu: run ", i, " has run_depth ", rdep[i], ", run_child_slot ",
+                  rcs[i], " and run_join_slot ", rjs[i], " but its nodes say ", depth[top], ", ",
+                  child_slot, " and ", join_slot);
       TORCH_CHECK(rleaf[i] <= rleaf[i + 1], "trie_reduce_cpu: run_leaf must not decrease");
       for (int32_t p = rleaf[i]; p < rleaf[i + 1]; ++p)
         TORCH_CHECK(ln[p] == start, "trie_reduce_cpu: leaf position ", p, " (node ", ln[p],
@@ -300,7 +307,8 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
   A.parent = par;
   A.run_end = rend;
   A.run_depth = rdep;
-  A.run_child_depth = rcd;
+  A.run_child_slot = rcs;
+  A.run_join_slot = rjs;
   A.run_leaf = rleaf;
   A.run_of = rof;
   A.num_runs = R;
@@ -416,8 +424,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("trie_reduce_cpu", &trie_reduce_cpu, "Per-node sum/max/log_mass of a vocabulary trie (CPU)",
         pybind11::arg("values"), pybind11::arg("parent"), pybind11::arg("node_of_leaf"),
         pybind11::arg("leaf_token"), pybind11::arg("empty_nodes"), pybind11::arg("run_end"),
-        pybind11::arg("run_depth"), pybind11::arg("run_child_depth"), pybind11::arg("run_leaf"),
-        pybind11::arg("run_of"), pybind11::arg("max_depth"), pybind11::arg("reduction"),
+        pybind11::arg("run_depth"), pybind11::arg("run_child_slot"),
+        pybind11::arg("run_join_slot"), pybind11::arg("run_leaf"), pybind11::arg("run_of"), pybind11::arg("max_depth"), pybind11::arg("reduction"),
         pybind11::arg("check_indices") = true, pybind11::arg("num_threads") = 0);
   m.def("empty_output_cache", &OutputPool::clear,
         "Free the cached blocks that large CPU results are reused from");

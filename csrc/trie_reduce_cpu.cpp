@@ -8,11 +8,15 @@
 //
 // Several rows (the usual case): the depth-stack sweep. In post-order a node's subtree is the
 // run of ids that ends at the node, so when the sweep reaches n, every child of n has just
-// finished and nothing else has touched depth d+1 since n's previous sibling (or parent's
-// previous sibling) closed. One accumulator slot per depth therefore suffices:
-//   v = slot[d+1] (the children of n, combined), slot[d+1] = identity
+// finished and nothing else has touched depth d+1 since n's first child wrote it (the
+// children's own subtrees only touch deeper slots). One accumulator slot per depth therefore
+// suffices:
+//   v = slot[d+1] (the children of n, combined; the identity if n has none)
 //   v (+= | max=) leaf value                  for the leaves of n (node_of_leaf[pos] == n)
-//   out[n] = v;  slot[d] (+= | max=) v        (n joins its siblings)
+//   out[n] = v;  slot[d] = v, or slot[d] (+= | max=) v if n is not its parent's first child
+// The "identity if" and "= v if first" cases read a slot that is never written instead
+// (run_child_slot and run_join_slot, trie_reduce_cpu.h), so slots are never reset: a store
+// per slot and step saved, and no branch.
 // The sweep steps over runs rather than nodes: a node with exactly one child and no leaf has
 // its child's value, and in post-order that child is n - 1, so chains of such nodes are runs
 // of consecutive ids sharing one value (55% of Llama-3's trie nodes are such links). A run
@@ -538,10 +542,11 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
       std::fill(o[r], o[r] + A.N, static_cast<Out>(RED == kLogMass ? -kInf : 0.0));
     return R;
   }
+  // slots 0..max_depth are written before they are read; slot max_depth + 1 is the identity
   const size_t slots = (static_cast<size_t>(A.max_depth) + 2) * R;
   if (w.acc.size() < slots) w.acc.resize(slots);
-  double* __restrict stack = w.acc.data();
-  std::fill(stack, stack + slots, id);
+  double* stack = w.acc.data();
+  std::fill(stack + slots - R, stack + slots, id);
   constexpr size_t kRow = kRunChunk + 8;  // + 8: expand_runs may read 8 past a chunk's end
   if (w.runs.size() < R * kRow) w.runs.resize(R * kRow);
   if (RED == kLogMass && w.ratio.size() < R * kRow) w.ratio.resize(R * kRow);
@@ -550,9 +555,9 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
   double* __restrict run_value = w.ratio.data();  // [R][kRow], log_mass: masses before the log
   Out* __restrict red = reinterpret_cast<Out*>(w.red.data());  // [R][kRow], the rounded values
   const int32_t* __restrict run_depth = A.run_depth;
-  const int32_t* __restrict run_child_depth = A.run_child_depth;
+  const int32_t* __restrict run_child_slot = A.run_child_slot;
+  const int32_t* __restrict run_join_slot = A.run_join_slot;
   const int32_t* __restrict run_leaf = A.run_leaf;
-  const V idv = V{} + id;
   const int32_t num_runs = static_cast<int32_t>(A.num_runs);
   for (int32_t i0 = 0; i0 < num_runs; i0 += kRunChunk) {
     const int32_t i1 = std::min(num_runs, i0 + kRunChunk);
@@ -564,9 +569,11 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
     for (int r = 0; r < R; ++r) lanes[nl * R + r] = id;
     const V* __restrict leaf = reinterpret_cast<const V*>(lanes);
     for (int32_t i = i0; i < i1; ++i) {
-      V* __restrict here = reinterpret_cast<V*>(stack + static_cast<size_t>(run_depth[i]) * R);
-      V* __restrict below =
-          reinterpret_cast<V*>(stack + static_cast<size_t>(run_child_depth[i]) * R);
+      // (no __restrict: `join` is `here` unless the run is a first child)
+      V* here = reinterpret_cast<V*>(stack + static_cast<size_t>(run_depth[i]) * R);
+      const V* join = reinterpret_cast<const V*>(stack + static_cast<size_t>(run_join_slot[i]) * R);
+      const V* __restrict below =
+          reinterpret_cast<const V*>(stack + static_cast<size_t>(run_child_slot[i]) * R);
       // most runs have 0 or 1 leaves: the first is taken without a branch (from the identity
       // slot when there is none), further ones (duplicates) in a loop
       const int32_t lb = run_leaf[i] - l0, le = run_leaf[i + 1] - l0;
@@ -574,12 +581,11 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
       V v[G];
       for (int g = 0; g < G; ++g) {
         v[g] = combine<SRED>(below[g], leaf[first * G + g]);
-        below[g] = idv;
       }
       for (int32_t p = lb + 1; p < le; ++p)
         for (int g = 0; g < G; ++g) v[g] = combine<SRED>(v[g], leaf[p * G + g]);
       for (int g = 0; g < G; ++g) {
-        here[g] = combine<SRED>(here[g], v[g]);
+        here[g] = combine<SRED>(join[g], v[g]);
         run_lanes[(i - i0) * G + g] = v[g];
       }
     }

@@ -19,8 +19,17 @@ struct Args {
   // [run_end[i - 1] (0 for i = 0), run_end[i]); its leaves are the leaf positions
   // [run_leaf[i], run_leaf[i + 1]), all at its first node.
   const int32_t* run_end;          // [R] exclusive end node, increasing; the last is N
-  const int32_t* run_depth;        // [R] depth of the run's last (top) node
-  const int32_t* run_child_depth;  // [R] depth of its first node + 1 (where its children sit)
+  // The depth-stack sweep keeps slot d for the siblings at depth d; slot max_depth + 1 is
+  // never written, so it always holds the identity. A run reads its children's combined
+  // value from run_child_slot, combines it with run_join_slot (its earlier siblings' value)
+  // and writes the result to run_depth. Taking the identity slot for a run with no children
+  // and for a first child (whose slot still holds another subtree's stale value) is what
+  // lets the sweep skip resetting slots after reading them.
+  const int32_t* run_depth;       // [R] depth of the run's last (top) node: the slot it writes
+  const int32_t* run_child_slot;  // [R] depth of its first node + 1 (where its children sit),
+                                  //     or max_depth + 1 if that node has no children
+  const int32_t* run_join_slot;   // [R] run_depth, or max_depth + 1 if the top node is its
+                                  //     parent's first child (or the root)
   const int32_t* run_leaf;         // [R + 1] first leaf position of each run; run_leaf[R] = L
   const int32_t* run_of;           // [N] the run holding each node
   int64_t num_runs;

@@ -28,22 +28,34 @@ def _node_depths(parent: torch.Tensor) -> torch.Tensor:
     return dist
 
 
-def _single_child_runs(parent, leaf_counts, depth) -> dict:
+def _single_child_runs(parent, leaf_counts, depth, max_depth) -> dict:
     """The runs the row sweep steps over (csrc/trie_reduce_cpu.h): maximal chains of
     consecutive node ids in which every node above the first has exactly one child and no
     leaf. In post-order a node's last child is the node just before it, so such a node n
-    continues the run of n - 1 and has its value."""
+    continues the run of n - 1 and has its value. Each run also gets the stack slots it reads:
+    its children's (the identity slot, max_depth + 1, when its first node has none) and its
+    earlier siblings' (the identity slot when its top node is a first child: a node's first
+    child is its smallest child id)."""
     num_nodes = parent.numel()
-    children = torch.bincount(parent[parent >= 0], minlength=num_nodes)
+    has_parent = parent >= 0
+    children = torch.bincount(parent[has_parent], minlength=num_nodes)
     link = (children == 1) & (leaf_counts == 0)  # n holds the value of n - 1
     start = torch.nonzero(~link).flatten()  # node 0 has no child, so it starts a run
     end = torch.cat([start[1:], start.new_tensor([num_nodes])])
+    top = end - 1
+    node = torch.arange(num_nodes)
+    first_child = torch.full((num_nodes,), num_nodes, dtype=torch.long).scatter_reduce(
+        0, parent[has_parent], node[has_parent], "amin")
+    is_first = ~has_parent[top] | (first_child[parent[top].clamp(min=0)] == top)
+    identity_slot = max_depth + 1
     leaf_start = torch.cumsum(leaf_counts, 0) - leaf_counts
     as_i32 = lambda t: t.to(torch.int32).contiguous()
     return {
         "run_end": as_i32(end),
-        "run_depth": as_i32(depth[end - 1]),
-        "run_child_depth": as_i32(depth[start] + 1),
+        "run_depth": as_i32(depth[top]),
+        "run_child_slot": as_i32(torch.where(children[start] > 0, depth[start] + 1,
+                                             identity_slot)),
+        "run_join_slot": as_i32(torch.where(is_first, identity_slot, depth[top])),
         "run_leaf": as_i32(torch.cat([leaf_start[start], leaf_counts.sum().reshape(1)])),
         "run_of": as_i32(torch.cumsum((~link).long(), 0) - 1),
     }
@@ -62,14 +74,15 @@ def cpu_arrays(arrays: dict) -> dict:
         empty = torch.nonzero(arrays["leaf_start"] == arrays["leaf_end"]).flatten()
         parent = arrays["parent"].long()
         depth = _node_depths(parent)
+        max_depth = int(depth.max()) if depth.numel() else 0
         token = arrays["leaf_token"]
         cached = {
-            "max_depth": int(depth.max()) if depth.numel() else 0,
+            "max_depth": max_depth,
             "min_columns": int(token.max()) + 1 if token.numel() else 0,
             "node_of_leaf": node_of_leaf.contiguous(),
             "empty": empty.to(torch.int32).contiguous(),
             "checked": False,
-            **_single_child_runs(parent, counts, depth),
+            **_single_child_runs(parent, counts, depth, max_depth),
         }
         arrays["_cpu"] = cached
     return cached
@@ -90,8 +103,8 @@ def run_kernel(module, values: torch.Tensor, arrays: dict, reduction: str, *,
                          f"least {cpu['min_columns']}")
     out, bad_row = module.trie_reduce_cpu(
         values, arrays["parent"], cpu["node_of_leaf"], arrays["leaf_token"], cpu["empty"],
-        cpu["run_end"], cpu["run_depth"], cpu["run_child_depth"], cpu["run_leaf"],
-        cpu["run_of"], cpu["max_depth"], reduction, check, num_threads)
+        cpu["run_end"], cpu["run_depth"], cpu["run_child_slot"], cpu["run_join_slot"],
+        cpu["run_leaf"], cpu["run_of"], cpu["max_depth"], reduction, check, num_threads)
     cpu["checked"] = cpu["checked"] or check
     if bad_row >= 0:
         from genlm_fast.ops.dispatch import raise_bad_row

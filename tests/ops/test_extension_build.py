@@ -522,7 +522,8 @@ def test_raw_function_rejects_bad_input():
                                             arrays["leaf_token"], cpu["empty"])
     x = torch.randn(2, layout.num_columns)
 
-    runs = {k: cpu[k] for k in ("run_end", "run_depth", "run_child_depth", "run_leaf", "run_of")}
+    runs = {k: cpu[k] for k in ("run_end", "run_depth", "run_child_slot", "run_join_slot",
+                                "run_leaf", "run_of")}
     max_depth = cpu["max_depth"]
     assert runs["run_end"].numel() < layout.num_nodes  # the layout has links to merge
 
@@ -530,8 +531,8 @@ def test_raw_function_rejects_bad_input():
              max_dep=max_depth, **changed):
         r = {**runs, **changed}
         return module.trie_reduce_cpu(values, par, ln, lt, em, r["run_end"], r["run_depth"],
-                                      r["run_child_depth"], r["run_leaf"], r["run_of"],
-                                      max_dep, reduction, True, 0)
+                                      r["run_child_slot"], r["run_join_slot"], r["run_leaf"],
+                                      r["run_of"], max_dep, reduction, True, 0)
 
     out, bad_row = call()
     assert out.shape == (2, layout.num_nodes) and bad_row == -1
@@ -558,15 +559,27 @@ def test_raw_function_rejects_bad_input():
     with pytest.raises(RuntimeError, match="> max_depth"):
         call(max_dep=max_depth - 1)
     # the runs: each malformed in one way
-    end, depth, child, leaf, run_of = (runs[k] for k in runs)
+    end, depth, child, join, leaf, run_of = (runs[k] for k in runs)
     with pytest.raises(RuntimeError, match="run arrays need"):
         call(run_depth=depth[:-1].contiguous())
     with pytest.raises(RuntimeError, match="run_end must increase to N"):
         call(run_end=torch.cat([end[:-1], end[-1:] - 1]).contiguous())
     with pytest.raises(RuntimeError, match="run_of\\[0\\]"):
         call(run_of=(run_of + 1).to(torch.int32))
+    first_run = (torch.arange(len(depth)) == 0).to(torch.int32)
     with pytest.raises(RuntimeError, match="run 0 has run_depth"):
-        call(run_depth=(depth + (torch.arange(len(depth)) == 0)).to(torch.int32))
+        call(run_depth=(depth + first_run).to(torch.int32))
+    # a stack slot other than the identity slot (max_depth + 1) for a run without children
+    # (run 0) and for a first child (run 0 again), or the identity slot for a later sibling
+    assert child[0] == join[0] == max_depth + 1
+    with pytest.raises(RuntimeError, match="run_child_slot 0"):
+        call(run_child_slot=(child - (max_depth + 1) * first_run).to(torch.int32))
+    with pytest.raises(RuntimeError, match="run_join_slot 0"):
+        call(run_join_slot=(join - (max_depth + 1) * first_run).to(torch.int32))
+    later = int(torch.nonzero(join <= max_depth)[0])  # a run that joins earlier siblings
+    with pytest.raises(RuntimeError, match=f"run {later} has .* run_join_slot {max_depth + 1}"):
+        call(run_join_slot=torch.where(torch.arange(len(join)) == later, max_depth + 1,
+                                       join).to(torch.int32))
     with pytest.raises(RuntimeError, match="run_leaf must start at 0"):
         call(run_leaf=(leaf + 1).to(torch.int32))
     with_leaves = int(torch.nonzero(leaf[1:] > leaf[:-1])[0])  # a run with a leaf
@@ -578,7 +591,7 @@ def test_raw_function_rejects_bad_input():
     merged_of = (run_of - (run_of >= 1).to(torch.int32)).to(torch.int32)
     with pytest.raises(RuntimeError, match="not the single-child parent"):
         call(run_end=end[1:].contiguous(), run_depth=depth[1:].contiguous(),
-             run_child_depth=child[1:].contiguous(),
+             run_child_slot=child[1:].contiguous(), run_join_slot=join[1:].contiguous(),
              run_leaf=torch.cat([leaf[:1], leaf[2:]]).contiguous(), run_of=merged_of)
     with pytest.raises(RuntimeError, match="non-decreasing"):
         call(ln=node_of_leaf.flip(0).contiguous())

@@ -41,8 +41,9 @@
 // empty_nodes list the caller supplies. "sum" gives 0 and "log_mass" -inf for them anyway.
 //
 // "log_mass": per row m = max x and total = sum exp(x - m) over the whole row (vectorised
-// passes); the gathered leaf values are exp(x - m) in double, and log(v / total) is taken by
-// a vectorised pass over each chunk of runs (or of nodes, for one row).
+// passes, the second keeping exp(x - m) per column in double); the leaves gather those, and
+// log(v / total) is taken by a vectorised pass over each chunk of runs (or of nodes, for one
+// row).
 // exp(d) underflows/loses precision below d ~ -708, so when a row holds a finite logit with
 // d < -600, every node with v < exp(-599) (only a node all of whose leaves are that far
 // down, or -inf, can be that small) is recomputed exactly in log space: a second sweep over
@@ -206,25 +207,29 @@ __attribute__((always_inline)) inline bool row_has_nan_t(const In* __restrict x,
   for (int64_t c = 0; c < n; ++c) nan |= x[c] != x[c];
   return nan != 0;
 }
-// sum of exp(x[c] - m) over x[0, n) (read-only); *nlow = finite entries below m + kLowLeaf.
+// e[c] = exp(x[c] - m) over x[0, n), returning their sum; *nlow = finite entries below
+// m + kLowLeaf. (The leaves then gather e: one exp per column, not a second one per leaf.)
 template <class In>
-__attribute__((always_inline)) inline double row_exp_sum_t(const In* __restrict x, int64_t n,
-                                                           double m, int64_t* nlow) {
+__attribute__((always_inline)) inline double row_exp_t(const In* __restrict x, int64_t n,
+                                                       double m, double* __restrict e,
+                                                       int64_t* nlow) {
   double s = 0.0;
   int64_t low = 0;
 #pragma omp simd reduction(+ : s, low)
   for (int64_t c = 0; c < n; ++c) {
     const double d = load(x, c) - m;
     low += (d < kLowLeaf) & (d > -kInf);
-    s += exp_nonpos(d);
+    const double v = exp_nonpos(d);
+    e[c] = v;
+    s += v;
   }
   *nlow = low;
   return s;
 }
-#define GF_ROW_PASSES(In)                                                        \
-  GF_VECTOR_CLONES double row_max(const In* x, int64_t n) { return row_max_t(x, n); } \
-  GF_VECTOR_CLONES double row_exp_sum(const In* x, int64_t n, double m, int64_t* nlow) { \
-    return row_exp_sum_t(x, n, m, nlow);                                         \
+#define GF_ROW_PASSES(In)                                                                    \
+  GF_VECTOR_CLONES double row_max(const In* x, int64_t n) { return row_max_t(x, n); }        \
+  GF_VECTOR_CLONES double row_exp(const In* x, int64_t n, double m, double* e, int64_t* nlow) { \
+    return row_exp_t(x, n, m, e, nlow);                                                      \
   }
 GF_ROW_PASSES(float)
 GF_ROW_PASSES(double)
@@ -234,40 +239,19 @@ GF_ROW_PASSES(BF16)
 GF_VECTOR_CLONES bool row_has_nan(const float* x, int64_t n) { return row_has_nan_t(x, n); }
 GF_VECTOR_CLONES bool row_has_nan(const double* x, int64_t n) { return row_has_nan_t(x, n); }
 
-// lv[pos] = x[leaf_token[pos]] (sum/max, in the input's type) or exp(x[leaf_token[pos]] - m)
-// (log_mass, double): one row's leaf values in leaf order, so the sweep reads them as a stream.
-template <class In>
-__attribute__((always_inline)) inline void gather_leaves_t(const In* __restrict x,
+// lv[pos] = x[leaf_token[pos]]: one row's leaf values in leaf order (x: the row's values for
+// sum/max, its exp(x - m) for log_mass), so the sweep reads them as a stream.
+template <class T>
+__attribute__((always_inline)) inline void gather_leaves_t(const T* __restrict x,
                                                            const int32_t* __restrict tok,
-                                                           int64_t L, In* __restrict lv) {
+                                                           int64_t L, T* __restrict lv) {
   for (int64_t p = 0; p < L; ++p) lv[p] = x[tok[p]];
 }
-template <class In>
-__attribute__((always_inline)) inline void gather_leaves_exp_t(const In* __restrict x,
-                                                               const int32_t* __restrict tok,
-                                                               int64_t L, double m,
-                                                               double* __restrict lv) {
-#pragma omp simd
-  for (int64_t p = 0; p < L; ++p) lv[p] = exp_nonpos(load(x, tok[p]) - m);
+GF_VECTOR_CLONES void gather_leaves(const float* x, const int32_t* tok, int64_t L, float* lv) {
+  gather_leaves_t(x, tok, L, lv);
 }
-#define GF_GATHERS(In)                                                                       \
-  GF_VECTOR_CLONES void gather_leaves(const In* x, const int32_t* tok, int64_t L, In* lv) {     \
-    gather_leaves_t(x, tok, L, lv);                                                          \
-  }                                                                                          \
-  GF_VECTOR_CLONES void gather_leaves_exp(const In* x, const int32_t* tok, int64_t L, double m, \
-                                          double* lv) {                                      \
-    gather_leaves_exp_t(x, tok, L, m, lv);                                                   \
-  }
-GF_GATHERS(float)
-GF_GATHERS(double)
-#undef GF_GATHERS
-GF_VECTOR_CLONES void gather_leaves_exp(const F16* x, const int32_t* tok, int64_t L, double m,
-                                        double* lv) {
-  gather_leaves_exp_t(x, tok, L, m, lv);
-}
-GF_VECTOR_CLONES void gather_leaves_exp(const BF16* x, const int32_t* tok, int64_t L, double m,
-                                        double* lv) {
-  gather_leaves_exp_t(x, tok, L, m, lv);
+GF_VECTOR_CLONES void gather_leaves(const double* x, const int32_t* tok, int64_t L, double* lv) {
+  gather_leaves_t(x, tok, L, lv);
 }
 
 // ----------------------------------------------------------------------------- the sweep
@@ -328,6 +312,7 @@ inline void sweep(double* __restrict acc, const int32_t* __restrict parent, Out*
 struct Work {
   std::vector<double> acc;  // N + 1: acc[-1] is the root's dummy parent; or the depth stack
   std::vector<double> e;    // leaf values gathered into leaf order (R x L for R rows)
+  std::vector<double> col_exp;  // log_mass: exp(x - m) of one row's columns
   std::vector<double> lanes;  // a chunk's leaf values interleaved [leaf][R], + an identity slot
   std::vector<double> runs;   // a chunk's run values interleaved [run][R]
   std::vector<double> ratio;  // log_mass: R rows of a chunk's run masses, before the log
@@ -340,6 +325,10 @@ struct Work {
   double* ep(size_t n) {  // room for n doubles
     if (e.size() < n) e.resize(n);
     return e.data();
+  }
+  double* col_exp_p(int64_t C) {
+    if (static_cast<int64_t>(col_exp.size()) < C) col_exp.resize(C);
+    return col_exp.data();
   }
 };
 
@@ -528,10 +517,11 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
     if constexpr (RED == kLogMass) {
       const double m = row_max(x, A.C);
       if (!(m > -kInf && m < kInf)) return r;
-      const double total = row_exp_sum(x, A.C, m, &nlow[r]);
+      double* e = w.col_exp_p(A.C);
+      const double total = row_exp(x, A.C, m, e, &nlow[r]);
       shift[r] = m;
       inv_total[r] = 1.0 / total;
-      gather_leaves_exp(x, A.leaf_token, L, m, dst);
+      gather_leaves(e, A.leaf_token, L, dst);
     } else {
       if (row_has_nan(x, A.C)) return r;
       gather_leaves(x, A.leaf_token, L, dst);
@@ -640,6 +630,7 @@ bool run_row_chunked(const Args& A, int64_t r, int T) {
   Work& w = thread_work();  // the calling thread's buffers, shared by the team
   double* acc = w.accp(N);
   double* lv = RED == kLogMass ? w.ep(A.L) : nullptr;  // exp(x - m) in leaf order
+  double* e = RED == kLogMass ? w.col_exp_p(A.C) : nullptr;  // exp(x - m) by column
   acc[-1] = identity<RED>();
 
   std::vector<int32_t> nb(T + 1);
@@ -671,7 +662,7 @@ bool run_row_chunked(const Args& A, int64_t r, int T) {
         row_ok = row_ok && part_max[i] == part_max[i];
       }
       row_ok = row_ok && mm > -kInf && mm < kInf;
-      if (row_ok) part_sum[t] = row_exp_sum(x + c0, c1 - c0, mm, &part_low[t]);
+      if (row_ok) part_sum[t] = row_exp(x + c0, c1 - c0, mm, e + c0, &part_low[t]);
 #pragma omp barrier
 #pragma omp single
       {
@@ -694,7 +685,7 @@ bool run_row_chunked(const Args& A, int64_t r, int T) {
       for (int j = t; j < T; j += nt) {  // normally one chunk per thread
         std::fill(acc + nb[j], acc + nb[j + 1], identity<RED>());
         if constexpr (RED == kLogMass) {
-          gather_leaves_exp(x, A.leaf_token + pb[j], pb[j + 1] - pb[j], m, lv + pb[j]);
+          gather_leaves(e, A.leaf_token + pb[j], pb[j + 1] - pb[j], lv + pb[j]);
           deposit<kSum>(acc, lv, A.node_of_leaf, static_cast<const int32_t*>(nullptr), pb[j],
                         pb[j + 1]);
           sweep<kSum, false>(acc, A.parent, static_cast<float*>(nullptr), nb[j], nb[j + 1],

@@ -2,7 +2,10 @@
 //
 //   trie_reduce_cpu(values, parent, node_of_leaf, leaf_token, empty_nodes, run_end, run_depth,
 //                   run_child_slot, run_join_slot, run_leaf, run_of, max_depth, reduction,
-//                   check_indices=True, num_threads=0) -> (Tensor[B, N], bad_row)
+//                   check_indices=True, num_threads=0, float64_result=False)
+//                   -> (Tensor[B, N], bad_row)
+//                   the result is float32, or float64 for sum/max of float64 values or with
+//                   float64_result (float32 values are then read as they are)
 //                   bad_row = -1, or the first row the kernel rejected (a NaN for sum/max;
 //                   no finite maximum for log_mass), whose result is then incomplete
 //   trie_reduce_cuda(values, leaf_token, tile_range_ptr, tile_unit_end, range_start,
@@ -199,9 +202,12 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
     const at::Tensor& values, const at::Tensor& parent, const at::Tensor& node_of_leaf,
     const at::Tensor& leaf_token, const at::Tensor& empty_nodes, const at::Tensor& run_end,
     const at::Tensor& run_depth, const at::Tensor& run_child_slot,
-    const at::Tensor& run_join_slot, const at::Tensor& run_leaf, const at::Tensor& run_of, int64_t max_depth, const std::string& reduction,
-    bool check_indices, int64_t num_threads) {
+    const at::Tensor& run_join_slot, const at::Tensor& run_leaf, const at::Tensor& run_of,
+    int64_t max_depth, const std::string& reduction, bool check_indices, int64_t num_threads,
+    bool float64_result) {
   const int red = parse_reduction(reduction);
+  TORCH_CHECK(!(float64_result && red == 2), "trie_reduce_cpu: float64_result is for sum and "
+              "max; log_mass results are float32");
   TORCH_CHECK(values.device().is_cpu(), "trie_reduce_cpu: values must be a CPU tensor, got one on ",
               values.device());
   check_values(values, red, "cpu");
@@ -297,7 +303,7 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
       start = end;
     }
   }
-  const bool out_double = values.scalar_type() == at::kDouble && red != 2;
+  const bool out_double = (values.scalar_type() == at::kDouble || float64_result) && red != 2;
   at::Tensor out = OutputPool::empty({B, N}, out_double ? at::kDouble : at::kFloat);
   genlm_fast::cpu::Args A;
   A.values = values.data_ptr();
@@ -426,7 +432,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("leaf_token"), pybind11::arg("empty_nodes"), pybind11::arg("run_end"),
         pybind11::arg("run_depth"), pybind11::arg("run_child_slot"),
         pybind11::arg("run_join_slot"), pybind11::arg("run_leaf"), pybind11::arg("run_of"), pybind11::arg("max_depth"), pybind11::arg("reduction"),
-        pybind11::arg("check_indices") = true, pybind11::arg("num_threads") = 0);
+        pybind11::arg("check_indices") = true, pybind11::arg("num_threads") = 0,
+        pybind11::arg("float64_result") = false);
   m.def("empty_output_cache", &OutputPool::clear,
         "Free the cached blocks that large CPU results are reused from");
   m.def("output_cache_sizes", &OutputPool::cached_sizes,

@@ -812,6 +812,10 @@ int64_t trie_reduce(const Args& A) {
     return A.reduction == kSum ? run_typed<kSum, double, double>(A)
                                : run_typed<kMax, double, double>(A);
   }
+  if (A.out_double) {  // float32 values, float64 result (genlm's float64 tries)
+    return A.reduction == kSum ? run_typed<kSum, float, double>(A)
+                               : run_typed<kMax, float, double>(A);
+  }
   return A.reduction == kSum ? run_typed<kSum, float, float>(A) : run_typed<kMax, float, float>(A);
 }
 

@@ -183,11 +183,16 @@ class CompiledTrie:
     def _reduce(self, ws, reduction, mode="without_eos", device=None, dtype=None,
                 exact_width=True):
         batch = self._as_batch(ws, device)
-        if dtype is not None:
+        # dtype: the result's. float64 needs no float64 copy of the input: the dispatcher
+        # gives float64 results of float32 values (the same numbers, the conversion being
+        # exact). float32 rounds the values first, as genlm's float32 tries do.
+        wide = dtype == torch.float64
+        if dtype is not None and not wide:
             batch = batch.to(dtype)
         width = self.vocab_size if exact_width else None
         out, used = dispatch.trie_reduce(batch, self._layout, reduction, mode=mode,
-                                         backend=self.kernel_backend, exact_width=width)
+                                         backend=self.kernel_backend, exact_width=width,
+                                         float64_result=wide)
         self.last_kernel_backend = used
         return out
 

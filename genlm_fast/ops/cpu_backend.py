@@ -89,7 +89,8 @@ def cpu_arrays(arrays: dict) -> dict:
 
 
 def run_kernel(module, values: torch.Tensor, arrays: dict, reduction: str, *,
-               check: bool | None = None, num_threads: int = 0) -> torch.Tensor:
+               check: bool | None = None, num_threads: int = 0,
+               float64_result: bool = False) -> torch.Tensor:
     """``module.trie_reduce_cpu`` on a layout's arrays (``module``: the loaded extension, or
     a test's own build of it). ``check=None`` checks every index on the layout's first call
     only (the arrays are immutable afterwards). A row the kernel rejects raises the
@@ -104,7 +105,8 @@ def run_kernel(module, values: torch.Tensor, arrays: dict, reduction: str, *,
     out, bad_row = module.trie_reduce_cpu(
         values, arrays["parent"], cpu["node_of_leaf"], arrays["leaf_token"], cpu["empty"],
         cpu["run_end"], cpu["run_depth"], cpu["run_child_slot"], cpu["run_join_slot"],
-        cpu["run_leaf"], cpu["run_of"], cpu["max_depth"], reduction, check, num_threads)
+        cpu["run_leaf"], cpu["run_of"], cpu["max_depth"], reduction, check, num_threads,
+        float64_result)
     cpu["checked"] = cpu["checked"] or check
     if bad_row >= 0:
         from genlm_fast.ops.dispatch import raise_bad_row
@@ -114,8 +116,11 @@ def run_kernel(module, values: torch.Tensor, arrays: dict, reduction: str, *,
 
 
 def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
-                num_scratch: int = 0, tile: int = 0) -> torch.Tensor:
+                num_scratch: int = 0, tile: int = 0, float64_result: bool = False) -> torch.Tensor:
     if not extension.has("cpu"):
         raise RuntimeError(f"The 'cpu' trie kernels are not available: "
                            f"{extension.why_missing('cpu')}")
-    return run_kernel(extension.load_module(), values, arrays, reduction)
+    # float32 values with a float64 result: the kernel reads them as they are (it
+    # accumulates in double either way)
+    return run_kernel(extension.load_module(), values, arrays, reduction,
+                      float64_result=float64_result)

@@ -12,10 +12,12 @@ from genlm_fast.ops import extension
 
 
 def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
-                num_scratch: int, tile: int) -> torch.Tensor:
+                num_scratch: int, tile: int, float64_result: bool = False) -> torch.Tensor:
     if not extension.has("cuda"):
         raise RuntimeError(f"The 'cuda' trie kernels are not available: "
                            f"{extension.why_missing('cuda')}")
+    if float64_result:  # the kernels give float64 for float64 values
+        values = values.double()
     # the kernels gather columns by leaf_token unchecked: never read past a narrow row's end
     cached = arrays.get("_cuda")
     if cached is None:  # one device sync per (layout, mode, device)

@@ -3,7 +3,7 @@
 Every backend module (``reference``, ``triton_backend``, ``cpu_backend``, ``cuda_backend``)
 implements the same function, on inputs this module has already checked::
 
-    trie_reduce(values, arrays, reduction, *, num_nodes, num_scratch, tile)
+    trie_reduce(values, arrays, reduction, *, num_nodes, num_scratch, tile, float64_result)
         -> Tensor[B, num_nodes] on values.device
 
 ``values``: [B, C] contiguous, B >= 1, float32/float64 (``sum``/``max``) or any float dtype
@@ -11,7 +11,9 @@ implements the same function, on inputs this module has already checked::
 ``cpu`` backend, whose kernel checks each row as it reads it. ``arrays``: the mode's index
 tensors on the values' device (``TrieLayout.device_arrays``); a backend may cache what it
 derives from them there under a ``_<backend>`` key. ``num_scratch`` and ``tile`` come from
-the mode's ``ModeLayout``. The result dtype is :func:`result_dtype`.
+the mode's ``ModeLayout``. The result dtype is :func:`result_dtype`: ``float64_result`` asks
+for float64 sum/max of float32 values, the same numbers as on ``values.double()`` (the
+conversion is exact) without that [B, C] copy where the backend can read float32.
 """
 
 from __future__ import annotations
@@ -170,9 +172,11 @@ def _backend_module(backend: str):
     return module
 
 
-def result_dtype(reduction: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype of every backend's result: float64 for float64 sum/max, else float32."""
-    return torch.float64 if dtype == torch.float64 and reduction != "log_mass" else torch.float32
+def result_dtype(reduction: str, dtype: torch.dtype, float64_result: bool = False) -> torch.dtype:
+    """The dtype of every backend's result: float64 for float64 sum/max (or any sum/max with
+    ``float64_result``), else float32."""
+    wide = dtype == torch.float64 or float64_result
+    return torch.float64 if wide and reduction != "log_mass" else torch.float32
 
 
 def validate_values(values, layout: TrieLayout, exact_width: int | None = None):
@@ -216,24 +220,28 @@ def raise_bad_row(values: torch.Tensor, row: int, reduction: str):
 
 def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
                 mode: str = "without_eos", backend: str = "auto",
-                exact_width: int | None = None) -> tuple[torch.Tensor, str]:
-    """Per-node values ``[B, N]`` on ``values.device``; returns (result, backend used)."""
+                exact_width: int | None = None,
+                float64_result: bool = False) -> tuple[torch.Tensor, str]:
+    """Per-node values ``[B, N]`` on ``values.device``; returns (result, backend used).
+    ``float64_result``: float64 sum/max whatever the values' float dtype."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; expected one of {REDUCTIONS}")
+    if float64_result and reduction == "log_mass":
+        raise ValueError("float64_result is for sum and max; log_mass results are float32")
     if mode not in layout.modes:
         raise ValueError(f"this trie has no {mode!r} mode (modes: {sorted(layout.modes)})")
     validate_values(values, layout, exact_width)
     chosen = resolve_backend(backend, values.device, reduction)
     if chosen != "cpu":  # the CPU kernel checks each row as it reads it
         check_rows(values, reduction)
-    out = run_backend(values, layout, reduction, mode, chosen)
+    out = run_backend(values, layout, reduction, mode, chosen, float64_result)
     logger.debug("trie_reduce %s %s B=%d N=%d on %s via %s", reduction, mode,
                  values.shape[0], layout.num_nodes, values.device, chosen)
     return out, chosen
 
 
 def run_backend(values: torch.Tensor, layout: TrieLayout, reduction: str, mode: str,
-                backend: str) -> torch.Tensor:
+                backend: str, float64_result: bool = False) -> torch.Tensor:
     """Run one concrete backend on values :func:`trie_reduce` has validated (and checked
     row by row, unless ``backend`` is ``cpu``); ``bench.gpu`` times this directly."""
     if reduction != "log_mass" and values.dtype in (torch.float16, torch.bfloat16):
@@ -243,9 +251,11 @@ def run_backend(values: torch.Tensor, layout: TrieLayout, reduction: str, mode: 
     # were made under torch.inference_mode()).
     values = values.detach().contiguous()
     if values.shape[0] == 0:
-        return torch.empty(0, layout.num_nodes, dtype=result_dtype(reduction, values.dtype),
+        return torch.empty(0, layout.num_nodes,
+                           dtype=result_dtype(reduction, values.dtype, float64_result),
                            device=values.device)
     ml = layout.modes[mode]
     return _backend_module(backend).trie_reduce(
         values, layout.device_arrays(mode, values.device), reduction,
-        num_nodes=layout.num_nodes, num_scratch=ml.num_scratch, tile=ml.tile)
+        num_nodes=layout.num_nodes, num_scratch=ml.num_scratch, tile=ml.tile,
+        float64_result=float64_result)

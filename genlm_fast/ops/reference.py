@@ -30,7 +30,7 @@ def _segments(arrays):
 
 
 def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
-                num_scratch: int = 0, tile: int = 0) -> torch.Tensor:
+                num_scratch: int = 0, tile: int = 0, float64_result: bool = False) -> torch.Tensor:
     """The backend contract of ``genlm_fast.ops.dispatch`` (tiles and scratch unused)."""
     positions, lengths = _segments(arrays)
     B = values.shape[0]
@@ -54,4 +54,4 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
         scaled = torch.exp(data - safe_peak[:, owner])
         total = torch.segment_reduce(scaled, "sum", lengths=lens, axis=1, unsafe=True, initial=0.0)
         out = torch.where(torch.isinf(peak), peak, safe_peak + torch.log(total))
-    return out.to(result_dtype(reduction, values.dtype))
+    return out.to(result_dtype(reduction, values.dtype, float64_result))

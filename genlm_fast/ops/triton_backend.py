@@ -104,7 +104,9 @@ def _row_lse_partials(values: torch.Tensor, acc_dtype: torch.dtype):
 
 
 def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
-                num_scratch: int, tile: int) -> torch.Tensor:
+                num_scratch: int, tile: int, float64_result: bool = False) -> torch.Tensor:
+    if float64_result:  # the kernels give float64 for float64 values
+        values = values.double()
     B = values.shape[0]
     out = torch.empty(B, num_nodes, dtype=result_dtype(reduction, values.dtype),
                       device=values.device)

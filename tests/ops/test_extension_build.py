@@ -546,6 +546,13 @@ def test_raw_function_rejects_bad_input():
         call(values=x.half())
     with pytest.raises(RuntimeError, match="float16, bfloat16, float32 or float64"):
         call(values=x.long(), reduction="log_mass")
+    with pytest.raises(RuntimeError, match="float64_result is for sum and max"):
+        module.trie_reduce_cpu(x, parent, node_of_leaf, leaf_token, empty, *runs.values(),
+                               max_depth, "log_mass", True, 0, True)
+    wide, _ = module.trie_reduce_cpu(x, parent, node_of_leaf, leaf_token, empty,
+                                     *runs.values(), max_depth, "sum", True, 0, True)
+    assert wide.dtype == torch.float64
+    assert torch.equal(wide, call(values=x.double())[0])
     with pytest.raises(RuntimeError, match="'parent' must be int32"):
         call(par=parent.long())
     with pytest.raises(RuntimeError, match="'run_of' must be int32"):

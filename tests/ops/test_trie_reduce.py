@@ -116,6 +116,36 @@ def test_shapes_that_hurt(backend, reduction, shape):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["sum", "max"])
+def test_float64_result_of_float32_values(backend, reduction):
+    """float64_result (genlm's float64 tries on float32 weights, which skip the float64
+    copy of the input) gives exactly the backend's result on the values converted to
+    float64, as float64; for 1 to 19 rows (the CPU kernel's row blocks of 8, 4, 2, 1 and
+    one row across threads), half-precision values too, and the oracle agrees."""
+    from genlm_fast.ops import dispatch
+
+    words = [bytes([97 + i % 3]) * (1 + i % 5) + bytes([i % 7 + 65]) for i in range(60)]
+    trie = TokenCharacterTrie([Token(i, w) for i, w in enumerate(words)], cache=False)
+    rng = np.random.default_rng(11)
+    for B in (1, 3, 8, 19):
+        rows = make_rows(rng, B, len(words), reduction, neg_inf=0.1)
+        x = torch.from_numpy(rows).to(device_for(backend))
+        got, used = dispatch.trie_reduce(x, trie._layout, reduction, backend=backend,
+                                         float64_result=True)
+        assert used == backend and got.dtype == torch.float64 and got.device == x.device
+        want, _ = dispatch.trie_reduce(x.double(), trie._layout, reduction, backend=backend)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        half, _ = dispatch.trie_reduce(x.half(), trie._layout, reduction, backend=backend,
+                                       float64_result=True)
+        want_half, _ = dispatch.trie_reduce(x.half().double(), trie._layout, reduction,
+                                            backend=backend)
+        torch.testing.assert_close(half, want_half, rtol=0, atol=0)
+    check_trie(trie, rows, reduction, backend)  # the public float64 trie, against the oracle
+    with pytest.raises(ValueError, match="float64_result is for sum and max"):
+        dispatch.trie_reduce(x, trie._layout, "log_mass", backend=backend, float64_result=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_inference_mode_then_grad_tracking_rows(backend, reduction):
     """A trie first used under torch.inference_mode() (its index tensors are made there)

@@ -431,7 +431,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("values"), pybind11::arg("parent"), pybind11::arg("node_of_leaf"),
         pybind11::arg("leaf_token"), pybind11::arg("empty_nodes"), pybind11::arg("run_end"),
         pybind11::arg("run_depth"), pybind11::arg("run_child_slot"),
-        pybind11::arg("run_join_slot"), pybind11::arg("run_leaf"), pybind11::arg("run_of"), pybind11::arg("max_depth"), pybind11::arg("reduction"),
+        pybind11::arg("run_join_slot"), pybind11::arg("run_leaf"), pybind11::arg("run_of"),
+        pybind11::arg("max_depth"), pybind11::arg("reduction"),
         pybind11::arg("check_indices") = true, pybind11::arg("num_threads") = 0,
         pybind11::arg("float64_result") = false);
   m.def("empty_output_cache", &OutputPool::clear,

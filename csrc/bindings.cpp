@@ -276,6 +276,7 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
     // and no leaf, with the depths and leaf ranges the sweep relies on
     TORCH_CHECK(rleaf[0] == 0 && rleaf[R] == L, "trie_reduce_cpu: run_leaf must start at 0 and "
                 "end at L = ", L);
+    const int32_t identity_slot = static_cast<int32_t>(max_depth) + 1;  // never written
     int32_t start = 0;
     for (int64_t i = 0; i < R; ++i) {
       const int32_t end = rend[i];
@@ -287,7 +288,6 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
                     "trie_reduce_cpu: node ", n, " of run ", i, " is not the single-child "
                     "parent of node ", n - 1);
       }
-      const int32_t identity_slot = static_cast<int32_t>(max_depth) + 1;
       const int32_t top = end - 1;
       const bool first = par[top] == -1 || first_child[par[top]] == top;
       const int32_t child_slot = children[start] ? depth[start] + 1 : identity_slot;

@@ -20,8 +20,8 @@
 // The sweep steps over runs rather than nodes: a node with exactly one child and no leaf has
 // its child's value, and in post-order that child is n - 1, so chains of such nodes are runs
 // of consecutive ids sharing one value (55% of Llama-3's trie nodes are such links). A run
-// takes its children from slot[depth of its first node + 1], adds into slot[depth of its
-// last node], and its value is then written to all its nodes (expand_runs).
+// takes its children from the slot below its first node (depth + 1), joins its siblings in
+// the slot of its last node, and its value is then written to all its nodes (expand_runs).
 // R <= 8 rows go through one sweep; their stack, (max_depth + 2) x R doubles, stays in L1,
 // and each run is done for all R rows at once with vector ops (lanes = rows), so the run
 // arrays are read once per R rows. Each row is first read in address order (so that it sits

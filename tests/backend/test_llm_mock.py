@@ -306,7 +306,7 @@ async def test_reset_async_queries_fails_waiters(tokenizer, vocab_size):
 
 @pytest.mark.asyncio
 async def test_full_batch_does_not_wait_for_timer(tokenizer):
-    lm = make(tokenizer, batch_size=5, timeout=60.0)
+    lm = make(tokenizer, batch_size=5, timeout=60.0, flush_when_idle=False)
     start = time.perf_counter()
     await asyncio.wait_for(
         asyncio.gather(*(lm.next_token_logprobs([i + 1, 2]) for i in range(5))), 10
@@ -320,7 +320,7 @@ async def test_identical_queries_fill_a_batch(tokenizer, vocab_size):
     """batch_size counts queries as genlm does, identical ones each time: 3 callers of
     one context and 2 of another fill a batch of 5 (one model call, 2 rows) without
     waiting for the timer."""
-    lm = make(tokenizer, batch_size=5, timeout=60.0)
+    lm = make(tokenizer, batch_size=5, timeout=60.0, flush_when_idle=False)
     ctxs = [[4, 4]] * 3 + [[5]] * 2
     rows = await asyncio.wait_for(
         asyncio.gather(*(lm.next_token_logprobs(c) for c in ctxs)), 10
@@ -341,7 +341,7 @@ async def test_identical_queries_fill_a_batch(tokenizer, vocab_size):
 @pytest.mark.asyncio
 async def test_timer_starts_at_first_query(tokenizer):
     """A steady trickle of queries must not postpone the batch (genlm's timer restarts)."""
-    lm = make(tokenizer, batch_size=10_000, timeout=0.3)
+    lm = make(tokenizer, batch_size=10_000, timeout=0.3, flush_when_idle=False)
     start = time.perf_counter()
     first = asyncio.create_task(lm.next_token_logprobs([1, 2, 3]))
     done_at = None
@@ -354,6 +354,92 @@ async def test_timer_starts_at_first_query(tokenizer):
     await asyncio.gather(first, *others)
     assert done_at is not None and done_at < 1.5, done_at
     assert lm.stats["batches"] >= 3
+
+
+@pytest.mark.asyncio
+async def test_idle_loop_runs_the_batch_without_waiting_for_the_timer(tokenizer, vocab_size):
+    """flush_when_idle (the default): once every coroutine waits on the model, the batch
+    runs, not after the timeout; all of them in one model call."""
+    lm = make(tokenizer, batch_size=100, timeout=60.0)
+    ctxs = [[3, i + 1] for i in range(30)]
+    rows = await asyncio.wait_for(asyncio.gather(*(lm.next_token_logprobs(c) for c in ctxs)), 10)
+    for ctx, row in zip(ctxs, rows):
+        torch.testing.assert_close(row, expected(ctx, vocab_size))
+    assert lm.stats["batches"] == 1 and lm.stats["rows"] == 30
+    assert lm._timer is None and lm._idle_probe is None
+
+
+@pytest.mark.asyncio
+async def test_idle_flush_waits_for_coroutines_that_can_still_run(tokenizer, vocab_size):
+    """Queries that come after other work (each coroutine yields to the loop a different
+    number of times first, as nested gathers and sleep(0) do) still join the same batch:
+    the loop is not idle while any of them can run."""
+    lm = make(tokenizer, batch_size=100, timeout=60.0)
+
+    async def particle(i):
+        for _ in range(i):
+            await asyncio.sleep(0)
+        inner = await asyncio.gather(asyncio.sleep(0, result=i))  # a task of its own
+        return await lm.next_token_logprobs([5, inner[0] + 1])
+
+    rows = await asyncio.wait_for(asyncio.gather(*(particle(i) for i in range(12))), 10)
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(row, expected([5, i + 1], vocab_size))
+    assert lm.stats["batches"] == 1 and lm.stats["rows"] == 12
+
+
+@pytest.mark.asyncio
+async def test_two_models_both_flush_when_idle(tokenizer, vocab_size):
+    """Each model's probe ignores the other's: neither waits for its timer."""
+    first = make(tokenizer, batch_size=100, timeout=60.0)
+    second = make(tokenizer, batch_size=100, timeout=60.0)
+
+    async def particle(i):
+        a = await first.next_token_logprobs([7, i + 1])
+        b = await second.next_token_logprobs([8, i + 1])
+        return a, b
+
+    out = await asyncio.wait_for(asyncio.gather(*(particle(i) for i in range(9))), 10)
+    for i, (a, b) in enumerate(out):
+        torch.testing.assert_close(a, expected([7, i + 1], vocab_size))
+        torch.testing.assert_close(b, expected([8, i + 1], vocab_size))
+    assert first.stats["batches"] == second.stats["batches"] == 1
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("flush_when_idle", [True, False])
+async def test_queries_behind_a_timer_with_and_without_idle_flush(tokenizer, vocab_size,
+                                                                 flush_when_idle):
+    """A query that waits on a timer (or I/O) first: with flush_when_idle the loop idles
+    meanwhile, so the earlier query runs alone; without it, genlm's rule, both share the
+    batch the timeout closes."""
+    lm = make(tokenizer, batch_size=100, timeout=0.5, flush_when_idle=flush_when_idle)
+
+    async def late():
+        await asyncio.sleep(0.05)
+        return await lm.next_token_logprobs([2, 2])
+
+    start = time.perf_counter()
+    early_row, late_row = await asyncio.wait_for(
+        asyncio.gather(lm.next_token_logprobs([1, 1]), late()), 10)
+    elapsed = time.perf_counter() - start
+    torch.testing.assert_close(early_row, expected([1, 1], vocab_size))
+    torch.testing.assert_close(late_row, expected([2, 2], vocab_size))
+    if flush_when_idle:
+        assert lm.stats["batches"] == 2 and elapsed < 0.45
+    else:
+        assert lm.stats["batches"] == 1 and elapsed >= 0.45
+
+
+@pytest.mark.asyncio
+async def test_idle_flush_can_be_turned_off_on_a_live_model(tokenizer):
+    lm = make(tokenizer, batch_size=100, timeout=60.0)
+    lm.flush_when_idle = False
+    task = asyncio.create_task(lm.next_token_logprobs([4, 4]))
+    await asyncio.sleep(0.05)
+    assert not task.done() and lm._queued == 1
+    lm.batch_evaluate_queries()
+    await task
 
 
 @pytest.mark.asyncio
@@ -390,7 +476,7 @@ async def test_two_event_loops_in_turn(tokenizer, vocab_size):
 def test_abandoned_queries_on_a_live_loop_do_not_block_another(tokenizer, vocab_size):
     """A query whose only caller gave up (wait_for timed out) on a loop that is stopped but
     not closed must not lock the model to that loop; a query some caller still awaits does."""
-    lm = make(tokenizer, batch_size=100, timeout=30.0)
+    lm = make(tokenizer, batch_size=100, timeout=30.0, flush_when_idle=False)
 
     async def ask(c):
         return await lm.next_token_logprobs(c)
@@ -420,7 +506,7 @@ def test_cleanup_from_another_thread_wakes_the_waiters(tokenizer):
     caller hears of it at once (a thread-safe wake-up), not when the batch timer fires."""
     import threading
 
-    lm = make(tokenizer, batch_size=100, timeout=60.0)
+    lm = make(tokenizer, batch_size=100, timeout=60.0, flush_when_idle=False)
     queued, outcome = threading.Event(), {}
 
     async def wait_for_row():

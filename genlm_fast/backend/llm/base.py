@@ -12,6 +12,13 @@ Batching rules (those of genlm.backend, except for when the clock starts):
   counted each time, as genlm counts them), or ``timeout`` seconds after the *first*
   query entered it (a steady trickle of queries therefore never postpones a batch
   indefinitely);
+* and, beyond genlm (``flush_when_idle=True``, the default), as soon as the event loop has
+  nothing left to run but timers and I/O: every coroutine that could still add a query
+  is then waiting on something else, so the rest of the timeout would be dead time (an
+  SMC step's particles all reach the model within a few loop iterations, and would
+  otherwise sit out the whole timeout every step). Checked through asyncio's own loop;
+  on other loops (uvloop) only the timer applies. ``flush_when_idle=False`` keeps
+  genlm's rule exactly, e.g. for queries that arrive from other threads or over I/O;
 * identical requests (same context, same adapter) share one row of the batch;
 * a caller cancelled while waiting only loses its own answer;
 * an exception raised while evaluating a batch is set on every caller waiting on it;
@@ -313,6 +320,17 @@ class _Row:
         return any(want and not fut.done() for fut, want in self.waiters)
 
 
+# An idle probe looks at the loop's ready callbacks only when there are this few: more
+# means work is queued (other models' probes are one each).
+_MAX_PROBES_SCANNED = 8
+
+
+def _is_idle_probe(handle):
+    return getattr(getattr(handle, "_callback", None), "__func__", None) is (
+        BatchedAsyncLM._on_idle_probe
+    )
+
+
 def _fail_if_pending(fut, exc):
     if not fut.done():
         fut.set_exception(exc)
@@ -333,9 +351,13 @@ class BatchedAsyncLM(AsyncLM):
             that is not full is evaluated anyway. Defaults to 0.02.
         cache_size (int): Rows of log probabilities kept in the LRU output cache
             (0 disables it). Defaults to 1024.
+        flush_when_idle (bool): Also evaluate a batch that is not full as soon as the
+            event loop has nothing else to run (see the module's batching rules).
+            Defaults to True; False waits for ``batch_size`` or ``timeout`` only, as genlm.
     """
 
-    def __init__(self, tokenizer, batch_size=20, timeout=0.02, cache_size=1024):
+    def __init__(self, tokenizer, batch_size=20, timeout=0.02, cache_size=1024,
+                 flush_when_idle=True):
         super().__init__(tokenizer)
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -344,10 +366,12 @@ class BatchedAsyncLM(AsyncLM):
         self.batch_size = int(batch_size)
         self.timeout = float(timeout)
         self.cache_size = int(cache_size)
+        self.flush_when_idle = bool(flush_when_idle)
         self._outputs = OutputCache(self.cache_size)
         self._pending = {}  # (lora, ids) -> _Row, in arrival order
         self._queued = 0  # queries waiting in _pending, identical ones counted each time
         self._timer = None
+        self._idle_probe = None  # a loop.call_soon handle of _on_idle_probe, while one is due
         self._loop = None
         self._default_lora = None
         self.stats = {"batches": 0, "rows": 0, "cache_hits": 0}
@@ -453,11 +477,9 @@ class BatchedAsyncLM(AsyncLM):
                 )
             # Left over from a closed loop, or every caller there gave up: nobody is
             # waiting for those any more.
-            if self._timer is not None:
-                self._timer.cancel()
+            self._cancel_wakeups()
             self._pending = {}
             self._queued = 0
-            self._timer = None
         self._loop = loop
         fut = loop.create_future()
         key = (lora, ids)
@@ -468,19 +490,47 @@ class BatchedAsyncLM(AsyncLM):
         self._queued += 1
         if self._queued >= self.batch_size:
             self._flush()
-        elif self._timer is None:
+            return fut
+        if self._timer is None:
             self._timer = loop.call_later(self.timeout, self._on_timer)
+        if self.flush_when_idle and self._idle_probe is None:
+            self._idle_probe = loop.call_soon(self._on_idle_probe)
         return fut
 
     def _on_timer(self):
         self._timer = None
         self._flush()
 
+    def _on_idle_probe(self):
+        """Flush if the loop has nothing else to run; else look again next iteration.
+
+        asyncio runs, per iteration, the callbacks that were ready when it began; anything
+        scheduled meanwhile (a task woken up, a task's next step) lands in ``loop._ready``.
+        So when this probe finds ``_ready`` empty, or holding only other models' probes,
+        no coroutine can run before the loop blocks on timers and I/O.
+        """
+        self._idle_probe = None
+        if not self._pending or not self.flush_when_idle:
+            return
+        ready = getattr(self._loop, "_ready", None)  # asyncio's deque of ready handles
+        if ready is None:
+            return  # another loop implementation: the timer decides
+        if len(ready) > _MAX_PROBES_SCANNED or not all(
+            handle.cancelled() or _is_idle_probe(handle) for handle in ready
+        ):
+            self._idle_probe = self._loop.call_soon(self._on_idle_probe)
+            return
+        self._flush()
+
+    def _cancel_wakeups(self):
+        for handle in (self._timer, self._idle_probe):
+            if handle is not None:
+                handle.cancel()
+        self._timer = self._idle_probe = None
+
     def _flush(self):
         """Evaluate everything waiting, one model call per adapter (per chunk)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._cancel_wakeups()
         rows, self._pending, self._queued = self._pending, {}, 0
         groups = {}
         for row in rows.values():
@@ -515,9 +565,7 @@ class BatchedAsyncLM(AsyncLM):
         self._flush()
 
     def _fail_pending(self, exc):
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._cancel_wakeups()
         rows, self._pending, self._queued = self._pending, {}, 0
         try:
             here = asyncio.get_running_loop()
@@ -647,8 +695,7 @@ class BatchedAsyncLM(AsyncLM):
 
     def __del__(self):
         try:
-            if self._timer is not None:
-                self._timer.cancel()
+            self._cancel_wakeups()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
@@ -666,10 +713,13 @@ class MockAsyncLM(BatchedAsyncLM):
         batch_size (int): See `BatchedAsyncLM`. Defaults to 20.
         timeout (float): See `BatchedAsyncLM`. Defaults to 0.0 (next loop iteration).
         cache_size (int): See `BatchedAsyncLM`. Defaults to 1024.
+        flush_when_idle (bool): See `BatchedAsyncLM`. Defaults to True.
     """
 
-    def __init__(self, tokenizer, batch_size=20, timeout=0.0, cache_size=1024):
-        super().__init__(tokenizer, batch_size=batch_size, timeout=timeout, cache_size=cache_size)
+    def __init__(self, tokenizer, batch_size=20, timeout=0.0, cache_size=1024,
+                 flush_when_idle=True):
+        super().__init__(tokenizer, batch_size=batch_size, timeout=timeout,
+                         cache_size=cache_size, flush_when_idle=flush_when_idle)
 
     @classmethod
     def from_name(cls, model_name, **kwargs):

@@ -45,6 +45,9 @@ class AsyncTransformer(BatchedAsyncLM):
         cache_size (int, optional): Rows kept in the LRU output cache. Defaults to 1024.
         kv_cache_tokens (int, optional): Positions of key/value states kept for reuse,
             per adapter; 0 disables KV reuse. Defaults to 16384.
+        flush_when_idle (bool, optional): Also run a batch that is not full as soon as the
+            event loop has nothing else to run, instead of sitting out the rest of
+            ``timeout`` (see `BatchedAsyncLM`). Defaults to True.
 
     On the CPU, a float32 model's linear layers run through oneDNN on prepacked weights
     (`genlm_fast.backend.llm.cpu_linear`; about twice as fast a decoding step as torch's
@@ -114,12 +117,14 @@ class AsyncTransformer(BatchedAsyncLM):
         timeout=0.02,
         cache_size=1024,
         kv_cache_tokens=16384,
+        flush_when_idle=True,
     ):
         self.model = hf_model
         self.model.eval()
         self._packed_linears = pack_linear_layers(hf_model)
         super().__init__(
-            hf_tokenizer, batch_size=batch_size, timeout=timeout, cache_size=cache_size
+            hf_tokenizer, batch_size=batch_size, timeout=timeout, cache_size=cache_size,
+            flush_when_idle=flush_when_idle,
         )
         self._device = hf_model.device
         emb = hf_model.get_input_embeddings()

@@ -228,9 +228,10 @@ class AsyncVirtualLM(BatchedAsyncLM):
             also the most distinct contexts per engine call. Defaults to 64.
         timeout (float): See `BatchedAsyncLM`. Defaults to 0.02.
         cache_size (int): Rows kept in the LRU output cache. Defaults to 1024.
+        flush_when_idle (bool): See `BatchedAsyncLM`. Defaults to True.
     """
 
-    def __init__(self, llm, batch_size=64, timeout=0.02, cache_size=1024):
+    def __init__(self, llm, batch_size=64, timeout=0.02, cache_size=1024, flush_when_idle=True):
         if VLLM_MISSING:
             raise ImportError(VLLM_MISSING)
         self.llm_engine = llm
@@ -242,6 +243,7 @@ class AsyncVirtualLM(BatchedAsyncLM):
             batch_size=batch_size,
             timeout=timeout,
             cache_size=cache_size,
+            flush_when_idle=flush_when_idle,
         )
         model_config = llm.llm_engine.vllm_config.model_config
         # vLLM's logits rows span the model's (possibly padded) vocabulary.

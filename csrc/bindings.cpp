@@ -16,6 +16,10 @@
 //                    float64 [B, num_scratch + 1] workspace the caller allocates)
 //   empty_output_cache()  frees the cached blocks large CPU results reuse (OutputPool below)
 //   output_cache_sizes()  the bytes of each cached block, least recently returned first
+//   pack_linear_weight(weight) -> panels;  linear_small_batch(x, panels, bias, out_features,
+//                   isa="auto") -> x @ weight.T + bias;  linear_best_isa() -> "avx512" | ...
+//                   the small-batch float32 linear layer of linear_cpu.cpp (AsyncTransformer's
+//                   decoding steps on the CPU: genlm_fast/backend/llm/cpu_linear.py)
 //
 // The index arrays are the int32 arrays of genlm_fast.ops.layout.TrieLayout.device_arrays,
 // plus those the CPU path derives once per layout (genlm_fast/ops/cpu_backend.py caches them):
@@ -27,6 +31,7 @@
 
 #include <torch/extension.h>
 
+#include "linear_cpu.h"
 #include "trie_reduce_cpu.h"
 
 #include <cstdint>
@@ -439,6 +444,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Free the cached blocks that large CPU results are reused from");
   m.def("output_cache_sizes", &OutputPool::cached_sizes,
         "Bytes of each cached result block, least recently returned first");
+  m.def("pack_linear_weight", &genlm_fast::cpu::pack_linear_weight,
+        "A float32 [N, K] weight as the panels linear_small_batch reads", pybind11::arg("weight"));
+  m.def("linear_small_batch", &genlm_fast::cpu::linear_small_batch,
+        "x @ weight.T + bias for a few rows of x, weight given as its panels",
+        pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("bias"),
+        pybind11::arg("out_features"), pybind11::arg("isa") = "auto");
+  m.def("linear_best_isa", &genlm_fast::cpu::linear_best_isa,
+        "The widest linear_small_batch kernel this CPU runs: avx512 or baseline");
 #ifdef WITH_CUDA
   m.def("trie_reduce_cuda", &trie_reduce_cuda,
         "Per-node sum/max/log_mass of a vocabulary trie (CUDA, tile decomposition)",

@@ -44,6 +44,14 @@ def info() -> int:
         chosen = (next(iter(auto.values())) if len(set(auto.values())) == 1
                   else ", ".join(f"{op}: {b}" for op, b in auto.items()))
         print(f"{device}: backends {available_backends(device)}; auto -> {chosen}")
+    from genlm_fast.backend.llm import cpu_linear
+
+    try:
+        linear = cpu_linear._chosen_kernel() or "torch"
+    except ValueError as exc:  # GENLM_FAST_CPU_LINEAR names a kernel that cannot run
+        linear = f"error: {exc}"
+    print(f"AsyncTransformer CPU linear layers: {linear} "
+          f"(kernels here: {', '.join(cpu_linear.available_kernels()) or 'none'})")
     return 0
 
 

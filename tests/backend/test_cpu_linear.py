@@ -1,5 +1,7 @@
-"""oneDNN packed linear layers (genlm_fast.backend.llm.cpu_linear) against float64 F.linear,
-on small layers and on the real SmolLM2 through AsyncTransformer."""
+"""The packed CPU linear layers (genlm_fast.backend.llm.cpu_linear) against float64 F.linear,
+on each kernel that runs here: genlm_fast's small-batch kernel (csrc/linear_cpu.cpp, also
+called raw, on each of its ISAs) and oneDNN's; on small layers and on the real SmolLM2
+through AsyncTransformer."""
 
 import pytest
 import torch
@@ -7,13 +9,21 @@ import torch.nn.functional as F
 
 from genlm_fast.backend.llm import cpu_linear
 from genlm_fast.backend.llm.cpu_linear import (
-    onednn_linear_available,
+    available_kernels,
     pack_linear_layers,
     unpack_linear_layers,
 )
+from genlm_fast.ops import extension
 
-needs_onednn = pytest.mark.skipif(not onednn_linear_available(),
-                                  reason="this torch build has no oneDNN packed linear")
+
+@pytest.fixture(params=cpu_linear.KERNELS)
+def kernel(request, monkeypatch):
+    """Each packed kernel in turn, chosen through GENLM_FAST_CPU_LINEAR."""
+    if request.param not in available_kernels():
+        pytest.skip(f"the {request.param} kernel does not run here (avx512: needs "
+                    "genlm_fast._C and AVX-512F; onednn: needs torch's oneDNN packed linear)")
+    monkeypatch.setenv(cpu_linear.ENV, request.param)
+    return request.param
 
 
 def float64_linear(layer, x):
@@ -27,10 +37,12 @@ def small_model(bias=True):
                                torch.nn.Linear(130, 9, bias=False))
 
 
-@needs_onednn
-@pytest.mark.parametrize("shape", [(1, 37), (9, 37), (3, 5, 37), (0, 37)])
+# rows: one, a few, a full AVX-512 group (24) and one more, the small-batch limit (48) and
+# one more (then F.linear), in 2-D and 3-D, and none
+@pytest.mark.parametrize("shape", [(1, 37), (9, 37), (24, 37), (25, 37), (48, 37), (49, 37),
+                                   (3, 5, 37), (0, 37)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_matches_float64(shape, bias):
+def test_matches_float64(shape, bias, kernel):
     model = small_model(bias)
     assert pack_linear_layers(model) == 2
     assert all("forward" in m.__dict__ for m in model if isinstance(m, torch.nn.Linear))
@@ -40,10 +52,98 @@ def test_matches_float64(shape, bias):
         want = float64_linear(model[2], torch.tanh(float64_linear(model[0], x)).float())
     assert got.dtype == torch.float32 and got.shape == (*shape[:-1], 9)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    rows = x.numel() // x.shape[-1]
+    packed = rows > 0 and (kernel != "avx512" or rows <= cpu_linear.SMALL_BATCH_ROWS)
+    assert (cpu_linear._PACK in model[0].__dict__) == packed  # the kernel ran, or F.linear
 
 
-@needs_onednn
-def test_follows_weight_changes():
+def test_small_batch_kernel_is_chosen_where_it_runs(monkeypatch):
+    monkeypatch.delenv(cpu_linear.ENV, raising=False)
+    module = extension.load_module()
+    runs = module is not None and module.linear_best_isa() == "avx512"
+    assert ("avx512" in available_kernels()) == runs
+    if runs:
+        assert cpu_linear._chosen_kernel() == "avx512"
+
+
+def _small_batch_isas():
+    module = extension.load_module()
+    if module is None:
+        return []
+    return ["baseline"] + (["avx512"] if module.linear_best_isa() == "avx512" else [])
+
+
+# out features: 1, a panel less one, a panel, a panel and one, SmolLM2's k/v and up sizes;
+# in features: 1, an odd count, more than one chunk of k (256), SmolLM2's down size; rows
+# as above (24 and 25 are one and two AVX-512 groups; 49 rows are three groups of 16-17)
+@pytest.mark.parametrize("isa", _small_batch_isas())
+@pytest.mark.parametrize("rows,out_features,in_features", [
+    (1, 1, 1), (1, 15, 37), (7, 16, 300), (24, 17, 257), (25, 192, 576), (49, 33, 1536),
+    (16, 1536, 576), (3, 5, 0), (0, 5, 7)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_small_batch_kernel_matches_float64(isa, rows, out_features, in_features, bias):
+    module = extension.load_module()
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    panels = module.pack_linear_weight(w)
+    assert panels.shape == (-(-out_features // 16), in_features, 16)
+    got = module.linear_small_batch(x, panels, b, out_features, isa)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    # float32 sums of in_features products: error ~ sqrt(K) ulps of the magnitudes involved
+    tol = 1e-6 * (1 + in_features) * max(1.0, float(x.abs().max()) if x.numel() else 1.0)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=tol)
+
+
+def test_small_batch_kernel_isas_agree():
+    """The AVX-512 kernel and the plain loop: the same sums in the same order of k (up to
+    the rounding of fused multiply-adds)."""
+    module = extension.load_module()
+    if "avx512" not in _small_batch_isas():
+        pytest.skip("this CPU has no AVX-512F")
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(20, 700, generator=g), torch.randn(100, 700, generator=g)
+    panels = module.pack_linear_weight(w)
+    fast = module.linear_small_batch(x, panels, None, 100, "avx512")
+    plain = module.linear_small_batch(x, panels, None, 100, "baseline")
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-4)
+    assert torch.equal(module.linear_small_batch(x, panels, None, 100), fast)  # auto
+
+
+def test_small_batch_kernel_rejects_bad_input():
+    module = extension.load_module()
+    if module is None:
+        pytest.skip(f"genlm_fast._C is unavailable: {extension.why_missing('cpu')}")
+    w = torch.randn(20, 8)
+    panels = module.pack_linear_weight(w)
+    x = torch.randn(3, 8)
+    call = module.linear_small_batch
+    with pytest.raises(RuntimeError, match="2-D"):
+        module.pack_linear_weight(torch.randn(20))
+    with pytest.raises(RuntimeError, match="float32"):
+        module.pack_linear_weight(w.double())
+    with pytest.raises(RuntimeError, match="x must be a contiguous 2-D float32"):
+        call(x.double(), panels, None, 20)
+    with pytest.raises(RuntimeError, match="x must be a contiguous 2-D float32"):
+        call(torch.randn(8, 3).t(), panels, None, 20)
+    with pytest.raises(RuntimeError, match="x has 7 features, the packed weight 8"):
+        call(torch.randn(3, 7), panels, None, 20)
+    with pytest.raises(RuntimeError, match="panels must come from pack_linear_weight"):
+        call(x, w, None, 20)
+    with pytest.raises(RuntimeError, match="33 output features do not match 2 panels"):
+        call(x, panels, None, 33)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32 CPU vector of 20"):
+        call(x, panels, torch.randn(19), 20)
+    with pytest.raises(RuntimeError, match="unknown isa 'sse'"):
+        call(x, panels, None, 20, "sse")
+    if module.linear_best_isa() != "avx512":
+        with pytest.raises(RuntimeError, match="cannot run the avx512 kernel"):
+            call(x, panels, None, 20, "avx512")
+
+
+def test_follows_weight_changes(kernel):
     layer = torch.nn.Linear(16, 24)
     pack_linear_layers(layer)
     x = torch.randn(4, 16)
@@ -55,8 +155,7 @@ def test_follows_weight_changes():
         torch.testing.assert_close(layer(x).double(), float64_linear(layer, x), rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn
-def test_follows_edits_behind_the_version_counter():
+def test_follows_edits_behind_the_version_counter(kernel):
     """Edits through ``.data`` move neither the version counter nor (in place) the storage:
     peft's merge_adapter does ``weight.data += delta``. The sampled snapshot sees edits of
     the whole tensor; forget_packed_weights covers the rest."""
@@ -83,8 +182,7 @@ def test_follows_edits_behind_the_version_counter():
         check()
 
 
-@needs_onednn
-def test_inference_mode_weights():
+def test_inference_mode_weights(kernel):
     """A model built under ``torch.inference_mode`` has inference-tensor weights, which have
     no version counter (reading ``_version`` raises): the packed path must still work, in and
     out of inference mode, and follow edits made under inference mode."""
@@ -106,11 +204,11 @@ def test_inference_mode_weights():
         check()
 
 
-@needs_onednn
-def test_packed_model_copies_and_pickles():
+def test_packed_model_copies_and_pickles(kernel):
     """A packed model is still the caller's model: copy.deepcopy and torch.save/torch.load
-    work after it has run (its packed copies are opaque oneDNN tensors, which neither copy
-    nor pickle), and the copy is a packed model of its own, bound to its own weights."""
+    work after it has run (oneDNN's packed copies are opaque tensors, which neither copy nor
+    pickle: no kernel's copy is carried over), and the copy is a packed model of its own,
+    bound to its own weights."""
     import copy
     import io
 
@@ -137,12 +235,11 @@ def test_packed_model_copies_and_pickles():
     assert "forward" not in copies[0][0].__dict__
 
 
-@needs_onednn
-def test_converted_model_drops_its_stale_copies():
+def test_converted_model_drops_its_stale_copies(kernel):
     """After model.to(bfloat16) the float32 packed copies (and the old float32 weights their
     snapshots keep alive: as much memory again as the model) are released by the first
     product in the new dtype, not held until a float32 product that may never come. A
-    float32 input against a bfloat16 weight gets torch's own dtype error, not oneDNN's."""
+    float32 input against a bfloat16 weight gets torch's own dtype error, not a kernel's."""
     model = small_model()
     pack_linear_layers(model)
     linears = [model[0], model[2]]
@@ -162,8 +259,7 @@ def test_converted_model_drops_its_stale_copies():
         assert all(cpu_linear._PACK in m.__dict__ for m in linears)
 
 
-@needs_onednn
-def test_other_inputs_use_torch():
+def test_other_inputs_use_torch(kernel):
     layer = torch.nn.Linear(8, 3)
     pack_linear_layers(layer)
     x = torch.randn(2, 8, requires_grad=True)
@@ -185,18 +281,24 @@ def test_switch_and_undo(monkeypatch):
     monkeypatch.setenv(cpu_linear.ENV, "mkl")
     with pytest.raises(ValueError, match="GENLM_FAST_CPU_LINEAR"):
         pack_linear_layers(model)
-    monkeypatch.setenv(cpu_linear.ENV, "onednn")
-    n = pack_linear_layers(model)
-    assert n == (2 if onednn_linear_available() else 0)
-    with torch.no_grad():
-        model(torch.randn(2, 37))
+    for kernel in cpu_linear.KERNELS:
+        monkeypatch.setenv(cpu_linear.ENV, kernel)
+        if kernel not in available_kernels():
+            with pytest.raises(ValueError, match=f"{kernel}: that kernel does not run here"):
+                pack_linear_layers(model)
+            continue
+        assert pack_linear_layers(model) == 2
+        with torch.no_grad():
+            model(torch.randn(2, 37))
+        unpack_linear_layers(model)
+        assert not any("forward" in m.__dict__ or cpu_linear._PACK in m.__dict__ for m in model)
+    monkeypatch.setenv(cpu_linear.ENV, "auto")
+    assert pack_linear_layers(model) == (2 if available_kernels() else 0)
     unpack_linear_layers(model)
-    assert not any("forward" in m.__dict__ or cpu_linear._PACK in m.__dict__ for m in model)
 
 
-@needs_onednn
 @pytest.mark.slow
-def test_smollm2_packed_and_given_back():
+def test_smollm2_packed_and_given_back(kernel):
     """The real model: AsyncTransformer packs every linear layer (so its float64 accuracy
     tests run on the packed path), the packed forward agrees with torch's, and cleanup
     gives the caller's model its own layers back."""

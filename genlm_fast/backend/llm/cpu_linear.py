@@ -1,28 +1,38 @@
-"""The linear layers of a CPU float32 model, run through oneDNN on prepacked weights.
+"""The linear layers of a CPU float32 model, on kernels made for the few rows of decoding.
 
-torch's CPU ``nn.Linear`` calls MKL's sgemm. For the short, wide products of incremental
-decoding (a few rows against SmolLM2's 576 x 49152 LM head) that runs far below what the
-machine can do: ~26 GFLOP/s for 9 rows on this project's 2-core AMD EPYC, 19 ms for the head.
-oneDNN's matmul on a weight reordered once into its own blocked layout takes 5 ms for the
-same float32 product, and a whole SmolLM2 decoding step goes from ~90 ms to ~45 ms.
+torch's CPU ``nn.Linear`` calls MKL's sgemm. A decoding step multiplies a few rows (one per
+sequence) by every weight of the model, a product bound by reading the weights from memory,
+and sgemm runs it far below what the machine can do. Two kernels do better, each on a copy of
+the weight packed once into its own layout:
 
-`pack_linear_layers` gives every float32 ``nn.Linear`` on the CPU a forward that calls
-``torch.ops.mkldnn._linear_pointwise`` on a packed copy of its weight (the op behind
-torch.compile's CPU linear fusion). The weight itself is untouched and stays the source of
-truth: before each product the layer checks that the copy still matches it and rebuilds it
-when the weight was replaced (another tensor or storage), changed in place through torch
-(its version counter moves), or changed behind the version counter through ``.data`` (as
-peft's ``merge_adapter`` does): a strided sample of 256 of its entries is compared with a
-snapshot taken at packing (~2 us), which sees any edit of the whole tensor. An edit of a
-few entries through ``.data`` can slip past the sample: then call
-`forget_packed_weights(model)`, which drops the copies (repacking SmolLM2 takes ~0.24 s,
-which is why ``clear_cache`` does not). Inputs the op does not cover (another
-dtype or device, or anything that needs autograd) go to ``F.linear`` as before. The packed
-copies cost as much memory as the layers' weights.
-A layer whose weight has moved on (``model.to(dtype)``) drops its stale copy at its next
-product; a copy of the model (``copy.deepcopy``, ``torch.save``) packs its own weights.
+* ``avx512``: genlm_fast's small-batch kernel (``csrc/linear_cpu.cpp``, in ``genlm_fast._C``),
+  on CPUs with AVX-512F, for products of up to `SMALL_BATCH_ROWS` rows; larger ones (prompt
+  prefills) go to ``F.linear``. SmolLM2's weights, 16 rows, on a 2-core Intel Xeon VM: 27 ms
+  against 47 ms (MKL) and 42 ms (oneDNN), with the weights streamed from memory as in a
+  forward pass (``python -m bench.linear``).
+* ``onednn``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op behind
+  torch.compile's CPU linear fusion) on a weight reordered into oneDNN's blocked layout:
+  the choice where AVX-512 is missing. On a 2-core AMD EPYC it took SmolLM2's LM head at 9 rows
+  from 19 ms (MKL) to 5 ms and a decoding step from ~90 to ~45 ms.
 
-``GENLM_FAST_CPU_LINEAR=torch`` keeps torch's own linear layers.
+`pack_linear_layers` gives every float32 ``nn.Linear`` on the CPU a forward that runs the
+kernel on its packed copy. The weight itself is untouched and stays the source of truth:
+before each product the layer checks that the copy still matches it and rebuilds it when the
+weight was replaced (another tensor or storage), changed in place through torch (its version
+counter moves), or changed behind the version counter through ``.data`` (as peft's
+``merge_adapter`` does): a strided sample of `_PROBE_SIZE` of its entries is compared with a
+snapshot taken at packing, which sees any edit of the whole tensor. An edit of a few entries
+through ``.data`` can slip past the sample: then call `forget_packed_weights(model)`, which
+drops the copies (repacking SmolLM2 takes a fraction of a second, which is why
+``clear_cache`` does not). Inputs the kernels do not cover (another dtype or device, or
+anything that needs autograd) go to ``F.linear`` as before. The packed copies cost as much
+memory as the layers' weights. A layer whose weight has moved on (``model.to(dtype)``) drops
+its stale copy at its next product; a copy of the model (``copy.deepcopy``, ``torch.save``)
+packs its own weights.
+
+``GENLM_FAST_CPU_LINEAR`` picks the kernel: ``auto`` (the default: ``avx512`` where it runs,
+else ``onednn`` where this torch has it, else torch's own layers), ``avx512``, ``onednn`` or
+``torch``.
 """
 
 from __future__ import annotations
@@ -35,36 +45,72 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["pack_linear_layers", "unpack_linear_layers", "forget_packed_weights",
-           "onednn_linear_available"]
+           "available_kernels", "SMALL_BATCH_ROWS"]
 
 logger = logging.getLogger("genlm_fast.backend")
 
 ENV = "GENLM_FAST_CPU_LINEAR"
+KERNELS = ("avx512", "onednn")  # in order of preference
+SMALL_BATCH_ROWS = 48  # the avx512 kernel's products: up to this many rows (bench/linear.py)
 _PACK = "_genlm_fast_packed_weight"  # a _Packed on the module
-_PROBE_SIZE = 256  # weight entries compared with their snapshot before each product
-_available = None
+_PROBE_SIZE = 64  # weight entries compared with their snapshot before each product
+_available = {}
 
 
-def onednn_linear_available() -> bool:
+def _small_batch_module():
+    """genlm_fast._C if it has the small-batch linear and this CPU runs its AVX-512 kernel."""
+    from genlm_fast.ops import extension
+
+    module = extension.load_module()
+    if module is None or not hasattr(module, "linear_small_batch"):
+        return None
+    return module if module.linear_best_isa() == "avx512" else None
+
+
+def _onednn_works() -> bool:
     """Whether this torch build has the packed oneDNN linear and it agrees with F.linear
-    (checked once, on a small product against float64)."""
-    global _available
-    if _available is None:
-        _available = False
-        try:
-            if torch.backends.mkldnn.is_available():
-                g = torch.Generator().manual_seed(0)
-                x = torch.randn(3, 2, 40, generator=g)
-                w = torch.randn(24, 40, generator=g)
-                b = torch.randn(24, generator=g)
-                packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-                got = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-                want = F.linear(x.double(), w.double(), b.double())
-                _available = got.shape == want.shape and bool(
-                    torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4))
-        except (AttributeError, RuntimeError) as exc:  # op missing from this build
-            logger.info("oneDNN packed linear unavailable (%s)", exc)
-    return _available
+    (checked on a small product against float64)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 40, generator=g)
+    w = torch.randn(24, 40, generator=g)
+    b = torch.randn(24, generator=g)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    got = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    want = F.linear(x.double(), w.double(), b.double())
+    return got.shape == want.shape and bool(torch.allclose(got.double(), want, rtol=1e-5,
+                                                           atol=1e-4))
+
+
+def available_kernels() -> list[str]:
+    """The packed kernels that run here, in order of preference (checked once each)."""
+    for kernel in KERNELS:
+        if kernel not in _available:
+            try:
+                _available[kernel] = (_small_batch_module() is not None if kernel == "avx512"
+                                      else _onednn_works())
+            except (AttributeError, RuntimeError) as exc:  # op missing from this build
+                logger.info("CPU linear kernel %s unavailable (%s)", kernel, exc)
+                _available[kernel] = False
+    return [kernel for kernel in KERNELS if _available[kernel]]
+
+
+def _chosen_kernel():
+    """The kernel GENLM_FAST_CPU_LINEAR asks for and that runs here, or None (torch's)."""
+    choice = os.environ.get(ENV, "auto").strip().lower()
+    if choice not in ("auto", "torch") + KERNELS:
+        raise ValueError(f"{ENV} must be 'auto', 'avx512', 'onednn' or 'torch', not {choice!r}")
+    if choice == "torch":
+        return None
+    runs = available_kernels()
+    if choice == "auto":
+        return runs[0] if runs else None
+    if choice not in runs:
+        raise ValueError(f"{ENV}={choice}: that kernel does not run here (available: "
+                         f"{', '.join(runs) or 'none'}; 'avx512' needs genlm_fast._C and a CPU "
+                         "with AVX-512F)")
+    return choice
 
 
 def _version(weight: torch.Tensor):
@@ -80,7 +126,7 @@ def _version(weight: torch.Tensor):
 class _Packed:
     """A packed copy of ``weight`` and what tells whether it still matches the weight."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, kernel: str):
         w = weight.detach()
         self.weight = weight
         self.version = _version(weight)
@@ -88,10 +134,14 @@ class _Packed:
         flat = w.reshape(-1)  # a view: w is a contiguous float32 CPU weight
         self.probe = flat[:: max(1, flat.numel() // _PROBE_SIZE)]  # shares w's storage
         self.snapshot = self.probe.clone()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        if kernel == "avx512":
+            self.module = _small_batch_module()  # genlm_fast._C
+            self.packed = self.module.pack_linear_weight(w)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
 
     def __reduce__(self):
-        # The packed weight is an opaque oneDNN tensor, which neither pickles nor deep-copies:
+        # A oneDNN packed weight is an opaque tensor, which neither pickles nor deep-copies:
         # a copy of the module (copy.deepcopy, torch.save / torch.load) gets no packed copy,
         # and packs its own weight at its first product.
         return (_no_packed_copy, ())
@@ -106,33 +156,45 @@ def _no_packed_copy():
     return None
 
 
-def _packed_forward(self, x):
-    w = self.weight
+def _packed_forward(self, kernel, x):
+    w, bias = self.weight, self.bias
     state = self.__dict__.get(_PACK)
     if (x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu"
             or w.device.type != "cpu" or x.numel() == 0 or not w.is_contiguous()
+            or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"))
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         if state is not None and not state.matches(w):
             # The weight moved on (model.to(dtype) or to(device), say): drop the stale copy
             # now, and with it the old weight storage its snapshot keeps alive, rather than
             # hold both until a float32 product that may never come.
             del self.__dict__[_PACK]
-        return F.linear(x, w, self.bias)
+        return F.linear(x, w, bias)
+    if kernel == "avx512":
+        rows = x.numel() // x.shape[-1]
+        if rows > SMALL_BATCH_ROWS:  # a prefill: BLAS's kernels are made for it
+            return F.linear(x, w, bias)
     if state is None or not state.matches(w):
-        state = self.__dict__[_PACK] = _Packed(w)
-    return torch.ops.mkldnn._linear_pointwise(x, state.packed, self.bias, "none", [], "")
+        state = self.__dict__[_PACK] = _Packed(w, kernel)
+    if kernel == "avx512":
+        y = state.module.linear_small_batch(
+            x.reshape(rows, x.shape[-1]).contiguous(), state.packed,
+            None if bias is None else bias.detach().contiguous(), w.shape[0])
+        return y.view(*x.shape[:-1], w.shape[0])
+    return torch.ops.mkldnn._linear_pointwise(x, state.packed, bias, "none", [], "")
 
 
 def pack_linear_layers(model: torch.nn.Module) -> int:
-    """Route ``model``'s float32 CPU ``nn.Linear`` layers through oneDNN on packed weights.
+    """Route ``model``'s float32 CPU ``nn.Linear`` layers through the packed kernel
+    ``GENLM_FAST_CPU_LINEAR`` picks (module docstring).
 
-    Returns the number of layers changed: 0 when ``GENLM_FAST_CPU_LINEAR=torch``, when the op
-    is unavailable, or when no layer is a float32 CPU linear. `unpack_linear_layers` undoes it.
+    Returns the number of layers changed: 0 when the choice is ``torch``, when no kernel runs
+    here, or when no layer is a float32 CPU linear. `unpack_linear_layers` undoes it.
+
+    Raises:
+        ValueError: ``GENLM_FAST_CPU_LINEAR`` names no kernel, or one that does not run here.
     """
-    choice = os.environ.get(ENV, "onednn").strip().lower()
-    if choice not in ("onednn", "torch"):
-        raise ValueError(f"{ENV} must be 'onednn' or 'torch', not {choice!r}")
-    if choice == "torch" or not onednn_linear_available():
+    kernel = _chosen_kernel()
+    if kernel is None:
         return 0
     count = 0
     for module in model.modules():
@@ -140,7 +202,7 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
                 and module.weight.device.type == "cpu"):
             # a partial of a module-level function, not a bound method: the module must still
             # pickle (torch.save(model)) and deep-copy, with its copy bound to the copy
-            module.forward = functools.partial(_packed_forward, module)
+            module.forward = functools.partial(_packed_forward, module, kernel)
             count += 1
     return count
 

@@ -1,0 +1,198 @@
+// Small-batch float32 linear layer on the CPU: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]).
+//
+// Why: a decoding step of an LM multiplies a few rows (one per sequence in the batch) by every
+// weight matrix of the model. For M up to a few dozen rows that product is bound by reading W
+// from memory once (SmolLM2: 540 MB per step), and BLAS's general kernels reach about half of
+// the machine's read bandwidth on it. This kernel streams W once, front to back, at close to
+// the bandwidth.
+//
+// Layout: W is packed once (pack_linear_weight) into panels of 16 output features: panel p is
+// W[16p .. 16p + 16, k] for k = 0 .. K, each k's 16 floats side by side ([P][K][16] floats,
+// rows past N zero), so a thread reads one panel as one sequential stream.
+//
+// Kernel: each thread takes whole panels. A panel is walked in chunks of kChunk values of k;
+// for each chunk, every group of up to R rows keeps its 16 output columns in registers (one
+// 512-bit register per row), and each 16-float load of W feeds one FMA per row with x[m, k]
+// broadcast. The first group reads the chunk from memory (prefetched 4 KB ahead); the other
+// groups find it in L1, so W leaves memory once whatever M is. Partial sums cross chunks
+// through a small per-thread buffer. Exact as a BLAS is: float32 products summed in float32,
+// in order of k.
+//
+// ISAs: AVX-512F (R = 24: 24 accumulators, W and a broadcast in 32 registers) and a plain loop
+// (any CPU; the layout's reference, for tests: AVX2 versions of this kernel were no faster
+// than oneDNN at 16 rows, so cpu_linear.py runs oneDNN on CPUs without AVX-512). Both give
+// the same numbers up to float32 rounding of the FMA (fused or not).
+
+#include "linear_cpu.h"
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define GF_X86_KERNELS 1
+#else
+#define GF_X86_KERNELS 0
+#endif
+
+namespace genlm_fast {
+namespace cpu {
+
+namespace {
+
+constexpr int64_t kPanel = 16;   // output features per panel
+constexpr int64_t kChunk = 256;  // values of k per chunk: 16 KB of a panel, kept in L1
+constexpr int64_t kPrefetch = 64;  // prefetch distance, in values of k (4 KB)
+
+// acc[r][0..16) = (first ? 0 : acc[r]) + sum_{k in [k0, k1)} x[r, k] * panel[k][0..16)
+#if GF_X86_KERNELS
+template <int R>
+__attribute__((target("avx512f"))) void group_avx512(const float* x, int64_t ldx, const float* panel,
+                                                     int64_t k0, int64_t k1, bool first, float* acc) {
+  __m512 a[R];
+#pragma GCC unroll 24
+  for (int r = 0; r < R; ++r) a[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * kPanel);
+  for (int64_t k = k0; k < k1; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetch) * kPanel), _MM_HINT_T0);
+    const __m512 w = _mm512_loadu_ps(panel + k * kPanel);
+#pragma GCC unroll 24
+    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, a[r]);
+  }
+#pragma GCC unroll 24
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * kPanel, a[r]);
+}
+
+#endif
+
+void group_baseline(int rows, const float* x, int64_t ldx, const float* panel, int64_t k0,
+                    int64_t k1, bool first, float* acc) {
+  if (first) std::fill(acc, acc + rows * kPanel, 0.0f);
+  for (int r = 0; r < rows; ++r)
+    for (int64_t k = k0; k < k1; ++k) {
+      const float xv = x[r * ldx + k];
+      for (int64_t j = 0; j < kPanel; ++j) acc[r * kPanel + j] += xv * panel[k * kPanel + j];
+    }
+}
+
+using GroupFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, bool, float*);
+
+// kernel tables: entry rows - 1 handles a group of exactly `rows` rows
+#if GF_X86_KERNELS
+const GroupFn kAvx512[24] = {
+    group_avx512<1>,  group_avx512<2>,  group_avx512<3>,  group_avx512<4>,  group_avx512<5>,
+    group_avx512<6>,  group_avx512<7>,  group_avx512<8>,  group_avx512<9>,  group_avx512<10>,
+    group_avx512<11>, group_avx512<12>, group_avx512<13>, group_avx512<14>, group_avx512<15>,
+    group_avx512<16>, group_avx512<17>, group_avx512<18>, group_avx512<19>, group_avx512<20>,
+    group_avx512<21>, group_avx512<22>, group_avx512<23>, group_avx512<24>};
+#endif
+
+bool cpu_has(const std::string& isa) {
+#if GF_X86_KERNELS
+  __builtin_cpu_init();
+  if (isa == "avx512") return __builtin_cpu_supports("avx512f");
+#endif
+  return isa == "baseline";
+}
+
+}  // namespace
+
+std::string linear_best_isa() {
+  return cpu_has("avx512") ? "avx512" : "baseline";
+}
+
+torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_linear_weight: the weight must be 2-D [N, K], got ",
+              weight.dim(), "-D");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32,
+              "pack_linear_weight: the weight must be float32, got ", weight.scalar_type());
+  TORCH_CHECK(weight.device().is_cpu(), "pack_linear_weight: the weight must be on the CPU");
+  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
+  // [P, 16, K] -> [P, K, 16]: rows past N are zero
+  auto padded = torch::zeros({panels * kPanel, k}, weight.options());
+  padded.slice(0, 0, n).copy_(weight);
+  return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
+}
+
+torch::Tensor linear_small_batch(const torch::Tensor& x, const torch::Tensor& panels,
+                                 const c10::optional<torch::Tensor>& bias, int64_t out_features,
+                                 const std::string& isa_name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() &&
+                  x.is_contiguous(),
+              "linear_small_batch: x must be a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel &&
+                  panels.scalar_type() == torch::kFloat32 && panels.device().is_cpu() &&
+                  panels.is_contiguous(),
+              "linear_small_batch: panels must come from pack_linear_weight");
+  const int64_t m = x.size(0), k = x.size(1), n = out_features, count = panels.size(0);
+  TORCH_CHECK(panels.size(1) == k, "linear_small_batch: x has ", k,
+              " features, the packed weight ", panels.size(1));
+  TORCH_CHECK(n > (count - 1) * kPanel && n <= count * kPanel, "linear_small_batch: ",
+              out_features, " output features do not match ", count, " panels of ", kPanel);
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == torch::kFloat32 &&
+                    bias->device().is_cpu() && bias->is_contiguous(),
+                "linear_small_batch: bias must be a contiguous float32 CPU vector of ", n);
+  }
+  const std::string isa = isa_name == "auto" ? linear_best_isa() : isa_name;
+  TORCH_CHECK(isa == "avx512" || isa == "baseline", "linear_small_batch: unknown isa '",
+              isa_name, "' (expected auto, avx512 or baseline)");
+  TORCH_CHECK(cpu_has(isa), "linear_small_batch: this CPU cannot run the ", isa, " kernel");
+
+  auto y = torch::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const float* xs = x.data_ptr<float>();
+  const float* ws = panels.data_ptr<float>();
+  const float* bs = bias ? bias->data_ptr<float>() : nullptr;
+  float* ys = y.data_ptr<float>();
+  int max_rows = 1;
+  const GroupFn* table = nullptr;
+#if GF_X86_KERNELS
+  if (isa == "avx512") max_rows = 24, table = kAvx512;
+#endif
+  if (isa == "baseline") max_rows = 8;
+  // groups of (nearly) equal size: 25 rows are 13 + 12, not 24 + 1
+  const int64_t groups = (m + max_rows - 1) / max_rows;
+
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> acc(static_cast<size_t>(m * kPanel));
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < count; ++p) {
+      const float* panel = ws + p * k * kPanel;
+      for (int64_t k0 = 0;; k0 += kChunk) {  // at least once: K = 0 gives zeros
+        const int64_t k1 = std::min(k, k0 + kChunk);
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t r0 = m * g / groups, rows = m * (g + 1) / groups - r0;
+          float* a = acc.data() + r0 * kPanel;
+          if (table)
+            table[rows - 1](xs + r0 * k, k, panel, k0, k1, k0 == 0, a);
+          else
+            group_baseline(static_cast<int>(rows), xs + r0 * k, k, panel, k0, k1, k0 == 0, a);
+        }
+        if (k1 >= k) break;
+      }
+      const int64_t cols = std::min(kPanel, n - p * kPanel);
+      for (int64_t r = 0; r < m; ++r) {
+        float* out = ys + r * n + p * kPanel;
+        const float* a = acc.data() + r * kPanel;
+        if (bs)
+          for (int64_t j = 0; j < cols; ++j) out[j] = a[j] + bs[p * kPanel + j];
+        else
+          std::memcpy(out, a, static_cast<size_t>(cols) * sizeof(float));
+      }
+    }
+  }
+  return y;
+}
+
+}  // namespace cpu
+}  // namespace genlm_fast

@@ -269,6 +269,11 @@ def test_other_inputs_use_torch(kernel):
     with torch.no_grad():
         y = layer.double()(torch.randn(2, 8, dtype=torch.float64))
     assert y.dtype == torch.float64
+    frozen = torch.nn.Linear(8, 3)  # a frozen weight and a trainable bias: still autograd
+    frozen.weight.requires_grad_(False)
+    pack_linear_layers(frozen)
+    frozen(torch.randn(5, 8)).sum().backward()
+    torch.testing.assert_close(frozen.bias.grad, torch.full((3,), 5.0))
     double = torch.nn.Linear(8, 3).double()
     assert pack_linear_layers(double) == 0  # only float32 layers are packed
 

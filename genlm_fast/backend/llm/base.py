@@ -6,7 +6,7 @@ gathers concurrent requests into one model call. A backend only supplies
 `BatchedAsyncLM._forward`, which maps a list of distinct contexts to a tensor of
 next-token logits.
 
-Batching rules (those of genlm.backend, except for when the clock starts):
+Batching rules (those of genlm.backend, except for when the clock starts, and the idle flush):
 
 * a batch is evaluated as soon as ``batch_size`` queries wait in it (identical ones
   counted each time, as genlm counts them), or ``timeout`` seconds after the *first*
@@ -320,9 +320,9 @@ class _Row:
         return any(want and not fut.done() for fut, want in self.waiters)
 
 
-# An idle probe looks at the loop's ready callbacks only when there are this few: more
-# means work is queued (other models' probes are one each).
-_MAX_PROBES_SCANNED = 8
+# An idle probe inspects the loop's ready callbacks only when there are at most this many:
+# more means work is queued (other models' probes are one handle each).
+_IDLE_SCAN_LIMIT = 8
 
 
 def _is_idle_probe(handle):
@@ -515,7 +515,7 @@ class BatchedAsyncLM(AsyncLM):
         ready = getattr(self._loop, "_ready", None)  # asyncio's deque of ready handles
         if ready is None:
             return  # another loop implementation: the timer decides
-        if len(ready) > _MAX_PROBES_SCANNED or not all(
+        if len(ready) > _IDLE_SCAN_LIMIT or not all(
             handle.cancelled() or _is_idle_probe(handle) for handle in ready
         ):
             self._idle_probe = self._loop.call_soon(self._on_idle_probe)

@@ -162,7 +162,8 @@ def _packed_forward(self, kernel, x):
     if (x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu"
             or w.device.type != "cpu" or x.numel() == 0 or not w.is_contiguous()
             or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"))
-            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (
+                bias is not None and bias.requires_grad)))):
         if state is not None and not state.matches(w):
             # The weight moved on (model.to(dtype) or to(device), say): drop the stale copy
             # now, and with it the old weight storage its snapshot keeps alive, rather than

@@ -157,6 +157,51 @@ async def test_kv_reuse_equals_no_cache(lm, prompts, monkeypatch):
 
 
 @pytest.mark.asyncio
+async def test_kv_buffer_contents_never_leak(lm, prompts):
+    """A forward with stored key/values assembles them in a buffer kept from the last one:
+    stale contents there (here: NaN everywhere) must not reach any answer, through the
+    masked gaps of rows with a shorter past or through the states stored for later."""
+    cached = sharing(lm)
+    plain = sharing(lm, kv_cache_tokens=0)
+    await cached.batch_next_token_logprobs([prompts[0], prompts[2], prompts[1][:4]])
+    kept = torch.full((4 << 20,), float("nan"))
+    for step in range(3):
+        cached._kv_buffer = kept
+        # pasts of 3 to ~14 positions in one forward: most rows have a masked gap
+        ctxs = [prompts[0] + [5 + step], prompts[2] + [7] * (step + 1),
+                prompts[1][:4] + [9, 11][: step + 1], prompts[2] + [8]]
+        got = await cached.batch_next_token_logprobs(ctxs)
+        assert cached._kv_buffer is kept  # the buffer was taken, used and given back
+        assert not torch.isnan(got).any()
+        # (float32 noise of two different batchings: up to ~1.2e-4 on unlikely tokens)
+        torch.testing.assert_close(got, plain.batch_next_token_logprobs_sync(ctxs),
+                                   rtol=0, atol=5e-4)
+        kept.fill_(float("nan"))  # the states stored from it must be copies
+
+
+def test_buffer_layer_writes_in_place_or_concatenates():
+    from genlm_fast.backend.llm.hf import _buffer_cache
+
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 2, 3, 4, 7, 5, generator=g)  # [L, 2, B, H, T, D], past of 5
+    past = kv[..., :5, :].clone()
+    cache = _buffer_cache(kv, 5)
+    assert cache.get_seq_length() == 5
+    new_k, new_v = torch.randn(2, 3, 4, 2, 5, generator=g)
+    keys, values = cache.update(new_k, new_v, 0)
+    assert cache.layers[0].in_place and keys.data_ptr() == kv[0, 0].data_ptr()
+    torch.testing.assert_close(keys, torch.cat([past[0, 0], new_k], dim=2), rtol=0, atol=0)
+    torch.testing.assert_close(values, torch.cat([past[0, 1], new_v], dim=2), rtol=0, atol=0)
+    # states the buffer cannot take (three more positions; float64) are concatenated
+    for states in (torch.randn(2, 3, 4, 3, 5, generator=g), torch.randn(2, 3, 4, 2, 5).double()):
+        cache = _buffer_cache(kv.clone(), 5)
+        keys, values = cache.update(states[0], states[1], 1)
+        assert not cache.layers[1].in_place and cache.layers[0].in_place
+        torch.testing.assert_close(keys, torch.cat([past[1, 0].to(states.dtype), states[0]], 2))
+        torch.testing.assert_close(values, torch.cat([past[1, 1].to(states.dtype), states[1]], 2))
+
+
+@pytest.mark.asyncio
 async def test_concurrent_requests_with_cancellations(lm, prompts):
     fresh = sharing(lm, batch_size=12, timeout=0.01)
     plain = sharing(lm, kv_cache_tokens=0, batch_size=64)

@@ -8,7 +8,9 @@ new tokens only. Logits are computed for the last position of each context only.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import math
 import os
 import warnings
 
@@ -129,12 +131,15 @@ class AsyncTransformer(BatchedAsyncLM):
         )
         self._device = hf_model.device
         emb = hf_model.get_input_embeddings()
-        self._n_embed = int(emb.num_embeddings if hasattr(emb, "num_embeddings") else emb.weight.shape[0])
+        self._n_embed = int(
+            emb.num_embeddings if hasattr(emb, "num_embeddings") else emb.weight.shape[0]
+        )
         pad = getattr(hf_tokenizer, "pad_token_id", None)
         self._pad_id = pad if pad is not None and 0 <= pad < self._n_embed else 0
         self.kv_cache_tokens = int(kv_cache_tokens)
         self._kv_on = self.kv_cache_tokens > 0
         self._kv_tries = {}
+        self._kv_buffer = None  # flat storage of the last forward's KV, see _run
         params = inspect.signature(hf_model.forward).parameters
         self._keeps_logits = "logits_to_keep" in params
 
@@ -149,6 +154,7 @@ class AsyncTransformer(BatchedAsyncLM):
 
     def _release(self):
         self._kv_tries = {}
+        self._kv_buffer = None
         model, self.model = self.model, None
         if self._packed_linears:
             unpack_linear_layers(model)  # the caller's model gets its own layers back
@@ -166,6 +172,7 @@ class AsyncTransformer(BatchedAsyncLM):
 
     def clear_kv_cache(self):
         """Forget cached key/value states (log probabilities stay cached)."""
+        self._kv_buffer = None
         for trie in self._kv_tries.values():
             trie.clear()
         self._kv_tries = {}
@@ -313,8 +320,6 @@ class AsyncTransformer(BatchedAsyncLM):
 
     def _run(self, plans, trie):
         """One padded forward; returns last-position logits ``[B, V']``, stores new KV."""
-        from transformers import DynamicCache
-
         dev = self._device
         B = len(plans)
         news = [len(ids) - d for ids, d, _ in plans]
@@ -334,31 +339,77 @@ class AsyncTransformer(BatchedAsyncLM):
             "position_ids": torch.tensor(positions, device=dev),
             "use_cache": trie is not None,
         }
-        if max_past:
-            seg = next(runs[0][0] for _, d, runs in plans if d)
-            L, _, H, _, D = seg.data.shape
-            past = seg.data.new_zeros((L, 2, B, H, max_past, D))
+        if self._keeps_logits:
+            kwargs["logits_to_keep"] = 1
+        if not max_past:
+            out = self.model(**kwargs)
+            if trie is not None:
+                self._store_kv(trie, plans, news, 0, out.past_key_values)
+            return out.logits[:, -1]
+
+        # The past and the new positions share one [L, 2, B, H, max_past + max_new, D]
+        # buffer, reused from the last forward: the rows' stored KV is copied in once, the
+        # model writes the new positions after it (_BufferLayer), and nothing is
+        # concatenated or zero-filled but the gaps of rows with a shorter past (masked,
+        # but they must be finite: 0 * NaN would poison the attention).
+        seg = next(runs[0][0] for _, d, runs in plans if d)
+        L, _, H, _, D = seg.data.shape
+        shape = (L, 2, B, H, max_past + max_new, D)
+        storage = self._take_kv_buffer(shape, seg.data.dtype, seg.data.device)
+        try:
+            kv = storage[: math.prod(shape)].view(shape)
+            # rows that read the same run to the same positions (the shared prompt of
+            # many particles) get it in one broadcast copy per block of consecutive rows
+            readers = {}
             for i, (_, d, runs) in enumerate(plans):
                 at = 0
                 for s, a, b in runs:
-                    past[:, :, i, :, at : at + b - a] = s.data[:, :, :, a:b]
+                    readers.setdefault((id(s), a, b, at), (s, []))[1].append(i)
                     at += b - a
-            kwargs["past_key_values"] = DynamicCache([(past[l, 0], past[l, 1]) for l in range(L)])
-        if self._keeps_logits:
-            kwargs["logits_to_keep"] = 1
-        out = self.model(**kwargs)
-        logits = out.logits[:, -1]
-        if trie is not None:
-            self._store_kv(trie, plans, news, max_past, out.past_key_values)
-        return logits
+                if d < max_past:
+                    kv[:, :, i, :, d:max_past] = 0
+            for (_, a, b, at), (s, rows) in readers.items():
+                for first, last in _consecutive_blocks(rows):
+                    kv[:, :, first : last + 1, :, at : at + b - a] = s.data[:, :, None, :, a:b]
+            kwargs["past_key_values"] = _buffer_cache(kv, max_past)
+            out = self.model(**kwargs)
+            if trie is not None:
+                self._store_kv(trie, plans, news, max_past, out.past_key_values, kv)
+        finally:
+            self._give_back_kv_buffer(storage)
+        return out.logits[:, -1]
 
-    def _store_kv(self, trie, plans, news, max_past, cache):
+    # A KV buffer up to this size is kept for the next forward: a fresh one would be
+    # page-faulted in again (~5 ms for SmolLM2's 16 rows x 20 positions on a CPU VM).
+    _KV_BUFFER_KEEP_BYTES = 64 << 20
+
+    def _take_kv_buffer(self, shape, dtype, device):
+        """Flat storage for at least ``prod(shape)`` elements: the kept one if it fits,
+        else a new one with room to grow (a context grows by a token a round)."""
+        need = math.prod(shape)
+        kept, self._kv_buffer = self._kv_buffer, None  # taken: no other caller shares it
+        if (kept is not None and kept.numel() >= need and kept.dtype == dtype
+                and kept.device == device):
+            return kept
+        return torch.empty(need + need // 4, dtype=dtype, device=device)
+
+    def _give_back_kv_buffer(self, storage):
+        if storage.numel() * storage.element_size() <= self._KV_BUFFER_KEEP_BYTES:
+            self._kv_buffer = storage
+
+    def _store_kv(self, trie, plans, news, max_past, cache, kv=None):
+        """Insert each row's new positions into the trie, from ``kv`` (the forward's
+        buffer) when the model wrote them all there, else from the cache's layers."""
+        from transformers.cache_utils import DynamicLayer
+
         layers = getattr(cache, "layers", None)
+        max_new = max(news)
+        reusable = (DynamicLayer, _buffer_layer_class())  # not their subclasses (sliding...)
         usable = bool(layers) and all(
-            type(layer).__name__ == "DynamicLayer"
+            type(layer) in reusable
             and isinstance(getattr(layer, "keys", None), torch.Tensor)
             and layer.keys.dim() == 4
-            and layer.keys.shape[2] == max_past + max(news)
+            and layer.keys.shape[2] == max_past + max_new
             and layer.keys.device == layers[0].keys.device
             and layer.keys.shape[1:] == layers[0].keys.shape[1:]
             for layer in layers
@@ -373,15 +424,21 @@ class AsyncTransformer(BatchedAsyncLM):
             self._kv_on = False
             self.clear_kv_cache()
             return
-        new = torch.stack(
-            [
-                torch.stack((layer.keys[:, :, max_past:], layer.values[:, :, max_past:]))
-                for layer in layers
-            ]
-        )  # [L, 2, B, H, max_new, D]
-        max_new = max(news)
+        if kv is not None and len(layers) == kv.shape[0] and all(
+            getattr(layer, "in_place", False) for layer in layers
+        ):
+            new = kv[:, :, :, :, max_past:]  # [L, 2, B, H, max_new, D], a view
+        else:
+            new = torch.stack(
+                [
+                    torch.stack((layer.keys[:, :, max_past:], layer.values[:, :, max_past:]))
+                    for layer in layers
+                ]
+            )  # [L, 2, B, H, max_new, D]
         for i, ((ids, d, runs), n) in enumerate(zip(plans, news)):
-            trie.insert(ids, d, new[:, :, i, :, max_new - n :].contiguous(), runs)
+            # always a copy: the buffer is reused by the next forward
+            row = new[:, :, i, :, max_new - n :].clone(memory_format=torch.contiguous_format)
+            trie.insert(ids, d, row, runs)
 
     # ---- genlm.backend extras --------------------------------------------------------
 
@@ -394,6 +451,70 @@ class AsyncTransformer(BatchedAsyncLM):
             torch.tensor([ids], device=self._device), use_cache=False
         ).logits[0, -1]
         return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
+def _consecutive_blocks(rows):
+    """Increasing row numbers as (first, last) of each block of consecutive ones."""
+    first = prev = rows[0]
+    for r in rows[1:]:
+        if r != prev + 1:
+            yield first, prev
+            first = r
+        prev = r
+    yield first, prev
+
+
+@functools.cache
+def _buffer_layer_class():
+    """transformers' ``DynamicLayer`` over preallocated key and value buffers
+    ``[B, H, T, D]`` whose first positions already hold the past: ``update`` writes the
+    new states in place after them (the stock layer concatenates, copying the whole past
+    each forward). States that do not fit (another shape, dtype or length) are
+    concatenated as the stock layer does, and ``in_place`` turns False. Defined on first
+    use: transformers is imported only with this backend."""
+    from transformers.cache_utils import DynamicLayer
+
+    class _BufferLayer(DynamicLayer):
+        def __init__(self, key_buffer, value_buffer, filled):
+            super().__init__()
+            self.dtype, self.device = key_buffer.dtype, key_buffer.device
+            self._key_buffer, self._value_buffer = key_buffer, value_buffer
+            self.keys = key_buffer[:, :, :filled]
+            self.values = value_buffer[:, :, :filled]
+            self.is_initialized = True
+            self.in_place = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            start = self.keys.shape[2]
+            stop = start + key_states.shape[2]
+            target = self._key_buffer[:, :, start:stop]
+            if (
+                self.in_place
+                and stop <= self._key_buffer.shape[2]
+                and key_states.shape == target.shape
+                and value_states.shape == target.shape
+                and key_states.dtype == value_states.dtype == self.dtype
+            ):
+                target.copy_(key_states)
+                self._value_buffer[:, :, start:stop].copy_(value_states)
+                self.keys = self._key_buffer[:, :, :stop]
+                self.values = self._value_buffer[:, :, :stop]
+                return self.keys, self.values
+            self.in_place = False
+            return super().update(key_states, value_states, *args, **kwargs)
+
+    return _BufferLayer
+
+
+def _buffer_cache(kv, filled):
+    """A ``DynamicCache`` whose layer ``l`` writes into ``kv[l]`` ([L, 2, B, H, T, D]),
+    positions ``[0, filled)`` being the past."""
+    from transformers import DynamicCache
+
+    layer = _buffer_layer_class()
+    cache = DynamicCache()
+    cache.layers = [layer(kv[i, 0], kv[i, 1], filled) for i in range(kv.shape[0])]
+    return cache
 
 
 def _is_missing_path(model_id):

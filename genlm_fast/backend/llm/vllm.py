@@ -6,7 +6,7 @@ of the V1 model runner). Every request of ours carries a slot number in
 ``SamplingParams.extra_args``; at each engine step the processor log-softmaxes the raw
 logits rows of all our requests straight into their slots of a preallocated buffer, in one
 call of `genlm_fast.ops.log_softmax.log_softmax_rows` (one fused Triton kernel on GPU,
-float64 torch on CPU; no [n, V] intermediate on GPU). Optionally the raw logits are
+plain float32 torch on CPU; no [n, V] intermediate on GPU). Optionally the raw logits are
 copied to a second buffer instead. A request mid-prefill under chunked prefill also
 gets a logits row from vLLM, which is written and then overwritten by the step that
 completes its prompt: the processor only writes while the request has produced no

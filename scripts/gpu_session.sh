@@ -64,17 +64,24 @@ run_tests() {
   # travel, so its cases are left out. The sm_90 compile report uses this triton.
   $PY tests/ops/test_triton_sm90.py >"$OUT/sm90-compile.txt" 2>&1
   # A test that kills the interpreter (a signal: rc > 128) would end the run there; its
-  # C stack goes to $OUT/crash.txt (gdb, where there is one) and the run goes on without
-  # it, up to 3 times. pytest's faulthandler names the test in the log, which collects every
-  # attempt (the XML report holds the last one).
-  local deselect=() rc crashed python
+  # C stack goes to $OUT/crash.txt (gdb, where there is one) and the run goes on with the
+  # tests not yet run (scripts/gpu_session_progress.py lists the finished ones), up to 3 times.
+  # pytest's faulthandler names the test in the log, which collects every attempt (each
+  # attempt has its own XML report).
+  local deselect=() crashes=() rc crashed python done_log="$OUT/tests-done.txt"
+  : >"$done_log"
   for attempt in 1 2 3 4; do
-    $PY -m pytest tests/ops -q -ra -k "not smollm2" -p no:cacheprovider \
-      --durations=10 --junitxml="$OUT/tests-ops.xml" ${PYTEST_ARGS:-} "${deselect[@]}" 2>&1 \
+    PYTEST_DONE_LOG=$done_log PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" \
+      $PY -m pytest ${TEST_PATHS:-tests/ops} -q -ra -k "not smollm2" \
+      -p no:cacheprovider -p gpu_session_progress --durations=10 \
+      --junitxml="$OUT/tests-ops-$attempt.xml" ${PYTEST_ARGS:-} "${deselect[@]}" 2>&1 \
       | tee -a "$OUT/tests-ops.log"
     rc=${PIPESTATUS[0]}
-    [ "$rc" -gt 128 ] && [ "$attempt" -lt 4 ] || return "$rc"
-    crashed=$(grep -oE 'tests/ops/[A-Za-z0-9_]+\.py", line [0-9]+ in test_[A-Za-z0-9_]+' \
+    if [ "$rc" -le 128 ] || [ "$attempt" -eq 4 ]; then
+      [ "$rc" -eq 0 ] && [ ${#crashes[@]} -gt 0 ] && rc=1  # the crashes still count
+      return "$rc"
+    fi
+    crashed=$(grep -oE 'tests/[A-Za-z0-9_/]+\.py", line [0-9]+ in test_[A-Za-z0-9_]+' \
       "$OUT/tests-ops.log" | tail -1 | sed -E 's/", line [0-9]+ in /::/')
     [ -n "$crashed" ] || return "$rc"
     echo "!! $crashed killed pytest (rc $rc); its stack: $OUT/crash.txt; going on without it"
@@ -84,7 +91,9 @@ run_tests() {
       timeout 120 gdb -q -batch -ex run -ex bt --args "$python" -m pytest -q -p no:cacheprovider \
         "$crashed" 2>&1 | sed -n '/received signal/,$p' | head -40 >>"$OUT/crash.txt"
     fi
-    deselect+=(--deselect "$crashed")
+    crashes+=(--deselect "$crashed")
+    deselect=("${crashes[@]}")
+    while IFS= read -r id; do deselect+=(--deselect "$id"); done <"$done_log"
   done
 }
 

@@ -1,0 +1,18 @@
+"""pytest plugin of scripts/gpu_session.sh: appends the node id of every test that has
+finished (passed, failed or skipped) to the file named by $PYTEST_DONE_LOG. When a test
+kills the interpreter (a signal), the session's next attempt deselects these and the
+culprit, so it runs only the tests not yet run instead of the whole suite again.
+
+    PYTEST_DONE_LOG=done.txt PYTHONPATH=scripts python -m pytest -p gpu_session_progress tests/ops
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    path = os.environ.get("PYTEST_DONE_LOG")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(nodeid + "\n")

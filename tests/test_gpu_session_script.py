@@ -1,0 +1,67 @@
+"""scripts/gpu_session.sh's test runner, on CPU: GPU sessions are rare and short, so the way
+it survives a test that kills the interpreter (the CUDA-built extension segfaulted once)
+must be shown to work here. A crash costs only the tests not yet run, every crash is
+reported, and the run still fails."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+CRASHING_TESTS = '''
+import ctypes
+import pytest
+
+@pytest.mark.parametrize("i", range(3))
+def test_a_before(i):
+    pass
+
+def test_b_crashes():
+    ctypes.string_at(0)  # SIGSEGV
+
+def test_c_between():
+    pass
+
+def test_d_crashes_too():
+    ctypes.string_at(0)
+
+def test_e_last():
+    pass
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="bash script, Linux signals")
+def test_a_crash_costs_only_the_tests_not_yet_run(tmp_path):
+    (tmp_path / "scripts").symlink_to(REPO / "scripts")  # the runner's cwd is the repo's root
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_demo.py").write_text(CRASHING_TESTS)
+    out = tmp_path / "out"
+    out.mkdir()
+    script = (REPO / "scripts" / "gpu_session.sh").read_text()
+    run_tests = script[script.index("run_tests() {"):script.index("\nrun_bench() {")]
+    # a gdb that does nothing: the real one would rerun each crash (slow, not what is tested)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "gdb").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "gdb").chmod(0o755)
+    env = {**os.environ, "OUT": str(out), "PY": sys.executable, "TEST_PATHS": "tests",
+           "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
+    env.pop("PYTEST_ADDOPTS", None)
+    proc = subprocess.run(["bash", "-c", run_tests + "\nrun_tests"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 1, log  # every test that ran passed, but two crashed
+    assert "test_demo.py::test_b_crashes killed pytest" in log
+    assert "test_demo.py::test_d_crashes_too killed pytest" in log
+    done = (out / "tests-done.txt").read_text().split()
+    # each test ran exactly once, in three attempts, the crashing ones excepted
+    assert sorted(done) == sorted(f"tests/test_demo.py::{t}" for t in (
+        "test_a_before[0]", "test_a_before[1]", "test_a_before[2]", "test_c_between",
+        "test_e_last"))
+    assert (out / "tests-ops-3.xml").exists()

@@ -179,6 +179,31 @@ async def test_kv_buffer_contents_never_leak(lm, prompts):
         kept.fill_(float("nan"))  # the states stored from it must be copies
 
 
+@pytest.mark.asyncio
+async def test_random_smc_workloads_match_no_kv_reuse(lm, prompts):
+    """Random SMC-like runs (particles added, resampled, grown by 1-3 tokens, caches
+    cleared, a budget that evicts) through the kept KV buffer: every row as without KV
+    reuse."""
+    rng = random.Random(7)
+    plain = sharing(lm, kv_cache_tokens=0, batch_size=64)
+    for trial in range(3):
+        cached = sharing(lm, kv_cache_tokens=rng.choice([40, 16384]),
+                         batch_size=rng.choice([4, 20]))
+        particles = [list(rng.choice(prompts)[: rng.randint(2, 12)])
+                     for _ in range(rng.randint(1, 9))]
+        for step in range(4):
+            rows = await asyncio.gather(*(cached.next_token_logprobs(p) for p in particles))
+            want = plain.batch_next_token_logprobs_sync(particles)
+            for p, row, ref in zip(particles, rows, want):
+                assert not torch.isnan(row).any()
+                torch.testing.assert_close(row, ref, rtol=0, atol=5e-4, msg=f"trial {trial}, {p}")
+            particles = [list(rng.choice(particles)) for _ in range(rng.randint(1, 10))]
+            for p in particles:
+                p.extend(rng.randrange(100, 40000) for _ in range(rng.choice([1, 1, 1, 2, 3])))
+            if rng.random() < 0.2:
+                cached.clear_kv_cache()
+
+
 def test_buffer_layer_writes_in_place_or_concatenates():
     from genlm_fast.backend.llm.hf import _buffer_cache
 

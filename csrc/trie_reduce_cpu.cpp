@@ -51,9 +51,10 @@
 // log-prob -800 gives -800, and -inf leaves never produce NaN.
 //
 // All accumulation is in double; each output is rounded once. The vector passes and the
-// stacked sweep are compiled twice (x86-64-v3 = AVX2/FMA and baseline), as is expand_runs
-// (AVX2 permutes and streaming stores, or a plain loop), and picked at load time, so the
-// binary runs on any x86-64.
+// stacked sweep are compiled twice (x86-64-v3 = AVX2/FMA and baseline; log_mass's exp/log
+// passes and sweep a third time, x86-64-v4 = AVX-512), as is expand_runs (AVX2 permutes and
+// streaming stores, or a plain loop), and picked at load time, so the binary runs on any
+// x86-64.
 
 #include "trie_reduce_cpu.h"
 
@@ -78,9 +79,13 @@
     defined(__GLIBC__) && !defined(GF_BASELINE_ONLY)
 #define GF_FMV 1
 #define GF_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+// log_mass's exp/log passes and sweep: also AVX-512 (see run_rows)
+#define GF_MATH_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define GF_FMV 0
 #define GF_VECTOR_CLONES
+#define GF_MATH_CLONES
 #endif
 
 namespace genlm_fast {
@@ -180,7 +185,7 @@ __attribute__((always_inline)) inline double log_pos(double v) {
 
 // o[i] = log(a[i] / total), computed as log(a[i] * inv_total) so that masses near 1 keep
 // their relative precision (log(a) - log(total) would cancel).
-GF_VECTOR_CLONES void log_ratio(const double* __restrict a, float* __restrict o, int64_t n,
+GF_MATH_CLONES void log_ratio(const double* __restrict a, float* __restrict o, int64_t n,
                                 double inv_total) {
   for (int64_t i = 0; i < n; ++i) o[i] = static_cast<float>(log_pos(a[i] * inv_total));
 }
@@ -227,8 +232,8 @@ __attribute__((always_inline)) inline double row_exp_t(const In* __restrict x, i
   return s;
 }
 #define GF_ROW_PASSES(In)                                                                    \
-  GF_VECTOR_CLONES double row_max(const In* x, int64_t n) { return row_max_t(x, n); }        \
-  GF_VECTOR_CLONES double row_exp(const In* x, int64_t n, double m, double* e, int64_t* nlow) { \
+  GF_MATH_CLONES double row_max(const In* x, int64_t n) { return row_max_t(x, n); }          \
+  GF_MATH_CLONES double row_exp(const In* x, int64_t n, double m, double* e, int64_t* nlow) { \
     return row_exp_t(x, n, m, e, nlow);                                                      \
   }
 GF_ROW_PASSES(float)
@@ -516,7 +521,7 @@ __attribute__((always_inline)) inline void deinterleave(const double* __restrict
 // chunk's nodes. Returns the number of leading rows that succeeded (< R: that row failed its
 // check, see trie_reduce_cpu.h).
 template <int RED, int R, class In, class Out>
-GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
+__attribute__((always_inline)) inline int run_rows_stacked_t(const Args& A, int64_t r0) {
   constexpr int SRED = RED == kLogMass ? kSum : RED;
   constexpr double id = identity<SRED>();
   constexpr int W = R < 4 ? R : 4, G = R / W;
@@ -625,15 +630,35 @@ GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
   return R;
 }
 
+// The sweep's clones. log_mass (double lanes) also gets an x86-64-v4 (AVX-512) one: 32 rows
+// of Llama-3 took 16.5 ms instead of 13.0 without it on an AVX-512 Intel VM, where the same
+// clone made sum/max (float lanes) slower (7.3 -> 9.9 ms), so they keep AVX2.
+template <int RED, int R, class In, class Out>
+GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
+  return run_rows_stacked_t<RED, R, In, Out>(A, r0);
+}
+template <int R, class In>
+GF_MATH_CLONES int run_rows_stacked_log_mass(const Args& A, int64_t r0) {
+  return run_rows_stacked_t<kLogMass, R, In, float>(A, r0);
+}
+template <int RED, int R, class In, class Out>
+int run_rows(const Args& A, int64_t r0) {
+  if constexpr (RED == kLogMass) {
+    return run_rows_stacked_log_mass<R, In>(A, r0);
+  } else {
+    return run_rows_stacked<RED, R, In, Out>(A, r0);
+  }
+}
+
 // Rows [r0, r0 + count), count <= 8, as blocks of 8/4/2/1; returns the first failed row or -1.
 template <int RED, class In, class Out>
 int64_t run_block(const Args& A, int64_t r0, int count) {
   while (count > 0) {
     const int R = count >= 8 ? 8 : count >= 4 ? 4 : count >= 2 ? 2 : 1;
-    const int done = R == 8   ? run_rows_stacked<RED, 8, In, Out>(A, r0)
-                     : R == 4 ? run_rows_stacked<RED, 4, In, Out>(A, r0)
-                     : R == 2 ? run_rows_stacked<RED, 2, In, Out>(A, r0)
-                              : run_rows_stacked<RED, 1, In, Out>(A, r0);
+    const int done = R == 8   ? run_rows<RED, 8, In, Out>(A, r0)
+                     : R == 4 ? run_rows<RED, 4, In, Out>(A, r0)
+                     : R == 2 ? run_rows<RED, 2, In, Out>(A, r0)
+                              : run_rows<RED, 1, In, Out>(A, r0);
     if (done < R) return r0 + done;
     r0 += R;
     count -= R;

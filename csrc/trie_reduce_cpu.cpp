@@ -186,7 +186,7 @@ __attribute__((always_inline)) inline double log_pos(double v) {
 // o[i] = log(a[i] / total), computed as log(a[i] * inv_total) so that masses near 1 keep
 // their relative precision (log(a) - log(total) would cancel).
 GF_MATH_CLONES void log_ratio(const double* __restrict a, float* __restrict o, int64_t n,
-                                double inv_total) {
+                              double inv_total) {
   for (int64_t i = 0; i < n; ++i) o[i] = static_cast<float>(log_pos(a[i] * inv_total));
 }
 
@@ -630,8 +630,8 @@ __attribute__((always_inline)) inline int run_rows_stacked_t(const Args& A, int6
   return R;
 }
 
-// The sweep's clones. log_mass (double lanes) also gets an x86-64-v4 (AVX-512) one: 32 rows
-// of Llama-3 took 16.5 ms instead of 13.0 without it on an AVX-512 Intel VM, where the same
+// The sweep's clones. log_mass (double lanes) also gets an x86-64-v4 (AVX-512) one: with it,
+// 32 rows of Llama-3 took 13.0 ms instead of 16.5 on an AVX-512 Intel VM, where the same
 // clone made sum/max (float lanes) slower (7.3 -> 9.9 ms), so they keep AVX2.
 template <int RED, int R, class In, class Out>
 GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {

@@ -177,6 +177,11 @@ async def test_kv_buffer_contents_never_leak(lm, prompts):
         torch.testing.assert_close(got, plain.batch_next_token_logprobs_sync(ctxs),
                                    rtol=0, atol=5e-4)
         kept.fill_(float("nan"))  # the states stored from it must be copies
+    # memory: a buffer over the limit is not kept, and clear_kv_cache drops the kept one
+    cached._give_back_kv_buffer(torch.empty(cached._KV_BUFFER_KEEP_BYTES // 4 + 1))
+    assert cached._kv_buffer is kept
+    cached.clear_kv_cache()
+    assert cached._kv_buffer is None
 
 
 @pytest.mark.asyncio

@@ -46,7 +46,9 @@ class AsyncTransformer(BatchedAsyncLM):
             that is not full runs anyway. Defaults to 0.02.
         cache_size (int, optional): Rows kept in the LRU output cache. Defaults to 1024.
         kv_cache_tokens (int, optional): Positions of key/value states kept for reuse,
-            per adapter; 0 disables KV reuse. Defaults to 16384.
+            per adapter; 0 disables KV reuse. Defaults to 16384. (A forward that reuses
+            them assembles them in a buffer, kept for the next forward when it is at most
+            64 MB; `clear_kv_cache` frees it too.)
         flush_when_idle (bool, optional): Also run a batch that is not full as soon as the
             event loop has nothing else to run, instead of sitting out the rest of
             ``timeout`` (see `BatchedAsyncLM`). Defaults to True.

@@ -375,8 +375,8 @@ class AsyncTransformer(BatchedAsyncLM):
                     kv[:, :, first : last + 1, :, at : at + b - a] = s.data[:, :, None, :, a:b]
             kwargs["past_key_values"] = _buffer_cache(kv, max_past)
             out = self.model(**kwargs)
-            if trie is not None:
-                self._store_kv(trie, plans, news, max_past, out.past_key_values, kv)
+            # (a past came from the trie, so there is one)
+            self._store_kv(trie, plans, news, max_past, out.past_key_values, kv)
         finally:
             self._give_back_kv_buffer(storage)
         return out.logits[:, -1]

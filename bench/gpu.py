@@ -633,8 +633,9 @@ def triton_sweep(args, context) -> list[dict]:
         B = {"sum": SPEEDUP_B}.get(op, GOAL_PEAK_B)
         B = B if B in args.batch_sizes else max(args.batch_sizes)
         logits, probs = K.make_inputs(len(context["vocab"]), B)
+        logits, probs = logits.to(device), probs.to(device)  # where the reference's arrays are
         want = ref.oracle(op, logits, probs)
-        x = (logits if op == "log_mass" else probs).to(device).contiguous()
+        x = (logits if op == "log_mass" else probs).contiguous()
         kind = tb.tile_kernel(op, x.dtype)
         moved = sum(io_bytes(x, op, layout.num_nodes)) + index_bytes(layout, "triton",
                                                                      device=device)

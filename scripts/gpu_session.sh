@@ -71,7 +71,7 @@ run_tests() {
   # pytest's faulthandler names the test in the log, which collects every attempt (each
   # attempt has its own XML report).
   local deselect=() crashes=() rc crashed python done_log="$OUT/tests-done.txt"
-  : >"$done_log"
+  : >"$done_log"; : >"$done_log.failures"
   for attempt in 1 2 3 4; do
     PYTEST_DONE_LOG=$done_log PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" \
       $PY -m pytest ${TEST_PATHS:-tests/ops} -q -ra -k "not smollm2" \

@@ -33,6 +33,9 @@ def test_d_crashes_too():
 
 def test_e_last():
     pass
+
+def test_f_fails():
+    assert 1 + 1 == 3, "a failure's report is kept"
 '''
 
 
@@ -56,12 +59,17 @@ def test_a_crash_costs_only_the_tests_not_yet_run(tmp_path):
     proc = subprocess.run(["bash", "-c", run_tests + "\nrun_tests"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
-    assert proc.returncode == 1, log  # every test that ran passed, but two crashed
+    assert proc.returncode == 1, log  # two crashed, one failed
     assert "test_demo.py::test_b_crashes killed pytest" in log
     assert "test_demo.py::test_d_crashes_too killed pytest" in log
     done = (out / "tests-done.txt").read_text().split()
     # each test ran exactly once, in three attempts, the crashing ones excepted
     assert sorted(done) == sorted(f"tests/test_demo.py::{t}" for t in (
         "test_a_before[0]", "test_a_before[1]", "test_a_before[2]", "test_c_between",
-        "test_e_last"))
+        "test_e_last", "test_f_fails"))
     assert (out / "tests-ops-3.xml").exists()
+    # failures are kept as they happen (a run stopped by its timeout prints no summary)
+    failures = (out / "tests-done.txt.failures").read_text()
+    assert "=== tests/test_demo.py::test_f_fails (call)" in failures
+    assert "a failure's report is kept" in failures
+    assert failures.count("===") == 1

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from genlm_fast.backend.tokenization import Token
-from genlm_fast.backend.trie import TokenCharacterTrie
+from genlm_fast.backend.trie import ParallelTokenCharacterTrie, TokenCharacterTrie
 from genlm_fast.bytes import TokenByteTrie, TrieMode
 from tests import oracle
 from tests.ops.devices import device_for
@@ -30,6 +30,16 @@ BACKENDS = [
                                                   reason="needs a CUDA device")),
 ]
 REDUCTIONS = ["sum", "max", "log_mass"]
+
+
+def char_trie(words, backend):
+    """genlm.backend's character trie over ``words`` for ``backend``: the host-only
+    ``TokenCharacterTrie`` (float64 results) where the backend runs on the CPU, the
+    ``ParallelTokenCharacterTrie`` on the GPU (float32) for the GPU backends."""
+    vocab = [Token(i, w) for i, w in enumerate(words)]
+    if device_for(backend) == "cpu":
+        return TokenCharacterTrie(vocab, cache=False)
+    return ParallelTokenCharacterTrie(vocab, device="cuda", cache=False)
 
 
 def make_rows(rng, B, C, reduction, spread=10.0, neg_inf=0.0):
@@ -53,6 +63,8 @@ def check_trie(trie, rows, reduction, backend, mode=None, eos_positions=()):
     pairs = oracle.members(trie, eos_positions, with_eos=with_eos)
     columns = [t.token_id for t in trie.decode] if isinstance(trie, TokenByteTrie) else None
     want = oracle.reduce(pairs, trie.num_nodes, rows, reduction, columns)
+    # the trie's device is where its methods run the backend: it must be the backend's
+    assert torch.device(trie.device).type == device_for(backend), (trie.device, backend)
     trie.kernel_backend = backend
     x = torch.from_numpy(rows).to(device_for(backend))
     if reduction == "log_mass":
@@ -110,7 +122,7 @@ def test_shapes_that_hurt(backend, reduction, shape):
                                                      for b in range(0, 256, 7)]
     else:
         words = [b"ab", b"ab", b"a", b"ab", b"", b"", b"abc", b"b"] * 13
-    trie = TokenCharacterTrie([Token(i, w) for i, w in enumerate(words)], cache=False)
+    trie = char_trie(words, backend)
     rows = make_rows(rng, 3, len(words), reduction, spread=30.0, neg_inf=0.2)
     check_trie(trie, rows, reduction, backend)
 
@@ -125,7 +137,7 @@ def test_float64_result_of_float32_values(backend, reduction):
     from genlm_fast.ops import dispatch
 
     words = [bytes([97 + i % 3]) * (1 + i % 5) + bytes([i % 7 + 65]) for i in range(60)]
-    trie = TokenCharacterTrie([Token(i, w) for i, w in enumerate(words)], cache=False)
+    trie = char_trie(words, backend)
     rng = np.random.default_rng(11)
     for B in (1, 3, 8, 19):
         rows = make_rows(rng, B, len(words), reduction, neg_inf=0.1)
@@ -140,7 +152,7 @@ def test_float64_result_of_float32_values(backend, reduction):
         want_half, _ = dispatch.trie_reduce(x.half().double(), trie._layout, reduction,
                                             backend=backend)
         torch.testing.assert_close(half, want_half, rtol=0, atol=0)
-    check_trie(trie, rows, reduction, backend)  # the public float64 trie, against the oracle
+    check_trie(trie, rows, reduction, backend)  # the public trie, against the oracle
     with pytest.raises(ValueError, match="float64_result is for sum and max"):
         dispatch.trie_reduce(x, trie._layout, "log_mass", backend=backend, float64_result=True)
 

@@ -60,6 +60,27 @@ setup() {
   } | tee "$OUT/env.txt"
 }
 
+# The C stack of the test $1, which kills the interpreter: gdb's where there is one
+# ($GDB, default gdb), else glibc's backtrace from scripts/segv_stack.c (LD_PRELOAD), its
+# frames in genlm_fast's extension named by addr2line.
+native_stack() {
+  local python stack
+  python=$($PY -c "import sys; print(sys.executable)")  # not a shim script
+  if command -v "${GDB:-gdb}" >/dev/null; then
+    timeout 120 "${GDB:-gdb}" -q -batch -ex run -ex bt --args "$python" -m pytest -q \
+      -p no:cacheprovider "$1" 2>&1 | sed -n '/received signal/,$p' | head -40
+  elif cc -shared -fPIC -O1 -o /tmp/segv_stack.so scripts/segv_stack.c; then
+    # -s: pytest must not capture fd 2, where the handler writes
+    stack=$(LD_PRELOAD=/tmp/segv_stack.so timeout 120 "$python" -m pytest -q -s \
+      -p no:cacheprovider "$1" 2>&1 | sed -n '/Fatal Python error/,$p' | head -120)
+    echo "$stack"
+    echo "$stack" | grep -oE '^[^ ()]*genlm_fast[^ ()]*\.so\(\+0x[0-9a-f]+\)' \
+      | sed -E 's/\(\+(0x[0-9a-f]+)\)$/ \1/' | while read -r module offset; do
+        printf '%s %s: ' "$module" "$offset"; addr2line -f -C -e "$module" "$offset" | paste -sd' '
+      done
+  fi
+}
+
 run_tests() {
   # tests/ops: every kernel test with the compiled Triton and CUDA backends, real
   # vocabularies included; SmolLM2's vocabulary comes from a 96 MB GGUF that cannot
@@ -87,12 +108,8 @@ run_tests() {
       "$OUT/tests-ops.log" | tail -1 | sed -E 's/", line [0-9]+ in /::/')
     [ -n "$crashed" ] || return "$rc"
     echo "!! $crashed killed pytest (rc $rc); its stack: $OUT/crash.txt; going on without it"
-    if command -v gdb >/dev/null; then
-      echo "== $crashed" >>"$OUT/crash.txt"
-      python=$($PY -c "import sys; print(sys.executable)")  # not a shim script
-      timeout 120 gdb -q -batch -ex run -ex bt --args "$python" -m pytest -q -p no:cacheprovider \
-        "$crashed" 2>&1 | sed -n '/received signal/,$p' | head -40 >>"$OUT/crash.txt"
-    fi
+    echo "== $crashed" >>"$OUT/crash.txt"
+    native_stack "$crashed" >>"$OUT/crash.txt" 2>&1
     crashes+=(--deselect "$crashed")
     deselect=("${crashes[@]}")
     while IFS= read -r id; do deselect+=(--deselect "$id"); done <"$done_log"
@@ -110,7 +127,7 @@ case "${1:-}" in
   bench) setup; run_bench; exit $? ;;
   all)
     setup
-    export -f run_bench run_tests
+    export -f run_bench run_tests native_stack
     export OUT PY
     # what the build left of TOTAL_S (the device tool's 600 s, less a margin for the
     # transfers): 53% to the benchmark, the rest to the tests, unless BENCH_S/TESTS_S say

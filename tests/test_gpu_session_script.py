@@ -47,7 +47,7 @@ def test_a_crash_costs_only_the_tests_not_yet_run(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     script = (REPO / "scripts" / "gpu_session.sh").read_text()
-    run_tests = script[script.index("run_tests() {"):script.index("\nrun_bench() {")]
+    run_tests = script[script.index("native_stack() {"):script.index("\nrun_bench() {")]
     # a gdb that does nothing: the real one would rerun each crash (slow, not what is tested)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -73,3 +73,24 @@ def test_a_crash_costs_only_the_tests_not_yet_run(tmp_path):
     assert "=== tests/test_demo.py::test_f_fails (call)" in failures
     assert "a failure's report is kept" in failures
     assert failures.count("===") == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="bash script, Linux signals")
+def test_without_gdb_the_crash_report_has_the_native_stack(tmp_path):
+    """The lent GPU machine has no gdb: scripts/segv_stack.c (built with cc, preloaded)
+    puts the C stack of the crashing test into crash.txt, after the Python one."""
+    script = (REPO / "scripts" / "gpu_session.sh").read_text()
+    native_stack = script[script.index("native_stack() {"):script.index("\nrun_tests() {")]
+    (tmp_path / "scripts").symlink_to(REPO / "scripts")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_demo.py").write_text(CRASHING_TESTS)
+    env = {**os.environ, "PY": sys.executable, "GDB": "no-such-gdb"}
+    env.pop("PYTEST_ADDOPTS", None)
+    proc = subprocess.run(["bash", "-c", native_stack + "\nnative_stack "
+                           "tests/test_demo.py::test_b_crashes"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    report = proc.stdout
+    assert "Fatal Python error: Segmentation fault" in report, proc.stdout + proc.stderr
+    assert 'test_demo.py", line 10 in test_b_crashes' in report  # the Python stack
+    stack = report[report.index("== native stack"):]
+    assert "_ctypes" in stack and "libpython" in stack, stack  # the C frames down to ctypes

@@ -10,10 +10,11 @@
 //                   no finite maximum for log_mass), whose result is then incomplete
 //   trie_reduce_cuda(values, leaf_token, tile_range_ptr, tile_unit_end, range_start,
 //                    range_end, range_dest, span_node, span_left, span_right, span_tile_lo,
-//                    span_tile_hi, scratch,
+//                    span_tile_hi, span_narrow, scratch,
 //                    reduction, num_nodes, num_scratch, tile)
 //                    -> Tensor[B, num_nodes]   (only when built with -DWITH_CUDA; scratch is a
-//                    float64 [B, num_scratch + 1] workspace the caller allocates)
+//                    float64 [B, num_scratch + 1] workspace the caller allocates; spanning
+//                    nodes [0, span_narrow) are reduced a thread each, the rest a warp each)
 //   empty_output_cache()  frees the cached blocks large CPU results reuse (OutputPool below)
 //   output_cache_sizes()  the bytes of each cached block, least recently returned first
 //   pack_linear_weight(weight) -> panels;  linear_small_batch(x, panels, bias, out_features,
@@ -349,8 +350,8 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
                             const at::Tensor& range_end, const at::Tensor& range_dest,
                             const at::Tensor& span_node, const at::Tensor& span_left,
                             const at::Tensor& span_right, const at::Tensor& span_tile_lo,
-                            const at::Tensor& span_tile_hi, const at::Tensor& scratch,
-                            const std::string& reduction, int64_t num_nodes, int64_t num_scratch,
+                            const at::Tensor& span_tile_hi, int64_t span_narrow,
+                            const at::Tensor& scratch, const std::string& reduction, int64_t num_nodes, int64_t num_scratch,
                             int64_t tile) {
   const int red = parse_reduction(reduction);
   TORCH_CHECK(values.is_cuda(), "trie_reduce_cuda: values must be a CUDA tensor, got one on ",
@@ -381,6 +382,8 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   TORCH_CHECK(span_left.numel() == S && span_right.numel() == S && span_tile_lo.numel() == S &&
                   span_tile_hi.numel() == S,
               "trie_reduce_cuda: span_* arrays have different lengths");
+  TORCH_CHECK(span_narrow >= 0 && span_narrow <= S, "trie_reduce_cuda: span_narrow = ",
+              span_narrow, " is not in [0, ", S, "]");
   TORCH_CHECK(num_nodes >= 1, "trie_reduce_cuda: num_nodes must be positive");
   TORCH_CHECK(num_scratch >= n_tiles, "trie_reduce_cuda: num_scratch (", num_scratch,
               ") must cover the ", n_tiles, " tile totals");
@@ -414,6 +417,7 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   A.span_tile_lo = span_tile_lo.data_ptr<int32_t>();
   A.span_tile_hi = span_tile_hi.data_ptr<int32_t>();
   A.S = S;
+  A.span_narrow = span_narrow;
   A.num_nodes = num_nodes;
   A.scratch = scratch.data_ptr<double>();
   A.scratch_stride = scratch.size(1);
@@ -459,8 +463,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("tile_unit_end"), pybind11::arg("range_start"), pybind11::arg("range_end"),
         pybind11::arg("range_dest"),
         pybind11::arg("span_node"), pybind11::arg("span_left"), pybind11::arg("span_right"),
-        pybind11::arg("span_tile_lo"), pybind11::arg("span_tile_hi"), pybind11::arg("scratch"),
-        pybind11::arg("reduction"), pybind11::arg("num_nodes"), pybind11::arg("num_scratch"),
+        pybind11::arg("span_tile_lo"), pybind11::arg("span_tile_hi"),
+        pybind11::arg("span_narrow"), pybind11::arg("scratch"), pybind11::arg("reduction"), pybind11::arg("num_nodes"), pybind11::arg("num_scratch"),
         pybind11::arg("tile"));
   m.attr("has_cuda") = true;
 #else

@@ -40,10 +40,18 @@
 //          max, then the sum of exp(v - max): exact whatever the spread. -inf only where
 //          every leaf is -inf.
 //      A destination >= 0 is a node (written to out), < 0 is scratch slot -1 - dest.
-//  (c) span: one warp per (spanning node, row): the lanes stride over the node's whole-tile
-//      totals in scratch, reduce across the warp with shuffles, and lane 0 adds the left and
-//      right pieces. Spanning nodes are sorted by tile count, so a block's warps loop alike.
-//      In double: sums, and log_mass as an online (max, scaled sum) log-sum-exp.
+//  (c) span: a spanning node combines its left piece, the totals of its whole tiles and its
+//      right piece, all in the row's scratch. Nodes are sorted by tile count and most have
+//      a few whole tiles (Llama-3: 5,171 nodes, 5,591 tiles in all): the first
+//      `span_narrow` nodes (genlm_fast/ops/layout.py: at most SPAN_NARROW_TILES tiles) get
+//      one thread per (node, row), consecutive threads at consecutive nodes; the wide rest
+//      (the root and the top levels, a few dozen) one warp per (node, row), its lanes
+//      striding over the tiles. One launch: the narrow part is the grid's first blocks.
+//      Sums in double; log_mass as the max, then a double sum of exp(v - max).
+//  Memory: the output is written once and never read here, so it is stored evict-first
+//  (__stcs); the logits are loaded with an L2 evict-last hint (load_keep): (a) reads each
+//  row once, coalesced, and (b) gathers every column again, each 32-byte sector by ~8
+//  different tile blocks, which then find it in L2 instead of behind ~100 MB of output.
 // Empty nodes (no leaves; always local): 0 for sum and max, -inf for log_mass. Floats are
 // enough where they are used: the design's bound on log-masses is 1e-4 absolute, these
 // kernels stay within a few float ulps of the float64 reference (tests/ops/
@@ -73,7 +81,8 @@ constexpr int kLseThreads = 256;
 constexpr int kLseUnroll = 8;       // independent loads in flight per thread in (a1)
 constexpr int64_t kLseMinChunk = 4096;  // columns per (a1) block, at least
 constexpr int64_t kLseTargetBlocks = 1024;  // (a1) blocks per launch to aim for (B * splits)
-constexpr int kSpanWarps = 8;
+constexpr int kSpanWarps = 8;        // (a2) and the wide part of (c): warps per block
+constexpr int kSpanThreads = 256;    // the narrow part of (c): threads per block
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int64_t kMaxGridY = 65535;
 
@@ -84,6 +93,28 @@ __device__ __forceinline__ float to_arith(float v) { return v; }
 __device__ __forceinline__ double to_arith(double v) { return v; }
 __device__ __forceinline__ float to_arith(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_arith(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// A load with an L2 evict-last hint (sm_80+; elsewhere, and in the CPU emulation of
+// tests/ops/test_cuda_emulation.py, a plain load). Read-only data: ld.global.nc.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define GF_KEEP_LOAD(PTX_TYPE, CONSTRAINT, BITS_T, FROM_BITS, T)                             \
+  __device__ __forceinline__ T load_keep(const T* p) {                                     \
+    uint64_t policy;                                                                       \
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));             \
+    BITS_T bits;                                                                           \
+    asm("ld.global.nc.L2::cache_hint." PTX_TYPE " %0, [%1], %2;"                           \
+        : CONSTRAINT(bits) : "l"(p), "l"(policy));                                         \
+    return FROM_BITS(bits);                                                                \
+  }
+GF_KEEP_LOAD("b32", "=r", unsigned int, __uint_as_float, float)
+GF_KEEP_LOAD("b64", "=l", long long, __longlong_as_double, double)
+GF_KEEP_LOAD("b16", "=h", unsigned short, __ushort_as_half, __half)
+GF_KEEP_LOAD("b16", "=h", unsigned short, __ushort_as_bfloat16, __nv_bfloat16)
+#undef GF_KEEP_LOAD
+#else
+template <class T>
+__device__ __forceinline__ T load_keep(const T* p) { return *p; }
+#endif
 
 template <class V>
 __device__ __forceinline__ V vmax(V a, V b) { return b > a ? b : a; }
@@ -97,10 +128,6 @@ __device__ __forceinline__ void lse_merge(double& m, double& s, double m2, doubl
   } else {
     s += s2 * exp(m2 - m);
   }
-}
-
-__device__ __forceinline__ double lse_value(double m, double s) {
-  return m == neg_inf() ? neg_inf() : m + log(s);
 }
 
 template <int RED>
@@ -165,11 +192,11 @@ __global__ void __launch_bounds__(kLseThreads)
   for (; c + (kLseUnroll - 1) * kLseThreads < hi; c += kLseUnroll * kLseThreads) {
     A v[kLseUnroll];
 #pragma unroll
-    for (int u = 0; u < kLseUnroll; ++u) v[u] = to_arith(x[c + u * kLseThreads]);
+    for (int u = 0; u < kLseUnroll; ++u) v[u] = to_arith(load_keep(x + c + u * kLseThreads));
 #pragma unroll
     for (int u = 0; u < kLseUnroll; ++u) online_lse(m, s, v[u]);
   }
-  for (; c < hi; c += kLseThreads) online_lse(m, s, to_arith(x[c]));
+  for (; c < hi; c += kLseThreads) online_lse(m, s, to_arith(load_keep(x + c)));
 
   // block merge: every thread rescales its sum to the block max, then sums
   const double md = static_cast<double>(m);
@@ -254,15 +281,24 @@ __device__ __forceinline__ TileValue<T, RED> reduce_range(const TileValue<T, RED
   }
 }
 
-// The values src[0, rows) of one range (destination d) to out, or to scratch when d < 0.
-// Consecutive threads hold consecutive ranges, so each row's stores coalesce.
-template <int ROWS, class Dst, class V>
+// One value to the output, which nothing here reads again: evict-first (see the header).
+template <class Out>
+__device__ __forceinline__ void store_out(Out* p, Out v) { __stcs(p, v); }
+
+// The values src[0, rows) of one range (destination d) to out (kOut), or to scratch when
+// d < 0. Consecutive threads hold consecutive ranges, so each row's stores coalesce.
+template <bool kOut, class Dst>
+__device__ __forceinline__ void store_one(Dst* p, Dst v) {
+  if constexpr (kOut) store_out(p, v); else *p = v;
+}
+
+template <int ROWS, bool kOut, class Dst, class V>
 __device__ __forceinline__ void store_rows(const V* src, Dst* dst, int64_t row_stride, int rows) {
   if (rows == ROWS) {  // a full block of rows: no per-row test
 #pragma unroll
-    for (int j = 0; j < ROWS; ++j) dst[j * row_stride] = static_cast<Dst>(src[j]);
+    for (int j = 0; j < ROWS; ++j) store_one<kOut>(dst + j * row_stride, static_cast<Dst>(src[j]));
   } else {
-    for (int j = 0; j < rows; ++j) dst[j * row_stride] = static_cast<Dst>(src[j]);
+    for (int j = 0; j < rows; ++j) store_one<kOut>(dst + j * row_stride, static_cast<Dst>(src[j]));
   }
 }
 
@@ -271,10 +307,10 @@ __device__ __forceinline__ void store_range(const V* src, int32_t d, int rows, O
                                             int64_t num_nodes, double* scratch, int64_t stride,
                                             int64_t first_row) {
   if (d >= 0)
-    store_rows<ROWS>(src, out + first_row * num_nodes + d, num_nodes, rows);
+    store_rows<ROWS, true>(src, out + first_row * num_nodes + d, num_nodes, rows);
   else
-    store_rows<ROWS>(src, scratch + first_row * stride - 1 - static_cast<int64_t>(d), stride,
-                     rows);
+    store_rows<ROWS, false>(src, scratch + first_row * stride - 1 - static_cast<int64_t>(d),
+                            stride, rows);
 }
 
 template <class T, class Out, int RED, int ROWS>
@@ -321,7 +357,7 @@ __global__ void __launch_bounds__(kTileThreads)
     for (int u = 0; u < kGatherUnroll; ++u) {
       const int i = i0 + u * kTileThreads, j = i % ROWS, p = i / ROWS;
       if (i < tile * ROWS && j < rows && token[p] >= 0)
-        x[u] = values[(first_row + j) * C + token[p]];
+        x[u] = load_keep(values + (first_row + j) * C + token[p]);
     }
 #pragma unroll
     for (int u = 0; u < kGatherUnroll; ++u) {
@@ -416,44 +452,72 @@ void launch_tiles_for(const TrieArgs& A, const T* values, Out* out, int64_t row0
 
 // ---------------------------------------------------------------------------- (c) spanning nodes
 
-template <class Out, int RED>
-__global__ void __launch_bounds__(kSpanWarps * 32)
-    span_kernel(const int32_t* __restrict__ span_node, const int32_t* __restrict__ span_left,
-                const int32_t* __restrict__ span_right, const int32_t* __restrict__ span_tile_lo,
-                const int32_t* __restrict__ span_tile_hi, int64_t S,
-                const double* __restrict__ scratch, int64_t stride, Out* __restrict__ out,
-                int64_t num_nodes, int64_t row0) {
-  const int lane = threadIdx.x & 31;
-  const int64_t s = static_cast<int64_t>(blockIdx.x) * kSpanWarps + (threadIdx.x >> 5);
-  if (s >= S) return;  // uniform per warp
-  const int64_t row = row0 + blockIdx.y;
-  const double* sc = scratch + row * stride;
-  const int32_t t0 = span_tile_lo[s], t1 = span_tile_hi[s];
-  double res;
-  if (RED == kLogMass) {
-    double m = neg_inf(), z = 0.0;
-    for (int32_t t = t0 + lane; t < t1; t += 32) lse_merge(m, z, sc[t], 1.0);
-    warp_lse_merge(m, z);
-    if (lane != 0) return;
-    const int32_t l = span_left[s], r = span_right[s];
-    if (l >= 0) lse_merge(m, z, sc[l], 1.0);
-    if (r >= 0) lse_merge(m, z, sc[r], 1.0);
-    res = lse_value(m, z);
+// Element k of spanning node s: whole tile t0 + k for k < n, then its left and right
+// pieces (slot -1: none, the reduction's identity).
+template <int RED>
+__device__ __forceinline__ double span_element(const double* sc, int32_t t0, int32_t n,
+                                               int32_t left, int32_t right, int32_t k) {
+  const int32_t slot = k < n ? t0 + k : (k == n ? left : right);
+  return slot >= 0 ? sc[slot] : identity<RED>();
+}
+
+// The node's value from its elements k = k0, k0 + step, ... < n + 2 (one thread: step 1;
+// a warp: lanes at k0 = lane, step 32, then merged across the warp).
+template <int RED, bool kWarp>
+__device__ __forceinline__ double span_reduce(const double* sc, int32_t t0, int32_t n,
+                                              int32_t left, int32_t right, int32_t k0,
+                                              int32_t step) {
+  if constexpr (RED == kLogMass) {
+    double m = neg_inf();
+    for (int32_t k = k0; k < n + 2; k += step)
+      m = vmax(m, span_element<RED>(sc, t0, n, left, right, k));
+    if constexpr (kWarp) m = warp_max(m);
+    if (m == neg_inf()) return m;  // no mass beneath the node
+    double z = 0.0;  // terms exp(v - m) <= 1: float exp, double sum
+    for (int32_t k = k0; k < n + 2; k += step)
+      z += static_cast<double>(
+          expf(static_cast<float>(span_element<RED>(sc, t0, n, left, right, k) - m)));
+    if constexpr (kWarp) z = warp_sum(z);
+    return m + log(z);
   } else {
     double acc = identity<RED>();
-    for (int32_t t = t0 + lane; t < t1; t += 32)
-      acc = RED == kSum ? acc + sc[t] : vmax(acc, sc[t]);
-    for (int off = 16; off > 0; off >>= 1) {
-      const double o = __shfl_xor_sync(kFullMask, acc, off);
-      acc = RED == kSum ? acc + o : vmax(acc, o);
+    for (int32_t k = k0; k < n + 2; k += step) {
+      const double v = span_element<RED>(sc, t0, n, left, right, k);
+      acc = RED == kSum ? acc + v : vmax(acc, v);
     }
-    if (lane != 0) return;
-    const int32_t l = span_left[s], r = span_right[s];
-    if (l >= 0) acc = RED == kSum ? acc + sc[l] : vmax(acc, sc[l]);
-    if (r >= 0) acc = RED == kSum ? acc + sc[r] : vmax(acc, sc[r]);
-    res = acc;
+    if constexpr (kWarp) acc = RED == kSum ? warp_sum(acc) : warp_max(acc);
+    return acc;
   }
-  out[row * num_nodes + span_node[s]] = static_cast<Out>(res);
+}
+
+template <class Out, int RED>
+__global__ void __launch_bounds__(kSpanThreads)
+    span_kernel(const int32_t* __restrict__ span_node, const int32_t* __restrict__ span_left,
+                const int32_t* __restrict__ span_right, const int32_t* __restrict__ span_tile_lo,
+                const int32_t* __restrict__ span_tile_hi, int64_t S, int64_t narrow,
+                int64_t narrow_blocks, const double* __restrict__ scratch, int64_t stride,
+                Out* __restrict__ out, int64_t num_nodes, int64_t row0) {
+  const int64_t row = row0 + blockIdx.y;
+  const double* sc = scratch + row * stride;
+  int64_t s;
+  double res;
+  if (static_cast<int64_t>(blockIdx.x) < narrow_blocks) {  // a thread per narrow node
+    s = static_cast<int64_t>(blockIdx.x) * kSpanThreads + threadIdx.x;
+    if (s >= narrow) return;
+    const int32_t t0 = span_tile_lo[s];
+    res = span_reduce<RED, false>(sc, t0, span_tile_hi[s] - t0, span_left[s], span_right[s], 0,
+                                  1);
+  } else {  // a warp per wide node
+    const int lane = threadIdx.x & 31;
+    s = narrow + (static_cast<int64_t>(blockIdx.x) - narrow_blocks) * kSpanWarps +
+        (threadIdx.x >> 5);
+    if (s >= S) return;  // uniform per warp
+    const int32_t t0 = span_tile_lo[s];
+    res = span_reduce<RED, true>(sc, t0, span_tile_hi[s] - t0, span_left[s], span_right[s],
+                                 lane, 32);
+    if (lane != 0) return;
+  }
+  store_out(out + row * num_nodes + span_node[s], static_cast<Out>(res));
 }
 
 // ---------------------------------------------------------------------------- launch
@@ -484,11 +548,13 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
     }
     launch_tiles_for<T, Out, RED>(A, values, out, row0, rows, stream);
     if (A.S > 0) {
-      const dim3 sgrid(static_cast<unsigned>((A.S + kSpanWarps - 1) / kSpanWarps),
+      const int64_t narrow_blocks = (A.span_narrow + kSpanThreads - 1) / kSpanThreads;
+      const int64_t wide_blocks = (A.S - A.span_narrow + kSpanWarps - 1) / kSpanWarps;
+      const dim3 sgrid(static_cast<unsigned>(narrow_blocks + wide_blocks),
                        static_cast<unsigned>(rows));
-      span_kernel<Out, RED><<<sgrid, kSpanWarps * 32, 0, stream>>>(
+      span_kernel<Out, RED><<<sgrid, kSpanThreads, 0, stream>>>(
           A.span_node, A.span_left, A.span_right, A.span_tile_lo, A.span_tile_hi, A.S,
-          A.scratch, A.scratch_stride, out, A.num_nodes, row0);
+          A.span_narrow, narrow_blocks, A.scratch, A.scratch_stride, out, A.num_nodes, row0);
     }
   }
   return cudaGetLastError();
@@ -498,7 +564,8 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
 
 cudaError_t trie_reduce(const TrieArgs& A, cudaStream_t stream) {
   if (A.B == 0 || A.num_nodes == 0) return cudaSuccess;
-  if (A.tile < 1 || A.tile > kMaxTile || A.n_tiles < 1 || A.scratch_stride < 1)
+  if (A.tile < 1 || A.tile > kMaxTile || A.n_tiles < 1 || A.scratch_stride < 1 ||
+      A.span_narrow < 0 || A.span_narrow > A.S)
     return cudaErrorInvalidValue;
   if (A.reduction == kLogMass) {
     if (A.C < 1) return cudaErrorInvalidValue;  // no logits: no log-sum-exp

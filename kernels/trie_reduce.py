@@ -70,17 +70,22 @@ and run the reductions below only on the other ranges.
    per-row scratch slot ``-1 - dest`` (tile totals and left/right pieces of spanning nodes).
    Empty ranges give the identity: 0 for sum and max, -inf for log_mass.
 
-5. ``_spanning_nodes``, grid (cdiv(S, SPAN_BLOCK), B): a node whose leaves cross tile
-   boundaries combines its left piece, its right piece and the totals of the whole tiles
-   ``[lo, hi)`` from scratch. Spanning nodes are sorted by tile count, so a block loops only
-   to its own largest count, TB tiles at a time (vector loads, tree reduction per chunk).
+5. ``_spanning_nodes``, grid (narrow blocks + wide nodes, B): a node whose leaves cross
+   tile boundaries combines its left piece, its right piece and the totals of the whole
+   tiles ``[lo, hi)`` from scratch. Spanning nodes are sorted by tile count and most cover
+   a few tiles (Llama-3: 5,171 nodes, 5,591 whole tiles in all): the *narrow* ones (at most
+   ``SPAN_NARROW_TILES``, a prefix) go SPAN_BLOCK to a program, one chunk of tiles each; the
+   few wide ones (the root: every tile) one to a program, SPAN_WIDE_TILES tiles at a time.
    Sums accumulate in float64 (the root over 128k leaves stays within 1e-7 of exact);
    log_mass keeps an online (max, float64 sum-exp) pair; max is exact.
 
 No [B, C] intermediate is ever written: the only traffic is reading the logits (twice for
 ``log_mass``: once coalesced for the normaliser, once gathered in leaf order, mostly from
 L2), the small index arrays (once per ROWS rows) and writing ``out`` ([B, N], coalesced:
-within a tile, local node ids are nearly consecutive).
+within a tile, local node ids are nearly consecutive). Cache hints keep it that way: the
+logits are loaded evict-last (each 32-byte sector is gathered by ~8 different tiles), the
+output, never read again, is stored evict-first (``.cs``), so ~100 MB of output at B=64
+does not push the logits out of L2 between those gathers.
 """
 
 from __future__ import annotations
@@ -115,7 +120,8 @@ def _row_lse_partial(x_ptr, pmax_ptr, psum_ptr, C, chunk,
     s = tl.zeros([BLOCK], ACC)
     for k in range(lo, hi, BLOCK):
         idx = k + offs
-        x = tl.load(base + idx, mask=idx < hi, other=float("-inf")).to(ACC)
+        x = tl.load(base + idx, mask=idx < hi, other=float("-inf"),
+                    eviction_policy="evict_last").to(ACC)
         m, s = online_lse_update(m, s, x)
     big, tot = lse_merge(m, s)
     tl.store(pmax_ptr + row * SPLIT + sp, big)
@@ -150,7 +156,7 @@ def _unit_positions(start_ptr, dest_ptr, c, u1, t, ROWS: tl.constexpr, UB: tl.co
 def _store_ranges(out_rows, scr_rows, dest, res, ok):
     """res to out[dest] where dest >= 0, to scratch[-1 - dest] where dest < 0 (masked by ok);
     broadcasts over rows when out_rows / scr_rows are [ROWS, 1] row pointers."""
-    tl.store(out_rows + dest, res, mask=ok & (dest >= 0))
+    tl.store(out_rows + dest, res, mask=ok & (dest >= 0), cache_modifier=".cs")
     tl.store(scr_rows + (-1 - dest), res, mask=ok & (dest < 0))
 
 
@@ -218,10 +224,11 @@ def _tile_ranges_dense(x_ptr, C, L, leaf_token_ptr, range_ptr_ptr, range_start_p
         big_safe = tl.where(big == float("-inf"), 0.0, big)
         # lse = big + s, kept as the pair: _row_normaliser's merge, for one row
         s = tl.log(tl.sum(ps * tl.exp(pm - big_safe), axis=0))
-        x = tl.load(x_row + tok, mask=pos_ok, other=float("-inf")).to(ACC)
+        x = tl.load(x_row + tok, mask=pos_ok, other=float("-inf"),
+                    eviction_policy="evict_last").to(ACC)
         v = ((x - big_safe) - s).to(tl.float32)
     else:
-        v = tl.load(x_row + tok, mask=pos_ok, other=0.0).to(ACC)
+        v = tl.load(x_row + tok, mask=pos_ok, other=0.0, eviction_policy="evict_last").to(ACC)
     out_row = out_ptr + row.to(tl.int64) * N
     scr_row = scratch_ptr + row.to(tl.int64) * NS
     r0 = tl.load(range_ptr_ptr + t)
@@ -266,7 +273,8 @@ def _tile_ranges_max(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, unit_end_ptr
     pos_ok = pos < L
     tok = tl.load(leaf_token_ptr + pos, mask=pos_ok, other=0)
     t0 = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + tok[None, :],
-                 mask=row_ok[:, None] & pos_ok[None, :], other=float("-inf"))
+                 mask=row_ok[:, None] & pos_ok[None, :], other=float("-inf"),
+                 eviction_policy="evict_last")
     t1 = _window_doubled(t0, pos_l, 1, TILE)
     t2 = _window_doubled(t1, pos_l, 2, TILE)
     t3 = _window_doubled(t2, pos_l, 4, TILE)
@@ -325,7 +333,7 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, unit_end_ptr
     xptrs = x_ptr + rows.to(tl.int64)[:, None] * C + tok[None, :]
     if LOG_MASS:
         big_safe, lse_s = _row_normaliser(pmax_ptr, psum_ptr, rows, row_ok, SPLIT, ACC)
-        x = tl.load(xptrs, mask=lmask, other=float("-inf")).to(ACC)
+        x = tl.load(xptrs, mask=lmask, other=float("-inf"), eviction_policy="evict_last").to(ACC)
         # log-probabilities; -inf where masked
         v = ((x - big_safe[:, None]) - lse_s[:, None]).to(tl.float32)
         peak = tl.max(v, axis=1)
@@ -336,7 +344,7 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, unit_end_ptr
         low = tl.min(tl.where(v > float("-inf"), v, float("inf")), axis=1)
         risky_row = (peak > float("-inf")) & (low < peak - LEVEL_GAP)
     else:
-        v = tl.load(xptrs, mask=lmask, other=0.0).to(tl.float32)
+        v = tl.load(xptrs, mask=lmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         finite = tl.abs(v) < float("inf")
         risky_row = tl.max(tl.where(finite, 0, 1), axis=1) > 0
         w = tl.where(finite, v, 0.0)
@@ -434,14 +442,11 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, unit_end_ptr
 
 
 @triton.jit
-def _spanning_nodes(scratch_ptr, NS, out_ptr, N, S, span_node_ptr, span_left_ptr,
-                    span_right_ptr, span_lo_ptr, span_hi_ptr,
-                    REDUCTION: tl.constexpr, SB: tl.constexpr, TB: tl.constexpr):
-    """Combine left piece + whole-tile totals + right piece of SB spanning nodes per program."""
-    blk = tl.program_id(0)
-    row = tl.program_id(1)
-    sidx = blk * SB + tl.arange(0, SB)
-    s_ok = sidx < S
+def _span_block(scratch_ptr, NS, out_ptr, N, row, sidx, s_ok, span_node_ptr, span_left_ptr,
+                span_right_ptr, span_lo_ptr, span_hi_ptr,
+                REDUCTION: tl.constexpr, TB: tl.constexpr):
+    """The spanning nodes ``sidx`` (masked by s_ok) of one row: left piece + whole-tile
+    totals + right piece, the tiles TB at a time up to the block's largest count."""
     node = tl.load(span_node_ptr + sidx, mask=s_ok, other=0)
     left = tl.load(span_left_ptr + sidx, mask=s_ok, other=-1)
     right = tl.load(span_right_ptr + sidx, mask=s_ok, other=-1)
@@ -454,13 +459,12 @@ def _spanning_nodes(scratch_ptr, NS, out_ptr, N, S, span_node_ptr, span_left_ptr
     has_l = s_ok & (left >= 0)
     has_r = s_ok & (right >= 0)
     if REDUCTION == REDUCE_SUM:
-        acc = tl.zeros([SB], tl.float64)
+        acc = tl.load(scr + left, mask=has_l, other=0.0).to(tl.float64)
+        acc += tl.load(scr + right, mask=has_r, other=0.0).to(tl.float64)
         for j0 in range(0, n_chunks, TB):
             msk = (j0 + j)[None, :] < count[:, None]
             vals = tl.load(scr + lo[:, None] + j0 + j[None, :], mask=msk, other=0.0)
             acc += tl.sum(vals.to(tl.float64), axis=1)
-        acc += tl.load(scr + left, mask=has_l, other=0.0).to(tl.float64)
-        acc += tl.load(scr + right, mask=has_r, other=0.0).to(tl.float64)
         res = acc
     elif REDUCTION == REDUCE_MAX:
         acc = tl.load(scr + left, mask=has_l, other=float("-inf"))
@@ -489,4 +493,28 @@ def _spanning_nodes(scratch_ptr, NS, out_ptr, N, S, span_node_ptr, span_left_ptr
             m = m_new
             m_safe = new_safe
         res = tl.where(m == float("-inf"), float("-inf"), m_safe + tl.log(s.to(tl.float32)))
-    tl.store(out_ptr + row.to(tl.int64) * N + node, res.to(out_ptr.dtype.element_ty), mask=s_ok)
+    tl.store(out_ptr + row.to(tl.int64) * N + node, res.to(out_ptr.dtype.element_ty), mask=s_ok,
+             cache_modifier=".cs")
+
+
+@triton.jit
+def _spanning_nodes(scratch_ptr, NS, out_ptr, N, S, narrow, narrow_blocks, span_node_ptr,
+                    span_left_ptr, span_right_ptr, span_lo_ptr, span_hi_ptr,
+                    REDUCTION: tl.constexpr, SB: tl.constexpr, TB: tl.constexpr,
+                    WIDE_TB: tl.constexpr):
+    """Grid (narrow_blocks + S - narrow, B). The first narrow_blocks programs take SB narrow
+    spanning nodes each (at most SPAN_NARROW_TILES whole tiles: one chunk of TB); each
+    other program takes one wide node (the root, the top levels), WIDE_TB tiles at a time,
+    so that no program loops over the thousands of tiles of the root in small steps."""
+    pid = tl.program_id(0)
+    row = tl.program_id(1)
+    # (the branches name their index vectors apart: Triton gives a name one type)
+    if pid < narrow_blocks:
+        nodes = pid * SB + tl.arange(0, SB)
+        _span_block(scratch_ptr, NS, out_ptr, N, row, nodes, nodes < narrow, span_node_ptr,
+                    span_left_ptr, span_right_ptr, span_lo_ptr, span_hi_ptr, REDUCTION, TB)
+    else:
+        wide = narrow + (pid - narrow_blocks) + tl.arange(0, 1)
+        _span_block(scratch_ptr, NS, out_ptr, N, row, wide, wide < S, span_node_ptr,
+                    span_left_ptr, span_right_ptr, span_lo_ptr, span_hi_ptr, REDUCTION,
+                    WIDE_TB)

@@ -34,6 +34,11 @@ import torch
 import genlm_fast
 
 TILE = 64  # leaf positions per tile; a power of two (Triton block shapes)
+# Spanning nodes with at most this many whole tiles are "narrow": the GPU backends reduce
+# one per thread (CUDA) or per lane (Triton), the wider ones (the root and the top levels)
+# with a warp or a program each. Spanning nodes are sorted by tile count, so the narrow
+# ones are a prefix, [0, device_arrays(...)["span_narrow"]).
+SPAN_NARROW_TILES = 16
 LAYOUT_VERSION = 3  # bump when the pickled layout changes (the disk cache key has it)
 
 
@@ -106,8 +111,16 @@ class TrieLayout:
                 )
             }
             cached["parent"] = torch.from_numpy(self.parent).to(device)
+            cached["span_narrow"] = span_narrow_end(ml)
             self._device_cache[key] = cached
         return cached
+
+
+def span_narrow_end(ml: ModeLayout) -> int:
+    """How many spanning nodes (a prefix: they are sorted by tile count) have at most
+    SPAN_NARROW_TILES whole tiles."""
+    count = ml.span_tile_hi.astype(np.int64) - ml.span_tile_lo
+    return int(np.searchsorted(count, SPAN_NARROW_TILES, side="right"))
 
 
 # --------------------------------------------------------------------------- building

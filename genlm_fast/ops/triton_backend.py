@@ -28,6 +28,7 @@ import torch
 
 from genlm_fast.kernels import trie_reduce as kernels
 from genlm_fast.ops.dispatch import result_dtype
+from genlm_fast.ops.layout import SPAN_NARROW_TILES
 
 _CODES = {"sum": kernels.REDUCE_SUM.value, "max": kernels.REDUCE_MAX.value,
           "log_mass": kernels.REDUCE_LOG_MASS.value}
@@ -48,8 +49,9 @@ DOT_WARPS = 8
 MAX_ROWS = 16  # rows per program of the max kernel (its sparse table: 7 x [16, 64] values)
 MAX_RB = 32  # ranges per chunk of the max kernel
 MAX_WARPS = 4
-SPAN_BLOCK = 32  # spanning nodes per program
-SPAN_TILES = 64  # tile totals loaded per spanning node and iteration
+SPAN_BLOCK = 64  # narrow spanning nodes per program
+SPAN_TILES = SPAN_NARROW_TILES  # tile totals per narrow node: all of them, in one load
+SPAN_WIDE_TILES = 512  # tile totals per iteration of a wide node's program
 MAX_GRID_ROWS = 65535  # CUDA's limit on a grid's second axis, where the kernels put rows
 
 
@@ -167,8 +169,11 @@ def _reduce_rows(values: torch.Tensor, out: torch.Tensor, arrays: dict, reductio
                 REDUCTION=code, SPLIT=split, TILE=tile, RB=DENSE_RB,
                 ACC=_tl_dtype(acc_dtype), num_warps=4)
         if S > 0:
-            kernels._spanning_nodes[(_cdiv(S, SPAN_BLOCK), B)](
-                scratch, NS, out, num_nodes, S, arrays["span_node"], arrays["span_left"],
-                arrays["span_right"], arrays["span_tile_lo"], arrays["span_tile_hi"],
-                REDUCTION=code, SB=SPAN_BLOCK, TB=SPAN_TILES, num_warps=4)
+            narrow = arrays["span_narrow"]
+            narrow_blocks = _cdiv(narrow, SPAN_BLOCK)
+            kernels._spanning_nodes[(narrow_blocks + S - narrow, B)](
+                scratch, NS, out, num_nodes, S, narrow, narrow_blocks, arrays["span_node"],
+                arrays["span_left"], arrays["span_right"], arrays["span_tile_lo"],
+                arrays["span_tile_hi"], REDUCTION=code, SB=SPAN_BLOCK, TB=SPAN_TILES,
+                WIDE_TB=SPAN_WIDE_TILES, num_warps=4)
 

@@ -39,6 +39,7 @@ import torch
 from genlm_fast.backend.tokenization import Token
 from genlm_fast.bytes import TokenByteTrie
 from genlm_fast.ops import dispatch
+from genlm_fast.ops.layout import SPAN_NARROW_TILES, span_narrow_end
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CU = os.path.join(REPO, "csrc", "trie_reduce_cuda.cu")
@@ -97,6 +98,8 @@ void fail(const char* what) {
 cudaError_t get_last_error() { cudaError_t e = last_error; last_error = cudaSuccess; return e; }
 inline void syncthreads() { blk->bar.arrive_and_wait(); }
 inline double longlong_as_double(long long v) { double d; std::memcpy(&d, &v, 8); return d; }
+template <class T>
+void stcs(T* p, T v) { *p = v; }  // a store with a cache hint: a store
 
 template <class T>
 T shfl_xor(unsigned mask, T v, int off) {
@@ -177,6 +180,7 @@ int main(int argc, char** argv) {
   A.out_double = h[6] != 0;
   A.reduction = static_cast<int>(h[7]);
   emu::max_grid_y = h[9];
+  A.span_narrow = h[10];
   int64_t n;
   A.values = read_array(f, &n);
   A.leaf_token = static_cast<int32_t*>(read_array(f, &n)); A.L = n / 4;
@@ -229,6 +233,7 @@ def emulated_source(src: str) -> str:
         (r"\bblockDim\b", "emu::bdim"), (r"\bgridDim\b", "emu::gdim"),
         (r"__syncthreads\(\)", "emu::syncthreads()"),
         (r"__shfl_xor_sync\(", "emu::shfl_xor("),
+        (r"__stcs\(", "emu::stcs("),
         (r"__longlong_as_double\(", "emu::longlong_as_double("),
         (r"cudaGetLastError\(\)", "emu::get_last_error()"),
         (r"extern __shared__ (\w+) (\w+)\[\];",
@@ -301,11 +306,14 @@ def emulator(tmp_path_factory):
 
 
 def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
-                 mode: str = "without_eos", max_grid_y: int = 65535, tile: int | None = None):
+                 mode: str = "without_eos", max_grid_y: int = 65535, tile: int | None = None,
+                 span_narrow: int | None = None):
     """The CUDA kernels' result for ``values`` (what cuda_backend.trie_reduce would return),
-    plus the launch status and the emulator's error count."""
+    plus the launch status and the emulator's error count. ``span_narrow``: how many
+    spanning nodes take the thread-per-node path (default: the layout's split)."""
     ml = layout.modes[mode]
     tile = ml.tile if tile is None else tile
+    span_narrow = span_narrow_end(ml) if span_narrow is None else span_narrow
     values = values.contiguous()
     B, C = values.shape
     out_double = values.dtype == torch.float64 and reduction != "log_mass"
@@ -316,7 +324,7 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
         else values.numpy()
     header = np.array([DTYPES[values.dtype], B, C, layout.num_nodes, stride, tile,
                        int(out_double), REDUCTION[reduction], 0, max_grid_y,
-                       0, 0], dtype=np.int64)
+                       span_narrow, 0], dtype=np.int64)
     arrays = [raw, ml.leaf_token, ml.tile_range_ptr, ml.tile_unit_end, ml.range_start,
               ml.range_end, ml.range_dest, ml.span_node, ml.span_left, ml.span_right, ml.span_tile_lo,
               ml.span_tile_hi, scratch, out]
@@ -468,6 +476,36 @@ def test_log_mass_hundreds_of_nats_and_neg_inf(emulator, tmp_path):
     rows[1, 5] = 0.0
     rows[1, 40:150] = -np.inf  # whole tiles of -inf: -inf partials in the spanning merge
     check(emulator, tmp_path, words, "log_mass", rows=torch.from_numpy(rows).float())
+
+
+@pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
+def test_spanning_nodes_narrow_and_wide(emulator, tmp_path, reduction):
+    """The span kernel's two paths, a thread per (node, row) for the first ``span_narrow``
+    spanning nodes and a warp per (node, row) for the rest, on a trie whose root and top
+    levels cover more than SPAN_NARROW_TILES whole tiles (so the layout's own split uses
+    both): each split, all-narrow and all-wide included, gives the reference's values.
+    Rows: -inf runs over whole tiles, and masses far apart."""
+    rng = np.random.default_rng(21)
+    words = [bytes(rng.integers(97, 101, size=rng.integers(1, 8))) for _ in range(2500)]
+    layout = make_trie(words).layout
+    ml = layout.modes["without_eos"]
+    counts = ml.span_tile_hi - ml.span_tile_lo
+    narrow = span_narrow_end(ml)
+    assert (np.diff(counts) >= 0).all()  # sorted: the narrow nodes are a prefix
+    assert 0 < narrow < len(counts) and counts.max() > SPAN_NARROW_TILES
+    x = make_values(rng, 3, layout.num_columns, reduction, spread=40.0, neg_inf=0.2)
+    if reduction != "sum":
+        x[1, 200:1400] = -np.inf  # whole tiles of -inf
+    x[2] *= 1e-3 if reduction == "sum" else 3.0
+    want = reference(x, layout, reduction)
+    for split in sorted({0, narrow // 2, narrow, len(counts)}):
+        status, errors, _, got, _ = run_emulated(emulator, str(tmp_path), x, layout, reduction,
+                                                 span_narrow=split)
+        assert status == 0 and errors == 0
+        assert_matches(got, want, reduction, f"{reduction}, span_narrow={split}")
+    status, _, _, _, _ = run_emulated(emulator, str(tmp_path), x, layout, reduction,
+                                      span_narrow=len(counts) + 1)
+    assert status != 0  # a split past S is refused, not run
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])

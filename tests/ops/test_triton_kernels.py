@@ -48,6 +48,8 @@ def layout_named(name):
             words = random_words(rng, 260)
             eos = rng.choice(len(words), size=5, replace=False)
             _LAYOUTS[name] = make_layout(words, eos_positions=eos)
+        elif name == "wide":  # 2,500 tokens: the root and top levels span > 16 tiles
+            _LAYOUTS[name] = make_layout(random_words(rng, 2500, max_len=8))
         elif name == "permuted":  # token columns a permutation of a wider row
             words = random_words(rng, 150, alphabet=b"xyz", max_len=9)
             cols = rng.permutation(len(words) + 40)[:len(words)]
@@ -118,6 +120,35 @@ def rows_for(rng, B, C, reduction, spread=3.0):
 
 
 # --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_spanning_nodes_narrow_and_wide(reduction):
+    """The span kernel's two kinds of programs, SPAN_BLOCK narrow nodes each and one wide
+    node each (WIDE_TB tiles per step), on a trie whose top levels cover more than
+    SPAN_NARROW_TILES whole tiles: every split of the spanning nodes between them (all
+    narrow, all wide, the layout's own) gives the reference's values."""
+    from genlm_fast.ops import triton_backend
+    from genlm_fast.ops.layout import SPAN_NARROW_TILES, span_narrow_end
+
+    layout = layout_named("wide")
+    ml = layout.modes["without_eos"]
+    counts = ml.span_tile_hi - ml.span_tile_lo
+    narrow = span_narrow_end(ml)
+    assert 0 < narrow < len(counts) and counts.max() > SPAN_NARROW_TILES
+    rng = np.random.default_rng(8)
+    x = rows_for(rng, 2, layout.num_columns, reduction, spread=30.0)
+    if reduction != "sum":
+        x[1, 100:900] = float("-inf")  # whole tiles without mass
+        x[1, 0] = 0.0
+    want, _ = trie_reduce(x.double(), layout, reduction, backend="reference")
+    arrays = layout.device_arrays("without_eos", DEVICE)
+    assert arrays["span_narrow"] == narrow
+    for split in sorted({0, narrow // 2, narrow, len(counts)}):
+        got = triton_backend.trie_reduce(x.to(DEVICE), {**arrays, "span_narrow": split},
+                                         reduction, num_nodes=layout.num_nodes,
+                                         num_scratch=ml.num_scratch, tile=ml.tile)
+        assert_matches(got.cpu(), want, reduction)
 
 
 def test_random_layout_has_spanning_nodes():

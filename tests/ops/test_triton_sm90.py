@@ -91,10 +91,11 @@ def _configs():
                      "TILE": layout.TILE, "RB": tb.DENSE_RB, "ACC": tl_acc[acc]}, 4))
         out.append((f"_spanning_nodes {tag}", k._spanning_nodes,
                     {"scratch_ptr": f"*{res}", "NS": "i32", "out_ptr": f"*{res}",
-                     "N": "i32", "S": "i32", "span_node_ptr": idx, "span_left_ptr": idx,
+                     "N": "i32", "S": "i32", "narrow": "i32", "narrow_blocks": "i32",
+                     "span_node_ptr": idx, "span_left_ptr": idx,
                      "span_right_ptr": idx, "span_lo_ptr": idx, "span_hi_ptr": idx},
                     {"REDUCTION": tb._CODES[reduction], "SB": tb.SPAN_BLOCK,
-                     "TB": tb.SPAN_TILES}, 4))
+                     "TB": tb.SPAN_TILES, "WIDE_TB": tb.SPAN_WIDE_TILES}, 4))
     for x in CAPTURE_DTYPES:
         out.append((f"_log_softmax_rows {x}", capture._log_softmax_rows,
                     {"x_ptr": f"*{x}", "x_stride": "i64", "src_ptr": "*i64",

@@ -61,9 +61,10 @@ TILE_ARRAYS = ("leaf_token", "tile_range_ptr", "tile_unit_end", "range_start", "
                "range_dest", "span_node", "span_left", "span_right", "span_tile_lo",
                "span_tile_hi")
 INDEX_ARRAYS = {
-    # the Triton kernels and csrc/trie_reduce_cuda.cu read the same tile decomposition
+    # the Triton kernels and csrc/trie_reduce_cuda.cu read the same tile decomposition;
+    # the CUDA tile kernel also the blocks of node ids the tiles own
     "triton": TILE_ARRAYS,
-    "cuda": TILE_ARRAYS,
+    "cuda": TILE_ARRAYS + ("tile_node_lo",),
     # the CPU kernel's (genlm_fast/ops/cpu_backend.py): the layout's parent and leaf_token,
     # and the arrays it derives once per layout (cpu_backend.cpu_arrays)
     "cpu": ("parent", "leaf_token", "node_of_leaf", "empty", "run_end", "run_depth",

@@ -8,7 +8,7 @@
 //                   float64_result (float32 values are then read as they are)
 //                   bad_row = -1, or the first row the kernel rejected (a NaN for sum/max;
 //                   no finite maximum for log_mass), whose result is then incomplete
-//   trie_reduce_cuda(values, leaf_token, tile_range_ptr, tile_unit_end, range_start,
+//   trie_reduce_cuda(values, leaf_token, tile_range_ptr, tile_unit_end, tile_node_lo, range_start,
 //                    range_end, range_dest, span_node, span_left, span_right, span_tile_lo,
 //                    span_tile_hi, span_narrow, scratch,
 //                    reduction, num_nodes, num_scratch, tile)
@@ -346,7 +346,8 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
 #ifdef WITH_CUDA
 at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_token,
                             const at::Tensor& tile_range_ptr,
-                            const at::Tensor& tile_unit_end, const at::Tensor& range_start,
+                            const at::Tensor& tile_unit_end, const at::Tensor& tile_node_lo,
+                            const at::Tensor& range_start,
                             const at::Tensor& range_end, const at::Tensor& range_dest,
                             const at::Tensor& span_node, const at::Tensor& span_left,
                             const at::Tensor& span_right, const at::Tensor& span_tile_lo,
@@ -361,6 +362,7 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   check_index(leaf_token, "leaf_token", dev);
   check_index(tile_range_ptr, "tile_range_ptr", dev);
   check_index(tile_unit_end, "tile_unit_end", dev);
+  check_index(tile_node_lo, "tile_node_lo", dev);
   check_index(range_start, "range_start", dev);
   check_index(range_end, "range_end", dev);
   check_index(range_dest, "range_dest", dev);
@@ -375,6 +377,8 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   TORCH_CHECK(n_tiles >= 1, "trie_reduce_cuda: tile_range_ptr needs at least 2 entries");
   TORCH_CHECK(tile_unit_end.numel() == n_tiles, "trie_reduce_cuda: tile_unit_end needs one "
               "entry per tile (", n_tiles, "), got ", tile_unit_end.numel());
+  TORCH_CHECK(tile_node_lo.numel() == n_tiles + 1, "trie_reduce_cuda: tile_node_lo needs "
+              "n_tiles + 1 = ", n_tiles + 1, " entries, got ", tile_node_lo.numel());
   TORCH_CHECK(tile >= 1 && tile <= genlm_fast::cuda::kMaxTile,
               "trie_reduce_cuda: tile must be in [1, ", genlm_fast::cuda::kMaxTile, "], got ", tile);
   TORCH_CHECK(range_end.numel() == range_start.numel() && range_dest.numel() == range_start.numel(),
@@ -407,6 +411,7 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   A.L = leaf_token.numel();
   A.tile_range_ptr = tile_range_ptr.data_ptr<int32_t>();
   A.tile_unit_end = tile_unit_end.data_ptr<int32_t>();
+  A.tile_node_lo = tile_node_lo.data_ptr<int32_t>();
   A.n_tiles = n_tiles;
   A.range_start = range_start.data_ptr<int32_t>();
   A.range_end = range_end.data_ptr<int32_t>();
@@ -460,7 +465,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("trie_reduce_cuda", &trie_reduce_cuda,
         "Per-node sum/max/log_mass of a vocabulary trie (CUDA, tile decomposition)",
         pybind11::arg("values"), pybind11::arg("leaf_token"), pybind11::arg("tile_range_ptr"),
-        pybind11::arg("tile_unit_end"), pybind11::arg("range_start"), pybind11::arg("range_end"),
+        pybind11::arg("tile_unit_end"), pybind11::arg("tile_node_lo"),
+        pybind11::arg("range_start"), pybind11::arg("range_end"),
         pybind11::arg("range_dest"),
         pybind11::arg("span_node"), pybind11::arg("span_left"), pybind11::arg("span_right"),
         pybind11::arg("span_tile_lo"), pybind11::arg("span_tile_hi"),

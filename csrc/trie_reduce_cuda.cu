@@ -24,22 +24,24 @@
 //      of those rows, x[row, leaf_token[pos]], are gathered into shared memory once (log_mass:
 //      as log-probabilities x - lse, float), laid out [position][row] with an odd row stride,
 //      so that both "lanes = rows" and "lanes = positions" accesses are free of bank
-//      conflicts. Then
-//        units: a thread per unit range copies its leaf's value to the destination of every
-//          row; consecutive threads write consecutive node columns, so stores coalesce. The
-//          value is exact (log_mass: the log-probability itself, no exp/log round trip).
+//      conflicts. Results go to a shared *stage* indexed by node id: a tile owns one block
+//      of node ids (layout.py's tile_node_lo: the nodes whose last leaf is in the tile, ~200
+//      on Llama-3), so each row of the block is written out whole, in coalesced lines, once
+//      (scattered 4-byte stores to the same lines, as units and other ranges interleave,
+//      cost ~2.4x the L2 transactions). Into the stage:
+//        units: a thread per unit range copies its leaf's value, for every row. The value
+//          is exact (log_mass: the log-probability itself, no exp/log round trip).
 //        other ranges: lanes = rows, so a warp walks the same range(s) for its rows with no
-//          divergence; results go to a staging buffer and from there, lanes = ranges, to
-//          coalesced stores. sum: a double sum; max: the max (exact); log_mass: per row the
-//          tile's largest log-probability is the shift, each leaf's term exp(v - shift) is
-//          computed once (float), and a range is shift + log(sum of its terms), the sum in
-//          double. That is exact to float rounding when the sum is >= kFastMinMass (1e-24):
-//          a term exp() flushed or made subnormal is < 2^-126, 64 of them < 1e-36, i.e.
-//          < 1e-12 of the range's mass. A range below that (every leaf over ~55 nats under
-//          the tile's max, or all -inf: masks of -1e30) is redone on its own lane: its own
-//          max, then the sum of exp(v - max): exact whatever the spread. -inf only where
-//          every leaf is -inf.
-//      A destination >= 0 is a node (written to out), < 0 is scratch slot -1 - dest.
+//          divergence. sum: a double sum; max: the max (exact); log_mass: per row the
+//          tile's largest log-probability is the shift, and a range is shift + log(sum of
+//          exp(v - shift)) (float exp, double sum). That is exact to float rounding when the
+//          sum is >= kFastMinMass (1e-24): a term exp() flushed or made subnormal is
+//          < 2^-126, 64 of them < 1e-36, i.e. < 1e-12 of the range's mass. A range below
+//          that (every leaf over ~55 nats under the tile's max, or all -inf: masks of
+//          -1e30) is redone on its own lane: its own max, then the sum of exp(v - max):
+//          exact whatever the spread. -inf only where every leaf is -inf.
+//      A destination >= 0 is a node (to the stage), < 0 is scratch slot -1 - dest (tile
+//      totals and pieces, stored directly).
 //  (c) span: a spanning node combines its left piece, the totals of its whole tiles and its
 //      right piece, all in the row's scratch. Nodes are sorted by tile count and most have
 //      a few whole tiles (Llama-3: 5,171 nodes, 5,591 tiles in all): the first
@@ -72,9 +74,11 @@ namespace genlm_fast {
 namespace cuda {
 namespace {
 
-constexpr int kTileThreads = 128;
+constexpr int kTileThreads = 256;
 constexpr int kTileWarps = kTileThreads / 32;
-constexpr int kStageRanges = 64;    // non-unit ranges staged per pass of the tile kernel
+// tile blocks per SM that shared memory allows (4 x ~47 KiB); as a launch bound it also
+// lets ptxas use up to 64 registers a thread (without it, it spilled at 40-48)
+constexpr int kTileBlocksPerSM = 4;
 constexpr int kGatherUnroll = 8;    // independent leaf loads in flight per thread in (b)
 constexpr float kFastMinMass = 1e-24f;
 constexpr int kLseThreads = 256;
@@ -239,37 +243,54 @@ __global__ void __launch_bounds__(kSpanWarps * 32)
 // ---------------------------------------------------------------------------- (b) tiles
 
 // What the tile kernel keeps per (position, row): log_mass the log-probability (float),
-// sum the weight as the double its sums accumulate in, max the input itself (exact).
+// sum and max the input itself (the sums accumulate in double).
 template <class T, int RED>
-using TileValue = std::conditional_t<RED == kLogMass, float,
-                                     std::conditional_t<RED == kSum, double, T>>;
+using TileValue = std::conditional_t<RED == kLogMass, float, T>;
 
-// bytes of dynamic shared memory of a tile block
-template <class T, int RED, int ROWS>
-constexpr size_t tile_shared_bytes(int tile) {
-  return static_cast<size_t>(ROWS + 1) *
-         ((kStageRanges + tile) * sizeof(TileValue<T, RED>) +
-          (RED == kLogMass ? tile * sizeof(float) : 0));
+// A node with no leaves: 0 under sum and max, -inf under log_mass.
+template <int RED>
+__device__ __forceinline__ double empty_node_value() {
+  return RED == kLogMass ? neg_inf() : 0.0;
 }
 
-// A range of two leaves or more (or none), positions [a, b) of the tile, for row j.
+// Dynamic shared memory of a tile block: the gathered values [tile][ROWS + 1], then the
+// stage [stage_ids][ROWS + 1] of results by node id. Under 48 KiB with the static arrays
+// (no opt-in); stage_ids is what fits, in multiples of 32 (one store per lane).
+constexpr size_t kTileDynamicShared = 46 * 1024;
+constexpr int kMaxStageIds = 1024;
+
+template <class T, class Out, int RED, int ROWS>
+struct TileShape {
+  __host__ __device__ static constexpr size_t value_bytes(int tile) {  // rounded up to 8: the stage may be double
+    return (static_cast<size_t>(ROWS + 1) * tile * sizeof(TileValue<T, RED>) + 7) / 8 * 8;
+  }
+  __host__ __device__ static constexpr int stage_ids(int tile) {
+    const size_t room = (kTileDynamicShared - value_bytes(tile)) / ((ROWS + 1) * sizeof(Out));
+    return static_cast<int>((room < kMaxStageIds ? room : kMaxStageIds) / 32 * 32);
+  }
+  __host__ __device__ static constexpr size_t bytes(int tile) {
+    return value_bytes(tile) + static_cast<size_t>(stage_ids(tile)) * (ROWS + 1) * sizeof(Out);
+  }
+};
+
+// A range of two leaves or more (or none), positions [a, b) of the tile, for row j: sum
+// (double), max, or log_mass (float).
 template <class T, int RED, int ROWS>
-__device__ __forceinline__ TileValue<T, RED> reduce_range(const TileValue<T, RED>* vals,
-                                                          const float* terms, float shift,
-                                                          int a, int b, int j) {
+__device__ __forceinline__ auto reduce_range(const TileValue<T, RED>* vals, float shift, int a,
+                                             int b, int j) {
   constexpr int kStride = ROWS + 1;
   if constexpr (RED == kSum) {
     double acc = 0.0;
-    for (int p = a; p < b; ++p) acc += vals[p * kStride + j];
+    for (int p = a; p < b; ++p) acc += static_cast<double>(vals[p * kStride + j]);
     return acc;
   } else if constexpr (RED == kMax) {
-    if (b <= a) return TileValue<T, RED>(0);  // an empty node is 0 under max
-    TileValue<T, RED> m = vals[a * kStride + j];
+    if (b <= a) return T(0);  // an empty node is 0 under max
+    T m = vals[a * kStride + j];
     for (int p = a + 1; p < b; ++p) m = vmax(m, vals[p * kStride + j]);
     return m;
   } else {
-    double sum = 0.0;
-    for (int p = a; p < b; ++p) sum += terms[p * kStride + j];
+    double sum = 0.0;  // terms exp(v - shift) <= 1; -inf leaves give 0
+    for (int p = a; p < b; ++p) sum += expf(vals[p * kStride + j] - shift);
     if (sum >= kFastMinMass) return shift + logf(static_cast<float>(sum));
     // all leaves far below the tile's max (or -inf, or none): by the range's own max
     float m = static_cast<float>(neg_inf());
@@ -285,58 +306,45 @@ __device__ __forceinline__ TileValue<T, RED> reduce_range(const TileValue<T, RED
 template <class Out>
 __device__ __forceinline__ void store_out(Out* p, Out v) { __stcs(p, v); }
 
-// The values src[0, rows) of one range (destination d) to out (kOut), or to scratch when
-// d < 0. Consecutive threads hold consecutive ranges, so each row's stores coalesce.
-template <bool kOut, class Dst>
-__device__ __forceinline__ void store_one(Dst* p, Dst v) {
-  if constexpr (kOut) store_out(p, v); else *p = v;
-}
-
-template <int ROWS, bool kOut, class Dst, class V>
+// src[0, rows) to dst[0], dst[row_stride], ...: a unit range's values, to the stage
+// (row_stride 1) or to scratch (a tile total or a piece).
+template <int ROWS, class Dst, class V>
 __device__ __forceinline__ void store_rows(const V* src, Dst* dst, int64_t row_stride, int rows) {
   if (rows == ROWS) {  // a full block of rows: no per-row test
 #pragma unroll
-    for (int j = 0; j < ROWS; ++j) store_one<kOut>(dst + j * row_stride, static_cast<Dst>(src[j]));
+    for (int j = 0; j < ROWS; ++j) dst[j * row_stride] = static_cast<Dst>(src[j]);
   } else {
-    for (int j = 0; j < rows; ++j) store_one<kOut>(dst + j * row_stride, static_cast<Dst>(src[j]));
+    for (int j = 0; j < rows; ++j) dst[j * row_stride] = static_cast<Dst>(src[j]);
   }
 }
 
-template <int ROWS, class Out, class V>
-__device__ __forceinline__ void store_range(const V* src, int32_t d, int rows, Out* out,
-                                            int64_t num_nodes, double* scratch, int64_t stride,
-                                            int64_t first_row) {
-  if (d >= 0)
-    store_rows<ROWS, true>(src, out + first_row * num_nodes + d, num_nodes, rows);
-  else
-    store_rows<ROWS, false>(src, scratch + first_row * stride - 1 - static_cast<int64_t>(d),
-                            stride, rows);
-}
-
 template <class T, class Out, int RED, int ROWS>
-__global__ void __launch_bounds__(kTileThreads)
+__global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     tile_kernel(const T* __restrict__ values, int64_t C, const int32_t* __restrict__ leaf_token,
                 int64_t L, const int32_t* __restrict__ tile_range_ptr,
                 const int32_t* __restrict__ tile_unit_end,
+                const int32_t* __restrict__ tile_node_lo,
                 const int32_t* __restrict__ range_start, const int32_t* __restrict__ range_end,
                 const int32_t* __restrict__ range_dest, double* __restrict__ scratch,
                 int64_t stride, Out* __restrict__ out, int64_t num_nodes, int tile,
                 int64_t row0, int64_t row_end) {
   using V = TileValue<T, RED>;
-  constexpr int kStride = ROWS + 1;  // odd: lanes at consecutive rows or positions hit
-                                     // different banks
+  using Shape = TileShape<T, Out, RED, ROWS>;
+  constexpr int kStride = ROWS + 1;  // odd: lanes at consecutive rows, positions or node ids
+                                     // hit different banks
   extern __shared__ double smem[];
-  V* stage = reinterpret_cast<V*>(smem);  // [kStageRanges][kStride] results of other ranges
-  V* vals = stage + kStageRanges * kStride;                 // [tile][kStride]
-  float* terms = reinterpret_cast<float*>(vals + tile * kStride);  // log_mass: exp(v - shift)
+  V* vals = reinterpret_cast<V*>(smem);  // [tile][kStride]
+  Out* stage = reinterpret_cast<Out*>(reinterpret_cast<unsigned char*>(smem) +
+                                      Shape::value_bytes(tile));  // [stage_ids][kStride]
+  const int stage_ids = Shape::stage_ids(tile);
   __shared__ float shift[ROWS];     // log_mass: per row, the tile's largest v (0 if none)
   __shared__ double row_lse[ROWS];  // log_mass: per row, its log-sum-exp
-  __shared__ int32_t stage_dest[kStageRanges];
   __shared__ int32_t token[kMaxTile];
   const int t = blockIdx.x;
   const int64_t first_row = row0 + static_cast<int64_t>(blockIdx.y) * ROWS;
   const int rows = row_end - first_row < ROWS ? static_cast<int>(row_end - first_row) : ROWS;
   const int64_t base = static_cast<int64_t>(t) * tile;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
   // the tile's token columns (-1 past the last leaf) and, for log_mass, the rows' lse
   for (int p = threadIdx.x; p < tile; p += kTileThreads)
@@ -363,60 +371,75 @@ __global__ void __launch_bounds__(kTileThreads)
     for (int u = 0; u < kGatherUnroll; ++u) {
       const int i = i0 + u * kTileThreads, j = i % ROWS, p = i / ROWS;
       if (i >= tile * ROWS) break;
-      V v = static_cast<V>(identity<RED == kSum ? kSum : kMax>());  // never read by a range
+      V v = static_cast<V>(neg_inf());  // past the last leaf or row: never read by a range
       if (j < rows && token[p] >= 0) {
         if constexpr (RED == kLogMass)
           v = static_cast<float>(static_cast<double>(to_arith(x[u])) - row_lse[j]);  // -inf stays
         else
-          v = static_cast<V>(x[u]);
+          v = x[u];
       }
       vals[p * kStride + j] = v;
     }
   }
   __syncthreads();
   if constexpr (RED == kLogMass) {
-    const int lane = threadIdx.x & 31;
-    for (int j = threadIdx.x >> 5; j < ROWS; j += kTileWarps) {  // a warp per row
+    for (int j = warp; j < ROWS; j += kTileWarps) {  // a warp per row
       float m = static_cast<float>(neg_inf());
       for (int p = lane; p < tile; p += 32) m = vmax(m, vals[p * kStride + j]);
       m = warp_max(m);
       if (lane == 0) shift[j] = m == static_cast<float>(neg_inf()) ? 0.0f : m;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < tile * ROWS; i += kTileThreads) {
-      const int j = i % ROWS, p = i / ROWS;
-      terms[p * kStride + j] = expf(vals[p * kStride + j] - shift[j]);  // -inf -> 0
-    }
-    __syncthreads();
   }
 
+  // The node ids the tile owns, [node_lo, node_hi), in passes of stage_ids (one, unless
+  // the block is long; a pass even for none: the tile total and pieces go to scratch in
+  // the first). Each pass fills the stage with the empty-node value (which also stands for
+  // the spanning nodes here, written later by (c)), puts every range whose node is in the
+  // pass there, and writes the stage out a row at a time: whole, coalesced lines. The
+  // ranges of empty nodes sit in tile 0's list; they give the empty-node value, which their
+  // own tile's stage holds already, so a range whose node lies outside the tile is skipped.
   const int r0 = tile_range_ptr[t], u1 = tile_unit_end[t], r1 = tile_range_ptr[t + 1];
-  // unit ranges: their leaf's own value
-  for (int r = r0 + static_cast<int>(threadIdx.x); r < u1; r += kTileThreads) {
-    const int a = static_cast<int>(range_start[r] - base);
-    store_range<ROWS>(vals + a * kStride, range_dest[r], rows, out, num_nodes, scratch, stride,
-                      first_row);
-  }
-  // the other ranges, kStageRanges at a time: lanes = rows reduce, lanes = ranges store
-  constexpr int kGroups = kTileThreads / ROWS;  // ranges reduced at once
+  const int64_t node_lo = tile_node_lo[t], node_hi = tile_node_lo[t + 1];
+  constexpr int kGroups = kTileThreads / ROWS;  // other ranges reduced at once
   const int j = static_cast<int>(threadIdx.x) % ROWS, g = static_cast<int>(threadIdx.x) / ROWS;
-  for (int c0 = u1; c0 < r1; c0 += kStageRanges) {
-    const int n = r1 - c0 < kStageRanges ? r1 - c0 : kStageRanges;
-    for (int k = g; k < n; k += kGroups) {
-      const int a = static_cast<int>(range_start[c0 + k] - base);
-      const int b = static_cast<int>(range_end[c0 + k] - base);
-      if (j < rows) {
+  for (int64_t pass = node_lo; pass == node_lo || pass < node_hi; pass += stage_ids) {
+    const int n_ids = static_cast<int>(node_hi - pass < stage_ids ? node_hi - pass : stage_ids);
+    const bool first = pass == node_lo;
+    for (int i = threadIdx.x; i < n_ids * kStride; i += kTileThreads)
+      stage[i] = static_cast<Out>(empty_node_value<RED>());
+    __syncthreads();
+    // unit ranges: their leaf's own value
+    for (int r = r0 + static_cast<int>(threadIdx.x); r < u1; r += kTileThreads) {
+      const int64_t d = range_dest[r];
+      const int a = static_cast<int>(range_start[r] - base);
+      if (d >= pass && d < pass + n_ids)
+        store_rows<ROWS>(vals + a * kStride, stage + (d - pass) * kStride, 1, rows);
+      else if (d < 0 && first)
+        store_rows<ROWS>(vals + a * kStride, scratch + first_row * stride - 1 - d, stride, rows);
+    }
+    // the other ranges: lanes = rows, so a group's lanes walk the same range
+    for (int k = u1 + g; k < r1; k += kGroups) {
+      const int64_t d = range_dest[k];
+      const bool staged = d >= pass && d < pass + n_ids;
+      if ((staged || (d < 0 && first)) && j < rows) {
         float sh = 0.0f;
         if constexpr (RED == kLogMass) sh = shift[j];
-        stage[k * kStride + j] = reduce_range<T, RED, ROWS>(vals, terms, sh, a, b, j);
+        const auto res = reduce_range<T, RED, ROWS>(vals, sh, static_cast<int>(range_start[k] - base),
+                                                    static_cast<int>(range_end[k] - base), j);
+        if (staged)
+          stage[(d - pass) * kStride + j] = static_cast<Out>(res);
+        else
+          scratch[(first_row + j) * stride - 1 - d] = static_cast<double>(res);
       }
-      if (j == 0) stage_dest[k] = range_dest[c0 + k];
     }
     __syncthreads();
-    for (int k = threadIdx.x; k < n; k += kTileThreads)
-      store_range<ROWS>(stage + k * kStride, stage_dest[k], rows, out, num_nodes, scratch,
-                        stride, first_row);
-    __syncthreads();
+    // the stage out: a warp per row, its lanes at consecutive node ids
+    for (int jj = warp; jj < rows; jj += kTileWarps) {
+      Out* dst = out + (first_row + jj) * num_nodes + pass;
+      for (int k = lane; k < n_ids; k += 32) store_out(dst + k, stage[k * kStride + jj]);
+    }
+    __syncthreads();  // before the next pass refills the stage
   }
 }
 
@@ -424,12 +447,12 @@ __global__ void __launch_bounds__(kTileThreads)
 template <class T, class Out, int RED, int ROWS>
 void launch_tiles(const TrieArgs& A, const T* values, Out* out, int64_t row0, int64_t rows,
                   cudaStream_t stream) {
-  const size_t shmem = tile_shared_bytes<T, RED, ROWS>(A.tile);
+  const size_t shmem = TileShape<T, Out, RED, ROWS>::bytes(A.tile);
   const dim3 grid(static_cast<unsigned>(A.n_tiles), static_cast<unsigned>((rows + ROWS - 1) / ROWS));
   tile_kernel<T, Out, RED, ROWS><<<grid, kTileThreads, shmem, stream>>>(
-      values, A.C, A.leaf_token, A.L, A.tile_range_ptr, A.tile_unit_end, A.range_start,
-      A.range_end, A.range_dest, A.scratch, A.scratch_stride, out, A.num_nodes, A.tile, row0,
-      row0 + rows);
+      values, A.C, A.leaf_token, A.L, A.tile_range_ptr, A.tile_unit_end, A.tile_node_lo,
+      A.range_start, A.range_end, A.range_dest, A.scratch, A.scratch_stride, out, A.num_nodes,
+      A.tile, row0, row0 + rows);
 }
 
 template <class T, class Out, int RED>

@@ -10,8 +10,8 @@
 namespace genlm_fast {
 namespace cuda {
 
-// leaf positions per tile the tile kernel accepts: its shared memory, (64 + tile) * 33
-// doubles for sum with 32 rows per block, stays under the 48 KiB a launch gets without
+// leaf positions per tile the tile kernel accepts: its gathered values, tile * 33 doubles
+// at most, leave room for a stage of node ids within the 48 KiB a launch gets without
 // opting in (genlm_fast/ops/layout.py uses 64)
 constexpr int kMaxTile = 64;
 
@@ -28,6 +28,8 @@ struct TrieArgs {
   const int32_t* tile_range_ptr;  // [n_tiles + 1] CSR of local ranges by tile
   const int32_t* tile_unit_end;   // [n_tiles] a tile's unit ranges (one leaf) come first,
                                   // [tile_range_ptr[t], tile_unit_end[t])
+  const int32_t* tile_node_lo;    // [n_tiles + 1] the node ids tile t owns (and writes):
+                                  // [tile_node_lo[t], tile_node_lo[t + 1])
   int64_t n_tiles;
   const int32_t* range_start;  // [R] absolute leaf positions
   const int32_t* range_end;

@@ -39,7 +39,7 @@ TILE = 64  # leaf positions per tile; a power of two (Triton block shapes)
 # with a warp or a program each. Spanning nodes are sorted by tile count, so the narrow
 # ones are a prefix, [0, device_arrays(...)["span_narrow"]).
 SPAN_NARROW_TILES = 16
-LAYOUT_VERSION = 3  # bump when the pickled layout changes (the disk cache key has it)
+LAYOUT_VERSION = 4  # bump when the pickled layout changes (the disk cache key has it)
 
 
 @dataclass
@@ -55,6 +55,12 @@ class ModeLayout:
     # [n_tiles] within a tile, the unit ranges (one leaf: the value is that leaf's own) come
     # first, [tile_range_ptr[t], tile_unit_end[t]); the others (empty, or 2+ leaves) follow
     tile_unit_end: np.ndarray
+    # [n_tiles + 1] the node ids a tile owns, [tile_node_lo[t], tile_node_lo[t + 1]): the
+    # nodes whose last leaf lies in the tile (an empty node: its last leaf before it). One
+    # block of ids, as leaf_end is non-decreasing in the post-order id; it holds the tile's
+    # local nodes, its empty nodes and the spanning nodes that end there. The CUDA tile
+    # kernel writes the block of each row whole.
+    tile_node_lo: np.ndarray
     range_start: np.ndarray  # [R] absolute leaf position (inclusive)
     range_end: np.ndarray  # [R] absolute leaf position (exclusive)
     range_dest: np.ndarray  # [R] >= 0: output node column; < 0: scratch slot -1 - dest
@@ -104,7 +110,7 @@ class TrieLayout:
             cached = {
                 name: torch.from_numpy(np.ascontiguousarray(getattr(ml, name))).to(device)
                 for name in (
-                    "leaf_token", "tile_range_ptr", "tile_unit_end", "range_start",
+                    "leaf_token", "tile_range_ptr", "tile_unit_end", "tile_node_lo", "range_start",
                     "range_end", "range_dest",
                     "span_node", "span_left", "span_right", "span_tile_lo", "span_tile_hi",
                     "leaf_start", "leaf_end",
@@ -350,6 +356,8 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node, tile=None):
     ptr = np.zeros(n_tiles + 1, dtype=np.int64)
     np.cumsum(counts, out=ptr[1:])
     unit_end = ptr[:-1] + np.bincount(r_tile[unit], minlength=n_tiles)
+    owner = np.maximum(leaf_end - 1, 0) // tile  # non-decreasing in the node id
+    node_lo = np.searchsorted(owner, np.arange(n_tiles + 1), side="left")
 
     i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)
     # spanning nodes sorted by how many whole tiles they sum, so a block of them loops alike
@@ -361,6 +369,7 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node, tile=None):
         tile=tile,
         tile_range_ptr=i32(ptr),
         tile_unit_end=i32(unit_end),
+        tile_node_lo=i32(node_lo),
         range_start=i32(r_start[by_tile]),
         range_end=i32(r_end[by_tile]),
         range_dest=i32(r_dest[by_tile]),

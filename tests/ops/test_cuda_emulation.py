@@ -186,6 +186,7 @@ int main(int argc, char** argv) {
   A.leaf_token = static_cast<int32_t*>(read_array(f, &n)); A.L = n / 4;
   A.tile_range_ptr = static_cast<int32_t*>(read_array(f, &n)); A.n_tiles = n / 4 - 1;
   A.tile_unit_end = static_cast<int32_t*>(read_array(f, &n));
+  A.tile_node_lo = static_cast<int32_t*>(read_array(f, &n));
   A.range_start = static_cast<int32_t*>(read_array(f, &n));
   A.range_end = static_cast<int32_t*>(read_array(f, &n));
   A.range_dest = static_cast<int32_t*>(read_array(f, &n));
@@ -325,7 +326,8 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
     header = np.array([DTYPES[values.dtype], B, C, layout.num_nodes, stride, tile,
                        int(out_double), REDUCTION[reduction], 0, max_grid_y,
                        span_narrow, 0], dtype=np.int64)
-    arrays = [raw, ml.leaf_token, ml.tile_range_ptr, ml.tile_unit_end, ml.range_start,
+    arrays = [raw, ml.leaf_token, ml.tile_range_ptr, ml.tile_unit_end, ml.tile_node_lo,
+              ml.range_start,
               ml.range_end, ml.range_dest, ml.span_node, ml.span_left, ml.span_right, ml.span_tile_lo,
               ml.span_tile_hi, scratch, out]
     path_in = os.path.join(tmp_dir, "in.bin")
@@ -476,6 +478,25 @@ def test_log_mass_hundreds_of_nats_and_neg_inf(emulator, tmp_path):
     rows[1, 5] = 0.0
     rows[1, 40:150] = -np.inf  # whole tiles of -inf: -inf partials in the spanning merge
     check(emulator, tmp_path, words, "log_mass", rows=torch.from_numpy(rows).float())
+
+
+@pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_node_blocks_longer_than_the_stage_or_empty(emulator, tmp_path, reduction, dtype):
+    """The tile kernel writes the block of node ids a tile owns through a shared stage of
+    at most a few hundred ids per pass: a 1,500-byte token (a chain of 1,500 single-child
+    nodes over one leaf: one tile owns them all, several passes), 200 copies of an EOS
+    token (under WITH_EOS all deposit on the EOS node, one node over several tiles: tiles
+    that own no node at all, only their total goes to scratch), and float64 (half the
+    stage)."""
+    rng = np.random.default_rng(3)
+    words = ([b"q" * 1500] + [b"dd"] * 200
+             + [bytes(rng.integers(97, 100, size=rng.integers(1, 5))) for _ in range(300)])
+    modes = make_trie(words, eos=[b"dd"]).layout.modes
+    assert np.diff(modes["without_eos"].tile_node_lo).max() > 1500
+    assert (np.diff(modes["with_eos"].tile_node_lo) == 0).any()
+    check(emulator, tmp_path, words, reduction, B=3, dtype=dtype, neg_inf=0.2, eos=[b"dd"],
+          extra=3 if reduction == "log_mass" else 0)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])

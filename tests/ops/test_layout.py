@@ -102,7 +102,8 @@ def evaluate_tiles(ml, num_nodes, weights):
        n_eos=st.integers(0, 2), tile=st.sampled_from([1, 2, 8, 64]))
 def test_tile_decomposition_gives_every_node(words, n_eos, tile):
     """Every node is written once, by a local range or as a spanning node, and the sums
-    agree with the float64 oracle; within each tile the unit ranges (one leaf) come first."""
+    agree with the float64 oracle; within each tile the unit ranges (one leaf) come first;
+    the blocks of node ids the tiles own partition the nodes and hold their ranges."""
     from genlm_fast.bytes import TokenByteTrie
     from tests import oracle
 
@@ -122,6 +123,17 @@ def test_tile_decomposition_gives_every_node(words, n_eos, tile):
             assert (lengths[r0:u1] == 1).all() and (lengths[u1:r1] != 1).all()
             inside = (ml.range_start[r0:r1] >= t * tile) & (ml.range_end[r0:r1] <= (t + 1) * tile)
             assert inside[lengths[r0:r1] > 0].all()
+            # the CUDA tile kernel writes the node ids the tile owns as one block: every
+            # node a range of this tile gives (empty ones aside) lies in it
+            dest = ml.range_dest[r0:r1][lengths[r0:r1] > 0]
+            dest = dest[dest >= 0]
+            assert ((dest >= ml.tile_node_lo[t]) & (dest < ml.tile_node_lo[t + 1])).all()
+        node_lo = ml.tile_node_lo
+        assert len(node_lo) == len(ml.tile_range_ptr) and node_lo[0] == 0
+        assert node_lo[-1] == trie.layout.num_nodes and (np.diff(node_lo) >= 0).all()
+        # a spanning node is in the block of the tile of its last leaf
+        last_tile = (ml.leaf_end[ml.span_node] - 1) // tile
+        assert ((node_lo[last_tile] <= ml.span_node) & (ml.span_node < node_lo[last_tile + 1])).all()
         dests = np.concatenate([ml.range_dest[ml.range_dest >= 0], ml.span_node])
         np.testing.assert_array_equal(np.sort(dests), np.arange(trie.layout.num_nodes))
         want = oracle.reduce(oracle.members(trie, eos_positions, with_eos=mode == "with_eos"),

@@ -57,6 +57,7 @@ setup() {
     git rev-parse HEAD 2>/dev/null
     $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
     $PY -c "from genlm_fast.ops import dispatch; print('backends on cuda:', dispatch.available_backends('cuda'))"
+    echo "profilers: $(command -v ncu nsys compute-sanitizer | tr '\n' ' ')"
   } | tee "$OUT/env.txt"
 }
 

@@ -83,15 +83,16 @@ GOAL_SPEEDUP = 10.0
 DRY_RUN_TOKENS = 500
 DRY_RUN_BATCHES = [1, 32]
 # --sweep: Triton tile-kernel configurations to time, per tile kernel (module constants of
-# genlm_fast.ops.triton_backend, set for one measurement each). The defaults there were
-# chosen from sm_90 compile reports (registers, no spills), not from GPU timings; this is the
-# table to choose them from. ROWS >= 16 for tl.dot.
+# genlm_fast.ops.triton_backend, set for one measurement each). The defaults there are the
+# fastest of the H200 sweep of 2026-11-26 (bench/results/gpu-h200-2026-11-26-2.md); these
+# are their neighbours. ROWS >= 16 for tl.dot.
 TRITON_SWEEP = {
     "dot": [{"DOT_ROWS": rows, "DOT_WARPS": warps} for rows, warps in
-            ((16, 4), (16, 8), (32, 4), (32, 8), (64, 8))]
-           + [{"DOT_ROWS": 16, "DOT_WARPS": 8, "DOT_UB": 32, "DOT_RB": 32}],
+            ((16, 2), (16, 4), (16, 8), (32, 4))]
+           + [{"DOT_ROWS": 16, "DOT_WARPS": 4, "DOT_UB": 32, "DOT_RB": 32},
+              {"DOT_ROWS": 16, "DOT_WARPS": 4, "DOT_UB": 128, "DOT_RB": 128}],
     "max": [{"MAX_ROWS": rows, "MAX_WARPS": warps, "MAX_RB": rb} for rows, warps, rb in
-            ((8, 4, 32), (16, 4, 32), (16, 8, 32), (32, 4, 32), (32, 8, 32), (16, 4, 64))],
+            ((4, 4, 32), (8, 2, 32), (8, 4, 32), (8, 4, 64), (16, 4, 32))],
 }
 
 

@@ -39,14 +39,15 @@ DENSE_RB = 32  # ranges per chunk in the dense tile kernel
 DOT_RB = 64  # ranges per chunk (the N side of the mask product) in the dot tile kernel
 DOT_UB = 64  # unit ranges per chunk (one gather from the registers) in the dot tile kernel
 DOT_SUB = 16  # ranges per step of the dot kernel's dense rewrite (sum with inf weights)
-# Rows per dot-kernel program (the M side of the product; >= 16 for tl.dot) and its warps:
-# compiled for sm_90 (tests/ops/test_triton_sm90.py), 16 x 8 takes 98 registers/thread for
-# sum and 128 for log_mass (two programs per SM); 64 rows take 226-254 (one per SM), so
-# larger batches get more row blocks rather than taller ones. To be tuned on a GPU
-# (`python -m bench.gpu --sweep` times the alternatives).
+# Rows per dot-kernel program (the M side of the product; >= 16 for tl.dot) and its warps,
+# and the max kernel's rows: the fastest of `python -m bench.gpu --sweep` on the H200
+# (bench/results/gpu-h200-2026-11-26-2.md, Llama-3): log_mass B=64 16 x 4 warps 0.278 ms
+# (16 x 8: 0.356, 32 rows: 0.50); sum B=32 16 x 4 0.126 ms (16 x 8: 0.133); max B=64
+# 8 rows 0.201 ms (16: 0.245). Taller blocks need more registers than an SM can give
+# several programs (tests/ops/test_triton_sm90.py prints the counts).
 DOT_ROWS = 16
-DOT_WARPS = 8
-MAX_ROWS = 16  # rows per program of the max kernel (its sparse table: 7 x [16, 64] values)
+DOT_WARPS = 4
+MAX_ROWS = 8  # rows per program of the max kernel (its sparse table: 7 x [8, 64] values)
 MAX_RB = 32  # ranges per chunk of the max kernel
 MAX_WARPS = 4
 SPAN_BLOCK = 64  # narrow spanning nodes per program

@@ -272,7 +272,7 @@ def test_fallback_warning_says_why_and_how(monkeypatch):
 @pytest.mark.parametrize("built", [("triton", "cuda"), ("triton",), ("cuda",), ()])
 def test_auto_on_a_gpu_picks_per_reduction(monkeypatch, built):
     """On a CUDA device "auto" takes, per reduction, the first of GPU_PREFERENCE that is
-    available (the faster one on the H100 for that op), the other one when only it is,
+    available (CUDA for every op since the H200 run of 05587ba), the other one when only it is,
     and the reference (with a warning) when neither is."""
     from genlm_fast.ops import dispatch
 
@@ -281,7 +281,7 @@ def test_auto_on_a_gpu_picks_per_reduction(monkeypatch, built):
                         lambda kind, device: kind == "cuda" and "cuda" in built)
     monkeypatch.setattr(dispatch, "_warned", set())
     assert set(dispatch.GPU_PREFERENCE) == set(dispatch.REDUCTIONS)
-    expected = {"sum": "cuda", "max": "cuda", "log_mass": "triton"}
+    expected = {"sum": "cuda", "max": "cuda", "log_mass": "cuda"}
     for reduction in dispatch.REDUCTIONS:
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")

@@ -12,13 +12,15 @@ mismatch), the install still succeeds without it: a warning is printed and genlm
 compiles the CPU kernels on first use or falls back to its plain-torch reference.
 
 Environment: GENLM_FAST_NO_EXT=1 skips the extension; GENLM_FAST_NO_CUDA=1 builds the CPU
-kernels only even with a CUDA torch.
+kernels only even with a CUDA torch. $CXX (else c++) compiles it, unless that compiler links
+libstdc++ statically: then a /usr/bin g++/c++ that links the shared one, with a warning.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 import traceback
 
@@ -44,6 +46,22 @@ NVCC_FLAGS = ["-O3", "-DWITH_CUDA"]
 
 def _warn(message: str) -> None:
     sys.stderr.write(f"\nWARNING (genlm_fast): {message}\n\n")
+
+
+def _choose_compilers() -> None:
+    """$CXX/$CC for the build: the configured C++ compiler, unless it links libstdc++
+    statically (genlm_fast/ops/sources.py: choose_compilers) and /usr/bin has one that
+    does not."""
+    configured = shutil.which(os.environ.get("CXX") or "c++")
+    if configured is None:
+        return
+    cxx, cc, note = SOURCES.choose_compilers(configured)
+    if note:
+        _warn(note)
+    if cxx != configured:
+        os.environ["CXX"] = cxx
+        if cc is not None:
+            os.environ["CC"] = cc
 
 
 def _extensions():
@@ -88,6 +106,7 @@ def _extensions():
         """BuildExtension that warns and carries on when the compiled kernels fail to build."""
 
         def run(self):
+            _choose_compilers()
             try:
                 super().run()
             except Exception:  # noqa: BLE001

@@ -52,6 +52,26 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX") or "c++")
 
 
+class _environment:
+    """Set the given environment variables (None: leave that one alone) for a block."""
+
+    def __init__(self, **values):
+        self.values = {k: v for k, v in values.items() if v is not None}
+        self.saved = {}
+
+    def __enter__(self):
+        for key, value in self.values.items():
+            self.saved[key] = os.environ.get(key)
+            os.environ[key] = value
+
+    def __exit__(self, *exc):
+        for key, value in self.saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def _fingerprint(cflags, compiler: str | None) -> str:
     """What a JIT build depends on: the csrc files' contents, the flags, the compiler and
     ninja (path and modification time: an upgrade or a newly installed one changes it),
@@ -209,9 +229,16 @@ def _jit_build(defines=()):
                            "or more)", build_dir)
         try:
             _remove(built)
-            module = cpp_extension.load(name=name, sources=sources, extra_cflags=cflags,
-                                        extra_ldflags=["-fopenmp"], build_directory=build_dir,
-                                        verbose=False)
+            # a compiler that would copy a static libstdc++ into the module: one in /usr/bin
+            # instead, when there is one (cpp_extension.load runs $CXX; the choice follows
+            # from the configured compiler, which the fingerprint holds)
+            cxx, _, note = (compiler, None, None) if fresh else csrc.choose_compilers(compiler)
+            if note:
+                logger.warning("genlm_fast: %s", note)
+            with _environment(CXX=cxx if cxx != compiler else None):
+                module = cpp_extension.load(name=name, sources=sources, extra_cflags=cflags,
+                                            extra_ldflags=["-fopenmp"],
+                                            build_directory=build_dir, verbose=False)
         except Exception as exc:
             summary = summarize_error(exc)
             if not any(t in summary for t in _TRANSIENT):

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import subprocess
+import tempfile
 
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                     "csrc")
@@ -37,3 +40,57 @@ def digest(csrc: str = CSRC) -> str | None:
 def source_files(csrc: str = CSRC) -> list[str]:
     """Names of every source and header in ``csrc`` (sorted)."""
     return sorted(n for n in os.listdir(csrc) if n.endswith(_SUFFIXES))
+
+
+# --------------------------------------------------------------------------- the C++ compiler
+
+_PROBE = """#include <sstream>
+#include <string>
+std::string probe(long v) { std::ostringstream s; s << v; return s.str(); }
+"""
+
+
+def links_shared_libstdcxx(compiler: str) -> bool | None:
+    """Whether ``compiler`` links a C++ shared object against the shared libstdc++, as torch
+    is linked: it builds a two-line one and reads its dynamic section (readelf). None where
+    that cannot be told (no readelf, the probe does not build).
+
+    A compiler that copies a static libstdc++ into the extension instead (seen: /opt/gcc on
+    a lent H200 machine) gives it a second C++ runtime with its own locale, beside torch's:
+    the extension's error messages (TORCH_CHECK) then crash the process when they format a
+    number."""
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="genlm_fast_cxx_") as tmp:
+        src, lib = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
+        with open(src, "w") as f:
+            f.write(_PROBE)
+        try:
+            built = subprocess.run([compiler, "-shared", "-fPIC", "-o", lib, src],
+                                   capture_output=True, timeout=120, check=False)
+            if built.returncode != 0:
+                return None
+            dynamic = subprocess.run([readelf, "-d", lib], capture_output=True, text=True,
+                                     timeout=60, check=False).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return "libstdc++.so" in dynamic
+
+
+def choose_compilers(cxx: str) -> tuple[str, str | None, str | None]:
+    """The C++ compiler to build the extension with, its C companion (for the link step
+    setuptools runs; None: leave CC alone) and a warning (None: nothing to say). ``cxx``,
+    unless it links libstdc++ statically (``links_shared_libstdcxx``) and a g++/c++ in
+    /usr/bin links the shared one: then that, with its gcc/cc."""
+    if links_shared_libstdcxx(cxx) is not False:
+        return cxx, None, None
+    problem = (f"the C++ compiler {cxx} links libstdc++ statically into the extension, "
+               "beside torch's shared one: an error raised by the compiled kernels would "
+               "crash the process")
+    for name, c_name in (("g++", "gcc"), ("c++", "cc")):
+        alt = os.path.join("/usr/bin", name)
+        if (os.path.exists(alt) and os.path.realpath(alt) != os.path.realpath(cxx)
+                and links_shared_libstdcxx(alt)):
+            return alt, os.path.join("/usr/bin", c_name), f"{problem}; building with {alt} instead"
+    return cxx, None, f"{problem}, and no compiler in /usr/bin links the shared one"

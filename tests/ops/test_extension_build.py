@@ -19,6 +19,7 @@ The big cross-backend numerics test lives in test_trie_reduce.py.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -634,12 +635,68 @@ def test_backend_rejects_narrow_rows_after_checking_once():
 # --------------------------------------------------------------------------- baseline build
 
 
-def test_baseline_build_matches_reference():
+def _static_libstdcxx_compiler(tmp_path):
+    """A g++ that links libstdc++ statically (as /opt/gcc on the lent H200 did), or None
+    where this machine cannot make one (no g++, no libstdc++.a, no readelf)."""
+    gxx = shutil.which("g++")
+    if gxx is None or shutil.which("readelf") is None:
+        return None
+    archive = subprocess.run([gxx, "-print-file-name=libstdc++.a"], capture_output=True,
+                             text=True, check=False).stdout.strip()
+    if not os.path.isabs(archive):
+        return None
+    fake = tmp_path / "static-g++"
+    fake.write_text(f'#!/bin/sh\nexec {gxx} -static-libstdc++ "$@"\n')
+    fake.chmod(0o755)
+    return str(fake)
+
+
+def _needs_shared_libstdcxx(library: str) -> bool:
+    dynamic = subprocess.run(["readelf", "-d", library], capture_output=True, text=True,
+                             check=True).stdout
+    return "libstdc++.so" in dynamic
+
+
+def test_a_compiler_that_links_libstdcxx_statically_is_replaced(tmp_path):
+    """A private static libstdc++ in the extension beside torch's shared one crashed the
+    process on the H200 as soon as an error message formatted a number: such a compiler is
+    recognised, and a /usr/bin one that links the shared libstdc++ is taken instead."""
+    static = _static_libstdcxx_compiler(tmp_path)
+    if static is None or not os.path.exists("/usr/bin/g++"):
+        pytest.skip("needs g++ (with /usr/bin/g++), its libstdc++.a and readelf")
+    gxx = shutil.which("g++")
+    assert sources.links_shared_libstdcxx(gxx) is True
+    assert sources.links_shared_libstdcxx(static) is False
+    assert sources.links_shared_libstdcxx(str(tmp_path / "no-such-compiler")) is None
+    assert sources.choose_compilers(gxx) == (gxx, None, None)
+    cxx, cc, note = sources.choose_compilers(static)
+    assert (cxx, cc) == ("/usr/bin/g++", "/usr/bin/gcc")
+    assert f"{static} links libstdc++ statically" in note and "building with /usr/bin/g++" in note
+
+
+def test_the_extension_shares_torchs_libstdcxx():
+    """genlm_fast._C (or the JIT-built module) needs the shared libstdc++, like torch."""
+    module = extension.load_module()
+    if module is None or shutil.which("readelf") is None:
+        pytest.skip("no compiled extension here, or no readelf")
+    assert _needs_shared_libstdcxx(module.__file__), module.__file__
+
+
+def test_baseline_build_matches_reference(tmp_path, monkeypatch, caplog):
     """The kernels built without function multiversioning (-DGF_BASELINE_ONLY): the code an
     x86-64 without AVX2 runs (vector lanes split into SSE2 halves, the plain expand_runs
     loop), which the AVX2 clones otherwise hide on this machine. Built once into the JIT
-    cache (about a minute)."""
-    module, where = extension._jit_build(defines=("GF_BASELINE_ONLY",))
+    cache (about a minute), with $CXX a g++ that links libstdc++ statically where one can be
+    made: the JIT build takes /usr/bin/g++ instead, says so, and the module shares torch's
+    libstdc++."""
+    static = _static_libstdcxx_compiler(tmp_path)
+    if static is not None and os.path.exists("/usr/bin/g++"):
+        monkeypatch.setenv("CXX", static)
+    with caplog.at_level(logging.WARNING, logger="genlm_fast"):
+        module, where = extension._jit_build(defines=("GF_BASELINE_ONLY",))
+    if os.environ.get("CXX") == static:
+        assert _needs_shared_libstdcxx(module.__file__)
+        assert f"{static} links libstdc++ statically" in caplog.text
     rng = np.random.default_rng(17)
     for name in ("random", "big"):
         layout = layout_named(name)

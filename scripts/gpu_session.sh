@@ -25,6 +25,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export PATH=/tmp/site/bin:$PATH  # ninja from .whl: torch's extension build runs it
 PY=python3
+GPU_TESTS="tests/ops/test_trie_reduce.py tests/ops/test_triton_kernels.py
+  tests/ops/test_log_softmax_rows.py tests/ops/test_extension_build.py tests/ops/test_layout.py"
 
 # whether genlm_fast._C holds CUDA kernels built from the csrc/ here (GENLM_FAST_NO_JIT:
 # the probe must not JIT-build the CPU kernels instead)
@@ -84,11 +86,13 @@ native_stack() {
 
 run_tests() {
   # tests/ops: every kernel test with the compiled Triton and CUDA backends, real
-  # vocabularies included; SmolLM2's vocabulary comes from a 96 MB GGUF that cannot
-  # travel, so its cases are left out. The sm_90 compile report uses this triton.
+  # vocabularies included, the trie tests first; SmolLM2's vocabulary comes from a 96 MB GGUF
+  # that cannot travel, so its cases are left out. test_cuda_emulation.py (the .cu on the
+  # CPU) and test_triton_sm90.py (compiles for sm_90 without a GPU) need no GPU: CI runs
+  # them, here they would only take the time. The sm_90 compile report uses this triton.
   $PY tests/ops/test_triton_sm90.py >"$OUT/sm90-compile.txt" 2>&1
   # A test that kills the interpreter (a signal: rc > 128) would end the run there; its
-  # C stack goes to $OUT/crash.txt (gdb, where there is one) and the run goes on with the
+  # C stack goes to $OUT/crash.txt (native_stack) and the run goes on with the
   # tests not yet run (scripts/gpu_session_progress.py lists the finished ones), up to 3 times.
   # pytest's faulthandler names the test in the log, which collects every attempt (each
   # attempt has its own XML report).
@@ -96,7 +100,7 @@ run_tests() {
   : >"$done_log"; : >"$done_log.failures"
   for attempt in 1 2 3 4; do
     PYTEST_DONE_LOG=$done_log PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" \
-      $PY -m pytest ${TEST_PATHS:-tests/ops} -q -ra -k "not smollm2" \
+      $PY -m pytest ${TEST_PATHS:-$GPU_TESTS} -q -ra -k "not smollm2" \
       -p no:cacheprovider -p gpu_session_progress --durations=10 \
       --junitxml="$OUT/tests-ops-$attempt.xml" ${PYTEST_ARGS:-} "${deselect[@]}" 2>&1 \
       | tee -a "$OUT/tests-ops.log"
@@ -129,7 +133,7 @@ case "${1:-}" in
   all)
     setup
     export -f run_bench run_tests native_stack
-    export OUT PY
+    export OUT PY GPU_TESTS
     # what the build left of TOTAL_S (the device tool's 600 s, less a margin for the
     # transfers): 53% to the benchmark, the rest to the tests, unless BENCH_S/TESTS_S say
     left=$(( ${TOTAL_S:-585} - SECONDS )); [ "$left" -ge 120 ] || left=120

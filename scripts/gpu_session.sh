@@ -2,7 +2,9 @@
 # On a lent GPU machine (the device tool; README "GPU sessions"):
 #     bash scripts/gpu_session.sh tests    # build with the CUDA kernels, run the GPU tests
 #     bash scripts/gpu_session.sh bench    # python -m bench.gpu --sweep (Llama-3 vocabulary)
-#     bash scripts/gpu_session.sh all      # both in one device call: build, bench, tests
+#     bash scripts/gpu_session.sh profile  # ncu on the CUDA tile and span kernels
+#     bash scripts/gpu_session.sh all      # all three in one device call: build, bench,
+#                                          # profile (at most PROFILE_S = 80 s), tests
 # Each step installs what it needs first (once per machine): the wheels that
 # scripts/gpu_prepare.sh put in .whl/ (carried), and genlm_fast with its CUDA extension.
 # Logs and results go to $OUT, which the device tool sends back.
@@ -14,7 +16,8 @@
 # tests with timeouts that share what the build leaves of TOTAL_S = 585 s (BENCH_S and
 # TESTS_S override them), to fit the 10-minute limit; PYTEST_ARGS adds
 # pytest arguments). What comes back: the logs, the test report, the sm_90 compile table, the
-# benchmark table and, if a test crashed the interpreter, its C stack (crash.txt); commit the
+# benchmark table, the ncu reports (ncu-*.txt) and, if a test crashed the interpreter, its C
+# stack (crash.txt); commit the
 # table under bench/results/. SmolLM2's vocabulary cases are left out there (its tokenizer
 # ships in a 96 MB GGUF, over the transfer limit).
 set -uo pipefail
@@ -121,6 +124,23 @@ run_tests() {
   done
 }
 
+run_profile() {
+  # ncu on one call's tile and span kernels (bench/gpu_profile.py: the CUDA log_mass at B=64
+  # and sum at B=32, the goals' shapes); where the machine withholds the performance
+  # counters, the report says so
+  local ncu op batch
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  [ -x "$ncu" ] || { echo "no ncu on this machine"; return 0; }
+  for shape in "log_mass 64" "sum 32"; do
+    read -r op batch <<<"$shape"
+    "$ncu" --kernel-name regex:'tile_kernel|span_kernel' --launch-skip 4 --launch-count 2 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+      --section WarpStateStats $PY -m bench.gpu_profile --op "$op" --batch "$batch" \
+      >"$OUT/ncu-$op-B$batch.txt" 2>&1
+    echo "ncu $op B=$batch: exit $? ($OUT/ncu-$op-B$batch.txt)"
+  done
+}
+
 run_bench() {
   # --sweep: after the main table (written first), the Triton kernels' launch configurations
   $PY -m bench.gpu --sweep --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
@@ -130,21 +150,23 @@ run_bench() {
 case "${1:-}" in
   tests) setup; run_tests; exit $? ;;
   bench) setup; run_bench; exit $? ;;
+  profile) setup; run_profile; exit $? ;;
   all)
     setup
-    export -f run_bench run_tests native_stack
+    export -f run_bench run_profile run_tests native_stack
     export OUT PY GPU_TESTS
     # what the build left of TOTAL_S (the device tool's 600 s, less a margin for the
     # transfers): 53% to the benchmark, the rest to the tests, unless BENCH_S/TESTS_S say
     left=$(( ${TOTAL_S:-585} - SECONDS )); [ "$left" -ge 120 ] || left=120
     timeout "${BENCH_S:-$(( left * 53 / 100 ))}" bash -c run_bench; bench_rc=$?
+    timeout "${PROFILE_S:-80}" bash -c run_profile
     left=$(( ${TOTAL_S:-585} - SECONDS )); [ "$left" -ge 60 ] || left=60
     timeout "${TESTS_S:-$left}" bash -c run_tests; tests_rc=$?
     echo "== bench exit $bench_rc, tests exit $tests_rc (124: stopped by its timeout)"
     exit $(( bench_rc || tests_rc ))
     ;;
   *)
-    echo "usage: bash scripts/gpu_session.sh tests|bench|all" >&2
+    echo "usage: bash scripts/gpu_session.sh tests|bench|profile|all" >&2
     exit 2
     ;;
 esac

@@ -194,3 +194,14 @@ def test_goals_verdicts():
     assert got[("triton", "batch_weight_sum B=32")] == ("9.9x", "NO")
     assert got[("cuda", "batch_log_mass B=64")] == ("-", "-")  # no peak known
     assert got[("cuda", "batch_weight_sum B=32")] == ("-", "-")  # failed: not measured
+
+
+def test_profile_script_dry_run(capsys):
+    """bench/gpu_profile.py, which scripts/gpu_session.sh runs under ncu on the GPU, runs
+    its calls end to end on the CPU (Triton interpreter; the kernels' results are tested
+    elsewhere)."""
+    from bench import gpu_profile
+
+    assert gpu_profile.main(["--dry-run-cpu", "--op", "sum", "--batch", "2", "--calls", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "1 calls of triton sum B=2 -> (2, " in out

@@ -182,7 +182,7 @@ def result_dtype(reduction: str, dtype: torch.dtype, float64_result: bool = Fals
 
 def validate_values(values, layout: TrieLayout, exact_width: int | None = None):
     """Check a ``[B, C]`` value/logit tensor's type and shape; raise a clear error naming the
-    problem. Its entries are checked by :func:`check_rows` (or by the CPU kernel itself)."""
+    problem. Its entries are checked by :func:`bad_rows` (or by the CPU kernel itself)."""
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor of values, got {type(values).__name__}")
     if values.dim() != 2:
@@ -198,19 +198,24 @@ def validate_values(values, layout: TrieLayout, exact_width: int | None = None):
                          f"{layout.num_columns}")
 
 
-def check_rows(values: torch.Tensor, reduction: str):
-    """Reject a row holding a NaN (any reduction) or, for log_mass, a +inf or no finite logit:
-    one amax pass (amax propagates NaN)."""
+def bad_rows(values: torch.Tensor, reduction: str) -> torch.Tensor | None:
+    """Which rows hold a NaN (any reduction) or, for log_mass, a +inf or no finite logit: a
+    [B] bool tensor on the values' device from one amax pass (amax propagates NaN), None for
+    no rows. No device sync: :func:`raise_bad_rows` reads it."""
     if values.shape[0] == 0:
-        return
+        return None
     peak = values.amax(dim=1)
-    bad = ~torch.isfinite(peak) if reduction == "log_mass" else torch.isnan(peak)
-    if bool(bad.any()):
+    return ~torch.isfinite(peak) if reduction == "log_mass" else torch.isnan(peak)
+
+
+def raise_bad_rows(values: torch.Tensor, bad: torch.Tensor | None, reduction: str):
+    """Raise for the first row ``bad`` flags, if any (one device sync)."""
+    if bad is not None and bool(bad.any()):
         raise_bad_row(values, int(bad.nonzero()[0, 0]), reduction)
 
 
 def raise_bad_row(values: torch.Tensor, row: int, reduction: str):
-    """The error for a row that :func:`check_rows` or the CPU kernel rejected."""
+    """The error for a row that :func:`bad_rows` or the CPU kernel rejected."""
     if reduction == "log_mass":
         v = float(values[row].amax())
         what = ("contains NaN" if v != v else "contains +inf" if v > 0
@@ -233,9 +238,13 @@ def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
         raise ValueError(f"this trie has no {mode!r} mode (modes: {sorted(layout.modes)})")
     validate_values(values, layout, exact_width)
     chosen = resolve_backend(backend, values.device, reduction)
-    if chosen != "cpu":  # the CPU kernel checks each row as it reads it
-        check_rows(values, reduction)
+    # The CPU kernel checks each row as it reads it. Elsewhere the rows are checked before
+    # the kernels and the verdict is read once they are enqueued: on a GPU the kernels then
+    # follow the check without waiting for the host to read it (a bad row's results are
+    # computed, then dropped with the error).
+    bad = bad_rows(values, reduction) if chosen != "cpu" else None
     out = run_backend(values, layout, reduction, mode, chosen, float64_result)
+    raise_bad_rows(values, bad, reduction)
     logger.debug("trie_reduce %s %s B=%d N=%d on %s via %s", reduction, mode,
                  values.shape[0], layout.num_nodes, values.device, chosen)
     return out, chosen

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import sys
 import traceback
 
@@ -52,7 +51,7 @@ def _choose_compilers() -> None:
     """$CXX/$CC for the build: the configured C++ compiler, unless it links libstdc++
     statically (genlm_fast/ops/sources.py: choose_compilers) and /usr/bin has one that
     does not."""
-    configured = shutil.which(os.environ.get("CXX") or "c++")
+    configured = SOURCES.configured_compiler()
     if configured is None:
         return
     cxx, cc, note = SOURCES.choose_compilers(configured)

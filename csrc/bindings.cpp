@@ -8,9 +8,9 @@
 //                   float64_result (float32 values are then read as they are)
 //                   bad_row = -1, or the first row the kernel rejected (a NaN for sum/max;
 //                   no finite maximum for log_mass), whose result is then incomplete
-//   trie_reduce_cuda(values, leaf_token, tile_range_ptr, tile_unit_end, tile_node_lo, range_start,
-//                    range_end, range_dest, span_node, span_left, span_right, span_tile_lo,
-//                    span_tile_hi, span_narrow, scratch,
+//   trie_reduce_cuda(values, leaf_token, tile_range_ptr, tile_unit_end, tile_node_lo,
+//                    range_start, range_end, range_dest, span_node, span_left, span_right,
+//                    span_tile_lo, span_tile_hi, span_narrow, scratch,
 //                    reduction, num_nodes, num_scratch, tile)
 //                    -> Tensor[B, num_nodes]   (only when built with -DWITH_CUDA; scratch is a
 //                    float64 [B, num_scratch + 1] workspace the caller allocates; spanning
@@ -352,8 +352,8 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
                             const at::Tensor& span_node, const at::Tensor& span_left,
                             const at::Tensor& span_right, const at::Tensor& span_tile_lo,
                             const at::Tensor& span_tile_hi, int64_t span_narrow,
-                            const at::Tensor& scratch, const std::string& reduction, int64_t num_nodes, int64_t num_scratch,
-                            int64_t tile) {
+                            const at::Tensor& scratch, const std::string& reduction,
+                            int64_t num_nodes, int64_t num_scratch, int64_t tile) {
   const int red = parse_reduction(reduction);
   TORCH_CHECK(values.is_cuda(), "trie_reduce_cuda: values must be a CUDA tensor, got one on ",
               values.device());
@@ -470,8 +470,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("range_dest"),
         pybind11::arg("span_node"), pybind11::arg("span_left"), pybind11::arg("span_right"),
         pybind11::arg("span_tile_lo"), pybind11::arg("span_tile_hi"),
-        pybind11::arg("span_narrow"), pybind11::arg("scratch"), pybind11::arg("reduction"), pybind11::arg("num_nodes"), pybind11::arg("num_scratch"),
-        pybind11::arg("tile"));
+        pybind11::arg("span_narrow"), pybind11::arg("scratch"), pybind11::arg("reduction"),
+        pybind11::arg("num_nodes"), pybind11::arg("num_scratch"), pybind11::arg("tile"));
   m.attr("has_cuda") = true;
 #else
   m.attr("has_cuda") = false;

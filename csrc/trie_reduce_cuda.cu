@@ -86,7 +86,7 @@ constexpr int kLseUnroll = 8;       // independent loads in flight per thread in
 constexpr int64_t kLseMinChunk = 4096;  // columns per (a1) block, at least
 constexpr int64_t kLseTargetBlocks = 1024;  // (a1) blocks per launch to aim for (B * splits)
 constexpr int kSpanWarps = 8;        // (a2) and the wide part of (c): warps per block
-constexpr int kSpanThreads = 256;    // the narrow part of (c): threads per block
+constexpr int kSpanThreads = kSpanWarps * 32;  // (c)'s blocks: a thread per narrow node
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int64_t kMaxGridY = 65535;
 
@@ -261,7 +261,8 @@ constexpr int kMaxStageIds = 1024;
 
 template <class T, class Out, int RED, int ROWS>
 struct TileShape {
-  __host__ __device__ static constexpr size_t value_bytes(int tile) {  // rounded up to 8: the stage may be double
+  // rounded up to 8 bytes: the stage after the values may hold doubles
+  __host__ __device__ static constexpr size_t value_bytes(int tile) {
     return (static_cast<size_t>(ROWS + 1) * tile * sizeof(TileValue<T, RED>) + 7) / 8 * 8;
   }
   __host__ __device__ static constexpr int stage_ids(int tile) {
@@ -425,8 +426,9 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
       if ((staged || (d < 0 && first)) && j < rows) {
         float sh = 0.0f;
         if constexpr (RED == kLogMass) sh = shift[j];
-        const auto res = reduce_range<T, RED, ROWS>(vals, sh, static_cast<int>(range_start[k] - base),
-                                                    static_cast<int>(range_end[k] - base), j);
+        const int a = static_cast<int>(range_start[k] - base);
+        const int b = static_cast<int>(range_end[k] - base);
+        const auto res = reduce_range<T, RED, ROWS>(vals, sh, a, b, j);
         if (staged)
           stage[(d - pass) * kStride + j] = static_cast<Out>(res);
         else

@@ -17,9 +17,8 @@
 # TESTS_S override them), to fit the 10-minute limit; PYTEST_ARGS adds
 # pytest arguments). What comes back: the logs, the test report, the sm_90 compile table, the
 # benchmark table, the ncu reports (ncu-*.txt) and, if a test crashed the interpreter, its C
-# stack (crash.txt); commit the
-# table under bench/results/. SmolLM2's vocabulary cases are left out there (its tokenizer
-# ships in a 96 MB GGUF, over the transfer limit).
+# stack (crash.txt); commit the table under bench/results/. SmolLM2's vocabulary cases are
+# left out there (its tokenizer ships in a 96 MB GGUF, over the transfer limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session}
@@ -99,7 +98,7 @@ run_tests() {
   # tests not yet run (scripts/gpu_session_progress.py lists the finished ones), up to 3 times.
   # pytest's faulthandler names the test in the log, which collects every attempt (each
   # attempt has its own XML report).
-  local deselect=() crashes=() rc crashed python done_log="$OUT/tests-done.txt"
+  local deselect=() crashes=() rc crashed done_log="$OUT/tests-done.txt"
   : >"$done_log"; : >"$done_log.failures"
   for attempt in 1 2 3 4; do
     PYTEST_DONE_LOG=$done_log PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" \

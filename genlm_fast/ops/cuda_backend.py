@@ -32,6 +32,6 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
     return extension.load_module().trie_reduce_cuda(
         values, arrays["leaf_token"], arrays["tile_range_ptr"], arrays["tile_unit_end"],
         arrays["tile_node_lo"], arrays["range_start"], arrays["range_end"], arrays["range_dest"],
-        arrays["span_node"], arrays["span_left"],
-        arrays["span_right"], arrays["span_tile_lo"], arrays["span_tile_hi"],
-        arrays["span_narrow"], scratch, reduction, num_nodes, num_scratch, tile)
+        arrays["span_node"], arrays["span_left"], arrays["span_right"], arrays["span_tile_lo"],
+        arrays["span_tile_hi"], arrays["span_narrow"], scratch, reduction, num_nodes,
+        num_scratch, tile)

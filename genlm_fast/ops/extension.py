@@ -28,6 +28,7 @@ import shutil
 import sys
 import sysconfig
 import threading
+from unittest import mock
 
 import genlm_fast
 from genlm_fast.ops import sources as csrc
@@ -45,31 +46,6 @@ _tried = False
 def cache_dir() -> str:
     """Where JIT builds go: ``<genlm_fast cache root>/ext`` (`genlm_fast.cache_dir`)."""
     return genlm_fast.cache_dir("ext")
-
-
-def _compiler() -> str | None:
-    """The C++ compiler torch's build would run (``$CXX``, else ``c++``), resolved on PATH."""
-    return shutil.which(os.environ.get("CXX") or "c++")
-
-
-class _environment:
-    """Set the given environment variables (None: leave that one alone) for a block."""
-
-    def __init__(self, **values):
-        self.values = {k: v for k, v in values.items() if v is not None}
-        self.saved = {}
-
-    def __enter__(self):
-        for key, value in self.values.items():
-            self.saved[key] = os.environ.get(key)
-            os.environ[key] = value
-
-    def __exit__(self, *exc):
-        for key, value in self.saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _fingerprint(cflags, compiler: str | None) -> str:
@@ -197,7 +173,7 @@ def _jit_build(defines=()):
     if missing:
         raise RuntimeError(f"the C++ sources are not available for a JIT build ({missing[0]} "
                            "is missing); reinstall from a source checkout with `pip install -e .`")
-    compiler = _compiler()
+    compiler = csrc.configured_compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found ({} is not on PATH)".format(
             f"CXX={os.environ['CXX']}" if os.environ.get("CXX") else "c++"))
@@ -235,7 +211,7 @@ def _jit_build(defines=()):
             cxx, _, note = (compiler, None, None) if fresh else csrc.choose_compilers(compiler)
             if note:
                 logger.warning("genlm_fast: %s", note)
-            with _environment(CXX=cxx if cxx != compiler else None):
+            with mock.patch.dict(os.environ, {"CXX": cxx} if cxx != compiler else {}):
                 module = cpp_extension.load(name=name, sources=sources, extra_cflags=cflags,
                                             extra_ldflags=["-fopenmp"],
                                             build_directory=build_dir, verbose=False)

@@ -50,6 +50,11 @@ std::string probe(long v) { std::ostringstream s; s << v; return s.str(); }
 """
 
 
+def configured_compiler() -> str | None:
+    """The C++ compiler torch's build would run (``$CXX``, else ``c++``), resolved on PATH."""
+    return shutil.which(os.environ.get("CXX") or "c++")
+
+
 def links_shared_libstdcxx(compiler: str) -> bool | None:
     """Whether ``compiler`` links a C++ shared object against the shared libstdc++, as torch
     is linked: it builds a two-line one and reads its dynamic section (readelf). None where

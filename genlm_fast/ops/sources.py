@@ -55,17 +55,30 @@ def configured_compiler() -> str | None:
     return shutil.which(os.environ.get("CXX") or "c++")
 
 
+def needs_shared_libstdcxx(library: str) -> bool | None:
+    """Whether the shared object ``library`` lists the shared libstdc++ in its dynamic
+    section (readelf); None where that cannot be read."""
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        return None
+    try:
+        dynamic = subprocess.run([readelf, "-d", library], capture_output=True, text=True,
+                                 timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return "libstdc++.so" in dynamic.stdout if dynamic.returncode == 0 else None
+
+
 def links_shared_libstdcxx(compiler: str) -> bool | None:
     """Whether ``compiler`` links a C++ shared object against the shared libstdc++, as torch
-    is linked: it builds a two-line one and reads its dynamic section (readelf). None where
-    that cannot be told (no readelf, the probe does not build).
+    is linked: it builds a two-line one and reads its dynamic section. None where that
+    cannot be told (no readelf, the probe does not build).
 
     A compiler that copies a static libstdc++ into the extension instead (seen: /opt/gcc on
     a lent H200 machine) gives it a second C++ runtime with its own locale, beside torch's:
     the extension's error messages (TORCH_CHECK) then crash the process when they format a
     number."""
-    readelf = shutil.which("readelf")
-    if readelf is None:
+    if shutil.which("readelf") is None:
         return None
     with tempfile.TemporaryDirectory(prefix="genlm_fast_cxx_") as tmp:
         src, lib = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
@@ -74,13 +87,9 @@ def links_shared_libstdcxx(compiler: str) -> bool | None:
         try:
             built = subprocess.run([compiler, "-shared", "-fPIC", "-o", lib, src],
                                    capture_output=True, timeout=120, check=False)
-            if built.returncode != 0:
-                return None
-            dynamic = subprocess.run([readelf, "-d", lib], capture_output=True, text=True,
-                                     timeout=60, check=False).stdout
         except (OSError, subprocess.SubprocessError):
             return None
-    return "libstdc++.so" in dynamic
+        return needs_shared_libstdcxx(lib) if built.returncode == 0 else None
 
 
 def choose_compilers(cxx: str) -> tuple[str, str | None, str | None]:

@@ -651,12 +651,6 @@ def _static_libstdcxx_compiler(tmp_path):
     return str(fake)
 
 
-def _needs_shared_libstdcxx(library: str) -> bool:
-    dynamic = subprocess.run(["readelf", "-d", library], capture_output=True, text=True,
-                             check=True).stdout
-    return "libstdc++.so" in dynamic
-
-
 def test_a_compiler_that_links_libstdcxx_statically_is_replaced(tmp_path):
     """A private static libstdc++ in the extension beside torch's shared one crashed the
     process on the H200 as soon as an error message formatted a number: such a compiler is
@@ -679,7 +673,7 @@ def test_the_extension_shares_torchs_libstdcxx():
     module = extension.load_module()
     if module is None or shutil.which("readelf") is None:
         pytest.skip("no compiled extension here, or no readelf")
-    assert _needs_shared_libstdcxx(module.__file__), module.__file__
+    assert sources.needs_shared_libstdcxx(module.__file__) is True, module.__file__
 
 
 def test_baseline_build_matches_reference(tmp_path, monkeypatch, caplog):
@@ -695,7 +689,7 @@ def test_baseline_build_matches_reference(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="genlm_fast"):
         module, where = extension._jit_build(defines=("GF_BASELINE_ONLY",))
     if os.environ.get("CXX") == static:
-        assert _needs_shared_libstdcxx(module.__file__)
+        assert sources.needs_shared_libstdcxx(module.__file__) is True
         assert f"{static} links libstdc++ statically" in caplog.text
     rng = np.random.default_rng(17)
     for name in ("random", "big"):

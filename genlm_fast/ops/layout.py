@@ -39,7 +39,7 @@ TILE = 64  # leaf positions per tile; a power of two (Triton block shapes)
 # with a warp or a program each. Spanning nodes are sorted by tile count, so the narrow
 # ones are a prefix, [0, device_arrays(...)["span_narrow"]).
 SPAN_NARROW_TILES = 16
-LAYOUT_VERSION = 4  # bump when the pickled layout changes (the disk cache key has it)
+LAYOUT_VERSION = 5  # bump when the pickled layout changes (the disk cache key has it)
 
 
 @dataclass
@@ -61,6 +61,20 @@ class ModeLayout:
     # local nodes, its empty nodes and the spanning nodes that end there. The CUDA tile
     # kernel writes the block of each row whole.
     tile_node_lo: np.ndarray
+    # The same local ranges as the CUDA tile kernel reads them: where each owned node's
+    # value comes from inside its tile. A tile's distinct ranges of two leaves or more are
+    # its *runs* (at most tile - 1: they nest), tile_run_ptr [n_tiles + 1] the CSR over
+    # run_bounds [runs] (local positions a | b << 16, longest first). node_src [N]: the
+    # node's source code, a leaf position p < tile (one leaf: its own value), tile + r (the
+    # tile's run r) or 2 * tile - 1 (none: an empty node, or a spanning node, which the
+    # span pass writes). tile_scratch_ptr [n_tiles + 1] the CSR over the tile's scratch
+    # values (its total and pieces): scratch_src [P] a source code, scratch_slot [P] the slot.
+    tile_run_ptr: np.ndarray
+    run_bounds: np.ndarray
+    node_src: np.ndarray
+    tile_scratch_ptr: np.ndarray
+    scratch_src: np.ndarray
+    scratch_slot: np.ndarray
     range_start: np.ndarray  # [R] absolute leaf position (inclusive)
     range_end: np.ndarray  # [R] absolute leaf position (exclusive)
     range_dest: np.ndarray  # [R] >= 0: output node column; < 0: scratch slot -1 - dest
@@ -113,7 +127,8 @@ class TrieLayout:
                     "leaf_token", "tile_range_ptr", "tile_unit_end", "tile_node_lo", "range_start",
                     "range_end", "range_dest",
                     "span_node", "span_left", "span_right", "span_tile_lo", "span_tile_hi",
-                    "leaf_start", "leaf_end",
+                    "leaf_start", "leaf_end", "tile_run_ptr", "run_bounds", "node_src",
+                    "tile_scratch_ptr", "scratch_src", "scratch_slot",
                 )
             }
             cached["parent"] = torch.from_numpy(self.parent).to(device)
@@ -359,6 +374,8 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node, tile=None):
     owner = np.maximum(leaf_end - 1, 0) // tile  # non-decreasing in the node id
     node_lo = np.searchsorted(owner, np.arange(n_tiles + 1), side="left")
 
+    runs = _tile_sources(num_nodes, tile, n_tiles, r_start, r_end, r_dest, r_tile)
+
     i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)
     # spanning nodes sorted by how many whole tiles they sum, so a block of them loops alike
     span_order = np.argsort(hi_tile - lo_tile, kind="stable")
@@ -370,6 +387,7 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node, tile=None):
         tile_range_ptr=i32(ptr),
         tile_unit_end=i32(unit_end),
         tile_node_lo=i32(node_lo),
+        **{name: i32(a) for name, a in runs.items()},
         range_start=i32(r_start[by_tile]),
         range_end=i32(r_end[by_tile]),
         range_dest=i32(r_dest[by_tile]),
@@ -380,6 +398,43 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node, tile=None):
         span_tile_hi=i32(hi_tile[span_order]),
         num_scratch=int(n_tiles + n_left + n_right),
     )
+
+
+def _tile_sources(num_nodes, tile, n_tiles, r_start, r_end, r_dest, r_tile):
+    """The CUDA tile kernel's view of the local ranges (``ModeLayout``'s tile_run_ptr ..
+    scratch_slot): each range becomes a source code inside its tile (a leaf position, or
+    the run of its distinct bounds), each node and scratch slot points at its range's."""
+    a = r_start - r_tile * tile  # local bounds
+    b = r_end - r_tile * tile
+    length = b - a
+    code = np.full(len(a), 2 * tile - 1, dtype=np.int64)  # empty ranges: none
+    code[length == 1] = a[length == 1]
+    multi = np.flatnonzero(length >= 2)
+    # runs: the distinct (tile, a, b) of two leaves or more, longest first within a tile
+    # (the kernel deals them round-robin to its thread groups)
+    key = (r_tile[multi] * (tile + 1) + (tile - length[multi])) * (tile + 1) + a[multi]
+    uniq, inverse = np.unique(key, return_inverse=True)
+    run_tile = uniq // ((tile + 1) * (tile + 1))
+    run_len = tile - (uniq // (tile + 1)) % (tile + 1)
+    run_a = uniq % (tile + 1)
+    run_ptr = np.zeros(n_tiles + 1, dtype=np.int64)
+    np.cumsum(np.bincount(run_tile, minlength=n_tiles), out=run_ptr[1:])
+    code[multi] = tile + inverse - run_ptr[run_tile[inverse]]
+    node_src = np.full(num_nodes, 2 * tile - 1, dtype=np.int64)
+    is_node = (r_dest >= 0) & (length >= 1)
+    node_src[r_dest[is_node]] = code[is_node]
+    to_scratch = np.flatnonzero(r_dest < 0)
+    to_scratch = to_scratch[np.argsort(r_tile[to_scratch], kind="stable")]
+    scratch_ptr = np.zeros(n_tiles + 1, dtype=np.int64)
+    np.cumsum(np.bincount(r_tile[to_scratch], minlength=n_tiles), out=scratch_ptr[1:])
+    return {
+        "tile_run_ptr": run_ptr,
+        "run_bounds": run_a | ((run_a + run_len) << 16),
+        "node_src": node_src,
+        "tile_scratch_ptr": scratch_ptr,
+        "scratch_src": code[to_scratch],
+        "scratch_slot": -1 - r_dest[to_scratch],
+    }
 
 
 def compile_layout(parent, node_first, leaf_node, token_column, edge_key, eos_node,

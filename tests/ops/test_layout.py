@@ -77,7 +77,7 @@ def test_numbering_matches_genlm(words):
 
 
 def evaluate_tiles(ml, num_nodes, weights):
-    """Node sums from a mode's tile decomposition alone, the way the GPU kernels read it:
+    """Node sums from a mode's tile decomposition alone, the way the Triton kernels read it:
     every local range into its destination, then spanning nodes from their pieces and whole
     tile totals (float64, plain numpy)."""
     out = np.full(num_nodes, np.nan)
@@ -89,6 +89,37 @@ def evaluate_tiles(ml, num_nodes, weights):
             out[dest] = value
         else:
             scratch[-1 - dest] = value
+    return _spanning_nodes(ml, out, scratch)
+
+
+def evaluate_sources(ml, num_nodes, weights):
+    """The same from the tiles' sources, the way the CUDA tile kernel reads them: per tile,
+    its leaf values and run sums, each owned node and scratch value copied from its source
+    code (a position, tile + a run, or 2 * tile - 1: none, the empty value 0), then the
+    spanning nodes."""
+    out = np.full(num_nodes, np.nan)
+    scratch = np.full(ml.num_scratch, np.nan)
+    leaf_w = np.zeros(len(ml.tile_node_lo) * ml.tile)  # whole tiles
+    leaf_w[:len(ml.leaf_token)] = weights[ml.leaf_token]
+    tile = ml.tile
+    for t in range(len(ml.tile_node_lo) - 1):
+        leaves = leaf_w[t * tile:(t + 1) * tile]
+        bounds = ml.run_bounds[ml.tile_run_ptr[t]:ml.tile_run_ptr[t + 1]]
+        assert len(bounds) < max(tile, 2)  # nested ranges of 2+ leaves: fewer than tile
+        runs = [leaves[b & 0xFFFF:b >> 16].sum() for b in bounds]
+        assert all((b >> 16) - (b & 0xFFFF) >= 2 for b in bounds)
+        source = np.concatenate([leaves, runs, np.zeros(tile - len(runs))])
+        nodes = slice(ml.tile_node_lo[t], ml.tile_node_lo[t + 1])
+        out[nodes] = source[ml.node_src[nodes]]
+        q = slice(ml.tile_scratch_ptr[t], ml.tile_scratch_ptr[t + 1])
+        scratch[ml.scratch_slot[q]] = source[ml.scratch_src[q]]
+    spanning = out.copy()
+    spanning[ml.span_node] = np.nan  # written by the span pass, none in its tile
+    assert (ml.node_src[ml.span_node] == 2 * tile - 1).all()
+    return _spanning_nodes(ml, spanning, scratch)
+
+
+def _spanning_nodes(ml, out, scratch):
     for node, left, right, lo, hi in zip(ml.span_node, ml.span_left, ml.span_right,
                                          ml.span_tile_lo, ml.span_tile_hi):
         parts = list(scratch[lo:hi]) + [scratch[s] for s in (left, right) if s >= 0]
@@ -102,8 +133,9 @@ def evaluate_tiles(ml, num_nodes, weights):
        n_eos=st.integers(0, 2), tile=st.sampled_from([1, 2, 8, 64]))
 def test_tile_decomposition_gives_every_node(words, n_eos, tile):
     """Every node is written once, by a local range or as a spanning node, and the sums
-    agree with the float64 oracle; within each tile the unit ranges (one leaf) come first;
-    the blocks of node ids the tiles own partition the nodes and hold their ranges."""
+    agree with the float64 oracle, read as ranges (Triton) or as sources (CUDA); within each
+    tile the unit ranges (one leaf) come first; the blocks of node ids the tiles own
+    partition the nodes and hold their ranges."""
     from genlm_fast.bytes import TokenByteTrie
     from tests import oracle
 
@@ -139,4 +171,6 @@ def test_tile_decomposition_gives_every_node(words, n_eos, tile):
         want = oracle.reduce(oracle.members(trie, eos_positions, with_eos=mode == "with_eos"),
                              trie.layout.num_nodes, weights[None], "sum")[0]
         np.testing.assert_allclose(evaluate_tiles(ml, trie.layout.num_nodes, weights), want,
+                                   rtol=1e-12, atol=0)
+        np.testing.assert_allclose(evaluate_sources(ml, trie.layout.num_nodes, weights), want,
                                    rtol=1e-12, atol=0)

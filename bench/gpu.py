@@ -57,14 +57,14 @@ GPU_BACKENDS = ("triton", "cuda")
 DEFAULT_BATCHES = (1, 8, 32, 64, 128)
 SPEEDUP_B = 32
 # index arrays each backend's kernels read (ModeLayout names); counted once per call
-TILE_ARRAYS = ("leaf_token", "tile_range_ptr", "tile_unit_end", "range_start", "range_end",
-               "range_dest", "span_node", "span_left", "span_right", "span_tile_lo",
-               "span_tile_hi")
+SPAN_ARRAYS = ("span_node", "span_left", "span_right", "span_tile_lo", "span_tile_hi")
 INDEX_ARRAYS = {
-    # the Triton kernels and csrc/trie_reduce_cuda.cu read the same tile decomposition;
-    # the CUDA tile kernel also the blocks of node ids the tiles own
-    "triton": TILE_ARRAYS,
-    "cuda": TILE_ARRAYS + ("tile_node_lo",),
+    # the same tiles: the Triton kernels read their local ranges, csrc/trie_reduce_cuda.cu
+    # the tiles' sources (runs, each owned node's source, the scratch values')
+    "triton": ("leaf_token", "tile_range_ptr", "tile_unit_end", "range_start", "range_end",
+               "range_dest") + SPAN_ARRAYS,
+    "cuda": ("leaf_token", "tile_node_lo", "tile_run_ptr", "run_bounds", "node_src",
+             "tile_scratch_ptr", "scratch_src", "scratch_slot") + SPAN_ARRAYS,
     # the CPU kernel's (genlm_fast/ops/cpu_backend.py): the layout's parent and leaf_token,
     # and the arrays it derives once per layout (cpu_backend.cpu_arrays)
     "cpu": ("parent", "leaf_token", "node_of_leaf", "empty", "run_end", "run_depth",

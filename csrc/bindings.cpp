@@ -8,9 +8,9 @@
 //                   float64_result (float32 values are then read as they are)
 //                   bad_row = -1, or the first row the kernel rejected (a NaN for sum/max;
 //                   no finite maximum for log_mass), whose result is then incomplete
-//   trie_reduce_cuda(values, leaf_token, tile_range_ptr, tile_unit_end, tile_node_lo,
-//                    range_start, range_end, range_dest, span_node, span_left, span_right,
-//                    span_tile_lo, span_tile_hi, span_narrow, scratch,
+//   trie_reduce_cuda(values, leaf_token, tile_node_lo, tile_run_ptr, run_bounds, node_src,
+//                    tile_scratch_ptr, scratch_src, scratch_slot, span_node, span_left,
+//                    span_right, span_tile_lo, span_tile_hi, span_narrow, scratch,
 //                    reduction, num_nodes, num_scratch, tile)
 //                    -> Tensor[B, num_nodes]   (only when built with -DWITH_CUDA; scratch is a
 //                    float64 [B, num_scratch + 1] workspace the caller allocates; spanning
@@ -345,44 +345,47 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
 
 #ifdef WITH_CUDA
 at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_token,
-                            const at::Tensor& tile_range_ptr,
-                            const at::Tensor& tile_unit_end, const at::Tensor& tile_node_lo,
-                            const at::Tensor& range_start,
-                            const at::Tensor& range_end, const at::Tensor& range_dest,
-                            const at::Tensor& span_node, const at::Tensor& span_left,
-                            const at::Tensor& span_right, const at::Tensor& span_tile_lo,
-                            const at::Tensor& span_tile_hi, int64_t span_narrow,
-                            const at::Tensor& scratch, const std::string& reduction,
-                            int64_t num_nodes, int64_t num_scratch, int64_t tile) {
+                            const at::Tensor& tile_node_lo, const at::Tensor& tile_run_ptr,
+                            const at::Tensor& run_bounds, const at::Tensor& node_src,
+                            const at::Tensor& tile_scratch_ptr, const at::Tensor& scratch_src,
+                            const at::Tensor& scratch_slot, const at::Tensor& span_node,
+                            const at::Tensor& span_left, const at::Tensor& span_right,
+                            const at::Tensor& span_tile_lo, const at::Tensor& span_tile_hi,
+                            int64_t span_narrow, const at::Tensor& scratch,
+                            const std::string& reduction, int64_t num_nodes,
+                            int64_t num_scratch, int64_t tile) {
   const int red = parse_reduction(reduction);
   TORCH_CHECK(values.is_cuda(), "trie_reduce_cuda: values must be a CUDA tensor, got one on ",
               values.device());
   check_values(values, red, "cuda");
   const at::Device dev = values.device();
   check_index(leaf_token, "leaf_token", dev);
-  check_index(tile_range_ptr, "tile_range_ptr", dev);
-  check_index(tile_unit_end, "tile_unit_end", dev);
   check_index(tile_node_lo, "tile_node_lo", dev);
-  check_index(range_start, "range_start", dev);
-  check_index(range_end, "range_end", dev);
-  check_index(range_dest, "range_dest", dev);
+  check_index(tile_run_ptr, "tile_run_ptr", dev);
+  check_index(run_bounds, "run_bounds", dev);
+  check_index(node_src, "node_src", dev);
+  check_index(tile_scratch_ptr, "tile_scratch_ptr", dev);
+  check_index(scratch_src, "scratch_src", dev);
+  check_index(scratch_slot, "scratch_slot", dev);
   check_index(span_node, "span_node", dev);
   check_index(span_left, "span_left", dev);
   check_index(span_right, "span_right", dev);
   check_index(span_tile_lo, "span_tile_lo", dev);
   check_index(span_tile_hi, "span_tile_hi", dev);
   const int64_t B = values.size(0), C = values.size(1);
-  const int64_t n_tiles = tile_range_ptr.numel() - 1;
+  const int64_t n_tiles = tile_node_lo.numel() - 1;
   const int64_t S = span_node.numel();
-  TORCH_CHECK(n_tiles >= 1, "trie_reduce_cuda: tile_range_ptr needs at least 2 entries");
-  TORCH_CHECK(tile_unit_end.numel() == n_tiles, "trie_reduce_cuda: tile_unit_end needs one "
-              "entry per tile (", n_tiles, "), got ", tile_unit_end.numel());
-  TORCH_CHECK(tile_node_lo.numel() == n_tiles + 1, "trie_reduce_cuda: tile_node_lo needs "
-              "n_tiles + 1 = ", n_tiles + 1, " entries, got ", tile_node_lo.numel());
+  TORCH_CHECK(n_tiles >= 1, "trie_reduce_cuda: tile_node_lo needs at least 2 entries");
+  TORCH_CHECK(tile_run_ptr.numel() == n_tiles + 1 && tile_scratch_ptr.numel() == n_tiles + 1,
+              "trie_reduce_cuda: tile_run_ptr and tile_scratch_ptr need n_tiles + 1 = ",
+              n_tiles + 1, " entries, got ", tile_run_ptr.numel(), " and ",
+              tile_scratch_ptr.numel());
+  TORCH_CHECK(node_src.numel() == num_nodes, "trie_reduce_cuda: node_src needs one entry per "
+              "node (", num_nodes, "), got ", node_src.numel());
+  TORCH_CHECK(scratch_slot.numel() == scratch_src.numel(),
+              "trie_reduce_cuda: scratch_src and scratch_slot lengths differ");
   TORCH_CHECK(tile >= 1 && tile <= genlm_fast::cuda::kMaxTile,
               "trie_reduce_cuda: tile must be in [1, ", genlm_fast::cuda::kMaxTile, "], got ", tile);
-  TORCH_CHECK(range_end.numel() == range_start.numel() && range_dest.numel() == range_start.numel(),
-              "trie_reduce_cuda: range_start/range_end/range_dest lengths differ");
   TORCH_CHECK(span_left.numel() == S && span_right.numel() == S && span_tile_lo.numel() == S &&
                   span_tile_hi.numel() == S,
               "trie_reduce_cuda: span_* arrays have different lengths");
@@ -409,13 +412,14 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   A.C = C;
   A.leaf_token = leaf_token.data_ptr<int32_t>();
   A.L = leaf_token.numel();
-  A.tile_range_ptr = tile_range_ptr.data_ptr<int32_t>();
-  A.tile_unit_end = tile_unit_end.data_ptr<int32_t>();
   A.tile_node_lo = tile_node_lo.data_ptr<int32_t>();
   A.n_tiles = n_tiles;
-  A.range_start = range_start.data_ptr<int32_t>();
-  A.range_end = range_end.data_ptr<int32_t>();
-  A.range_dest = range_dest.data_ptr<int32_t>();
+  A.tile_run_ptr = tile_run_ptr.data_ptr<int32_t>();
+  A.run_bounds = run_bounds.data_ptr<int32_t>();
+  A.node_src = node_src.data_ptr<int32_t>();
+  A.tile_scratch_ptr = tile_scratch_ptr.data_ptr<int32_t>();
+  A.scratch_src = scratch_src.data_ptr<int32_t>();
+  A.scratch_slot = scratch_slot.data_ptr<int32_t>();
   A.span_node = span_node.data_ptr<int32_t>();
   A.span_left = span_left.data_ptr<int32_t>();
   A.span_right = span_right.data_ptr<int32_t>();
@@ -464,10 +468,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef WITH_CUDA
   m.def("trie_reduce_cuda", &trie_reduce_cuda,
         "Per-node sum/max/log_mass of a vocabulary trie (CUDA, tile decomposition)",
-        pybind11::arg("values"), pybind11::arg("leaf_token"), pybind11::arg("tile_range_ptr"),
-        pybind11::arg("tile_unit_end"), pybind11::arg("tile_node_lo"),
-        pybind11::arg("range_start"), pybind11::arg("range_end"),
-        pybind11::arg("range_dest"),
+        pybind11::arg("values"), pybind11::arg("leaf_token"), pybind11::arg("tile_node_lo"),
+        pybind11::arg("tile_run_ptr"), pybind11::arg("run_bounds"), pybind11::arg("node_src"),
+        pybind11::arg("tile_scratch_ptr"), pybind11::arg("scratch_src"),
+        pybind11::arg("scratch_slot"),
         pybind11::arg("span_node"), pybind11::arg("span_left"), pybind11::arg("span_right"),
         pybind11::arg("span_tile_lo"), pybind11::arg("span_tile_hi"),
         pybind11::arg("span_narrow"), pybind11::arg("scratch"), pybind11::arg("reduction"),

@@ -7,10 +7,7 @@
 // positions. A node whose range lies inside one tile is "local"; the others are "spanning"
 // and are split into an optional left piece, whole tiles, and an optional right piece. The
 // pieces and each tile's total are themselves local ranges that write to a per-row scratch
-// buffer (tile totals at slots [0, n_tiles), pieces after them). Within a tile, the "unit"
-// ranges (one leaf: ~80% of all ranges on real vocabularies, the leaves and the single-child
-// chains above them) come first, [tile_range_ptr[t], tile_unit_end[t]); the other ranges
-// (empty, or two leaves and more) follow.
+// buffer (tile totals at slots [0, n_tiles), pieces after them).
 //
 // Kernels, enqueued in order on one stream:
 //  (a) log_mass only: lse = max + log(sum exp(x - max)) of each row over all C columns,
@@ -20,44 +17,42 @@
 //      element, the sum in double; it writes the slice's partial (max, sum) to two scratch
 //      slots the tile kernel only fills later. (a2) row_lse_merge: one warp per row merges
 //      the partials. Splitting rows keeps the device busy even at B = 1.
-//  (b) tile: one block per (tile, block of ROWS rows, ROWS = 1..32). The tile's leaf values
-//      of those rows, x[row, leaf_token[pos]], are gathered into shared memory once (log_mass:
-//      as log-probabilities x - lse, float), laid out [position][row] with an odd row stride,
-//      so that both "lanes = rows" and "lanes = positions" accesses are free of bank
-//      conflicts. Results go to a shared *stage* indexed by node id: a tile owns one block
-//      of node ids (layout.py's tile_node_lo: the nodes whose last leaf is in the tile, ~200
-//      on Llama-3), so each row of the block is written out whole, in coalesced lines, once
-//      (scattered 4-byte stores to the same lines, as units and other ranges interleave,
-//      cost ~2.4x the L2 transactions). Into the stage:
-//        units: a thread per unit range copies its leaf's value, for every row. The value
-//          is exact (log_mass: the log-probability itself, no exp/log round trip).
-//        other ranges: lanes = rows, so a warp walks the same range(s) for its rows with no
-//          divergence. sum: a double sum; max: the max (exact); log_mass: per row the
-//          tile's largest log-probability is the shift, and a range is shift + log(sum of
-//          exp(v - shift)) (float exp, double sum). That is exact to float rounding when the
-//          sum is >= kFastMinMass (1e-24): a term exp() flushed or made subnormal is
-//          < 2^-126, 64 of them < 1e-36, i.e. < 1e-12 of the range's mass. A range below
-//          that (every leaf over ~55 nats under the tile's max, or all -inf: masks of
-//          -1e30) is redone on its own lane: its own max, then the sum of exp(v - max):
-//          exact whatever the spread. -inf only where every leaf is -inf.
-//      A destination >= 0 is a node (to the stage), < 0 is scratch slot -1 - dest (tile
-//      totals and pieces, stored directly).
+//  (b) tile: one block per (tile, block of ROWS rows, ROWS = 1..32), 256 threads, in three
+//      phases with a barrier between each. The layout has turned the tile's local ranges
+//      into *sources* (genlm_fast/ops/layout.py, _tile_sources): a node the tile owns (its
+//      last leaf is here: one block of ids, tile_node_lo) takes its value from a leaf
+//      position (a one-leaf node: ~80% on real vocabularies), from one of the tile's *runs*
+//      (the distinct ranges of two leaves or more: nested, so fewer than `tile`; a chain of
+//      single-child nodes shares one) or from nowhere (empty; spanning: (c) writes it).
+//      1. gather: the rows' values of the tile's leaves, x[row, leaf_token[pos]], into
+//         shared memory, [pos][row] with an odd row stride (lanes at consecutive rows: no
+//         bank conflicts), each thread with all its loads in flight. log_mass keeps the
+//         log-probability v = x - lse (float; lse as a float pair, exact to rounding) and
+//         the tile's largest v per row (the shift), then exp(v - shift) per leaf, once.
+//      2. runs: lanes = rows, the thread groups deal the runs round-robin (longest first):
+//         sum a double sum, max the max (exact), log_mass shift + log(sum of the exps),
+//         exact to float rounding when that sum is >= kFastMinMass (1e-24; see reduce_run);
+//         a run under that is redone by its own max.
+//      3. out: the node ids the tile owns, a warp per 32 consecutive ids, each lane copying
+//         its id's source for every row: whole, coalesced lines of each output row, once.
+//         The tile total and pieces (scratch slots for (c)) are copied the same way.
 //  (c) span: a spanning node combines its left piece, the totals of its whole tiles and its
 //      right piece, all in the row's scratch. Nodes are sorted by tile count and most have
 //      a few whole tiles (Llama-3: 5,171 nodes, 5,591 tiles in all): the first
 //      `span_narrow` nodes (genlm_fast/ops/layout.py: at most SPAN_NARROW_TILES tiles) get
 //      one thread per (node, row), consecutive threads at consecutive nodes; the wide rest
-//      (the root and the top levels, a few dozen) one warp per (node, row), its lanes
-//      striding over the tiles. One launch: the narrow part is the grid's first blocks.
-//      Sums in double; log_mass as the max, then a double sum of exp(v - max).
+//      (the root and the top levels, a few dozen) one block per (node, row), its threads
+//      striding over the tiles (a warp each took ~5 us on the root's 2,000 tiles, a third
+//      of the pass). One launch: the narrow part is the grid's first blocks. Sums in
+//      double; log_mass as the max, then a double sum of exp(v - max).
 //  Memory: the output is written once and never read here, so it is stored evict-first
 //  (__stcs); the logits are loaded with an L2 evict-last hint (load_keep): (a) reads each
 //  row once, coalesced, and (b) gathers every column again, each 32-byte sector by ~8
 //  different tile blocks, which then find it in L2 instead of behind ~100 MB of output.
 // Empty nodes (no leaves; always local): 0 for sum and max, -inf for log_mass. Floats are
 // enough where they are used: the design's bound on log-masses is 1e-4 absolute, these
-// kernels stay within a few float ulps of the float64 reference (tests/ops/
-// test_cuda_emulation.py runs this file on the CPU and checks it).
+// kernels stay within a few float ulps (times the magnitude, for the fast exp) of the float64
+// reference (tests/ops/test_cuda_emulation.py runs this file on the CPU and checks it).
 // Templates over the input type (float, double, __half, __nv_bfloat16), the output type
 // (float, double), the reduction and the rows per tile block.
 
@@ -76,16 +71,14 @@ namespace {
 
 constexpr int kTileThreads = 256;
 constexpr int kTileWarps = kTileThreads / 32;
-// tile blocks per SM that shared memory allows (4 x ~47 KiB); as a launch bound it also
-// lets ptxas use up to 64 registers a thread (without it, it spilled at 40-48)
+// as a launch bound: up to 64 registers a thread (under a tighter bound, ptxas spilled)
 constexpr int kTileBlocksPerSM = 4;
-constexpr int kGatherUnroll = 8;    // independent leaf loads in flight per thread in (b)
 constexpr float kFastMinMass = 1e-24f;
 constexpr int kLseThreads = 256;
 constexpr int kLseUnroll = 8;       // independent loads in flight per thread in (a1)
 constexpr int64_t kLseMinChunk = 4096;  // columns per (a1) block, at least
 constexpr int64_t kLseTargetBlocks = 1024;  // (a1) blocks per launch to aim for (B * splits)
-constexpr int kSpanWarps = 8;        // (a2) and the wide part of (c): warps per block
+constexpr int kSpanWarps = 8;        // (a2) and (c): warps per block
 constexpr int kSpanThreads = kSpanWarps * 32;  // (c)'s blocks: a thread per narrow node
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int64_t kMaxGridY = 65535;
@@ -99,12 +92,16 @@ __device__ __forceinline__ float to_arith(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_arith(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 // A load with an L2 evict-last hint (sm_80+; elsewhere, and in the CPU emulation of
-// tests/ops/test_cuda_emulation.py, a plain load). Read-only data: ld.global.nc.
+// tests/ops/test_cuda_emulation.py, a plain load). Read-only data: ld.global.nc. The policy
+// is made once per thread (keep_policy) and passed to each load.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+__device__ __forceinline__ uint64_t keep_policy() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
 #define GF_KEEP_LOAD(PTX_TYPE, CONSTRAINT, BITS_T, FROM_BITS, T)                             \
-  __device__ __forceinline__ T load_keep(const T* p) {                                     \
-    uint64_t policy;                                                                       \
-    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));             \
+  __device__ __forceinline__ T load_keep(const T* p, uint64_t policy) {                    \
     BITS_T bits;                                                                           \
     asm("ld.global.nc.L2::cache_hint." PTX_TYPE " %0, [%1], %2;"                           \
         : CONSTRAINT(bits) : "l"(p), "l"(policy));                                         \
@@ -116,9 +113,29 @@ GF_KEEP_LOAD("b16", "=h", unsigned short, __ushort_as_half, __half)
 GF_KEEP_LOAD("b16", "=h", unsigned short, __ushort_as_bfloat16, __nv_bfloat16)
 #undef GF_KEEP_LOAD
 #else
+__device__ __forceinline__ uint64_t keep_policy() { return 0; }
 template <class T>
-__device__ __forceinline__ T load_keep(const T* p) { return *p; }
+__device__ __forceinline__ T load_keep(const T* p, uint64_t) { return *p; }
 #endif
+
+// exp of a value <= 0 and log of a positive sum where a few float ulps (times the
+// argument's magnitude, for exp) are far within the design's 1e-4 on log-masses: CUDA's fast
+// intrinsics, ex2/lg2.approx (in the CPU emulation of tests/ops/test_cuda_emulation.py,
+// libm's expf/logf)
+__device__ __forceinline__ float fast_exp(float x) {
+#ifdef __CUDA_ARCH__
+  return __expf(x);
+#else
+  return expf(x);
+#endif
+}
+__device__ __forceinline__ float fast_log(float x) {
+#ifdef __CUDA_ARCH__
+  return __logf(x);
+#else
+  return logf(x);
+#endif
+}
 
 template <class V>
 __device__ __forceinline__ V vmax(V a, V b) { return b > a ? b : a; }
@@ -192,15 +209,16 @@ __global__ void __launch_bounds__(kLseThreads)
 
   A m = static_cast<A>(neg_inf());
   double s = 0.0;
+  const uint64_t policy = keep_policy();
   int64_t c = lo + threadIdx.x;
   for (; c + (kLseUnroll - 1) * kLseThreads < hi; c += kLseUnroll * kLseThreads) {
     A v[kLseUnroll];
 #pragma unroll
-    for (int u = 0; u < kLseUnroll; ++u) v[u] = to_arith(load_keep(x + c + u * kLseThreads));
+    for (int u = 0; u < kLseUnroll; ++u) v[u] = to_arith(load_keep(x + c + u * kLseThreads, policy));
 #pragma unroll
     for (int u = 0; u < kLseUnroll; ++u) online_lse(m, s, v[u]);
   }
-  for (; c < hi; c += kLseThreads) online_lse(m, s, to_arith(load_keep(x + c)));
+  for (; c < hi; c += kLseThreads) online_lse(m, s, to_arith(load_keep(x + c, policy)));
 
   // block merge: every thread rescales its sum to the block max, then sums
   const double md = static_cast<double>(m);
@@ -242,8 +260,9 @@ __global__ void __launch_bounds__(kSpanWarps * 32)
 
 // ---------------------------------------------------------------------------- (b) tiles
 
-// What the tile kernel keeps per (position, row): log_mass the log-probability (float),
-// sum and max the input itself (the sums accumulate in double).
+// What the tile kernel keeps per (position, row), and what it writes: log_mass the
+// log-probability (float), sum and max the input itself (sums accumulate in double). The
+// dispatch makes the output type the same (float, or double for double sum/max).
 template <class T, int RED>
 using TileValue = std::conditional_t<RED == kLogMass, float, T>;
 
@@ -253,53 +272,43 @@ __device__ __forceinline__ double empty_node_value() {
   return RED == kLogMass ? neg_inf() : 0.0;
 }
 
-// Dynamic shared memory of a tile block: the gathered values [tile][ROWS + 1], then the
-// stage [stage_ids][ROWS + 1] of results by node id. Under 48 KiB with the static arrays
-// (no opt-in); stage_ids is what fits, in multiples of 32 (one store per lane).
-constexpr size_t kTileDynamicShared = 46 * 1024;
-constexpr int kMaxStageIds = 1024;
+// Dynamic shared memory of a tile block: `val` [2 * tile][ROWS + 1] of V (rows [0, tile):
+// the leaf values, [tile, 2 * tile - 1): the runs' results, row 2 * tile - 1: the empty-node
+// value), then for log_mass `lin` [tile][ROWS + 1] floats, exp(v - shift).
+template <class V, int RED, int ROWS>
+__host__ __device__ constexpr size_t tile_shared_bytes(int tile) {
+  return static_cast<size_t>(ROWS + 1) * tile *
+         (2 * sizeof(V) + (RED == kLogMass ? sizeof(float) : 0));
+}
 
-template <class T, class Out, int RED, int ROWS>
-struct TileShape {
-  // rounded up to 8 bytes: the stage after the values may hold doubles
-  __host__ __device__ static constexpr size_t value_bytes(int tile) {
-    return (static_cast<size_t>(ROWS + 1) * tile * sizeof(TileValue<T, RED>) + 7) / 8 * 8;
-  }
-  __host__ __device__ static constexpr int stage_ids(int tile) {
-    const size_t room = (kTileDynamicShared - value_bytes(tile)) / ((ROWS + 1) * sizeof(Out));
-    return static_cast<int>((room < kMaxStageIds ? room : kMaxStageIds) / 32 * 32);
-  }
-  __host__ __device__ static constexpr size_t bytes(int tile) {
-    return value_bytes(tile) + static_cast<size_t>(stage_ids(tile)) * (ROWS + 1) * sizeof(Out);
-  }
-};
-
-// A range of two leaves or more (or none), positions [a, b) of the tile, for row j: sum
-// (double), max, or log_mass (float).
-template <class T, int RED, int ROWS>
-__device__ __forceinline__ auto reduce_range(const TileValue<T, RED>* vals, float shift, int a,
-                                             int b, int j) {
+// A run, positions [a, b) of the tile, for row j: sum (double), max, or log_mass: with the
+// tile's largest log-probability as the shift, shift + log(sum of exp(v - shift)). That is
+// exact to float rounding when the sum is >= kFastMinMass (1e-24): a term exp() flushed or
+// made subnormal is < 2^-126, 64 of them < 1e-36, i.e. < 1e-12 of the run's mass. A run
+// below that (every leaf over ~55 nats under the tile's max, or all -inf: masks of -1e30)
+// is redone by its own max: exact whatever the spread; -inf only where every leaf is -inf.
+template <class V, int RED, int ROWS>
+__device__ __forceinline__ V reduce_run(const V* val, const float* lin, float shift, int a,
+                                        int b, int j) {
   constexpr int kStride = ROWS + 1;
   if constexpr (RED == kSum) {
     double acc = 0.0;
-    for (int p = a; p < b; ++p) acc += static_cast<double>(vals[p * kStride + j]);
-    return acc;
+    for (int p = a; p < b; ++p) acc += static_cast<double>(val[p * kStride + j]);
+    return static_cast<V>(acc);
   } else if constexpr (RED == kMax) {
-    if (b <= a) return T(0);  // an empty node is 0 under max
-    T m = vals[a * kStride + j];
-    for (int p = a + 1; p < b; ++p) m = vmax(m, vals[p * kStride + j]);
+    V m = val[a * kStride + j];  // runs are never empty
+    for (int p = a + 1; p < b; ++p) m = vmax(m, val[p * kStride + j]);
     return m;
   } else {
-    double sum = 0.0;  // terms exp(v - shift) <= 1; -inf leaves give 0
-    for (int p = a; p < b; ++p) sum += expf(vals[p * kStride + j] - shift);
-    if (sum >= kFastMinMass) return shift + logf(static_cast<float>(sum));
-    // all leaves far below the tile's max (or -inf, or none): by the range's own max
+    float sum = 0.0f;  // at most 64 terms <= 1
+    for (int p = a; p < b; ++p) sum += lin[p * kStride + j];
+    if (sum >= kFastMinMass) return shift + fast_log(sum);
     float m = static_cast<float>(neg_inf());
-    for (int p = a; p < b; ++p) m = vmax(m, vals[p * kStride + j]);
+    for (int p = a; p < b; ++p) m = vmax(m, val[p * kStride + j]);
     if (m == static_cast<float>(neg_inf())) return m;
-    double z = 0.0;
-    for (int p = a; p < b; ++p) z += expf(vals[p * kStride + j] - m);
-    return m + logf(static_cast<float>(z));
+    float z = 0.0f;
+    for (int p = a; p < b; ++p) z += fast_exp(val[p * kStride + j] - m);
+    return m + fast_log(z);
   }
 }
 
@@ -307,171 +316,166 @@ __device__ __forceinline__ auto reduce_range(const TileValue<T, RED>* vals, floa
 template <class Out>
 __device__ __forceinline__ void store_out(Out* p, Out v) { __stcs(p, v); }
 
-// src[0, rows) to dst[0], dst[row_stride], ...: a unit range's values, to the stage
-// (row_stride 1) or to scratch (a tile total or a piece).
-template <int ROWS, class Dst, class V>
-__device__ __forceinline__ void store_rows(const V* src, Dst* dst, int64_t row_stride, int rows) {
-  if (rows == ROWS) {  // a full block of rows: no per-row test
-#pragma unroll
-    for (int j = 0; j < ROWS; ++j) dst[j * row_stride] = static_cast<Dst>(src[j]);
-  } else {
-    for (int j = 0; j < rows; ++j) dst[j * row_stride] = static_cast<Dst>(src[j]);
-  }
-}
-
-template <class T, class Out, int RED, int ROWS>
+template <class T, int RED, int ROWS>
 __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     tile_kernel(const T* __restrict__ values, int64_t C, const int32_t* __restrict__ leaf_token,
-                int64_t L, const int32_t* __restrict__ tile_range_ptr,
-                const int32_t* __restrict__ tile_unit_end,
-                const int32_t* __restrict__ tile_node_lo,
-                const int32_t* __restrict__ range_start, const int32_t* __restrict__ range_end,
-                const int32_t* __restrict__ range_dest, double* __restrict__ scratch,
-                int64_t stride, Out* __restrict__ out, int64_t num_nodes, int tile,
-                int64_t row0, int64_t row_end) {
+                int64_t L, const int32_t* __restrict__ tile_run_ptr,
+                const int32_t* __restrict__ run_bounds, const int32_t* __restrict__ tile_node_lo,
+                const int32_t* __restrict__ node_src,
+                const int32_t* __restrict__ tile_scratch_ptr,
+                const int32_t* __restrict__ scratch_src, const int32_t* __restrict__ scratch_slot,
+                double* __restrict__ scratch, int64_t stride,
+                TileValue<T, RED>* __restrict__ out, int64_t num_nodes, int tile, int64_t row0,
+                int64_t row_end) {
   using V = TileValue<T, RED>;
-  using Shape = TileShape<T, Out, RED, ROWS>;
-  constexpr int kStride = ROWS + 1;  // odd: lanes at consecutive rows, positions or node ids
-                                     // hit different banks
+  constexpr int kStride = ROWS + 1;  // odd: lanes at consecutive rows hit different banks
+  constexpr int kGroups = kTileThreads / ROWS;  // thread groups; a group's lanes = rows
+  constexpr int kPerThread = (kMaxTile + kGroups - 1) / kGroups;  // gathered values each
   extern __shared__ double smem[];
-  V* vals = reinterpret_cast<V*>(smem);  // [tile][kStride]
-  Out* stage = reinterpret_cast<Out*>(reinterpret_cast<unsigned char*>(smem) +
-                                      Shape::value_bytes(tile));  // [stage_ids][kStride]
-  const int stage_ids = Shape::stage_ids(tile);
-  __shared__ float shift[ROWS];     // log_mass: per row, the tile's largest v (0 if none)
-  __shared__ double row_lse[ROWS];  // log_mass: per row, its log-sum-exp
+  V* val = reinterpret_cast<V*>(smem);  // [2 * tile][kStride]
+  float* lin = reinterpret_cast<float*>(val + 2 * tile * kStride);  // log_mass: [tile][kStride]
   __shared__ int32_t token[kMaxTile];
+  __shared__ int32_t bounds[kMaxTile];  // the tile's runs (fewer than tile)
+  __shared__ float lse_hi[ROWS], lse_lo[ROWS];  // log_mass: each row's lse as hi + lo
+  __shared__ float part_max[kTileWarps][ROWS];  // log_mass: the warps' largest v per row
   const int t = blockIdx.x;
   const int64_t first_row = row0 + static_cast<int64_t>(blockIdx.y) * ROWS;
   const int rows = row_end - first_row < ROWS ? static_cast<int>(row_end - first_row) : ROWS;
   const int64_t base = static_cast<int64_t>(t) * tile;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int j = static_cast<int>(threadIdx.x) % ROWS, g = static_cast<int>(threadIdx.x) / ROWS;
+  const int run0 = tile_run_ptr[t], n_runs = tile_run_ptr[t + 1] - run0;
 
-  // the tile's token columns (-1 past the last leaf) and, for log_mass, the rows' lse
   for (int p = threadIdx.x; p < tile; p += kTileThreads)
     token[p] = base + p < L ? leaf_token[base + p] : -1;
+  for (int r = threadIdx.x; r < n_runs; r += kTileThreads) bounds[r] = run_bounds[run0 + r];
+  if (threadIdx.x < kStride)
+    val[(2 * tile - 1) * kStride + threadIdx.x] = static_cast<V>(empty_node_value<RED>());
   if constexpr (RED == kLogMass) {
-    if (threadIdx.x < ROWS)
-      row_lse[threadIdx.x] = static_cast<int>(threadIdx.x) < rows
-                                 ? scratch[(first_row + threadIdx.x) * stride + stride - 1]
-                                 : 0.0;
-  }
-  __syncthreads();
-  // gather: consecutive threads take consecutive rows of a position (ROWS is a power of 2),
-  // kGatherUnroll independent loads in flight per thread (the loads are scattered: each is
-  // a sector of its own, and one at a time per thread leaves the SM waiting on latency)
-  for (int i0 = threadIdx.x; i0 < tile * ROWS; i0 += kGatherUnroll * kTileThreads) {
-    T x[kGatherUnroll];
-#pragma unroll
-    for (int u = 0; u < kGatherUnroll; ++u) {
-      const int i = i0 + u * kTileThreads, j = i % ROWS, p = i / ROWS;
-      if (i < tile * ROWS && j < rows && token[p] >= 0)
-        x[u] = load_keep(values + (first_row + j) * C + token[p]);
-    }
-#pragma unroll
-    for (int u = 0; u < kGatherUnroll; ++u) {
-      const int i = i0 + u * kTileThreads, j = i % ROWS, p = i / ROWS;
-      if (i >= tile * ROWS) break;
-      V v = static_cast<V>(neg_inf());  // past the last leaf or row: never read by a range
-      if (j < rows && token[p] >= 0) {
-        if constexpr (RED == kLogMass)
-          v = static_cast<float>(static_cast<double>(to_arith(x[u])) - row_lse[j]);  // -inf stays
-        else
-          v = x[u];
-      }
-      vals[p * kStride + j] = v;
+    if (threadIdx.x < ROWS) {
+      const double lse = static_cast<int>(threadIdx.x) < rows
+                             ? scratch[(first_row + threadIdx.x) * stride + stride - 1] : 0.0;
+      const float hi = static_cast<float>(lse);
+      lse_hi[threadIdx.x] = hi;
+      lse_lo[threadIdx.x] = static_cast<float>(lse - static_cast<double>(hi));
     }
   }
   __syncthreads();
-  if constexpr (RED == kLogMass) {
-    for (int j = warp; j < ROWS; j += kTileWarps) {  // a warp per row
-      float m = static_cast<float>(neg_inf());
-      for (int p = lane; p < tile; p += 32) m = vmax(m, vals[p * kStride + j]);
-      m = warp_max(m);
-      if (lane == 0) shift[j] = m == static_cast<float>(neg_inf()) ? 0.0f : m;
-    }
-    __syncthreads();
-  }
 
-  // The node ids the tile owns, [node_lo, node_hi), in passes of stage_ids (one, unless
-  // the block is long; a pass even for none: the tile total and pieces go to scratch in
-  // the first). Each pass fills the stage with the empty-node value (which also stands for
-  // the spanning nodes here, written later by (c)), puts every range whose node is in the
-  // pass there, and writes the stage out a row at a time: whole, coalesced lines. The
-  // ranges of empty nodes sit in tile 0's list; they give the empty-node value, which their
-  // own tile's stage holds already, so a range whose node lies outside the tile is skipped.
-  const int r0 = tile_range_ptr[t], u1 = tile_unit_end[t], r1 = tile_range_ptr[t + 1];
-  const int64_t node_lo = tile_node_lo[t], node_hi = tile_node_lo[t + 1];
-  constexpr int kGroups = kTileThreads / ROWS;  // other ranges reduced at once
-  const int j = static_cast<int>(threadIdx.x) % ROWS, g = static_cast<int>(threadIdx.x) / ROWS;
-  for (int64_t pass = node_lo; pass == node_lo || pass < node_hi; pass += stage_ids) {
-    const int n_ids = static_cast<int>(node_hi - pass < stage_ids ? node_hi - pass : stage_ids);
-    const bool first = pass == node_lo;
-    for (int i = threadIdx.x; i < n_ids * kStride; i += kTileThreads)
-      stage[i] = static_cast<Out>(empty_node_value<RED>());
-    __syncthreads();
-    // unit ranges: their leaf's own value
-    for (int r = r0 + static_cast<int>(threadIdx.x); r < u1; r += kTileThreads) {
-      const int64_t d = range_dest[r];
-      const int a = static_cast<int>(range_start[r] - base);
-      if (d >= pass && d < pass + n_ids)
-        store_rows<ROWS>(vals + a * kStride, stage + (d - pass) * kStride, 1, rows);
-      else if (d < 0 && first)
-        store_rows<ROWS>(vals + a * kStride, scratch + first_row * stride - 1 - d, stride, rows);
-    }
-    // the other ranges: lanes = rows, so a group's lanes walk the same range
-    for (int k = u1 + g; k < r1; k += kGroups) {
-      const int64_t d = range_dest[k];
-      const bool staged = d >= pass && d < pass + n_ids;
-      if ((staged || (d < 0 && first)) && j < rows) {
-        float sh = 0.0f;
-        if constexpr (RED == kLogMass) sh = shift[j];
-        const int a = static_cast<int>(range_start[k] - base);
-        const int b = static_cast<int>(range_end[k] - base);
-        const auto res = reduce_range<T, RED, ROWS>(vals, sh, a, b, j);
-        if (staged)
-          stage[(d - pass) * kStride + j] = static_cast<Out>(res);
+  // gather: thread (g, j) takes row j at positions g, g + kGroups, ...: all its loads in
+  // flight at once, unconditionally (each is a 32-byte sector of its own: the columns are
+  // scattered); a position past the tile's last leaf, or a row past the batch's, reads
+  // column 0 of row first_row and is dropped
+  const T* row_values = values + (first_row + (j < rows ? j : 0)) * C;
+  const uint64_t policy = keep_policy();
+  T x[kPerThread];
+  bool valid[kPerThread];
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    const int p = g + u * kGroups;
+    const int32_t column = p < tile ? token[p] : -1;
+    valid[u] = j < rows && column >= 0;
+    x[u] = load_keep(row_values + (column >= 0 ? column : 0), policy);
+  }
+  V v[kPerThread];
+  float m = static_cast<float>(neg_inf());  // log_mass: the largest v this thread saw
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    const int p = g + u * kGroups;
+    v[u] = static_cast<V>(neg_inf());  // past the last leaf or row: never read
+    if (valid[u]) {
+      if constexpr (RED == kLogMass) {
+        if constexpr (std::is_same_v<T, double>)
+          v[u] = static_cast<float>(x[u] - (static_cast<double>(lse_hi[j]) + lse_lo[j]));
         else
-          scratch[(first_row + j) * stride - 1 - d] = static_cast<double>(res);
+          v[u] = (to_arith(x[u]) - lse_hi[j]) - lse_lo[j];  // -inf stays -inf
+        m = vmax(m, v[u]);
+      } else {
+        v[u] = x[u];
       }
     }
+    if (p < tile) val[p * kStride + j] = v[u];
+  }
+  float shift = 0.0f;
+  if constexpr (RED == kLogMass) {
+    // the tile's largest log-probability per row: over the warp's lanes of row j, then the
+    // warps; rows with no finite value shift by 0
+    for (int off = 16; off >= ROWS; off >>= 1) m = vmax(m, __shfl_xor_sync(kFullMask, m, off));
+    if (lane < ROWS) part_max[warp][lane] = m;
     __syncthreads();
-    // the stage out: a warp per row, its lanes at consecutive node ids
-    for (int jj = warp; jj < rows; jj += kTileWarps) {
-      Out* dst = out + (first_row + jj) * num_nodes + pass;
-      for (int k = lane; k < n_ids; k += 32) store_out(dst + k, stage[k * kStride + jj]);
+    shift = static_cast<float>(neg_inf());
+#pragma unroll
+    for (int w = 0; w < kTileWarps; ++w) shift = vmax(shift, part_max[w][j]);
+    if (shift == static_cast<float>(neg_inf())) shift = 0.0f;
+#pragma unroll
+    for (int u = 0; u < kPerThread; ++u) {
+      const int p = g + u * kGroups;
+      if (p < tile) lin[p * kStride + j] = fast_exp(v[u] - shift);  // -inf gives 0
     }
-    __syncthreads();  // before the next pass refills the stage
+  }
+  __syncthreads();
+
+  // runs, longest first, dealt round-robin to the groups
+  if (j < rows) {
+    for (int r = g; r < n_runs; r += kGroups) {
+      const int a = bounds[r] & 0xffff, b = bounds[r] >> 16;
+      val[(tile + r) * kStride + j] = reduce_run<V, RED, ROWS>(val, lin, shift, a, b, j);
+    }
+  }
+  __syncthreads();
+
+  // the tile's total and pieces to scratch (double)
+  const int q0 = tile_scratch_ptr[t], n_q = tile_scratch_ptr[t + 1] - q0;
+  for (int i = threadIdx.x; i < n_q * ROWS; i += kTileThreads) {
+    const int q = i / ROWS, jj = i % ROWS;
+    if (jj < rows)
+      scratch[(first_row + jj) * stride + scratch_slot[q0 + q]] =
+          static_cast<double>(val[scratch_src[q0 + q] * kStride + jj]);
+  }
+  // the node ids the tile owns, each row's block whole: a warp per 32 consecutive ids, its
+  // lanes at consecutive ids (coalesced lines), looping over the rows
+  const int64_t node_lo = tile_node_lo[t];
+  const int n_ids = tile_node_lo[t + 1] - static_cast<int>(node_lo);
+  for (int k = warp * 32 + lane; k - lane < n_ids; k += kTileThreads) {
+    if (k >= n_ids) continue;
+    const V* src = val + node_src[node_lo + k] * kStride;
+    V* dst = out + first_row * num_nodes + node_lo + k;
+    if (rows == ROWS) {
+#pragma unroll
+      for (int jj = 0; jj < ROWS; ++jj) store_out(dst + jj * num_nodes, src[jj]);
+    } else {
+      for (int jj = 0; jj < rows; ++jj) store_out(dst + jj * num_nodes, src[jj]);
+    }
   }
 }
 
 // ROWS rows per tile block: the largest of 32, 16, ..., 1 the batch fills
-template <class T, class Out, int RED, int ROWS>
-void launch_tiles(const TrieArgs& A, const T* values, Out* out, int64_t row0, int64_t rows,
-                  cudaStream_t stream) {
-  const size_t shmem = TileShape<T, Out, RED, ROWS>::bytes(A.tile);
+template <class T, int RED, int ROWS>
+void launch_tiles(const TrieArgs& A, const T* values, TileValue<T, RED>* out, int64_t row0,
+                  int64_t rows, cudaStream_t stream) {
+  const size_t shmem = tile_shared_bytes<TileValue<T, RED>, RED, ROWS>(A.tile);
   const dim3 grid(static_cast<unsigned>(A.n_tiles), static_cast<unsigned>((rows + ROWS - 1) / ROWS));
-  tile_kernel<T, Out, RED, ROWS><<<grid, kTileThreads, shmem, stream>>>(
-      values, A.C, A.leaf_token, A.L, A.tile_range_ptr, A.tile_unit_end, A.tile_node_lo,
-      A.range_start, A.range_end, A.range_dest, A.scratch, A.scratch_stride, out, A.num_nodes,
-      A.tile, row0, row0 + rows);
+  tile_kernel<T, RED, ROWS><<<grid, kTileThreads, shmem, stream>>>(
+      values, A.C, A.leaf_token, A.L, A.tile_run_ptr, A.run_bounds, A.tile_node_lo, A.node_src,
+      A.tile_scratch_ptr, A.scratch_src, A.scratch_slot, A.scratch, A.scratch_stride, out,
+      A.num_nodes, A.tile, row0, row0 + rows);
 }
 
-template <class T, class Out, int RED>
-void launch_tiles_for(const TrieArgs& A, const T* values, Out* out, int64_t row0, int64_t rows,
-                      cudaStream_t stream) {
+template <class T, int RED>
+void launch_tiles_for(const TrieArgs& A, const T* values, TileValue<T, RED>* out, int64_t row0,
+                      int64_t rows, cudaStream_t stream) {
   if (rows >= 32) {
-    launch_tiles<T, Out, RED, 32>(A, values, out, row0, rows, stream);
+    launch_tiles<T, RED, 32>(A, values, out, row0, rows, stream);
   } else if (rows >= 16) {
-    launch_tiles<T, Out, RED, 16>(A, values, out, row0, rows, stream);
+    launch_tiles<T, RED, 16>(A, values, out, row0, rows, stream);
   } else if (rows >= 8) {
-    launch_tiles<T, Out, RED, 8>(A, values, out, row0, rows, stream);
+    launch_tiles<T, RED, 8>(A, values, out, row0, rows, stream);
   } else if (rows >= 4) {
-    launch_tiles<T, Out, RED, 4>(A, values, out, row0, rows, stream);
+    launch_tiles<T, RED, 4>(A, values, out, row0, rows, stream);
   } else if (rows >= 2) {
-    launch_tiles<T, Out, RED, 2>(A, values, out, row0, rows, stream);
+    launch_tiles<T, RED, 2>(A, values, out, row0, rows, stream);
   } else {
-    launch_tiles<T, Out, RED, 1>(A, values, out, row0, rows, stream);
+    launch_tiles<T, RED, 1>(A, values, out, row0, rows, stream);
   }
 }
 
@@ -486,32 +490,61 @@ __device__ __forceinline__ double span_element(const double* sc, int32_t t0, int
   return slot >= 0 ? sc[slot] : identity<RED>();
 }
 
-// The node's value from its elements k = k0, k0 + step, ... < n + 2 (one thread: step 1;
-// a warp: lanes at k0 = lane, step 32, then merged across the warp).
-template <int RED, bool kWarp>
-__device__ __forceinline__ double span_reduce(const double* sc, int32_t t0, int32_t n,
-                                              int32_t left, int32_t right, int32_t k0,
-                                              int32_t step) {
-  if constexpr (RED == kLogMass) {
-    double m = neg_inf();
-    for (int32_t k = k0; k < n + 2; k += step)
-      m = vmax(m, span_element<RED>(sc, t0, n, left, right, k));
-    if constexpr (kWarp) m = warp_max(m);
-    if (m == neg_inf()) return m;  // no mass beneath the node
-    double z = 0.0;  // terms exp(v - m) <= 1: float exp, double sum
-    for (int32_t k = k0; k < n + 2; k += step)
-      z += static_cast<double>(
-          expf(static_cast<float>(span_element<RED>(sc, t0, n, left, right, k) - m)));
-    if constexpr (kWarp) z = warp_sum(z);
-    return m + log(z);
-  } else {
-    double acc = identity<RED>();
-    for (int32_t k = k0; k < n + 2; k += step) {
-      const double v = span_element<RED>(sc, t0, n, left, right, k);
-      acc = RED == kSum ? acc + v : vmax(acc, v);
-    }
-    if constexpr (kWarp) acc = RED == kSum ? warp_sum(acc) : warp_max(acc);
+// A narrow node's value, one thread: sum or max of its elements; log_mass their max, then
+// the double sum of exp(v - max) (float exp).
+template <int RED>
+__device__ __forceinline__ double span_reduce_thread(const double* sc, int32_t t0, int32_t n,
+                                                     int32_t left, int32_t right) {
+  double acc = identity<RED>();  // log_mass: the max
+  for (int32_t k = 0; k < n + 2; ++k) {
+    const double v = span_element<RED>(sc, t0, n, left, right, k);
+    acc = RED == kSum ? acc + v : vmax(acc, v);
+  }
+  if constexpr (RED != kLogMass) {
     return acc;
+  } else {
+    if (acc == neg_inf()) return acc;  // no mass beneath the node
+    double z = 0.0;  // terms <= 1
+    for (int32_t k = 0; k < n + 2; ++k)
+      z += fast_exp(static_cast<float>(span_element<RED>(sc, t0, n, left, right, k) - acc));
+    return acc + static_cast<double>(fast_log(static_cast<float>(z)));  // z >= 1
+  }
+}
+
+// A wide node's value, one block: its threads stride over the elements (the root's ~2,000
+// tiles: ~8 loads a thread), then warps and the block merge; the same passes as above.
+// Every thread returns the value.
+template <int RED>
+__device__ __forceinline__ double span_reduce_block(const double* sc, int32_t t0, int32_t n,
+                                                    int32_t left, int32_t right) {
+  __shared__ double part[kSpanWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  double acc = identity<RED>();  // log_mass: the max
+  for (int32_t k = threadIdx.x; k < n + 2; k += kSpanThreads) {
+    const double v = span_element<RED>(sc, t0, n, left, right, k);
+    acc = RED == kSum ? acc + v : vmax(acc, v);
+  }
+  acc = RED == kSum ? warp_sum(acc) : warp_max(acc);
+  if (lane == 0) part[warp] = acc;
+  __syncthreads();
+  acc = part[0];
+#pragma unroll
+  for (int w = 1; w < kSpanWarps; ++w) acc = RED == kSum ? acc + part[w] : vmax(acc, part[w]);
+  if constexpr (RED != kLogMass) {
+    return acc;
+  } else {
+    if (acc == neg_inf()) return acc;  // the same for the whole block
+    __syncthreads();  // every thread has read part
+    double z = 0.0;
+    for (int32_t k = threadIdx.x; k < n + 2; k += kSpanThreads)
+      z += fast_exp(static_cast<float>(span_element<RED>(sc, t0, n, left, right, k) - acc));
+    z = warp_sum(z);
+    if (lane == 0) part[warp] = z;
+    __syncthreads();
+    z = part[0];
+#pragma unroll
+    for (int w = 1; w < kSpanWarps; ++w) z += part[w];
+    return acc + static_cast<double>(fast_log(static_cast<float>(z)));  // z >= 1
   }
 }
 
@@ -530,17 +563,12 @@ __global__ void __launch_bounds__(kSpanThreads)
     s = static_cast<int64_t>(blockIdx.x) * kSpanThreads + threadIdx.x;
     if (s >= narrow) return;
     const int32_t t0 = span_tile_lo[s];
-    res = span_reduce<RED, false>(sc, t0, span_tile_hi[s] - t0, span_left[s], span_right[s], 0,
-                                  1);
-  } else {  // a warp per wide node
-    const int lane = threadIdx.x & 31;
-    s = narrow + (static_cast<int64_t>(blockIdx.x) - narrow_blocks) * kSpanWarps +
-        (threadIdx.x >> 5);
-    if (s >= S) return;  // uniform per warp
+    res = span_reduce_thread<RED>(sc, t0, span_tile_hi[s] - t0, span_left[s], span_right[s]);
+  } else {  // a block per wide node
+    s = narrow + static_cast<int64_t>(blockIdx.x) - narrow_blocks;
     const int32_t t0 = span_tile_lo[s];
-    res = span_reduce<RED, true>(sc, t0, span_tile_hi[s] - t0, span_left[s], span_right[s],
-                                 lane, 32);
-    if (lane != 0) return;
+    res = span_reduce_block<RED>(sc, t0, span_tile_hi[s] - t0, span_left[s], span_right[s]);
+    if (threadIdx.x != 0) return;
   }
   store_out(out + row * num_nodes + span_node[s], static_cast<Out>(res));
 }
@@ -549,6 +577,7 @@ __global__ void __launch_bounds__(kSpanThreads)
 
 template <class T, class Out, int RED>
 cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
+  static_assert(std::is_same_v<Out, TileValue<T, RED>>, "the tile kernel writes its values");
   const T* values = static_cast<const T*>(A.values);
   Out* out = static_cast<Out*>(A.out);
   for (int64_t row0 = 0; row0 < A.B; row0 += kMaxGridY) {
@@ -571,10 +600,10 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
                              kSpanWarps * 32, 0, stream>>>(rows, splits, A.scratch,
                                                           A.scratch_stride, row0);
     }
-    launch_tiles_for<T, Out, RED>(A, values, out, row0, rows, stream);
+    launch_tiles_for<T, RED>(A, values, out, row0, rows, stream);
     if (A.S > 0) {
       const int64_t narrow_blocks = (A.span_narrow + kSpanThreads - 1) / kSpanThreads;
-      const int64_t wide_blocks = (A.S - A.span_narrow + kSpanWarps - 1) / kSpanWarps;
+      const int64_t wide_blocks = A.S - A.span_narrow;
       const dim3 sgrid(static_cast<unsigned>(narrow_blocks + wide_blocks),
                        static_cast<unsigned>(rows));
       span_kernel<Out, RED><<<sgrid, kSpanThreads, 0, stream>>>(

@@ -10,9 +10,8 @@
 namespace genlm_fast {
 namespace cuda {
 
-// leaf positions per tile the tile kernel accepts: its gathered values, tile * 33 doubles
-// at most, leave room for a stage of node ids within the 48 KiB a launch gets without
-// opting in (genlm_fast/ops/layout.py uses 64)
+// leaf positions per tile the tile kernel accepts: its shared arrays, 2 * tile * 33 doubles
+// at most, fit the 48 KiB a launch gets without opting in (genlm_fast/ops/layout.py uses 64)
 constexpr int kMaxTile = 64;
 
 enum DType : int { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3 };
@@ -25,15 +24,16 @@ struct TrieArgs {
   int64_t B, C;
   const int32_t* leaf_token;  // [L] column of each leaf position
   int64_t L;
-  const int32_t* tile_range_ptr;  // [n_tiles + 1] CSR of local ranges by tile
-  const int32_t* tile_unit_end;   // [n_tiles] a tile's unit ranges (one leaf) come first,
-                                  // [tile_range_ptr[t], tile_unit_end[t])
-  const int32_t* tile_node_lo;    // [n_tiles + 1] the node ids tile t owns (and writes):
-                                  // [tile_node_lo[t], tile_node_lo[t + 1])
+  const int32_t* tile_node_lo;  // [n_tiles + 1] the node ids tile t owns (and writes):
+                                // [tile_node_lo[t], tile_node_lo[t + 1])
   int64_t n_tiles;
-  const int32_t* range_start;  // [R] absolute leaf positions
-  const int32_t* range_end;
-  const int32_t* range_dest;  // >= 0: node column; < 0: scratch slot -1 - dest
+  const int32_t* tile_run_ptr;  // [n_tiles + 1] CSR of the tiles' runs (layout.py)
+  const int32_t* run_bounds;    // local positions a | b << 16 of each run
+  const int32_t* node_src;      // [num_nodes] a node's source code in its owning tile: a
+                                // position < tile, tile + run, or 2 * tile - 1 (none)
+  const int32_t* tile_scratch_ptr;  // [n_tiles + 1] CSR of the tiles' scratch values
+  const int32_t* scratch_src;       // their source codes
+  const int32_t* scratch_slot;      // their scratch slots
   const int32_t* span_node;   // [S] spanning nodes
   const int32_t* span_left;   // scratch slot of the left piece or -1
   const int32_t* span_right;  // scratch slot of the right piece or -1

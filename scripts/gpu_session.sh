@@ -15,7 +15,7 @@
 # 30 s after a call, so two calls usually mean two builds; `all` bounds the benchmark and the
 # tests with timeouts that share what the build leaves of TOTAL_S = 585 s (BENCH_S and
 # TESTS_S override them), to fit the 10-minute limit; PYTEST_ARGS adds
-# pytest arguments). What comes back: the logs, the test report, the sm_90 compile table, the
+# pytest arguments, BENCH_ARGS replaces the benchmark's --sweep). What comes back: the logs, the test report, the sm_90 compile table, the
 # benchmark table, the ncu reports (ncu-*.txt) and, if a test crashed the interpreter, its C
 # stack (crash.txt); commit the table under bench/results/. SmolLM2's vocabulary cases are
 # left out there (its tokenizer ships in a 96 MB GGUF, over the transfer limit).
@@ -142,7 +142,7 @@ run_profile() {
 
 run_bench() {
   # --sweep: after the main table (written first), the Triton kernels' launch configurations
-  $PY -m bench.gpu --sweep --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
+  $PY -m bench.gpu ${BENCH_ARGS---sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
   return "${PIPESTATUS[0]}"
 }
 

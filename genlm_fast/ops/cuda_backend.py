@@ -1,7 +1,8 @@
 """CUDA backend: the kernels of ``csrc/trie_reduce_cuda.cu`` (algorithm in its header).
 
-``trie_reduce`` follows the backend contract of ``genlm_fast.ops.dispatch``: the same tile
-decomposition as the Triton backend, read from the layout's arrays on the GPU.
+``trie_reduce`` follows the backend contract of ``genlm_fast.ops.dispatch``: the same tiles
+as the Triton backend, whose local ranges it reads as each tile's sources (the layout's
+tile_run_ptr .. scratch_slot), from the layout's arrays on the GPU.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
     scratch = torch.empty(values.shape[0], num_scratch + 1, dtype=torch.float64,
                           device=values.device)
     return extension.load_module().trie_reduce_cuda(
-        values, arrays["leaf_token"], arrays["tile_range_ptr"], arrays["tile_unit_end"],
-        arrays["tile_node_lo"], arrays["range_start"], arrays["range_end"], arrays["range_dest"],
-        arrays["span_node"], arrays["span_left"], arrays["span_right"], arrays["span_tile_lo"],
-        arrays["span_tile_hi"], arrays["span_narrow"], scratch, reduction, num_nodes,
-        num_scratch, tile)
+        values, arrays["leaf_token"], arrays["tile_node_lo"], arrays["tile_run_ptr"],
+        arrays["run_bounds"], arrays["node_src"], arrays["tile_scratch_ptr"],
+        arrays["scratch_src"], arrays["scratch_slot"], arrays["span_node"], arrays["span_left"],
+        arrays["span_right"], arrays["span_tile_lo"], arrays["span_tile_hi"],
+        arrays["span_narrow"], scratch, reduction, num_nodes, num_scratch, tile)

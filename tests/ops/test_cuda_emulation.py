@@ -184,12 +184,13 @@ int main(int argc, char** argv) {
   int64_t n;
   A.values = read_array(f, &n);
   A.leaf_token = static_cast<int32_t*>(read_array(f, &n)); A.L = n / 4;
-  A.tile_range_ptr = static_cast<int32_t*>(read_array(f, &n)); A.n_tiles = n / 4 - 1;
-  A.tile_unit_end = static_cast<int32_t*>(read_array(f, &n));
-  A.tile_node_lo = static_cast<int32_t*>(read_array(f, &n));
-  A.range_start = static_cast<int32_t*>(read_array(f, &n));
-  A.range_end = static_cast<int32_t*>(read_array(f, &n));
-  A.range_dest = static_cast<int32_t*>(read_array(f, &n));
+  A.tile_node_lo = static_cast<int32_t*>(read_array(f, &n)); A.n_tiles = n / 4 - 1;
+  A.tile_run_ptr = static_cast<int32_t*>(read_array(f, &n));
+  A.run_bounds = static_cast<int32_t*>(read_array(f, &n));
+  A.node_src = static_cast<int32_t*>(read_array(f, &n));
+  A.tile_scratch_ptr = static_cast<int32_t*>(read_array(f, &n));
+  A.scratch_src = static_cast<int32_t*>(read_array(f, &n));
+  A.scratch_slot = static_cast<int32_t*>(read_array(f, &n));
   A.span_node = static_cast<int32_t*>(read_array(f, &n)); A.S = n / 4;
   A.span_left = static_cast<int32_t*>(read_array(f, &n));
   A.span_right = static_cast<int32_t*>(read_array(f, &n));
@@ -326,10 +327,9 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
     header = np.array([DTYPES[values.dtype], B, C, layout.num_nodes, stride, tile,
                        int(out_double), REDUCTION[reduction], 0, max_grid_y,
                        span_narrow, 0], dtype=np.int64)
-    arrays = [raw, ml.leaf_token, ml.tile_range_ptr, ml.tile_unit_end, ml.tile_node_lo,
-              ml.range_start,
-              ml.range_end, ml.range_dest, ml.span_node, ml.span_left, ml.span_right, ml.span_tile_lo,
-              ml.span_tile_hi, scratch, out]
+    arrays = [raw, ml.leaf_token, ml.tile_node_lo, ml.tile_run_ptr, ml.run_bounds, ml.node_src,
+              ml.tile_scratch_ptr, ml.scratch_src, ml.scratch_slot, ml.span_node, ml.span_left,
+              ml.span_right, ml.span_tile_lo, ml.span_tile_hi, scratch, out]
     path_in = os.path.join(tmp_dir, "in.bin")
     path_out = os.path.join(tmp_dir, "out.bin")
     with open(path_in, "wb") as f:

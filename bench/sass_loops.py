@@ -30,9 +30,9 @@ if str(REPO) not in sys.path:
 TRITON_KERNELS = ("_tile_ranges_dot log_mass/fp32", "_tile_ranges_dot sum/fp32",
                   "_tile_ranges_max max/fp32")
 # tile_kernel<T, Out, RED, ROWS> instances (mangled-name fragments): float log_mass, sum, max
-CUDA_KERNELS = {"tile_kernel<float, float, log_mass, 32>": "tile_kernelIffLi2ELi32E",
-                "tile_kernel<float, float, sum, 32>": "tile_kernelIffLi0ELi32E",
-                "tile_kernel<float, float, max, 32>": "tile_kernelIffLi1ELi32E"}
+CUDA_KERNELS = {"tile_kernel<float, log_mass, 32>": "tile_kernelIfLi2ELi32E",
+                "tile_kernel<float, sum, 32>": "tile_kernelIfLi0ELi32E",
+                "tile_kernel<float, max, 32>": "tile_kernelIfLi1ELi32E"}
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")

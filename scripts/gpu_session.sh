@@ -14,11 +14,13 @@
 # (~5 MB); then run `all` as one device-tool command carrying [".whl"] (a machine goes back
 # 30 s after a call, so two calls usually mean two builds; `all` bounds the benchmark and the
 # tests with timeouts that share what the build leaves of TOTAL_S = 585 s (BENCH_S and
-# TESTS_S override them), to fit the 10-minute limit; PYTEST_ARGS adds
-# pytest arguments, BENCH_ARGS replaces the benchmark's --sweep). What comes back: the logs, the test report, the sm_90 compile table, the
-# benchmark table, the ncu reports (ncu-*.txt) and, if a test crashed the interpreter, its C
-# stack (crash.txt); commit the table under bench/results/. SmolLM2's vocabulary cases are
-# left out there (its tokenizer ships in a 96 MB GGUF, over the transfer limit).
+# TESTS_S override them), to fit the 10-minute limit; PYTEST_ARGS adds pytest arguments,
+# BENCH_ARGS replaces the benchmark's --sweep). What comes back: the benchmark table, the
+# test log, env.txt and, if a test crashed the interpreter, its C stack (crash.txt); the
+# rest (build log, test reports, the sm_90 compile table, the ncu reports ncu-*.txt) in
+# logs.tar.gz, as the tool brings back 8 files. Commit the table under bench/results/.
+# SmolLM2's vocabulary cases are left out there (its tokenizer ships in a 96 MB GGUF, over
+# the transfer limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session}
@@ -145,6 +147,16 @@ run_bench() {
   $PY -m bench.gpu ${BENCH_ARGS---sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
   return "${PIPESTATUS[0]}"
 }
+
+# The device tool brings back at most 8 files: the table, the test log, the environment and
+# a crash report stay as they are, everything else goes into $OUT/logs.tar.gz.
+bundle_outputs() {
+  local rest
+  rest=$(cd "$OUT" && ls -A | grep -v -E '^(gpu-.*\.md|tests-ops\.log|env\.txt|crash\.txt|logs\.tar\.gz)$')
+  [ -n "$rest" ] || return 0
+  (cd "$OUT" && tar czf logs.tar.gz $rest && rm -rf $rest)
+}
+trap bundle_outputs EXIT
 
 case "${1:-}" in
   tests) setup; run_tests; exit $? ;;

@@ -94,3 +94,29 @@ def test_without_gdb_the_crash_report_has_the_native_stack(tmp_path):
     assert 'test_demo.py", line 10 in test_b_crashes' in report  # the Python stack
     stack = report[report.index("== native stack"):]
     assert "_ctypes" in stack and "libpython" in stack, stack  # the C frames down to ctypes
+
+
+def test_outputs_come_back_as_at_most_8_files(tmp_path):
+    """The device tool brings back 8 files: the session leaves the table, the test log,
+    env.txt and crash.txt as they are and packs the rest (a dozen files after `all`) into
+    logs.tar.gz, their contents intact."""
+    import tarfile
+
+    script = (REPO / "scripts" / "gpu_session.sh").read_text()
+    bundle = script[script.index("bundle_outputs() {"):script.index("\ntrap bundle_outputs")]
+    out = tmp_path / "out"
+    out.mkdir()
+    kept = ["gpu-2026-11-26.md", "tests-ops.log", "env.txt", "crash.txt"]
+    packed = ["install.log", "bench-gpu.log", "sm90-compile.txt", "ncu-log_mass-B64.txt",
+              "ncu-sum-B32.txt", "tests-done.txt", "tests-done.txt.failures",
+              "tests-ops-1.xml", "tests-ops-2.xml"]
+    for name in kept + packed:
+        (out / name).write_text(f"contents of {name}\n")
+    proc = subprocess.run(["bash", "-c", bundle + "\nbundle_outputs"], cwd=tmp_path,
+                          env={**os.environ, "OUT": str(out)}, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted(kept + ["logs.tar.gz"])
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert sorted(tar.getnames()) == sorted(packed)
+        assert tar.extractfile("ncu-sum-B32.txt").read() == b"contents of ncu-sum-B32.txt\n"

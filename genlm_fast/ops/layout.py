@@ -374,7 +374,7 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node, tile=None):
     owner = np.maximum(leaf_end - 1, 0) // tile  # non-decreasing in the node id
     node_lo = np.searchsorted(owner, np.arange(n_tiles + 1), side="left")
 
-    runs = _tile_sources(num_nodes, tile, n_tiles, r_start, r_end, r_dest, r_tile)
+    sources = _tile_sources(num_nodes, tile, n_tiles, r_start, r_end, r_dest, r_tile)
 
     i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)
     # spanning nodes sorted by how many whole tiles they sum, so a block of them loops alike
@@ -387,7 +387,7 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node, tile=None):
         tile_range_ptr=i32(ptr),
         tile_unit_end=i32(unit_end),
         tile_node_lo=i32(node_lo),
-        **{name: i32(a) for name, a in runs.items()},
+        **{name: i32(a) for name, a in sources.items()},
         range_start=i32(r_start[by_tile]),
         range_end=i32(r_end[by_tile]),
         range_dest=i32(r_dest[by_tile]),

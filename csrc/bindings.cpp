@@ -14,7 +14,7 @@
 //                    reduction, num_nodes, num_scratch, tile)
 //                    -> Tensor[B, num_nodes]   (only when built with -DWITH_CUDA; scratch is a
 //                    float64 [B, num_scratch + 1] workspace the caller allocates; spanning
-//                    nodes [0, span_narrow) are reduced a thread each, the rest a warp each)
+//                    nodes [0, span_narrow) are reduced a thread each, the rest a block each)
 //   empty_output_cache()  frees the cached blocks large CPU results reuse (OutputPool below)
 //   output_cache_sizes()  the bytes of each cached block, least recently returned first
 //   pack_linear_weight(weight) -> panels;  linear_small_batch(x, panels, bias, out_features,

@@ -31,10 +31,10 @@ logger = logging.getLogger("genlm_fast.ops")
 
 BACKENDS = ("reference", "triton", "cuda", "cpu")
 REDUCTIONS = ("sum", "max", "log_mass")
-# "auto" on a GPU, fastest first, per reduction: H200, Llama-3 vocabulary, at 05587ba
-# (bench/results/gpu-h200-2026-11-26-2.md), kernels alone: sum B=32 cuda 0.091 ms, triton
-# 0.133 ms; max B=64 cuda 0.154 ms, triton 0.245 ms; log_mass B=64 cuda 0.209 ms, triton
-# 0.357 ms (CUDA is ahead at every B from 1 to 128, for every op).
+# "auto" on a GPU, fastest first, per reduction: H200, Llama-3 vocabulary, at 5e66b7f
+# (bench/results/gpu-h200-2026-11-26-3.md), kernels alone: sum B=32 cuda 0.069 ms, triton
+# 0.123 ms; max B=64 cuda 0.130 ms, triton 0.200 ms; log_mass B=64 cuda 0.160 ms, triton
+# 0.273 ms (CUDA is ahead at every B from 1 to 128, for every op).
 GPU_PREFERENCE = {"sum": ("cuda", "triton"), "max": ("cuda", "triton"),
                   "log_mass": ("cuda", "triton")}
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

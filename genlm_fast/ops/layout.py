@@ -36,7 +36,7 @@ import genlm_fast
 TILE = 64  # leaf positions per tile; a power of two (Triton block shapes)
 # Spanning nodes with at most this many whole tiles are "narrow": the GPU backends reduce
 # one per thread (CUDA) or per lane (Triton), the wider ones (the root and the top levels)
-# with a warp or a program each. Spanning nodes are sorted by tile count, so the narrow
+# with a block or a program each. Spanning nodes are sorted by tile count, so the narrow
 # ones are a prefix, [0, device_arrays(...)["span_narrow"]).
 SPAN_NARROW_TILES = 16
 LAYOUT_VERSION = 5  # bump when the pickled layout changes (the disk cache key has it)

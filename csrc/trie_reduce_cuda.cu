@@ -9,14 +9,18 @@
 // pieces and each tile's total are themselves local ranges that write to a per-row scratch
 // buffer (tile totals at slots [0, n_tiles), pieces after them).
 //
-// Kernels, enqueued in order on one stream:
+// Kernels, enqueued in order on one stream, each after the first launched dependent on the
+// one before (programmatic dependent launch, sm_90+: it starts while that one ends, and
+// waits for it before touching its results; see enqueue):
 //  (a) log_mass only: lse = max + log(sum exp(x - max)) of each row over all C columns,
-//      stored (double) in the row's last scratch column. (a1) row_lse_partial: grid (splits,
-//      rows), each block reads one slice of a row once (kLseUnroll independent loads in
-//      flight per thread) keeping an online (max, sum-exp) pair per thread: one float exp per
-//      element, the sum in double; it writes the slice's partial (max, sum) to two scratch
-//      slots the tile kernel only fills later. (a2) row_lse_merge: one warp per row merges
-//      the partials. Splitting rows keeps the device busy even at B = 1.
+//      stored (double) in the row's last scratch column; NaN for a bad row (a NaN or +inf
+//      logit, or none finite), the row check cuda_backend hands the dispatcher.
+//      (a1) row_lse_partial: grid (splits, rows), each block reads one slice of a row once,
+//      kLseUnroll loads in flight per thread, keeping a (max, sum-exp) pair per thread: per
+//      round one max, fast exps summed pairwise in float, the sum in double; it writes the
+//      slice's partial (max, sum) to two scratch slots the tile kernel only fills later.
+//      (a2) row_lse_merge: one warp per row merges the partials. Splitting rows keeps the
+//      device busy even at B = 1.
 //  (b) tile: one block per (tile, block of ROWS rows, ROWS = 1..32), 256 threads, in three
 //      phases with a barrier between each. The layout has turned the tile's local ranges
 //      into *sources* (genlm_fast/ops/layout.py, _tile_sources): a node the tile owns (its
@@ -60,7 +64,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "trie_reduce_cuda.h"
@@ -76,13 +82,14 @@ constexpr int kTileWarps = kTileThreads / 32;
 constexpr int kTileBlocksPerSM = 4;
 constexpr float kFastMinMass = 1e-24f;
 constexpr int kLseThreads = 256;
-constexpr int kLseUnroll = 8;       // independent loads in flight per thread in (a1)
+constexpr int kLseUnroll = 16;      // loads in flight per thread in (a1), a power of two
 constexpr int64_t kLseMinChunk = 4096;  // columns per (a1) block, at least
 constexpr int64_t kLseTargetBlocks = 1024;  // (a1) blocks per launch to aim for (B * splits)
 constexpr int kSpanWarps = 8;        // (a2) and (c): warps per block
 constexpr int kSpanThreads = kSpanWarps * 32;  // (c)'s blocks: a thread per narrow node
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int64_t kMaxGridY = 65535;
+constexpr long long kNaNBits = 0x7ff8000000000000LL;  // a quiet NaN (double)
 
 __device__ __forceinline__ double neg_inf() { return -__longlong_as_double(0x7ff0000000000000LL); }
 
@@ -131,6 +138,25 @@ __device__ __forceinline__ float fast_exp(float x) { return expf(x); }
 __device__ __forceinline__ float fast_log(float x) { return logf(x); }
 #endif
 
+// Programmatic dependent launch (sm_90+; launch_dependent below). A kernel launched
+// dependent may start while the kernel before it on the stream is still running: it must
+// call wait_for_previous_kernel() before it reads what that kernel writes or writes what
+// that kernel reads (everything before that kernel is complete already). A kernel calls
+// allow_next_kernel() to let its dependent start early (its blocks then take SMs the
+// ending kernel's last wave leaves idle). Elsewhere, and in the CPU emulation, no-ops: the
+// launch is then an ordinary one.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void wait_for_previous_kernel() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void allow_next_kernel() {
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+}
+#else
+__device__ __forceinline__ void wait_for_previous_kernel() {}
+__device__ __forceinline__ void allow_next_kernel() {}
+#endif
+
 template <class V>
 __device__ __forceinline__ V vmax(V a, V b) { return b > a ? b : a; }
 
@@ -170,24 +196,15 @@ __device__ __forceinline__ void warp_lse_merge(double& m, double& z) {
 
 // ---------------------------------------------------------------------------- (a) row lse
 
-// One logit into a thread's online pair: m the largest logit so far (exact), s the sum of
-// exp(x - m) in double; one float exp per logit. A = float, or double for double logits.
-template <class A>
-__device__ __forceinline__ void online_lse(A& m, double& s, A x) {
-  if (x == static_cast<A>(neg_inf())) return;  // no mass (and never -inf - -inf)
-  if (x > m) {
-    s = s * static_cast<double>(expf(static_cast<float>(m - x))) + 1.0;  // m = -inf: s = 0
-    m = x;
-  } else {
-    s += static_cast<double>(expf(static_cast<float>(x - m)));
-  }
-}
-
-// (a1) grid (splits, rows): each block reads one contiguous slice of a row ONCE, with
-// kLseUnroll independent loads in flight per thread, keeps an online (max, sum-exp) pair per
-// thread, merges them across the block and writes the slice's partial (m, s) to scratch
+// (a1) grid (splits, rows): each block reads one contiguous slice of a row ONCE and writes
+// the slice's partial (m, s), m its largest logit and s the sum of exp(x - m), to scratch
 // slots [2 * split, 2 * split + 1] of its row. Those slots are free until the tile kernel,
-// which runs after (a2), writes its totals there.
+// which runs after (a2), writes its totals there. A thread takes its columns kLseUnroll at a
+// time, all loads in flight at once (the slice end predicated, not a serial tail); per round
+// one max, at most one rescale of its double sum, and kLseUnroll fast exps (terms <= 1)
+// summed pairwise in float: a few float ulps, against a double sum of every term. A NaN or
+// +inf logit marks the row bad: the partial's sum is NaN, whatever the rest (masks of -inf
+// around a NaN would otherwise leave the sum at 0 and the NaN unseen).
 template <class T>
 __global__ void __launch_bounds__(kLseThreads)
     row_lse_partial_kernel(const T* __restrict__ values, int64_t C, int64_t chunk,
@@ -195,33 +212,60 @@ __global__ void __launch_bounds__(kLseThreads)
   using A = decltype(to_arith(T()));
   __shared__ double red_m[kLseThreads / 32];
   __shared__ double red_s[kLseThreads / 32];
+  allow_next_kernel();
   const int64_t row = row0 + blockIdx.y;
   const int64_t lo = static_cast<int64_t>(blockIdx.x) * chunk;
   const int64_t hi = lo + chunk < C ? lo + chunk : C;
   const T* x = values + row * C;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const A no_mass = static_cast<A>(neg_inf()), pos_inf = -no_mass;
 
-  A m = static_cast<A>(neg_inf());
-  double s = 0.0;
+  A m = no_mass;  // the largest logit so far (exact)
+  double s = 0.0;  // sum of exp(x - m)
+  bool bad = false;  // a NaN or +inf seen
   const uint64_t policy = keep_policy();
-  int64_t c = lo + threadIdx.x;
-  for (; c + (kLseUnroll - 1) * kLseThreads < hi; c += kLseUnroll * kLseThreads) {
+  for (int64_t c0 = lo + threadIdx.x; c0 < hi; c0 += kLseUnroll * kLseThreads) {
     A v[kLseUnroll];
 #pragma unroll
-    for (int u = 0; u < kLseUnroll; ++u) v[u] = to_arith(load_keep(x + c + u * kLseThreads, policy));
+    for (int u = 0; u < kLseUnroll; ++u) {
+      const int64_t c = c0 + u * kLseThreads;
+      v[u] = c < hi ? to_arith(load_keep(x + c, policy)) : no_mass;
+    }
+    A top = no_mass;
 #pragma unroll
-    for (int u = 0; u < kLseUnroll; ++u) online_lse(m, s, v[u]);
+    for (int u = 0; u < kLseUnroll; ++u) {
+      bad |= !(v[u] < pos_inf);  // NaN compares false
+      top = vmax(top, v[u]);
+    }
+    if (top == no_mass) continue;  // nothing but -inf (or NaN: flagged)
+    if (top > m) {  // m = -inf: s is 0 and stays 0
+      s *= static_cast<double>(expf(static_cast<float>(m - top)));
+      m = top;
+    }
+    float term[kLseUnroll];
+#pragma unroll
+    for (int u = 0; u < kLseUnroll; ++u) term[u] = fast_exp(static_cast<float>(v[u] - m));
+#pragma unroll
+    for (int w = kLseUnroll / 2; w > 0; w >>= 1) {
+#pragma unroll
+      for (int u = 0; u < w; ++u) term[u] += term[u + w];
+    }
+    s += static_cast<double>(term[0]);
   }
-  for (; c < hi; c += kLseThreads) online_lse(m, s, to_arith(load_keep(x + c, policy)));
 
   // block merge: every thread rescales its sum to the block max, then sums
   const double md = static_cast<double>(m);
   const double bm_w = warp_max(md);
-  if (lane == 0) red_m[warp] = bm_w;
+  const double bad_w = warp_max(bad ? 1.0 : 0.0);
+  if (lane == 0) red_m[warp] = bad_w > 0.0 ? __longlong_as_double(kNaNBits) : bm_w;
   __syncthreads();
   double bm = neg_inf();
+  bool block_bad = false;
 #pragma unroll
-  for (int w = 0; w < kLseThreads / 32; ++w) bm = vmax(bm, red_m[w]);
+  for (int w = 0; w < kLseThreads / 32; ++w) {
+    block_bad |= red_m[w] != red_m[w];
+    bm = vmax(bm, red_m[w]);
+  }
   const double sc = warp_sum(md == neg_inf() ? 0.0 : s * exp(md - bm));
   if (lane == 0) red_s[warp] = sc;
   __syncthreads();
@@ -231,25 +275,33 @@ __global__ void __launch_bounds__(kLseThreads)
     for (int w = 0; w < kLseThreads / 32; ++w) tot += red_s[w];
     double* out = scratch + row * stride + 2 * static_cast<int64_t>(blockIdx.x);
     out[0] = bm;
-    out[1] = tot;
+    out[1] = block_bad ? __longlong_as_double(kNaNBits) : tot;
   }
 }
 
 // (a2) one warp per row merges the row's `splits` partials into lse = max + log(sum),
-// stored in the row's last scratch column.
+// stored in the row's last scratch column: NaN for a bad row, one with a NaN or +inf logit
+// or no finite logit at all, and only then (cuda_backend reads this column as the row
+// check). Launched dependent on (a1) (launch_dependent).
 __global__ void __launch_bounds__(kSpanWarps * 32)
     row_lse_merge_kernel(int64_t rows, int64_t splits, double* __restrict__ scratch,
                          int64_t stride, int64_t row0) {
+  allow_next_kernel();
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kSpanWarps + (threadIdx.x >> 5);
   if (r >= rows) return;  // uniform per warp
+  wait_for_previous_kernel();
   double* sc = scratch + (row0 + r) * stride;
   double m = neg_inf(), z = 0.0;
-  for (int64_t k = lane; k < splits; k += 32) lse_merge(m, z, sc[2 * k], sc[2 * k + 1]);
+  bool bad = false;
+  for (int64_t k = lane; k < splits; k += 32) {
+    bad |= sc[2 * k + 1] != sc[2 * k + 1];  // (a1) saw a NaN or +inf
+    lse_merge(m, z, sc[2 * k], sc[2 * k + 1]);
+  }
   warp_lse_merge(m, z);
-  // no finite logit (all -inf; the dispatcher rejects such rows): NaN, never a silent -inf
-  if (lane == 0) sc[stride - 1] = m == neg_inf() ? __longlong_as_double(0x7ff8000000000000LL)
-                                                 : m + log(z);
+  bad = warp_max(bad ? 1.0 : 0.0) > 0.0;
+  if (lane == 0) sc[stride - 1] = bad || m == neg_inf() ? __longlong_as_double(kNaNBits)
+                                                        : m + log(z);
 }
 
 // ---------------------------------------------------------------------------- (b) tiles
@@ -338,6 +390,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   const int64_t base = static_cast<int64_t>(t) * tile;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int j = static_cast<int>(threadIdx.x) % ROWS, g = static_cast<int>(threadIdx.x) / ROWS;
+  allow_next_kernel();
   const int run0 = tile_run_ptr[t], n_runs = tile_run_ptr[t + 1] - run0;
 
   for (int p = threadIdx.x; p < tile; p += kTileThreads)
@@ -345,21 +398,13 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   for (int r = threadIdx.x; r < n_runs; r += kTileThreads) bounds[r] = run_bounds[run0 + r];
   if (threadIdx.x < kStride)
     val[(2 * tile - 1) * kStride + threadIdx.x] = static_cast<V>(empty_node_value<RED>());
-  if constexpr (RED == kLogMass) {
-    if (threadIdx.x < ROWS) {
-      const double lse = static_cast<int>(threadIdx.x) < rows
-                             ? scratch[(first_row + threadIdx.x) * stride + stride - 1] : 0.0;
-      const float hi = static_cast<float>(lse);
-      lse_hi[threadIdx.x] = hi;
-      lse_lo[threadIdx.x] = static_cast<float>(lse - static_cast<double>(hi));
-    }
-  }
   __syncthreads();
 
   // gather: thread (g, j) takes row j at positions g, g + kGroups, ...: all its loads in
   // flight at once, unconditionally (each is a 32-byte sector of its own: the columns are
   // scattered); a position past the tile's last leaf, or a row past the batch's, reads
-  // column 0 of row first_row and is dropped
+  // column 0 of row first_row and is dropped. The values predate the lse kernels, so the
+  // loads go out before the wait for them (log_mass: this kernel is launched dependent).
   const T* row_values = values + (first_row + (j < rows ? j : 0)) * C;
   const uint64_t policy = keep_policy();
   T x[kPerThread];
@@ -370,6 +415,17 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     const int32_t column = p < tile ? token[p] : -1;
     valid[u] = j < rows && column >= 0;
     x[u] = load_keep(row_values + (column >= 0 ? column : 0), policy);
+  }
+  wait_for_previous_kernel();  // from here on: the rows' lse read, scratch written
+  if constexpr (RED == kLogMass) {
+    if (threadIdx.x < ROWS) {
+      const double lse = static_cast<int>(threadIdx.x) < rows
+                             ? scratch[(first_row + threadIdx.x) * stride + stride - 1] : 0.0;
+      const float hi = static_cast<float>(lse);
+      lse_hi[threadIdx.x] = hi;
+      lse_lo[threadIdx.x] = static_cast<float>(lse - static_cast<double>(hi));
+    }
+    __syncthreads();
   }
   V v[kPerThread];
   float m = static_cast<float>(neg_inf());  // log_mass: the largest v this thread saw
@@ -444,32 +500,86 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
 }
 
 // ROWS rows per tile block: the largest of 32, 16, ..., 1 the batch fills
+// Kernels (b) and (c) and (a2) follow one of ours on the stream and are launched dependent
+// on it (programmatic dependent launch, sm_90+): they start while it ends, load their
+// index arrays, and wait for it (wait_for_previous_kernel) before touching its results.
+// The first kernel of a call, (a1) or (b), is an ordinary launch: it runs after whatever
+// came before it. Dependent launches need the waits compiled in (ptxVersion >= 90; below
+// that wait_for_previous_kernel is empty) and are off with GENLM_FAST_CUDA_PDL=0, read at
+// each call (bench/gpu.py times both ways).
+#ifdef __CUDACC__
+bool dependent_launches_on() {
+  const char* env = std::getenv("GENLM_FAST_CUDA_PDL");
+  if (env != nullptr && env[0] == '0') return false;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<signed char> compiled_for[kMaxDevices];  // 0 unknown, 1 sm_90+, -1 not
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
+  signed char state = compiled_for[device].load(std::memory_order_relaxed);
+  if (state == 0) {
+    cudaFuncAttributes attributes;
+    state = cudaFuncGetAttributes(&attributes, row_lse_merge_kernel) == cudaSuccess &&
+                    attributes.ptxVersion >= 90
+                ? 1 : -1;
+    compiled_for[device].store(state, std::memory_order_relaxed);
+  }
+  return state > 0;
+}
+#else
+bool dependent_launches_on() { return false; }  // the CPU emulation runs kernels in order
+#endif
+
+template <class... Params, class... Args>
+cudaError_t enqueue(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shmem,
+                    cudaStream_t stream, bool dependent, Args... args) {
+  if (!dependent || !dependent_launches_on()) {
+    kernel<<<grid, block, shmem, stream>>>(args...);
+    return cudaGetLastError();
+  }
+#ifdef __CUDACC__
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shmem;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+#else
+  return cudaErrorNotSupported;
+#endif
+}
+
 template <class T, int RED, int ROWS>
-void launch_tiles(const TrieArgs& A, const T* values, TileValue<T, RED>* out, int64_t row0,
-                  int64_t rows, cudaStream_t stream) {
+cudaError_t launch_tiles(const TrieArgs& A, const T* values, TileValue<T, RED>* out,
+                         int64_t row0, int64_t rows, cudaStream_t stream) {
   const size_t shmem = tile_shared_bytes<TileValue<T, RED>, RED, ROWS>(A.tile);
   const dim3 grid(static_cast<unsigned>(A.n_tiles), static_cast<unsigned>((rows + ROWS - 1) / ROWS));
-  tile_kernel<T, RED, ROWS><<<grid, kTileThreads, shmem, stream>>>(
-      values, A.C, A.leaf_token, A.L, A.tile_run_ptr, A.run_bounds, A.tile_node_lo, A.node_src,
-      A.tile_scratch_ptr, A.scratch_src, A.scratch_slot, A.scratch, A.scratch_stride, out,
-      A.num_nodes, A.tile, row0, row0 + rows);
+  return enqueue(tile_kernel<T, RED, ROWS>, grid, kTileThreads, shmem, stream,
+                 /*dependent=*/RED == kLogMass, values, A.C, A.leaf_token, A.L, A.tile_run_ptr,
+                 A.run_bounds, A.tile_node_lo, A.node_src, A.tile_scratch_ptr, A.scratch_src,
+                 A.scratch_slot, A.scratch, A.scratch_stride, out, A.num_nodes, A.tile, row0,
+                 row0 + rows);
 }
 
 template <class T, int RED>
-void launch_tiles_for(const TrieArgs& A, const T* values, TileValue<T, RED>* out, int64_t row0,
-                      int64_t rows, cudaStream_t stream) {
+cudaError_t launch_tiles_for(const TrieArgs& A, const T* values, TileValue<T, RED>* out,
+                             int64_t row0, int64_t rows, cudaStream_t stream) {
   if (rows >= 32) {
-    launch_tiles<T, RED, 32>(A, values, out, row0, rows, stream);
+    return launch_tiles<T, RED, 32>(A, values, out, row0, rows, stream);
   } else if (rows >= 16) {
-    launch_tiles<T, RED, 16>(A, values, out, row0, rows, stream);
+    return launch_tiles<T, RED, 16>(A, values, out, row0, rows, stream);
   } else if (rows >= 8) {
-    launch_tiles<T, RED, 8>(A, values, out, row0, rows, stream);
+    return launch_tiles<T, RED, 8>(A, values, out, row0, rows, stream);
   } else if (rows >= 4) {
-    launch_tiles<T, RED, 4>(A, values, out, row0, rows, stream);
+    return launch_tiles<T, RED, 4>(A, values, out, row0, rows, stream);
   } else if (rows >= 2) {
-    launch_tiles<T, RED, 2>(A, values, out, row0, rows, stream);
+    return launch_tiles<T, RED, 2>(A, values, out, row0, rows, stream);
   } else {
-    launch_tiles<T, RED, 1>(A, values, out, row0, rows, stream);
+    return launch_tiles<T, RED, 1>(A, values, out, row0, rows, stream);
   }
 }
 
@@ -551,20 +661,23 @@ __global__ void __launch_bounds__(kSpanThreads)
                 Out* __restrict__ out, int64_t num_nodes, int64_t row0) {
   const int64_t row = row0 + blockIdx.y;
   const double* sc = scratch + row * stride;
-  int64_t s;
-  double res;
-  if (static_cast<int64_t>(blockIdx.x) < narrow_blocks) {  // a thread per narrow node
-    s = static_cast<int64_t>(blockIdx.x) * kSpanThreads + threadIdx.x;
-    if (s >= narrow) return;
-    const int32_t t0 = span_tile_lo[s];
-    res = span_reduce_thread<RED>(sc, t0, span_tile_hi[s] - t0, span_left[s], span_right[s]);
-  } else {  // a block per wide node
-    s = narrow + static_cast<int64_t>(blockIdx.x) - narrow_blocks;
-    const int32_t t0 = span_tile_lo[s];
-    res = span_reduce_block<RED>(sc, t0, span_tile_hi[s] - t0, span_left[s], span_right[s]);
-    if (threadIdx.x != 0) return;
+  const bool is_narrow = static_cast<int64_t>(blockIdx.x) < narrow_blocks;
+  const int64_t s = is_narrow  // a thread per narrow node, a block per wide one
+                        ? static_cast<int64_t>(blockIdx.x) * kSpanThreads + threadIdx.x
+                        : narrow + static_cast<int64_t>(blockIdx.x) - narrow_blocks;
+  if (is_narrow && s >= narrow) return;
+  const int32_t t0 = span_tile_lo[s], n = span_tile_hi[s] - t0;
+  const int32_t left = span_left[s], right = span_right[s], node = span_node[s];
+  // launched dependent on the tile kernel: its scratch values read, and its write of this
+  // node's id (the empty value) overwritten, only once it is done
+  wait_for_previous_kernel();
+  if (is_narrow) {
+    store_out(out + row * num_nodes + node,
+              static_cast<Out>(span_reduce_thread<RED>(sc, t0, n, left, right)));
+  } else {
+    const double res = span_reduce_block<RED>(sc, t0, n, left, right);
+    if (threadIdx.x == 0) store_out(out + row * num_nodes + node, static_cast<Out>(res));
   }
-  store_out(out + row * num_nodes + span_node[s], static_cast<Out>(res));
 }
 
 // ---------------------------------------------------------------------------- launch
@@ -588,24 +701,37 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
       const int64_t chunk = (A.C + splits - 1) / splits;
       splits = (A.C + chunk - 1) / chunk;  // no empty slice (C >= 1)
       const dim3 pgrid(static_cast<unsigned>(splits), static_cast<unsigned>(rows));
-      row_lse_partial_kernel<T><<<pgrid, kLseThreads, 0, stream>>>(
-          values, A.C, chunk, A.scratch, A.scratch_stride, row0);
-      row_lse_merge_kernel<<<static_cast<unsigned>((rows + kSpanWarps - 1) / kSpanWarps),
-                             kSpanWarps * 32, 0, stream>>>(rows, splits, A.scratch,
-                                                          A.scratch_stride, row0);
+      if (const cudaError_t err =
+              enqueue(row_lse_partial_kernel<T>, pgrid, kLseThreads, 0, stream, false, values,
+                      A.C, chunk, A.scratch, A.scratch_stride, row0);
+          err != cudaSuccess)
+        return err;
+      if (const cudaError_t err =
+              enqueue(row_lse_merge_kernel,
+                      static_cast<unsigned>((rows + kSpanWarps - 1) / kSpanWarps),
+                      kSpanWarps * 32, 0, stream, true, rows, splits, A.scratch,
+                      A.scratch_stride, row0);
+          err != cudaSuccess)
+        return err;
     }
-    launch_tiles_for<T, RED>(A, values, out, row0, rows, stream);
+    if (const cudaError_t err = launch_tiles_for<T, RED>(A, values, out, row0, rows, stream);
+        err != cudaSuccess)
+      return err;
     if (A.S > 0) {
       const int64_t narrow_blocks = (A.span_narrow + kSpanThreads - 1) / kSpanThreads;
       const int64_t wide_blocks = A.S - A.span_narrow;
       const dim3 sgrid(static_cast<unsigned>(narrow_blocks + wide_blocks),
                        static_cast<unsigned>(rows));
-      span_kernel<Out, RED><<<sgrid, kSpanThreads, 0, stream>>>(
-          A.span_node, A.span_left, A.span_right, A.span_tile_lo, A.span_tile_hi, A.S,
-          A.span_narrow, narrow_blocks, A.scratch, A.scratch_stride, out, A.num_nodes, row0);
+      if (const cudaError_t err =
+              enqueue(span_kernel<Out, RED>, sgrid, kSpanThreads, 0, stream, true, A.span_node,
+                      A.span_left, A.span_right, A.span_tile_lo, A.span_tile_hi, A.S,
+                      A.span_narrow, narrow_blocks, A.scratch, A.scratch_stride, out,
+                      A.num_nodes, row0);
+          err != cudaSuccess)
+        return err;
     }
   }
-  return cudaGetLastError();
+  return cudaSuccess;
 }
 
 }  // namespace

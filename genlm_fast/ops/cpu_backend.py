@@ -14,6 +14,9 @@ import torch
 
 from genlm_fast.ops import extension
 
+# the kernel checks each row as it reads it and raises the dispatcher's error itself
+OWN_ROW_CHECK = ("sum", "max", "log_mass")
+
 
 def _node_depths(parent: torch.Tensor) -> torch.Tensor:
     """Edges from the root of every node (int64), by pointer jumping: ``jump[n]`` is an
@@ -116,11 +119,11 @@ def run_kernel(module, values: torch.Tensor, arrays: dict, reduction: str, *,
 
 
 def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
-                num_scratch: int = 0, tile: int = 0, float64_result: bool = False) -> torch.Tensor:
+                num_scratch: int = 0, tile: int = 0, float64_result: bool = False):
     if not extension.has("cpu"):
         raise RuntimeError(f"The 'cpu' trie kernels are not available: "
                            f"{extension.why_missing('cpu')}")
     # float32 values with a float64 result: the kernel reads them as they are (it
     # accumulates in double either way)
     return run_kernel(extension.load_module(), values, arrays, reduction,
-                      float64_result=float64_result)
+                      float64_result=float64_result), None

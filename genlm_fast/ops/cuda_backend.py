@@ -11,9 +11,14 @@ import torch
 
 from genlm_fast.ops import extension
 
+# log_mass: the lse pass reads every logit anyway and leaves each row's lse NaN exactly for
+# the bad rows (a NaN or +inf logit, or no finite one): the dispatcher reads that instead
+# of its own pass over the logits
+OWN_ROW_CHECK = ("log_mass",)
+
 
 def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
-                num_scratch: int, tile: int, float64_result: bool = False) -> torch.Tensor:
+                num_scratch: int, tile: int, float64_result: bool = False):
     if not extension.has("cuda"):
         raise RuntimeError(f"The 'cuda' trie kernels are not available: "
                            f"{extension.why_missing('cuda')}")
@@ -30,9 +35,10 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
     # per-row workspace: tile totals and pieces, plus the row's log-sum-exp in the last column
     scratch = torch.empty(values.shape[0], num_scratch + 1, dtype=torch.float64,
                           device=values.device)
-    return extension.load_module().trie_reduce_cuda(
+    out = extension.load_module().trie_reduce_cuda(
         values, arrays["leaf_token"], arrays["tile_node_lo"], arrays["tile_run_ptr"],
         arrays["run_bounds"], arrays["node_src"], arrays["tile_scratch_ptr"],
         arrays["scratch_src"], arrays["scratch_slot"], arrays["span_node"], arrays["span_left"],
         arrays["span_right"], arrays["span_tile_lo"], arrays["span_tile_hi"],
         arrays["span_narrow"], scratch, reduction, num_nodes, num_scratch, tile)
+    return out, scratch[:, -1] if reduction == "log_mass" else None

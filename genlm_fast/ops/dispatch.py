@@ -4,11 +4,15 @@ Every backend module (``reference``, ``triton_backend``, ``cpu_backend``, ``cuda
 implements the same function, on inputs this module has already checked::
 
     trie_reduce(values, arrays, reduction, *, num_nodes, num_scratch, tile, float64_result)
-        -> Tensor[B, num_nodes] on values.device
+        -> (Tensor[B, num_nodes] on values.device, row_lse or None)
 
 ``values``: [B, C] contiguous, B >= 1, float32/float64 (``sum``/``max``) or any float dtype
-(``log_mass``), rows checked for NaN (and +inf / all -inf for ``log_mass``) except on the
-``cpu`` backend, whose kernel checks each row as it reads it. ``arrays``: the mode's index
+(``log_mass``). Rows holding a NaN (and for ``log_mass`` a +inf, or no finite logit) are
+errors. The dispatcher finds them with one pass over the values before the backend runs,
+except for the reductions in the backend module's ``OWN_ROW_CHECK``: the ``cpu`` kernel
+checks each row as it reads it and raises, the ``cuda`` lse pass returns ``row_lse``, each
+row's log-sum-exp, NaN exactly for the bad rows (the second item of the result; None
+elsewhere). ``arrays``: the mode's index
 tensors on the values' device (``TrieLayout.device_arrays``); a backend may cache what it
 derives from them there under a ``_<backend>`` key. ``num_scratch`` and ``tile`` come from
 the mode's ``ModeLayout``. The result dtype is :func:`result_dtype`: ``float64_result`` asks
@@ -238,12 +242,14 @@ def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
         raise ValueError(f"this trie has no {mode!r} mode (modes: {sorted(layout.modes)})")
     validate_values(values, layout, exact_width)
     chosen = resolve_backend(backend, values.device, reduction)
-    # The CPU kernel checks each row as it reads it. Elsewhere the rows are checked before
-    # the kernels and the verdict is read once they are enqueued: on a GPU the kernels then
-    # follow the check without waiting for the host to read it (a bad row's results are
-    # computed, then dropped with the error).
-    bad = bad_rows(values, reduction) if chosen != "cpu" else None
-    out = run_backend(values, layout, reduction, mode, chosen, float64_result)
+    # The verdict on the rows (see the module docstring) is read once the kernels are
+    # enqueued: on a GPU they then run without waiting for the host to read it (a bad row's
+    # results are computed, then dropped with the error).
+    own_check = reduction in _backend_module(chosen).OWN_ROW_CHECK
+    bad = None if own_check else bad_rows(values, reduction)
+    out, row_lse = run_backend(values, layout, reduction, mode, chosen, float64_result)
+    if row_lse is not None:
+        bad = ~torch.isfinite(row_lse)
     raise_bad_rows(values, bad, reduction)
     logger.debug("trie_reduce %s %s B=%d N=%d on %s via %s", reduction, mode,
                  values.shape[0], layout.num_nodes, values.device, chosen)
@@ -251,9 +257,10 @@ def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
 
 
 def run_backend(values: torch.Tensor, layout: TrieLayout, reduction: str, mode: str,
-                backend: str, float64_result: bool = False) -> torch.Tensor:
+                backend: str, float64_result: bool = False):
     """Run one concrete backend on values :func:`trie_reduce` has validated (and checked
-    row by row, unless ``backend`` is ``cpu``); ``bench.gpu`` times this directly."""
+    row by row, unless the backend does that itself): (result, row_lse or None), the
+    backend contract's pair. ``bench.gpu`` times this directly."""
     if reduction != "log_mass" and values.dtype in (torch.float16, torch.bfloat16):
         values = values.float()
     # Node values are not differentiable: every backend gets a plain tensor (the reference
@@ -263,7 +270,7 @@ def run_backend(values: torch.Tensor, layout: TrieLayout, reduction: str, mode: 
     if values.shape[0] == 0:
         return torch.empty(0, layout.num_nodes,
                            dtype=result_dtype(reduction, values.dtype, float64_result),
-                           device=values.device)
+                           device=values.device), None
     ml = layout.modes[mode]
     return _backend_module(backend).trie_reduce(
         values, layout.device_arrays(mode, values.device), reduction,

@@ -12,6 +12,8 @@ import torch
 
 from genlm_fast.ops.dispatch import result_dtype
 
+OWN_ROW_CHECK = ()  # the dispatcher checks every row before this backend runs
+
 
 def _segments(arrays):
     """Expanded leaf positions and per-node lengths, built once per (mode, device)."""
@@ -30,7 +32,7 @@ def _segments(arrays):
 
 
 def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
-                num_scratch: int = 0, tile: int = 0, float64_result: bool = False) -> torch.Tensor:
+                num_scratch: int = 0, tile: int = 0, float64_result: bool = False):
     """The backend contract of ``genlm_fast.ops.dispatch`` (tiles and scratch unused)."""
     positions, lengths = _segments(arrays)
     B = values.shape[0]
@@ -54,4 +56,4 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
         scaled = torch.exp(data - safe_peak[:, owner])
         total = torch.segment_reduce(scaled, "sum", lengths=lens, axis=1, unsafe=True, initial=0.0)
         out = torch.where(torch.isinf(peak), peak, safe_peak + torch.log(total))
-    return out.to(result_dtype(reduction, values.dtype, float64_result))
+    return out.to(result_dtype(reduction, values.dtype, float64_result)), None

@@ -30,6 +30,8 @@ from genlm_fast.kernels import trie_reduce as kernels
 from genlm_fast.ops.dispatch import result_dtype
 from genlm_fast.ops.layout import SPAN_NARROW_TILES
 
+OWN_ROW_CHECK = ()  # the dispatcher checks every row before this backend runs
+
 _CODES = {"sum": kernels.REDUCE_SUM.value, "max": kernels.REDUCE_MAX.value,
           "log_mass": kernels.REDUCE_LOG_MASS.value}
 
@@ -107,7 +109,7 @@ def _row_lse_partials(values: torch.Tensor, acc_dtype: torch.dtype):
 
 
 def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
-                num_scratch: int, tile: int, float64_result: bool = False) -> torch.Tensor:
+                num_scratch: int, tile: int, float64_result: bool = False):
     if float64_result:  # the kernels give float64 for float64 values
         values = values.double()
     B = values.shape[0]
@@ -118,7 +120,7 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
         r1 = min(B, r0 + MAX_GRID_ROWS)
         _reduce_rows(values[r0:r1], out[r0:r1], arrays, reduction, num_nodes=num_nodes,
                      num_scratch=num_scratch, tile=tile)
-    return out
+    return out, None
 
 
 def _reduce_rows(values: torch.Tensor, out: torch.Tensor, arrays: dict, reduction: str, *,

@@ -635,3 +635,58 @@ def test_row_lse_flags_exactly_the_bad_rows(emulator, tmp_path):
         np.testing.assert_allclose(lse[good], want_lse, rtol=0, atol=1e-6)
         assert_matches(got[good], reference(x[good], trie.layout, "log_mass"), "log_mass")
 
+
+def test_dispatcher_names_bad_rows_from_the_cuda_lse_pass(emulator, tmp_path, monkeypatch):
+    """Through dispatch.trie_reduce and the real cuda_backend, with the emulated kernels as
+    the extension (the binding's call, run by the emulator: scratch filled in place): for
+    log_mass the dispatcher makes no pass of its own over the logits and names the first
+    bad row from the lse the kernels leave in scratch; sum still gets the dispatcher's
+    check (the kernels flag nothing there), and good rows give the reference's values."""
+    from genlm_fast.ops import cuda_backend, extension
+
+    words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(40)]
+    layout = make_trie(words).layout
+
+    class EmulatedBinding:
+        @staticmethod
+        def trie_reduce_cuda(values, *args):
+            scratch, reduction = args[14], args[15]
+            status, errors, _, out, filled = run_emulated(emulator, str(tmp_path), values,
+                                                          layout, reduction)
+            assert status == 0 and errors == 0
+            scratch.copy_(torch.from_numpy(filled.copy()))
+            return torch.from_numpy(out.copy())
+
+    passes = []
+    real_bad_rows = dispatch.bad_rows
+    monkeypatch.setattr(extension, "has", lambda kind: kind == "cuda")
+    monkeypatch.setattr(extension, "load_module", lambda: EmulatedBinding)
+    monkeypatch.setattr(dispatch, "resolve_backend", lambda backend, device, reduction: "cuda")
+    monkeypatch.setattr(dispatch, "bad_rows",
+                        lambda values, reduction: passes.append(reduction) or
+                        real_bad_rows(values, reduction))
+    assert cuda_backend.OWN_ROW_CHECK == ("log_mass",)
+
+    rng = np.random.default_rng(2)
+    rows = rng.standard_normal((4, 43)) * 10
+    out, used = dispatch.trie_reduce(torch.from_numpy(rows).float(), layout, "log_mass")
+    assert used == "cuda" and passes == []
+    assert_matches(out.numpy(), reference(torch.from_numpy(rows).float(), layout, "log_mass"),
+                   "log_mass")
+    for value, message in [(np.nan, "logit row 2 contains NaN"),
+                           (np.inf, r"logit row 2 contains \+inf"),
+                           (-np.inf, r"logit row 2 has no finite logit \(all -inf\)")]:
+        bad = rows.copy()
+        if value == -np.inf:
+            bad[2] = -np.inf
+        else:
+            bad[2, 42] = value  # in a padding column, past the vocabulary
+        bad[3, 0] = np.nan  # a later bad row: the first one is named
+        with pytest.raises(ValueError, match=message):
+            dispatch.trie_reduce(torch.from_numpy(bad).float(), layout, "log_mass")
+    assert passes == []
+    weights = torch.from_numpy(rng.random((3, 40))).float()
+    weights[1, 5] = float("nan")
+    with pytest.raises(ValueError, match="weight row 1 contains NaN"):
+        dispatch.trie_reduce(weights, layout, "sum")
+    assert passes == ["sum"]

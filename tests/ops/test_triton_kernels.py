@@ -145,9 +145,9 @@ def test_spanning_nodes_narrow_and_wide(reduction):
     arrays = layout.device_arrays("without_eos", DEVICE)
     assert arrays["span_narrow"] == narrow
     for split in sorted({0, narrow // 2, narrow, len(counts)}):
-        got = triton_backend.trie_reduce(x.to(DEVICE), {**arrays, "span_narrow": split},
-                                         reduction, num_nodes=layout.num_nodes,
-                                         num_scratch=ml.num_scratch, tile=ml.tile)
+        got, _ = triton_backend.trie_reduce(x.to(DEVICE), {**arrays, "span_narrow": split},
+                                            reduction, num_nodes=layout.num_nodes,
+                                            num_scratch=ml.num_scratch, tile=ml.tile)
         assert_matches(got.cpu(), want, reduction)
 
 

@@ -426,13 +426,14 @@ def io_bytes(x, op: str, num_nodes: int) -> tuple[int, int]:
 
 
 def kernel_call(backend, values, layout, reduction, mode="without_eos"):
-    """The backend alone (``dispatch.run_backend``: no validation, no row check)."""
+    """The backend alone (``dispatch.run_backend``: no validation, no row check; the CUDA
+    log_mass row verdict comes out of its lse pass, unread here); returns the result."""
     from genlm_fast.ops import dispatch
 
     layout.device_arrays(mode, values.device)  # built outside the timed calls
 
     def fn():
-        return dispatch.run_backend(values, layout, reduction, mode, backend)
+        return dispatch.run_backend(values, layout, reduction, mode, backend)[0]
 
     return fn
 
@@ -666,11 +667,54 @@ def triton_sweep(args, context) -> list[dict]:
     return out
 
 
+def _bench_input(context, op: str, B: int):
+    """The benchmark's [B, V] input for ``op`` (logits for log_mass, else probabilities)."""
+    from bench import kernels as K
+
+    logits, probs = K.make_inputs(len(context["vocab"]), B)
+    return (logits if op == "log_mass" else probs).to(context["device"]).contiguous()
+
+
+# (op, B) pairs timed with the CUDA kernels' dependent launches off and on (--pdl)
+PDL_CASES = (("sum", 1), ("sum", 32), ("log_mass", 1), ("log_mass", 64))
+
+
+def pdl_comparison(context) -> list[dict]:
+    """The CUDA kernels alone with ordinary launches (GENLM_FAST_CUDA_PDL=0, read by the
+    extension at each call) and with programmatic dependent launches (the default on
+    sm_90+), side by side in one process; each result checked equal to the other first."""
+    import torch
+
+    if "cuda" not in context["backends"] or context["device"].type != "cuda":
+        print("--pdl: no CUDA backend on a GPU here; nothing to compare", flush=True)
+        return []
+    out = []
+    for op, B in PDL_CASES:
+        fn = kernel_call("cuda", _bench_input(context, op, B), context["layout"], op)
+        row = {"op": op, "B": B}
+        try:
+            for name, value in (("ordinary", "0"), ("dependent", "1")):
+                os.environ["GENLM_FAST_CUDA_PDL"] = value
+                row[f"{name}_result"] = fn()
+                row[f"{name}_ms"] = bench_ms(fn, context["device"], context["how"])
+            assert torch.equal(row.pop("ordinary_result"), row.pop("dependent_result")), \
+                "the two launch modes disagree"
+        except Exception as e:  # noqa: BLE001
+            row = {"op": op, "B": B, "failed": f"{type(e).__name__}: {e}"}
+        finally:
+            os.environ.pop("GENLM_FAST_CUDA_PDL", None)
+        out.append(row)
+        print(f"pdl {op:8s} B={B:<4d} " + (row.get("failed") or
+              f"ordinary {row['ordinary_ms']:.4f} ms, dependent {row['dependent_ms']:.4f} ms"),
+              flush=True)
+    return out
+
+
 def _f(x, fmt):
     return "-" if x is None else format(x, fmt)
 
 
-def table(rows, info, command: str, sweep_rows=()) -> str:
+def table(rows, info, command: str, sweep_rows=(), pdl_rows=()) -> str:
     lines = ["# genlm_fast GPU trie kernels", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in info.items()]
     lines += ["", f"Command: `{command}`", "",
@@ -720,6 +764,18 @@ def table(rows, info, command: str, sweep_rows=()) -> str:
               "| goal | backend | measured | met |", "|---|---|---:|---|"]
     for r in goals(rows):
         lines.append(f"| {r['goal']} | {r['backend']} | {r['measured']} | {r['met']} |")
+    if pdl_rows:
+        lines += ["", "CUDA kernels alone, ordinary launches (`GENLM_FAST_CUDA_PDL=0`) vs "
+                  "programmatic dependent launches (`--pdl`; each result checked equal first):",
+                  "", "| op | B | ordinary ms | dependent ms | ordinary / dependent |",
+                  "|---|---:|---:|---:|---:|"]
+        for r in pdl_rows:
+            if "failed" in r:
+                lines.append(f"| {r['op']} | {r['B']} | FAILED: {r['failed']} | | |")
+            else:
+                lines.append(f"| {r['op']} | {r['B']} | {r['ordinary_ms']:.4f} | "
+                             f"{r['dependent_ms']:.4f} | "
+                             f"{r['ordinary_ms'] / r['dependent_ms']:.3f} |")
     if sweep_rows:
         lines += ["", "Triton tile-kernel configurations (`--sweep`; constants of "
                   "`genlm_fast.ops.triton_backend`; kernels alone, each checked against the "
@@ -790,6 +846,9 @@ def main(argv=None) -> int:
                         help=f"run the same code path on CPU (reference/cpu/triton-interpreter "
                         f"backends, first {DRY_RUN_TOKENS} tokens, B in {DRY_RUN_BATCHES}) to test this "
                         "script")
+    parser.add_argument("--pdl", action="store_true",
+                        help="then time the CUDA kernels with ordinary and with programmatic "
+                        "dependent launches (a section of the table)")
     parser.add_argument("--sweep", action="store_true",
                         help="then time the Triton tile kernels in every TRITON_SWEEP "
                         "configuration (a section of the table)")
@@ -813,10 +872,11 @@ def main(argv=None) -> int:
         out = REPO / "bench" / "results" / f"gpu-{dev}-{datetime.date.today().isoformat()}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     text = table(rows, info, command.strip())
-    out.write_text(text)  # before the sweep: a session cut short keeps the main table
-    if args.sweep:
-        sweep_rows = triton_sweep(args, context)
-        text = table(rows, info, command.strip(), sweep_rows)
+    out.write_text(text)  # before the extras: a session cut short keeps the main table
+    pdl_rows = pdl_comparison(context) if args.pdl else []
+    sweep_rows = triton_sweep(args, context) if args.sweep else []
+    if pdl_rows or sweep_rows:
+        text = table(rows, info, command.strip(), sweep_rows, pdl_rows)
         out.write_text(text)
     print()
     print(text)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (the device tool; README "GPU sessions"):
 #     bash scripts/gpu_session.sh tests    # build with the CUDA kernels, run the GPU tests
-#     bash scripts/gpu_session.sh bench    # python -m bench.gpu --sweep (Llama-3 vocabulary)
+#     bash scripts/gpu_session.sh bench    # python -m bench.gpu --pdl --sweep (Llama-3 vocabulary)
 #     bash scripts/gpu_session.sh profile  # ncu on the CUDA tile and span kernels
 #     bash scripts/gpu_session.sh all      # all three in one device call: build, bench,
 #                                          # profile (at most PROFILE_S = 80 s), tests
@@ -15,7 +15,7 @@
 # 30 s after a call, so two calls usually mean two builds; `all` bounds the benchmark and the
 # tests with timeouts that share what the build leaves of TOTAL_S = 585 s (BENCH_S and
 # TESTS_S override them), to fit the 10-minute limit; PYTEST_ARGS adds pytest arguments,
-# BENCH_ARGS replaces the benchmark's --sweep). What comes back: the benchmark table, the
+# BENCH_ARGS replaces the benchmark's --pdl --sweep). What comes back: the benchmark table, the
 # test log, env.txt and, if a test crashed the interpreter, its C stack (crash.txt); the
 # rest (build log, test reports, the sm_90 compile table, the ncu reports ncu-*.txt) in
 # logs.tar.gz, as the tool brings back 8 files. Commit the table under bench/results/.
@@ -144,7 +144,7 @@ run_profile() {
 
 run_bench() {
   # --sweep: after the main table (written first), the Triton kernels' launch configurations
-  $PY -m bench.gpu ${BENCH_ARGS---sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
+  $PY -m bench.gpu ${BENCH_ARGS---pdl --sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
   return "${PIPESTATUS[0]}"
 }
 

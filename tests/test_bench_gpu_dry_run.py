@@ -14,6 +14,8 @@ the bytes counted as traffic, the peak bandwidth looked up, and the goals' verdi
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -205,3 +207,42 @@ def test_profile_script_dry_run(capsys):
     assert gpu_profile.main(["--dry-run-cpu", "--op", "sum", "--batch", "2", "--calls", "1"]) == 0
     out = capsys.readouterr().out
     assert "1 calls of triton sum B=2 -> (2, " in out
+
+
+def test_pdl_comparison_times_both_launch_modes_and_checks_them_equal(monkeypatch):
+    """--pdl: each case is run and timed with GENLM_FAST_CUDA_PDL=0, then =1 (the extension
+    reads it at each call), the two results must be equal, and the variable is gone after.
+    The CUDA pieces are stand-ins here (kernel_call returns what the variable says, a second
+    case disagrees); the section renders both outcomes."""
+    import torch
+
+    seen = []
+
+    def fake_kernel_call(backend, values, layout, reduction, mode="without_eos"):
+        def fn():
+            flag = os.environ.get("GENLM_FAST_CUDA_PDL")
+            seen.append((reduction, values.shape[0], flag))
+            if reduction == "log_mass" and values.shape[0] == 64 and flag == "1":
+                return torch.ones(1)  # disagrees with the ordinary launch
+            return torch.zeros(1)
+        return fn
+
+    monkeypatch.setattr(gpu, "kernel_call", fake_kernel_call)
+    monkeypatch.setattr(gpu, "_bench_input", lambda context, op, B: torch.zeros(B, 10))
+    monkeypatch.setattr(gpu, "bench_ms", lambda fn, device, how: 0.5 if
+                        os.environ["GENLM_FAST_CUDA_PDL"] == "0" else 0.4)
+    monkeypatch.delenv("GENLM_FAST_CUDA_PDL", raising=False)
+    context = {"backends": ["cuda"], "device": torch.device("cuda"), "how": "cuda_events",
+               "vocab": [b"a"] * 10, "layout": None}
+    rows = gpu.pdl_comparison(context)
+    assert "GENLM_FAST_CUDA_PDL" not in os.environ
+    assert [(r["op"], r["B"]) for r in rows] == list(gpu.PDL_CASES)
+    assert {(op, B, flag) for op, B, flag in seen} == {
+        (op, B, flag) for op, B in gpu.PDL_CASES for flag in ("0", "1")}
+    failed = [r for r in rows if "failed" in r]
+    assert [(r["op"], r["B"]) for r in failed] == [("log_mass", 64)]
+    assert "disagree" in failed[0]["failed"]
+    text = gpu.table([], {}, "cmd", pdl_rows=rows)
+    assert "| sum | 32 | 0.5000 | 0.4000 | 1.250 |" in text
+    assert "| log_mass | 64 | FAILED: AssertionError: the two launch modes disagree |" in text
+    assert gpu.pdl_comparison({**context, "backends": ["triton"]}) == []

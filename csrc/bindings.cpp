@@ -10,11 +10,13 @@
 //                   no finite maximum for log_mass), whose result is then incomplete
 //   trie_reduce_cuda(values, leaf_token, tile_node_lo, tile_run_ptr, run_bounds, node_src,
 //                    tile_scratch_ptr, scratch_src, scratch_slot, span_node, span_left,
-//                    span_right, span_tile_lo, span_tile_hi, span_narrow, scratch,
+//                    span_right, span_tile_lo, span_tile_hi, span_narrow, span_warp, scratch,
 //                    reduction, num_nodes, num_scratch, tile)
 //                    -> Tensor[B, num_nodes]   (only when built with -DWITH_CUDA; scratch is a
-//                    float64 [B, num_scratch + 1] workspace the caller allocates; spanning
-//                    nodes [0, span_narrow) are reduced a thread each, the rest a block each)
+//                    float64 [B, num_scratch + 1] workspace the caller allocates, its last
+//                    column each row's lse for log_mass; spanning nodes [0, span_narrow) are
+//                    reduced a thread each, [span_narrow, span_warp) a warp each, the rest a
+//                    block each)
 //   empty_output_cache()  frees the cached blocks large CPU results reuse (OutputPool below)
 //   output_cache_sizes()  the bytes of each cached block, least recently returned first
 //   pack_linear_weight(weight) -> panels;  linear_small_batch(x, panels, bias, out_features,
@@ -351,7 +353,8 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
                             const at::Tensor& scratch_slot, const at::Tensor& span_node,
                             const at::Tensor& span_left, const at::Tensor& span_right,
                             const at::Tensor& span_tile_lo, const at::Tensor& span_tile_hi,
-                            int64_t span_narrow, const at::Tensor& scratch,
+                            int64_t span_narrow, int64_t span_warp,
+                            const at::Tensor& scratch,
                             const std::string& reduction, int64_t num_nodes,
                             int64_t num_scratch, int64_t tile) {
   const int red = parse_reduction(reduction);
@@ -389,8 +392,9 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   TORCH_CHECK(span_left.numel() == S && span_right.numel() == S && span_tile_lo.numel() == S &&
                   span_tile_hi.numel() == S,
               "trie_reduce_cuda: span_* arrays have different lengths");
-  TORCH_CHECK(span_narrow >= 0 && span_narrow <= S, "trie_reduce_cuda: span_narrow = ",
-              span_narrow, " is not in [0, ", S, "]");
+  TORCH_CHECK(span_narrow >= 0 && span_narrow <= span_warp && span_warp <= S,
+              "trie_reduce_cuda: need 0 <= span_narrow <= span_warp <= S = ", S, ", got ",
+              span_narrow, " and ", span_warp);
   TORCH_CHECK(num_nodes >= 1, "trie_reduce_cuda: num_nodes must be positive");
   TORCH_CHECK(num_scratch >= n_tiles, "trie_reduce_cuda: num_scratch (", num_scratch,
               ") must cover the ", n_tiles, " tile totals");
@@ -427,6 +431,7 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   A.span_tile_hi = span_tile_hi.data_ptr<int32_t>();
   A.S = S;
   A.span_narrow = span_narrow;
+  A.span_warp = span_warp;
   A.num_nodes = num_nodes;
   A.scratch = scratch.data_ptr<double>();
   A.scratch_stride = scratch.size(1);
@@ -474,7 +479,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("scratch_slot"),
         pybind11::arg("span_node"), pybind11::arg("span_left"), pybind11::arg("span_right"),
         pybind11::arg("span_tile_lo"), pybind11::arg("span_tile_hi"),
-        pybind11::arg("span_narrow"), pybind11::arg("scratch"), pybind11::arg("reduction"),
+        pybind11::arg("span_narrow"), pybind11::arg("span_warp"), pybind11::arg("scratch"),
+        pybind11::arg("reduction"),
         pybind11::arg("num_nodes"), pybind11::arg("num_scratch"), pybind11::arg("tile"));
   m.attr("has_cuda") = true;
 #else

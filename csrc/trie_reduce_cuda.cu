@@ -44,11 +44,14 @@
 //      right piece, all in the row's scratch. Nodes are sorted by tile count and most have
 //      a few whole tiles (Llama-3: 5,171 nodes, 5,591 tiles in all): the first
 //      `span_narrow` nodes (genlm_fast/ops/layout.py: at most SPAN_NARROW_TILES tiles) get
-//      one thread per (node, row), consecutive threads at consecutive nodes; the wide rest
-//      (the root and the top levels, a few dozen) one block per (node, row), its threads
-//      striding over the tiles (a warp each took ~5 us on the root's 2,000 tiles, a third
-//      of the pass). One launch: the narrow part is the grid's first blocks. Sums in
-//      double; log_mass as the max, then a double sum of exp(v - max).
+//      one thread per (node, row), consecutive threads at consecutive nodes; the next ones
+//      up to `span_warp` (at most SPAN_WARP_TILES tiles; Llama-3: 31 nodes of 17 to 95)
+//      one warp per (node, row), its lanes striding over the tiles; the widest (the root
+//      and a few more: 2 on Llama-3, the root's ~2,000 tiles took a warp ~5 us) one block
+//      per (node, row). (A block for each of the 33 nodes above 16 tiles made 2,112 blocks
+//      of mostly idle threads at B=64, twice the narrow part's.) One launch: narrow blocks
+//      first, then blocks of kSpanWarps warp nodes, then the block nodes. Sums in double;
+//      log_mass as the max, then a double sum of exp(v - max).
 //  Memory: the output is written once and never read here, so it is stored evict-first
 //  (__stcs); the logits are loaded with an L2 evict-last hint (load_keep): (a) reads each
 //  row once, coalesced, and (b) gathers every column again, each 32-byte sector by ~8
@@ -615,9 +618,33 @@ __device__ __forceinline__ double span_reduce_thread(const double* sc, int32_t t
   }
 }
 
-// A wide node's value, one block: its threads stride over the elements (the root's ~2,000
-// tiles: ~8 loads a thread), then warps and the block merge; the same passes as above.
-// Every thread returns the value.
+// A wider node's value, one warp: its lanes stride over the elements (at most
+// SPAN_WARP_TILES + 2: ~8 loads a lane), then the warp merge; the same passes as above.
+// Every lane returns the value.
+template <int RED>
+__device__ __forceinline__ double span_reduce_warp(const double* sc, int32_t t0, int32_t n,
+                                                   int32_t left, int32_t right) {
+  const int lane = threadIdx.x & 31;
+  double acc = identity<RED>();  // log_mass: the max
+  for (int32_t k = lane; k < n + 2; k += 32) {
+    const double v = span_element<RED>(sc, t0, n, left, right, k);
+    acc = RED == kSum ? acc + v : vmax(acc, v);
+  }
+  acc = RED == kSum ? warp_sum(acc) : warp_max(acc);
+  if constexpr (RED != kLogMass) {
+    return acc;
+  } else {
+    if (acc == neg_inf()) return acc;  // the same for the whole warp
+    double z = 0.0;
+    for (int32_t k = lane; k < n + 2; k += 32)
+      z += fast_exp(static_cast<float>(span_element<RED>(sc, t0, n, left, right, k) - acc));
+    return acc + static_cast<double>(fast_log(static_cast<float>(warp_sum(z))));  // z >= 1
+  }
+}
+
+// The widest nodes' values, one block: its threads stride over the elements (the root's
+// ~2,000 tiles: ~8 loads a thread), then warps and the block merge; the same passes as
+// above. Every thread returns the value.
 template <int RED>
 __device__ __forceinline__ double span_reduce_block(const double* sc, int32_t t0, int32_t n,
                                                     int32_t left, int32_t right) {
@@ -657,26 +684,33 @@ __global__ void __launch_bounds__(kSpanThreads)
     span_kernel(const int32_t* __restrict__ span_node, const int32_t* __restrict__ span_left,
                 const int32_t* __restrict__ span_right, const int32_t* __restrict__ span_tile_lo,
                 const int32_t* __restrict__ span_tile_hi, int64_t S, int64_t narrow,
-                int64_t narrow_blocks, const double* __restrict__ scratch, int64_t stride,
-                Out* __restrict__ out, int64_t num_nodes, int64_t row0) {
+                int64_t narrow_blocks, int64_t warp_end, int64_t warp_blocks,
+                const double* __restrict__ scratch, int64_t stride, Out* __restrict__ out,
+                int64_t num_nodes, int64_t row0) {
   const int64_t row = row0 + blockIdx.y;
   const double* sc = scratch + row * stride;
-  const bool is_narrow = static_cast<int64_t>(blockIdx.x) < narrow_blocks;
-  const int64_t s = is_narrow  // a thread per narrow node, a block per wide one
-                        ? static_cast<int64_t>(blockIdx.x) * kSpanThreads + threadIdx.x
-                        : narrow + static_cast<int64_t>(blockIdx.x) - narrow_blocks;
-  if (is_narrow && s >= narrow) return;
+  const int64_t bx = blockIdx.x;
+  // the node: a thread per narrow one, a warp per wider one, a block per widest one
+  const int kind = bx < narrow_blocks ? 0 : bx < narrow_blocks + warp_blocks ? 1 : 2;
+  const int64_t s =
+      kind == 0 ? bx * kSpanThreads + threadIdx.x
+      : kind == 1 ? narrow + (bx - narrow_blocks) * kSpanWarps + (threadIdx.x >> 5)
+                  : warp_end + bx - narrow_blocks - warp_blocks;
+  if ((kind == 0 && s >= narrow) || (kind == 1 && s >= warp_end)) return;  // whole warps in 1
   const int32_t t0 = span_tile_lo[s], n = span_tile_hi[s] - t0;
   const int32_t left = span_left[s], right = span_right[s], node = span_node[s];
   // launched dependent on the tile kernel: its scratch values read, and its write of this
   // node's id (the empty value) overwritten, only once it is done
   wait_for_previous_kernel();
-  if (is_narrow) {
-    store_out(out + row * num_nodes + node,
-              static_cast<Out>(span_reduce_thread<RED>(sc, t0, n, left, right)));
+  Out* dst = out + row * num_nodes + node;
+  if (kind == 0) {
+    store_out(dst, static_cast<Out>(span_reduce_thread<RED>(sc, t0, n, left, right)));
+  } else if (kind == 1) {
+    const double res = span_reduce_warp<RED>(sc, t0, n, left, right);
+    if ((threadIdx.x & 31) == 0) store_out(dst, static_cast<Out>(res));
   } else {
     const double res = span_reduce_block<RED>(sc, t0, n, left, right);
-    if (threadIdx.x == 0) store_out(out + row * num_nodes + node, static_cast<Out>(res));
+    if (threadIdx.x == 0) store_out(dst, static_cast<Out>(res));
   }
 }
 
@@ -719,14 +753,15 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
       return err;
     if (A.S > 0) {
       const int64_t narrow_blocks = (A.span_narrow + kSpanThreads - 1) / kSpanThreads;
-      const int64_t wide_blocks = A.S - A.span_narrow;
-      const dim3 sgrid(static_cast<unsigned>(narrow_blocks + wide_blocks),
+      const int64_t warp_blocks = (A.span_warp - A.span_narrow + kSpanWarps - 1) / kSpanWarps;
+      const int64_t block_nodes = A.S - A.span_warp;
+      const dim3 sgrid(static_cast<unsigned>(narrow_blocks + warp_blocks + block_nodes),
                        static_cast<unsigned>(rows));
       if (const cudaError_t err =
               enqueue(span_kernel<Out, RED>, sgrid, kSpanThreads, 0, stream, true, A.span_node,
                       A.span_left, A.span_right, A.span_tile_lo, A.span_tile_hi, A.S,
-                      A.span_narrow, narrow_blocks, A.scratch, A.scratch_stride, out,
-                      A.num_nodes, row0);
+                      A.span_narrow, narrow_blocks, A.span_warp, warp_blocks, A.scratch,
+                      A.scratch_stride, out, A.num_nodes, row0);
           err != cudaSuccess)
         return err;
     }
@@ -739,7 +774,7 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
 cudaError_t trie_reduce(const TrieArgs& A, cudaStream_t stream) {
   if (A.B == 0 || A.num_nodes == 0) return cudaSuccess;
   if (A.tile < 1 || A.tile > kMaxTile || A.n_tiles < 1 || A.scratch_stride < 1 ||
-      A.span_narrow < 0 || A.span_narrow > A.S)
+      A.span_narrow < 0 || A.span_narrow > A.span_warp || A.span_warp > A.S)
     return cudaErrorInvalidValue;
   if (A.reduction == kLogMass) {
     if (A.C < 1) return cudaErrorInvalidValue;  // no logits: no log-sum-exp

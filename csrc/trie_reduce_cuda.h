@@ -40,7 +40,8 @@ struct TrieArgs {
   const int32_t* span_tile_lo;  // first whole tile (its total sits in scratch slot = tile id)
   const int32_t* span_tile_hi;  // one past the last whole tile
   int64_t S;
-  int64_t span_narrow;  // spans [0, span_narrow) are narrow: a thread each, the rest a block
+  int64_t span_narrow;  // spans [0, span_narrow) are narrow: a thread each,
+  int64_t span_warp;    // [span_narrow, span_warp) a warp each, the rest a block each
   int64_t num_nodes;
   double* scratch;  // [B, scratch_stride] workspace; scratch_stride >= num_scratch + 1, the
                     // last column of each row holds the row's log-sum-exp (log_mass)

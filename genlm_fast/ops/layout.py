@@ -35,10 +35,13 @@ import genlm_fast
 
 TILE = 64  # leaf positions per tile; a power of two (Triton block shapes)
 # Spanning nodes with at most this many whole tiles are "narrow": the GPU backends reduce
-# one per thread (CUDA) or per lane (Triton), the wider ones (the root and the top levels)
-# with a block or a program each. Spanning nodes are sorted by tile count, so the narrow
-# ones are a prefix, [0, device_arrays(...)["span_narrow"]).
+# one per thread (CUDA) or per lane (Triton), the wider ones (the top levels of the trie)
+# with a warp (CUDA, up to SPAN_WARP_TILES tiles), a block (CUDA, wider still: the root and
+# a few more; Llama-3: 2 of 5,171) or a program (Triton) each. Spanning nodes are sorted by
+# tile count, so each class is a slice: narrow [0, device_arrays(...)["span_narrow"]), then
+# CUDA's warp class up to device_arrays(...)["span_warp"].
 SPAN_NARROW_TILES = 16
+SPAN_WARP_TILES = 256
 LAYOUT_VERSION = 5  # bump when the pickled layout changes (the disk cache key has it)
 
 
@@ -132,16 +135,17 @@ class TrieLayout:
                 )
             }
             cached["parent"] = torch.from_numpy(self.parent).to(device)
-            cached["span_narrow"] = span_narrow_end(ml)
+            cached["span_narrow"] = span_class_end(ml, SPAN_NARROW_TILES)
+            cached["span_warp"] = span_class_end(ml, SPAN_WARP_TILES)
             self._device_cache[key] = cached
         return cached
 
 
-def span_narrow_end(ml: ModeLayout) -> int:
+def span_class_end(ml: ModeLayout, max_tiles: int) -> int:
     """How many spanning nodes (a prefix: they are sorted by tile count) have at most
-    SPAN_NARROW_TILES whole tiles."""
+    ``max_tiles`` whole tiles."""
     count = ml.span_tile_hi.astype(np.int64) - ml.span_tile_lo
-    return int(np.searchsorted(count, SPAN_NARROW_TILES, side="right"))
+    return int(np.searchsorted(count, max_tiles, side="right"))
 
 
 # --------------------------------------------------------------------------- building

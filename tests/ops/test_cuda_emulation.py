@@ -39,7 +39,7 @@ import torch
 from genlm_fast.backend.tokenization import Token
 from genlm_fast.bytes import TokenByteTrie
 from genlm_fast.ops import dispatch
-from genlm_fast.ops.layout import SPAN_NARROW_TILES, span_narrow_end
+from genlm_fast.ops.layout import SPAN_NARROW_TILES, SPAN_WARP_TILES, span_class_end
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CU = os.path.join(REPO, "csrc", "trie_reduce_cuda.cu")
@@ -181,6 +181,7 @@ int main(int argc, char** argv) {
   A.reduction = static_cast<int>(h[7]);
   emu::max_grid_y = h[9];
   A.span_narrow = h[10];
+  A.span_warp = h[11];
   int64_t n;
   A.values = read_array(f, &n);
   A.leaf_token = static_cast<int32_t*>(read_array(f, &n)); A.L = n / 4;
@@ -310,14 +311,16 @@ def emulator(tmp_path_factory):
 
 def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
                  mode: str = "without_eos", max_grid_y: int = 65535, tile: int | None = None,
-                 span_narrow: int | None = None):
+                 span_narrow: int | None = None, span_warp: int | None = None):
     """(launch status, emulator errors, launches, result, scratch): the CUDA kernels' result
     for ``values`` (what cuda_backend.trie_reduce would return) and their per-row scratch
-    (log_mass: the row's lse in its last column). ``span_narrow``: how many
-    spanning nodes take the thread-per-node path (default: the layout's split)."""
+    (log_mass: the row's lse in its last column). Spanning nodes [0, ``span_narrow``) take
+    the thread-per-node path, [``span_narrow``, ``span_warp``) the warp-per-node one, the
+    rest a block each (default: the layout's splits)."""
     ml = layout.modes[mode]
     tile = ml.tile if tile is None else tile
-    span_narrow = span_narrow_end(ml) if span_narrow is None else span_narrow
+    span_narrow = span_class_end(ml, SPAN_NARROW_TILES) if span_narrow is None else span_narrow
+    span_warp = span_class_end(ml, SPAN_WARP_TILES) if span_warp is None else span_warp
     values = values.contiguous()
     B, C = values.shape
     out_double = values.dtype == torch.float64 and reduction != "log_mass"
@@ -328,7 +331,7 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
         else values.numpy()
     header = np.array([DTYPES[values.dtype], B, C, layout.num_nodes, stride, tile,
                        int(out_double), REDUCTION[reduction], 0, max_grid_y,
-                       span_narrow, 0], dtype=np.int64)
+                       span_narrow, span_warp], dtype=np.int64)
     arrays = [raw, ml.leaf_token, ml.tile_node_lo, ml.tile_run_ptr, ml.run_bounds, ml.node_src,
               ml.tile_scratch_ptr, ml.scratch_src, ml.scratch_slot, ml.span_node, ml.span_left,
               ml.span_right, ml.span_tile_lo, ml.span_tile_hi, scratch, out]
@@ -502,37 +505,47 @@ def test_long_node_blocks_and_tiles_owning_none(emulator, tmp_path, reduction, d
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
-def test_spanning_nodes_narrow_and_wide(emulator, tmp_path, reduction):
-    """The span kernel's two paths, a thread per (node, row) for the first ``span_narrow``
-    spanning nodes and a block per (node, row) for the rest, on a trie whose root and top
-    levels cover more than SPAN_NARROW_TILES whole tiles (so the layout's own split uses
-    both): each split, all-narrow and all-wide included, gives the reference's values.
-    Rows: -inf runs over whole tiles, and masses far apart. (Every wide node is a block of
-    256 OS threads here: the trie is kept just big enough.)"""
+def test_spanning_nodes_by_thread_warp_and_block(emulator, tmp_path, reduction):
+    """The span kernel's three paths, a thread per (node, row) for the first
+    ``span_narrow`` spanning nodes, a warp per (node, row) up to ``span_warp`` and a block
+    per (node, row) for the rest, on a trie whose root and top levels cover more than
+    SPAN_NARROW_TILES whole tiles (so the layout's own split uses the first two; the block
+    path is for nodes over SPAN_WARP_TILES tiles, which a test-sized trie lacks): each
+    split, each path alone and all three at once, gives the reference's values. Rows: -inf
+    runs over whole tiles, and masses far apart. (Every block node is a block of 256 OS
+    threads here: the trie is kept just big enough.)"""
     rng = np.random.default_rng(21)
     words = [bytes(rng.integers(97, 101, size=rng.integers(1, 8))) for _ in range(1200)]
     layout = make_trie(words).layout
     ml = layout.modes["without_eos"]
     counts = ml.span_tile_hi - ml.span_tile_lo
-    narrow = span_narrow_end(ml)
+    narrow = span_class_end(ml, SPAN_NARROW_TILES)
+    S = len(counts)
     assert (np.diff(counts) >= 0).all()  # sorted: the narrow nodes are a prefix
-    assert 0 < narrow < len(counts) and counts.max() > SPAN_NARROW_TILES
+    assert 0 < narrow < S and counts.max() > SPAN_NARROW_TILES
+    assert span_class_end(ml, SPAN_WARP_TILES) == S
     x = make_values(rng, 3, layout.num_columns, reduction, spread=40.0, neg_inf=0.2)
     if reduction != "sum":
         x[1, 200:900] = -np.inf  # whole tiles of -inf
     x[2] *= 1e-3 if reduction == "sum" else 3.0
     want = reference(x, layout, reduction)
-    # all wide on one row (-inf tiles; for sum the scaled row), the others on every row
+    # all by block on one row (-inf tiles; for sum the scaled row), the others on every row
     one = slice(1, 2) if reduction != "sum" else slice(2, 3)
-    for split, rows in [(0, one), (max(narrow - 24, 0), slice(None)), (narrow, slice(None)),
-                        (len(counts), slice(None))]:
+    every = slice(None)
+    for (split, warp_end), rows in [((0, 0), one), ((0, S), every), ((narrow, S), every),
+                                    ((S, S), every), ((narrow, narrow), every),
+                                    ((max(narrow - 24, 0), S - 1), every)]:
         status, errors, _, got, _ = run_emulated(emulator, str(tmp_path), x[rows], layout,
-                                                 reduction, span_narrow=split)
+                                                 reduction, span_narrow=split,
+                                                 span_warp=warp_end)
         assert status == 0 and errors == 0
-        assert_matches(got, want[rows], reduction, f"{reduction}, span_narrow={split}")
-    status, _, _, _, _ = run_emulated(emulator, str(tmp_path), x, layout, reduction,
-                                      span_narrow=len(counts) + 1)
-    assert status != 0  # a split past S is refused, not run
+        assert_matches(got, want[rows], reduction,
+                       f"{reduction}, span_narrow={split}, span_warp={warp_end}")
+    for split, warp_end in [(S + 1, S + 1), (0, S + 1), (narrow, narrow - 1)]:
+        status, _, launches, _, _ = run_emulated(emulator, str(tmp_path), x, layout,
+                                                 reduction, span_narrow=split,
+                                                 span_warp=warp_end)
+        assert status != 0 and launches == 0  # a split out of order or past S is refused
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
@@ -650,7 +663,7 @@ def test_dispatcher_names_bad_rows_from_the_cuda_lse_pass(emulator, tmp_path, mo
     class EmulatedBinding:
         @staticmethod
         def trie_reduce_cuda(values, *args):
-            scratch, reduction = args[14], args[15]
+            scratch, reduction = args[15], args[16]
             status, errors, _, out, filled = run_emulated(emulator, str(tmp_path), values,
                                                           layout, reduction)
             assert status == 0 and errors == 0

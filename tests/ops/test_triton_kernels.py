@@ -129,12 +129,12 @@ def test_spanning_nodes_narrow_and_wide(reduction):
     SPAN_NARROW_TILES whole tiles: every split of the spanning nodes between them (all
     narrow, all wide, the layout's own) gives the reference's values."""
     from genlm_fast.ops import triton_backend
-    from genlm_fast.ops.layout import SPAN_NARROW_TILES, span_narrow_end
+    from genlm_fast.ops.layout import SPAN_NARROW_TILES, span_class_end
 
     layout = layout_named("wide")
     ml = layout.modes["without_eos"]
     counts = ml.span_tile_hi - ml.span_tile_lo
-    narrow = span_narrow_end(ml)
+    narrow = span_class_end(ml, SPAN_NARROW_TILES)
     assert 0 < narrow < len(counts) and counts.max() > SPAN_NARROW_TILES
     rng = np.random.default_rng(8)
     x = rows_for(rng, 2, layout.num_columns, reduction, spread=30.0)

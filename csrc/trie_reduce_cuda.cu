@@ -141,7 +141,7 @@ __device__ __forceinline__ float fast_exp(float x) { return expf(x); }
 __device__ __forceinline__ float fast_log(float x) { return logf(x); }
 #endif
 
-// Programmatic dependent launch (sm_90+; launch_dependent below). A kernel launched
+// Programmatic dependent launch (sm_90+; enqueue below). A kernel launched
 // dependent may start while the kernel before it on the stream is still running: it must
 // call wait_for_previous_kernel() before it reads what that kernel writes or writes what
 // that kernel reads (everything before that kernel is complete already). A kernel calls
@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kLseThreads)
 // (a2) one warp per row merges the row's `splits` partials into lse = max + log(sum),
 // stored in the row's last scratch column: NaN for a bad row, one with a NaN or +inf logit
 // or no finite logit at all, and only then (cuda_backend reads this column as the row
-// check). Launched dependent on (a1) (launch_dependent).
+// check). Launched dependent on (a1) (enqueue).
 __global__ void __launch_bounds__(kSpanWarps * 32)
     row_lse_merge_kernel(int64_t rows, int64_t splits, double* __restrict__ scratch,
                          int64_t stride, int64_t row0) {
@@ -502,12 +502,11 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   }
 }
 
-// ROWS rows per tile block: the largest of 32, 16, ..., 1 the batch fills
-// Kernels (b) and (c) and (a2) follow one of ours on the stream and are launched dependent
-// on it (programmatic dependent launch, sm_90+): they start while it ends, load their
-// index arrays, and wait for it (wait_for_previous_kernel) before touching its results.
-// The first kernel of a call, (a1) or (b), is an ordinary launch: it runs after whatever
-// came before it. Dependent launches need the waits compiled in (ptxVersion >= 90; below
+// Kernels (a2), (c), and (b) after (a2), follow one of ours on the stream and are launched
+// dependent on it (programmatic dependent launch, sm_90+): they start while it ends, load
+// their index arrays, and wait for it (wait_for_previous_kernel) before touching its
+// results. The first kernel of a call, (a1) or (b), is an ordinary launch: it runs after
+// whatever came before it. Dependent launches need the waits compiled in (ptxVersion >= 90; below
 // that wait_for_previous_kernel is empty) and are off with GENLM_FAST_CUDA_PDL=0, read at
 // each call (bench/gpu.py times both ways).
 #ifdef __CUDACC__
@@ -568,6 +567,7 @@ cudaError_t launch_tiles(const TrieArgs& A, const T* values, TileValue<T, RED>* 
                  row0 + rows);
 }
 
+// ROWS rows per tile block: the largest of 32, 16, ..., 1 the batch fills
 template <class T, int RED>
 cudaError_t launch_tiles_for(const TrieArgs& A, const T* values, TileValue<T, RED>* out,
                              int64_t row0, int64_t rows, cudaStream_t stream) {

@@ -126,15 +126,16 @@ run_tests() {
 }
 
 run_profile() {
-  # ncu on one call's tile and span kernels (bench/gpu_profile.py: the CUDA log_mass at B=64
-  # and sum at B=32, the goals' shapes); where the machine withholds the performance
-  # counters, the report says so
-  local ncu op batch
+  # ncu on the third call's lse (log_mass), tile and span kernels (bench/gpu_profile.py: the
+  # CUDA log_mass at B=64 and sum at B=32, the goals' shapes; per call 3 and 2 of them);
+  # where the machine withholds the performance counters, the report says so
+  local ncu op batch per_call
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   [ -x "$ncu" ] || { echo "no ncu on this machine"; return 0; }
-  for shape in "log_mass 64" "sum 32"; do
-    read -r op batch <<<"$shape"
-    "$ncu" --kernel-name regex:'tile_kernel|span_kernel' --launch-skip 4 --launch-count 2 \
+  for shape in "log_mass 64 3" "sum 32 2"; do
+    read -r op batch per_call <<<"$shape"
+    "$ncu" --kernel-name regex:'row_lse_partial|tile_kernel|span_kernel' \
+      --launch-skip $((2 * per_call)) --launch-count "$per_call" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
       --section WarpStateStats $PY -m bench.gpu_profile --op "$op" --batch "$batch" \
       >"$OUT/ncu-$op-B$batch.txt" 2>&1

@@ -597,85 +597,62 @@ __device__ __forceinline__ double span_element(const double* sc, int32_t t0, int
   return slot >= 0 ? sc[slot] : identity<RED>();
 }
 
-// A narrow node's value, one thread: sum or max of its elements; log_mass their max, then
-// the double sum of exp(v - max) (float exp).
-template <int RED>
-__device__ __forceinline__ double span_reduce_thread(const double* sc, int32_t t0, int32_t n,
-                                                     int32_t left, int32_t right) {
-  double acc = identity<RED>();  // log_mass: the max
-  for (int32_t k = 0; k < n + 2; ++k) {
-    const double v = span_element<RED>(sc, t0, n, left, right, k);
-    acc = RED == kSum ? acc + v : vmax(acc, v);
-  }
-  if constexpr (RED != kLogMass) {
-    return acc;
-  } else {
-    if (acc == neg_inf()) return acc;  // no mass beneath the node
-    double z = 0.0;  // terms <= 1
-    for (int32_t k = 0; k < n + 2; ++k)
-      z += fast_exp(static_cast<float>(span_element<RED>(sc, t0, n, left, right, k) - acc));
-    return acc + static_cast<double>(fast_log(static_cast<float>(z)));  // z >= 1
-  }
-}
-
-// A wider node's value, one warp: its lanes stride over the elements (at most
-// SPAN_WARP_TILES + 2: ~8 loads a lane), then the warp merge; the same passes as above.
-// Every lane returns the value.
-template <int RED>
-__device__ __forceinline__ double span_reduce_warp(const double* sc, int32_t t0, int32_t n,
-                                                   int32_t left, int32_t right) {
-  const int lane = threadIdx.x & 31;
-  double acc = identity<RED>();  // log_mass: the max
-  for (int32_t k = lane; k < n + 2; k += 32) {
-    const double v = span_element<RED>(sc, t0, n, left, right, k);
-    acc = RED == kSum ? acc + v : vmax(acc, v);
-  }
-  acc = RED == kSum ? warp_sum(acc) : warp_max(acc);
-  if constexpr (RED != kLogMass) {
-    return acc;
-  } else {
-    if (acc == neg_inf()) return acc;  // the same for the whole warp
-    double z = 0.0;
-    for (int32_t k = lane; k < n + 2; k += 32)
-      z += fast_exp(static_cast<float>(span_element<RED>(sc, t0, n, left, right, k) - acc));
-    return acc + static_cast<double>(fast_log(static_cast<float>(warp_sum(z))));  // z >= 1
-  }
-}
-
-// The widest nodes' values, one block: its threads stride over the elements (the root's
-// ~2,000 tiles: ~8 loads a thread), then warps and the block merge; the same passes as
-// above. Every thread returns the value.
-template <int RED>
-__device__ __forceinline__ double span_reduce_block(const double* sc, int32_t t0, int32_t n,
-                                                    int32_t left, int32_t right) {
-  __shared__ double part[kSpanWarps];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  double acc = identity<RED>();  // log_mass: the max
-  for (int32_t k = threadIdx.x; k < n + 2; k += kSpanThreads) {
-    const double v = span_element<RED>(sc, t0, n, left, right, k);
-    acc = RED == kSum ? acc + v : vmax(acc, v);
-  }
-  acc = RED == kSum ? warp_sum(acc) : warp_max(acc);
-  if (lane == 0) part[warp] = acc;
-  __syncthreads();
-  acc = part[0];
-#pragma unroll
-  for (int w = 1; w < kSpanWarps; ++w) acc = RED == kSum ? acc + part[w] : vmax(acc, part[w]);
-  if constexpr (RED != kLogMass) {
-    return acc;
-  } else {
-    if (acc == neg_inf()) return acc;  // the same for the whole block
-    __syncthreads();  // every thread has read part
-    double z = 0.0;
-    for (int32_t k = threadIdx.x; k < n + 2; k += kSpanThreads)
-      z += fast_exp(static_cast<float>(span_element<RED>(sc, t0, n, left, right, k) - acc));
-    z = warp_sum(z);
-    if (lane == 0) part[warp] = z;
+// Who reduces one spanning node: a thread (narrow nodes), a warp (wider ones, at most
+// SPAN_WARP_TILES + 2 elements: ~8 loads a lane) or a block (the widest: the root's ~2,000
+// tiles, ~8 loads a thread). Each member takes elements rank(), rank() + kSize, ...; sum
+// and max combine the members' values, every member getting the result.
+struct ThreadGroup {
+  static constexpr int kSize = 1;
+  __device__ static int rank() { return 0; }
+  __device__ static double sum(double v) { return v; }
+  __device__ static double max(double v) { return v; }
+};
+struct WarpGroup {
+  static constexpr int kSize = 32;
+  __device__ static int rank() { return threadIdx.x & 31; }
+  __device__ static double sum(double v) { return warp_sum(v); }
+  __device__ static double max(double v) { return warp_max(v); }
+};
+struct BlockGroup {
+  static constexpr int kSize = kSpanThreads;
+  __device__ static int rank() { return threadIdx.x; }
+  // warps, then the warps' results in order; the leading barrier lets a second combine
+  // reuse `part` once every thread has read the first's
+  template <bool kSum>
+  __device__ static double combine(double v) {
+    __shared__ double part[kSpanWarps];
+    v = kSum ? warp_sum(v) : warp_max(v);
     __syncthreads();
-    z = part[0];
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = part[0];
 #pragma unroll
-    for (int w = 1; w < kSpanWarps; ++w) z += part[w];
-    return acc + static_cast<double>(fast_log(static_cast<float>(z)));  // z >= 1
+    for (int w = 1; w < kSpanWarps; ++w) v = kSum ? v + part[w] : vmax(v, part[w]);
+    return v;
+  }
+  __device__ static double sum(double v) { return combine<true>(v); }
+  __device__ static double max(double v) { return combine<false>(v); }
+};
+
+// A spanning node's value, by one Group: sum or max of its elements; log_mass their max,
+// then the double sum of exp(v - max) (float exp). Every member returns the value.
+template <int RED, class Group>
+__device__ __forceinline__ double span_reduce(const double* sc, int32_t t0, int32_t n,
+                                              int32_t left, int32_t right) {
+  double acc = identity<RED>();  // log_mass: the max
+  for (int32_t k = Group::rank(); k < n + 2; k += Group::kSize) {
+    const double v = span_element<RED>(sc, t0, n, left, right, k);
+    acc = RED == kSum ? acc + v : vmax(acc, v);
+  }
+  acc = RED == kSum ? Group::sum(acc) : Group::max(acc);
+  if constexpr (RED != kLogMass) {
+    return acc;
+  } else {
+    if (acc == neg_inf()) return acc;  // no mass beneath the node (the whole group agrees)
+    double z = 0.0;  // terms <= 1
+    for (int32_t k = Group::rank(); k < n + 2; k += Group::kSize)
+      z += fast_exp(static_cast<float>(span_element<RED>(sc, t0, n, left, right, k) - acc));
+    return acc + static_cast<double>(fast_log(static_cast<float>(Group::sum(z))));  // z >= 1
   }
 }
 
@@ -704,12 +681,12 @@ __global__ void __launch_bounds__(kSpanThreads)
   wait_for_previous_kernel();
   Out* dst = out + row * num_nodes + node;
   if (kind == 0) {
-    store_out(dst, static_cast<Out>(span_reduce_thread<RED>(sc, t0, n, left, right)));
+    store_out(dst, static_cast<Out>(span_reduce<RED, ThreadGroup>(sc, t0, n, left, right)));
   } else if (kind == 1) {
-    const double res = span_reduce_warp<RED>(sc, t0, n, left, right);
+    const double res = span_reduce<RED, WarpGroup>(sc, t0, n, left, right);
     if ((threadIdx.x & 31) == 0) store_out(dst, static_cast<Out>(res));
   } else {
-    const double res = span_reduce_block<RED>(sc, t0, n, left, right);
+    const double res = span_reduce<RED, BlockGroup>(sc, t0, n, left, right);
     if (threadIdx.x == 0) store_out(dst, static_cast<Out>(res));
   }
 }

@@ -447,6 +447,10 @@ def compile_layout(parent, node_first, leaf_node, token_column, edge_key, eos_no
     the trie has an EOS node, a ``with_eos`` mode where ``eos_positions`` deposit there."""
     num_nodes = len(parent)
     token_column = np.asarray(token_column, dtype=np.int64)
+    # each column feeds at most one leaf (the CUDA tile kernel drops from L2 the staged values
+    # it has read: no other leaf may need them)
+    if len(token_column) and (token_column.min() < 0 or np.bincount(token_column).max() > 1):
+        raise ValueError("token columns must be distinct and non-negative")
     leaf_node = np.asarray(leaf_node, dtype=np.int64)
     layout = TrieLayout(
         num_nodes=num_nodes,

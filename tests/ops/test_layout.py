@@ -174,3 +174,20 @@ def test_tile_decomposition_gives_every_node(words, n_eos, tile):
                                    rtol=1e-12, atol=0)
         np.testing.assert_allclose(evaluate_sources(ml, trie.layout.num_nodes, weights), want,
                                    rtol=1e-12, atol=0)
+
+
+def test_each_column_feeds_at_most_one_leaf():
+    """compile_layout refuses token columns shared by two vocabulary positions, or negative:
+    the CUDA tile kernel drops the staged values it has read from L2, which is only right
+    when no other leaf reads that column. A permutation of the columns is accepted, and each
+    mode's leaf order then holds every column once."""
+    words = [b"a", b"ab", b"b"]
+    keys = [(None, i) for i in range(len(words))]
+    parent, first, leaf_node, edge_key, eos_node = layout.build_structure(words, keys, True, "EOS")
+    for columns in ([0, 1, 0], [0, -1, 2]):
+        with pytest.raises(ValueError, match="token columns must be distinct and non-negative"):
+            layout.compile_layout(parent, first, leaf_node, columns, edge_key, eos_node)
+    built = layout.compile_layout(parent, first, leaf_node, [7, 2, 5], edge_key, eos_node,
+                                  eos_positions=[2])
+    for ml in built.modes.values():
+        assert sorted(ml.leaf_token.tolist()) == [2, 5, 7]

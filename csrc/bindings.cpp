@@ -411,6 +411,11 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   const c10::cuda::CUDAGuard guard(dev);
   genlm_fast::cuda::TrieArgs A;
   A.values = values.data_ptr();
+  // the tile kernel's gather reads the values staged, a block's rows side by side (see
+  // trie_reduce_cuda.cu, (a1)); a batch too small to gain from it gets none
+  at::Tensor staged;
+  if (B >= genlm_fast::cuda::kStageMinRows) staged = at::empty_like(values);
+  A.staged = staged.defined() ? staged.data_ptr() : nullptr;
   A.dtype = dtype_code(values.scalar_type());
   A.B = B;
   A.C = C;

@@ -12,15 +12,20 @@
 // Kernels, enqueued in order on one stream, each after the first launched dependent on the
 // one before (programmatic dependent launch, sm_90+: it starts while that one ends, and
 // waits for it before touching its results; see enqueue):
-//  (a) log_mass only: lse = max + log(sum exp(x - max)) of each row over all C columns,
-//      stored (double) in the row's last scratch column; NaN for a bad row (a NaN or +inf
-//      logit, or none finite), the row check cuda_backend hands the dispatcher.
-//      (a1) row_lse_partial: grid (splits, rows), each block reads one slice of a row once,
-//      kLseUnroll loads in flight per thread, keeping a (max, sum-exp) pair per thread: per
-//      round one max, fast exps summed pairwise in float, the sum in double; it writes the
-//      slice's partial (max, sum) to two scratch slots the tile kernel only fills later.
-//      (a2) row_lse_merge: one warp per row merges the partials. Splitting rows keeps the
-//      device busy even at B = 1.
+//  (a) the row pass, and the row lse.
+//      (a1) row_pass: grid (splits, blocks of R rows), each block reads one slice of its
+//      rows once, kLseUnroll loads in flight per thread. It does one or both of:
+//      - lse (log_mass): a (max, sum-exp) pair per thread: per round one max, fast exps
+//        summed pairwise in float, the sum in double; the slice's partial (max, sum) of
+//        each row goes to two scratch slots the tile kernel only fills later.
+//      - staging (B >= kStageMinRows, R = the tile kernel's ROWS): the values again, to a
+//        workspace where a block's rows sit side by side, column by column, so that the
+//        tile kernel's gather reads a column's values for 8 or more rows from one 32-byte
+//        sector, not one sector per (row, column). sum and max launch (a1) for this alone.
+//      (a2) row_lse_merge (log_mass): one warp per row merges the partials into lse = max +
+//      log(sum exp(x - max)) over all C columns, stored (double) in the row's last scratch
+//      column; NaN for a bad row (a NaN or +inf logit, or none finite), the row check
+//      cuda_backend hands the dispatcher. Splitting rows keeps the device busy at B = 1.
 //  (b) tile: one block per (tile, block of ROWS rows, ROWS = 1..32), 256 threads, in three
 //      phases with a barrier between each. The layout has turned the tile's local ranges
 //      into *sources* (genlm_fast/ops/layout.py, _tile_sources): a node the tile owns (its
@@ -28,8 +33,8 @@
 //      position (a one-leaf node: ~80% on real vocabularies), from one of the tile's *runs*
 //      (the distinct ranges of two leaves or more: nested, so fewer than `tile`; a chain of
 //      single-child nodes shares one) or from nowhere (empty; spanning: (c) writes it).
-//      1. gather: the rows' values of the tile's leaves, x[row, leaf_token[pos]], into
-//         shared memory, [pos][row] with an odd row stride (lanes at consecutive rows: no
+//      1. gather: the rows' values of the tile's leaves, x[row, leaf_token[pos]] (staged
+//         by (a1) or from the input rows), into shared memory, [pos][row] with an odd row stride (lanes at consecutive rows: no
 //         bank conflicts), each thread with all its loads in flight. log_mass keeps the
 //         log-probability v = x - lse (float; lse as a float pair, exact to rounding) and
 //         the tile's largest v per row (the shift), then exp(v - shift) per leaf, once.
@@ -53,9 +58,11 @@
 //      first, then blocks of kSpanWarps warp nodes, then the block nodes. Sums in double;
 //      log_mass as the max, then a double sum of exp(v - max).
 //  Memory: the output is written once and never read here, so it is stored evict-first
-//  (__stcs); the logits are loaded with an L2 evict-last hint (load_keep): (a) reads each
-//  row once, coalesced, and (b) gathers every column again, each 32-byte sector by ~8
-//  different tile blocks, which then find it in L2 instead of behind ~100 MB of output.
+//  (__stcs). Unstaged, the logits are loaded with an L2 evict-last hint (load_hinted): (a)
+//  reads each row once, coalesced, and (b) gathers every column again, each 32-byte sector
+//  by ~8 different tile blocks, which then find it in L2 instead of behind ~100 MB of
+//  output. Staged, (a1) reads them evict-first, and (b) reads each staged value exactly
+//  once (load_once: evict-first).
 // Empty nodes (no leaves; always local): 0 for sum and max, -inf for log_mass. Floats are
 // enough where they are used: the design's bound on log-masses is 1e-4 absolute, these
 // kernels stay within a few float ulps (times the magnitude, for the fast exp) of the float64
@@ -70,6 +77,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "trie_reduce_cuda.h"
@@ -84,10 +92,10 @@ constexpr int kTileWarps = kTileThreads / 32;
 // were no faster on the H200)
 constexpr int kTileBlocksPerSM = 4;
 constexpr float kFastMinMass = 1e-24f;
-constexpr int kLseThreads = 256;
+constexpr int kRowPassThreads = 256;
 constexpr int kLseUnroll = 16;      // loads in flight per thread in (a1), a power of two
-constexpr int64_t kLseMinChunk = 4096;  // columns per (a1) block, at least
-constexpr int64_t kLseTargetBlocks = 1024;  // (a1) blocks per launch to aim for (B * splits)
+constexpr int64_t kRowPassMinValues = 4096;  // values per (a1) block, at least
+constexpr int64_t kRowPassTargetBlocks = 1024;  // (a1) blocks per launch to aim for
 constexpr int kSpanWarps = 8;        // (a2) and (c): warps per block
 constexpr int kSpanThreads = kSpanWarps * 32;  // (c)'s blocks: a thread per narrow node
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -102,31 +110,48 @@ __device__ __forceinline__ double to_arith(double v) { return v; }
 __device__ __forceinline__ float to_arith(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_arith(__nv_bfloat16 v) { return __bfloat162float(v); }
 
-// A load with an L2 evict-last hint (sm_80+; elsewhere, and in the CPU emulation of
-// tests/ops/test_cuda_emulation.py, a plain load). Read-only data: ld.global.nc. The policy
-// is made once per thread (keep_policy) and passed to each load.
+// Loads with a cache hint (sm_80+; elsewhere, and in the CPU emulation of
+// tests/ops/test_cuda_emulation.py, plain loads):
+//  - load_hinted: the input values, which predate the call (read-only: ld.global.nc), with
+//    an L2 policy made once per thread: keep_policy (evict-last: read again by the tile
+//    kernel's gather) or stream_policy (evict-first: read once, by the staging row pass);
+//  - load_once: the staged values, written by the kernel before (coherent: ld.global) and
+//    read exactly once (.cs: evict-first).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 __device__ __forceinline__ uint64_t keep_policy() {
   uint64_t policy;
   asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
   return policy;
 }
-#define GF_KEEP_LOAD(PTX_TYPE, CONSTRAINT, BITS_T, FROM_BITS, T)                             \
-  __device__ __forceinline__ T load_keep(const T* p, uint64_t policy) {                    \
+__device__ __forceinline__ uint64_t stream_policy() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+#define GF_LOADS(PTX_TYPE, CONSTRAINT, BITS_T, FROM_BITS, T)                                 \
+  __device__ __forceinline__ T load_hinted(const T* p, uint64_t policy) {                  \
     BITS_T bits;                                                                           \
     asm("ld.global.nc.L2::cache_hint." PTX_TYPE " %0, [%1], %2;"                           \
         : CONSTRAINT(bits) : "l"(p), "l"(policy));                                         \
     return FROM_BITS(bits);                                                                \
+  }                                                                                        \
+  __device__ __forceinline__ T load_once(const T* p) {                                     \
+    BITS_T bits;                                                                           \
+    asm volatile("ld.global.cs." PTX_TYPE " %0, [%1];" : CONSTRAINT(bits) : "l"(p) : "memory"); \
+    return FROM_BITS(bits);                                                                \
   }
-GF_KEEP_LOAD("b32", "=r", unsigned int, __uint_as_float, float)
-GF_KEEP_LOAD("b64", "=l", long long, __longlong_as_double, double)
-GF_KEEP_LOAD("b16", "=h", unsigned short, __ushort_as_half, __half)
-GF_KEEP_LOAD("b16", "=h", unsigned short, __ushort_as_bfloat16, __nv_bfloat16)
-#undef GF_KEEP_LOAD
+GF_LOADS("b32", "=r", unsigned int, __uint_as_float, float)
+GF_LOADS("b64", "=l", long long, __longlong_as_double, double)
+GF_LOADS("b16", "=h", unsigned short, __ushort_as_half, __half)
+GF_LOADS("b16", "=h", unsigned short, __ushort_as_bfloat16, __nv_bfloat16)
+#undef GF_LOADS
 #else
 __device__ __forceinline__ uint64_t keep_policy() { return 0; }
+__device__ __forceinline__ uint64_t stream_policy() { return 0; }
 template <class T>
-__device__ __forceinline__ T load_keep(const T* p, uint64_t) { return *p; }
+__device__ __forceinline__ T load_hinted(const T* p, uint64_t) { return *p; }
+template <class T>
+__device__ __forceinline__ T load_once(const T* p) { return *p; }
 #endif
 
 // exp of a value <= 0 and log of a positive sum where a few float ulps (times the
@@ -158,6 +183,22 @@ __device__ __forceinline__ void allow_next_kernel() {
 #else
 __device__ __forceinline__ void wait_for_previous_kernel() {}
 __device__ __forceinline__ void allow_next_kernel() {}
+#endif
+
+// Drops the 128-byte L2 line at p (aligned) without writing it back: its contents become
+// undefined (sm_80+). The CPU emulation (no nvcc) makes them NaN (all bits set), so that a
+// later read of a dropped line shows; older devices keep the line.
+constexpr size_t kL2Line = 128;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+__device__ __forceinline__ void discard_l2_line(const void* p) {
+  asm volatile("discard.global.L2 [%0], 128;" ::"l"(p) : "memory");
+}
+#elif !defined(__CUDACC__)
+__device__ __forceinline__ void discard_l2_line(const void* p) {
+  std::memset(const_cast<void*>(p), 0xff, kL2Line);
+}
+#else
+__device__ __forceinline__ void discard_l2_line(const void*) {}
 #endif
 
 template <class V>
@@ -197,88 +238,146 @@ __device__ __forceinline__ void warp_lse_merge(double& m, double& z) {
   }
 }
 
-// ---------------------------------------------------------------------------- (a) row lse
+// ---------------------------------------------------------------------------- (a) row pass
 
-// (a1) grid (splits, rows): each block reads one contiguous slice of a row ONCE and writes
-// the slice's partial (m, s), m its largest logit and s the sum of exp(x - m), to scratch
-// slots [2 * split, 2 * split + 1] of its row. Those slots are free until the tile kernel,
-// which runs after (a2), writes its totals there. A thread takes its columns kLseUnroll at a
-// time, all loads in flight at once (the slice end predicated, not a serial tail); per round
-// one max, at most one rescale of its double sum, and kLseUnroll fast exps (terms <= 1)
-// summed pairwise in float: a few float ulps, against a double sum of every term. A NaN or
-// +inf logit marks the row bad: the partial's sum is NaN, whatever the rest (masks of -inf
-// around a NaN would otherwise leave the sum at 0 and the NaN unseen).
-template <class T>
-__global__ void __launch_bounds__(kLseThreads)
-    row_lse_partial_kernel(const T* __restrict__ values, int64_t C, int64_t chunk,
-                           double* __restrict__ scratch, int64_t stride, int64_t row0) {
+// (a1) grid (splits, row blocks): each block reads one slice [lo, hi) of R rows ONCE, in
+// rounds of kLseUnroll loads in flight per thread (the slice end predicated, not a serial
+// tail); the block's kRowPassThreads / R threads of a row take its columns in turn.
+//  - lse (log_mass): per thread and round one max, at most one rescale of its double sum,
+//    and kLseUnroll fast exps (terms <= 1) summed pairwise in float: a few float ulps,
+//    against a double sum of every term. The row's threads then merge, and write the
+//    slice's partial (m, s), m its largest logit and s the sum of exp(x - m), to scratch
+//    slots [2 * split, 2 * split + 1] of the row; those are free until the tile kernel,
+//    which runs after (a2), writes its totals there. A NaN or +inf logit marks the row bad:
+//    the partial's sum is NaN, whatever the rest (masks of -inf around a NaN would
+//    otherwise leave the sum at 0 and the NaN unseen).
+//  - staging (R > 1): the round's [R][window] values go through shared memory to `staged`,
+//    where the block's nr rows (R, fewer in a batch's last block) are interleaved, column
+//    by column: [C][nr] from staged + first_row * C. The tile kernel's gather then finds a
+//    column's values for all its rows side by side (nr * 4 bytes: 8 or more rows fill a
+//    32-byte sector) instead of one sector per (row, column): 8.2M sectors of L2 traffic
+//    at B=64 on Llama-3 become 1.0M, for one more write and read of the logits, in L2.
+//    The values are then read only here: loaded evict-first.
+template <class T, int R, bool LSE>
+__global__ void __launch_bounds__(kRowPassThreads)
+    row_pass_kernel(const T* __restrict__ values, int64_t C, int64_t chunk,
+                    T* __restrict__ staged, double* __restrict__ scratch, int64_t stride,
+                    int64_t row0, int64_t row_end) {
+  static_assert(R == 1 || (R >= kStageMinRows && R <= 32), "staged blocks take 8 to 32 rows");
   using A = decltype(to_arith(T()));
-  __shared__ double red_m[kLseThreads / 32];
-  __shared__ double red_s[kLseThreads / 32];
+  constexpr bool kStage = R > 1;
+  constexpr int kPerRow = kRowPassThreads / R;  // threads per row
+  constexpr int kWindow = kPerRow * kLseUnroll;  // columns per round
+  // the round's values, [column][row] with a row stride of R + R / 8: conflict-free banks
+  // (4-byte values) when a warp writes 32 / kPerRow rows of kPerRow columns each
+  constexpr int kTileStride = R + R / 8;
+  __shared__ T round_values[kStage ? kWindow * kTileStride : 1];
+  __shared__ double red_m[kRowPassThreads / 32];
+  __shared__ double red_s[kRowPassThreads / 32];
   allow_next_kernel();
-  const int64_t row = row0 + blockIdx.y;
+  const int64_t first_row = row0 + static_cast<int64_t>(blockIdx.y) * R;
+  const int nr = row_end - first_row < R ? static_cast<int>(row_end - first_row) : R;
+  const int j = static_cast<int>(threadIdx.x) / kPerRow;  // the thread's row in the block
+  const int sub = static_cast<int>(threadIdx.x) % kPerRow;
+  const bool has_row = j < nr;
   const int64_t lo = static_cast<int64_t>(blockIdx.x) * chunk;
   const int64_t hi = lo + chunk < C ? lo + chunk : C;
-  const T* x = values + row * C;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const T* x = values + (first_row + (has_row ? j : 0)) * C;
   const A no_mass = static_cast<A>(neg_inf()), pos_inf = -no_mass;
 
   A m = no_mass;  // the largest logit so far (exact)
   double s = 0.0;  // sum of exp(x - m)
   bool bad = false;  // a NaN or +inf seen
-  const uint64_t policy = keep_policy();
-  for (int64_t c0 = lo + threadIdx.x; c0 < hi; c0 += kLseUnroll * kLseThreads) {
-    A v[kLseUnroll];
+  const uint64_t policy = kStage ? stream_policy() : keep_policy();
+  for (int64_t c0 = lo; c0 < hi; c0 += kWindow) {
+    T raw[kLseUnroll];
+    bool in[kLseUnroll];
 #pragma unroll
     for (int u = 0; u < kLseUnroll; ++u) {
-      const int64_t c = c0 + u * kLseThreads;
-      v[u] = c < hi ? to_arith(load_keep(x + c, policy)) : no_mass;
+      const int64_t c = c0 + sub + u * kPerRow;
+      in[u] = has_row && c < hi;
+      raw[u] = in[u] ? load_hinted(x + c, policy) : T();
     }
-    A top = no_mass;
+    if constexpr (kStage) {
 #pragma unroll
-    for (int u = 0; u < kLseUnroll; ++u) {
-      bad |= !(v[u] < pos_inf);  // NaN compares false
-      top = vmax(top, v[u]);
+      for (int u = 0; u < kLseUnroll; ++u)
+        if (in[u]) round_values[(sub + u * kPerRow) * kTileStride + j] = raw[u];
+      __syncthreads();
+      // the round's columns for the block's rows: one contiguous stretch of staged
+      const int cols = hi - c0 < kWindow ? static_cast<int>(hi - c0) : kWindow;
+      T* dst = staged + first_row * C + c0 * nr;
+      for (int e = threadIdx.x; e < cols * R; e += kRowPassThreads) {
+        const int col = e / R, row = e % R;
+        if (row < nr) dst[col * nr + row] = round_values[col * kTileStride + row];
+      }
+      __syncthreads();  // before the next round overwrites round_values
     }
-    if (top == no_mass) continue;  // nothing but -inf (or NaN: flagged)
-    if (top > m) {  // m = -inf: s is 0 and stays 0
-      s *= static_cast<double>(expf(static_cast<float>(m - top)));
-      m = top;
+    if constexpr (LSE) {
+      A v[kLseUnroll];
+      A top = no_mass;
+#pragma unroll
+      for (int u = 0; u < kLseUnroll; ++u) {
+        v[u] = in[u] ? to_arith(raw[u]) : no_mass;
+        bad |= !(v[u] < pos_inf);  // NaN compares false
+        top = vmax(top, v[u]);
+      }
+      if (top == no_mass) continue;  // nothing but -inf (or NaN: flagged)
+      if (top > m) {  // m = -inf: s is 0 and stays 0
+        s *= static_cast<double>(expf(static_cast<float>(m - top)));
+        m = top;
+      }
+      float term[kLseUnroll];
+#pragma unroll
+      for (int u = 0; u < kLseUnroll; ++u) term[u] = fast_exp(static_cast<float>(v[u] - m));
+#pragma unroll
+      for (int w = kLseUnroll / 2; w > 0; w >>= 1) {
+#pragma unroll
+        for (int u = 0; u < w; ++u) term[u] += term[u + w];
+      }
+      s += static_cast<double>(term[0]);
     }
-    float term[kLseUnroll];
-#pragma unroll
-    for (int u = 0; u < kLseUnroll; ++u) term[u] = fast_exp(static_cast<float>(v[u] - m));
-#pragma unroll
-    for (int w = kLseUnroll / 2; w > 0; w >>= 1) {
-#pragma unroll
-      for (int u = 0; u < w; ++u) term[u] += term[u + w];
-    }
-    s += static_cast<double>(term[0]);
   }
-
-  // block merge: every thread rescales its sum to the block max, then sums
-  const double md = static_cast<double>(m);
-  const double bm_w = warp_max(md);
-  const double bad_w = warp_max(bad ? 1.0 : 0.0);
-  if (lane == 0) red_m[warp] = bad_w > 0.0 ? __longlong_as_double(kNaNBits) : bm_w;
-  __syncthreads();
-  double bm = neg_inf();
-  bool block_bad = false;
+  if constexpr (LSE) {
+    // the row's threads merge: each rescales its sum to the row's max, then they sum. They
+    // are kPerRow consecutive lanes of one warp (R >= 8: shuffles within the group), or
+    // whole warps (R = 1: the block's, through shared memory).
+    constexpr int kGroupLanes = kPerRow < 32 ? kPerRow : 32;
+    double rm = static_cast<double>(m);
+    double rbad = bad ? 1.0 : 0.0;
 #pragma unroll
-  for (int w = 0; w < kLseThreads / 32; ++w) {
-    block_bad |= red_m[w] != red_m[w];
-    bm = vmax(bm, red_m[w]);
-  }
-  const double sc = warp_sum(md == neg_inf() ? 0.0 : s * exp(md - bm));
-  if (lane == 0) red_s[warp] = sc;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double tot = 0.0;
+    for (int off = kGroupLanes / 2; off > 0; off >>= 1) {
+      rm = vmax(rm, __shfl_xor_sync(kFullMask, rm, off));
+      rbad = vmax(rbad, __shfl_xor_sync(kFullMask, rbad, off));
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if constexpr (kPerRow > 32) {
+      if (lane == 0) red_m[warp] = rbad > 0.0 ? __longlong_as_double(kNaNBits) : rm;
+      __syncthreads();
+      rm = neg_inf();
+      rbad = 0.0;
 #pragma unroll
-    for (int w = 0; w < kLseThreads / 32; ++w) tot += red_s[w];
-    double* out = scratch + row * stride + 2 * static_cast<int64_t>(blockIdx.x);
-    out[0] = bm;
-    out[1] = block_bad ? __longlong_as_double(kNaNBits) : tot;
+      for (int w = 0; w < kRowPassThreads / 32; ++w) {
+        rbad = red_m[w] != red_m[w] ? 1.0 : rbad;
+        rm = vmax(rm, red_m[w]);
+      }
+    }
+    const double md = static_cast<double>(m);
+    double rs = md == neg_inf() ? 0.0 : s * exp(md - rm);
+#pragma unroll
+    for (int off = kGroupLanes / 2; off > 0; off >>= 1)
+      rs += __shfl_xor_sync(kFullMask, rs, off);
+    if constexpr (kPerRow > 32) {
+      if (lane == 0) red_s[warp] = rs;
+      __syncthreads();
+      rs = 0.0;
+#pragma unroll
+      for (int w = 0; w < kRowPassThreads / 32; ++w) rs += red_s[w];
+    }
+    if (sub == 0 && has_row) {
+      double* out = scratch + (first_row + j) * stride + 2 * static_cast<int64_t>(blockIdx.x);
+      out[0] = rm;
+      out[1] = rbad > 0.0 ? __longlong_as_double(kNaNBits) : rs;
+    }
   }
 }
 
@@ -367,7 +466,8 @@ __device__ __forceinline__ void store_out(Out* p, Out v) { __stcs(p, v); }
 
 template <class T, int RED, int ROWS>
 __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
-    tile_kernel(const T* __restrict__ values, int64_t C, const int32_t* __restrict__ leaf_token,
+    tile_kernel(const T* __restrict__ values, const T* __restrict__ staged, int64_t C,
+                const int32_t* __restrict__ leaf_token,
                 int64_t L, const int32_t* __restrict__ tile_run_ptr,
                 const int32_t* __restrict__ run_bounds, const int32_t* __restrict__ tile_node_lo,
                 const int32_t* __restrict__ node_src,
@@ -404,12 +504,18 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   __syncthreads();
 
   // gather: thread (g, j) takes row j at positions g, g + kGroups, ...: all its loads in
-  // flight at once, unconditionally (each is a 32-byte sector of its own: the columns are
-  // scattered); a position past the tile's last leaf, or a row past the batch's, reads
-  // column 0 of row first_row and is dropped. The values predate the lse kernels, so the
-  // loads go out before the wait for them (log_mass: this kernel is launched dependent).
-  const T* row_values = values + (first_row + (j < rows ? j : 0)) * C;
+  // flight at once, unconditionally; a position past the tile's last leaf, or a row past
+  // the batch's, reads column 0 of the block's first row and is dropped. The columns are
+  // scattered over the row: in the input rows each load is a 32-byte sector of its own;
+  // staged by (a1), the block's rows of a column sit side by side ([C][rows] from
+  // first_row * C), one sector for 8 of them. The input predates the kernels before this
+  // one (log_mass: this kernel is launched dependent), so its loads go out before the wait
+  // for them; staged values only after it.
+  const int jr = j < rows ? j : 0;
+  const T* src = staged != nullptr ? staged + first_row * C + jr : values + (first_row + jr) * C;
+  const int64_t column_stride = staged != nullptr ? rows : 1;
   const uint64_t policy = keep_policy();
+  if (staged != nullptr) wait_for_previous_kernel();
   T x[kPerThread];
   bool valid[kPerThread];
 #pragma unroll
@@ -417,7 +523,8 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     const int p = g + u * kGroups;
     const int32_t column = p < tile ? token[p] : -1;
     valid[u] = j < rows && column >= 0;
-    x[u] = load_keep(row_values + (column >= 0 ? column : 0), policy);
+    const T* at = src + (column >= 0 ? column : 0) * column_stride;
+    x[u] = staged != nullptr ? load_once(at) : load_hinted(at, policy);
   }
   wait_for_previous_kernel();  // from here on: the rows' lse read, scratch written
   if constexpr (RED == kLogMass) {
@@ -467,6 +574,17 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     }
   }
   __syncthreads();
+
+  // Staged lines this block read whole (ROWS values of 4 or 8 bytes, 128 bytes: a column's
+  // values for every row of a full block) are read by no one else (a column belongs to one
+  // leaf: layout.py checks), and all its loads are done (their values are in shared
+  // memory): dropped from L2 unwritten, they cost no write-back to memory.
+  if constexpr (ROWS * sizeof(T) == kL2Line) {
+    if (staged != nullptr && rows == ROWS) {
+      for (int p = threadIdx.x; p < tile; p += kTileThreads)
+        if (token[p] >= 0) discard_l2_line(staged + first_row * C + token[p] * int64_t{ROWS});
+    }
+  }
 
   // runs, longest first, dealt round-robin to the groups
   if (j < rows) {
@@ -553,37 +671,6 @@ cudaError_t enqueue(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shm
 #else
   return cudaErrorNotSupported;
 #endif
-}
-
-template <class T, int RED, int ROWS>
-cudaError_t launch_tiles(const TrieArgs& A, const T* values, TileValue<T, RED>* out,
-                         int64_t row0, int64_t rows, cudaStream_t stream) {
-  const size_t shmem = tile_shared_bytes<TileValue<T, RED>, RED, ROWS>(A.tile);
-  const dim3 grid(static_cast<unsigned>(A.n_tiles), static_cast<unsigned>((rows + ROWS - 1) / ROWS));
-  return enqueue(tile_kernel<T, RED, ROWS>, grid, kTileThreads, shmem, stream,
-                 /*dependent=*/RED == kLogMass, values, A.C, A.leaf_token, A.L, A.tile_run_ptr,
-                 A.run_bounds, A.tile_node_lo, A.node_src, A.tile_scratch_ptr, A.scratch_src,
-                 A.scratch_slot, A.scratch, A.scratch_stride, out, A.num_nodes, A.tile, row0,
-                 row0 + rows);
-}
-
-// ROWS rows per tile block: the largest of 32, 16, ..., 1 the batch fills
-template <class T, int RED>
-cudaError_t launch_tiles_for(const TrieArgs& A, const T* values, TileValue<T, RED>* out,
-                             int64_t row0, int64_t rows, cudaStream_t stream) {
-  if (rows >= 32) {
-    return launch_tiles<T, RED, 32>(A, values, out, row0, rows, stream);
-  } else if (rows >= 16) {
-    return launch_tiles<T, RED, 16>(A, values, out, row0, rows, stream);
-  } else if (rows >= 8) {
-    return launch_tiles<T, RED, 8>(A, values, out, row0, rows, stream);
-  } else if (rows >= 4) {
-    return launch_tiles<T, RED, 4>(A, values, out, row0, rows, stream);
-  } else if (rows >= 2) {
-    return launch_tiles<T, RED, 2>(A, values, out, row0, rows, stream);
-  } else {
-    return launch_tiles<T, RED, 1>(A, values, out, row0, rows, stream);
-  }
 }
 
 // ---------------------------------------------------------------------------- (c) spanning nodes
@@ -693,55 +780,104 @@ __global__ void __launch_bounds__(kSpanThreads)
 
 // ---------------------------------------------------------------------------- launch
 
+// Staging in (a1) is on unless GENLM_FAST_CUDA_STAGE=0, read at each call (bench/gpu.py
+// times both ways).
+bool staging_on() {
+  const char* env = std::getenv("GENLM_FAST_CUDA_STAGE");
+  return env == nullptr || env[0] != '0';
+}
+
+// (a1) over rows [row0, row0 + rows), R rows a block (1: no staging): slices of each row's
+// columns, enough blocks to fill the device even at B = 1 but at least kRowPassMinValues
+// values each, whole 32-column stretches, and (lse) two scratch slots per slice's partial.
+// The slice count goes to *splits for (a2).
+template <class T, int R, bool LSE>
+cudaError_t launch_row_pass(const TrieArgs& A, const T* values, T* staged, int64_t row0,
+                            int64_t rows, int64_t* splits, cudaStream_t stream) {
+  const int64_t row_blocks = (rows + R - 1) / R;
+  int64_t n = (kRowPassTargetBlocks + row_blocks - 1) / row_blocks;
+  const int64_t by_width = (A.C * R + kRowPassMinValues - 1) / kRowPassMinValues;
+  const int64_t by_room = (A.scratch_stride - 1) / 2;
+  if (n > by_width) n = by_width;
+  if (n > by_room) n = by_room;
+  if (n < 1) n = 1;
+  const int64_t chunk = ((A.C + n - 1) / n + 31) / 32 * 32;
+  *splits = (A.C + chunk - 1) / chunk;  // no empty slice (C >= 1)
+  const dim3 grid(static_cast<unsigned>(*splits), static_cast<unsigned>(row_blocks));
+  return enqueue(row_pass_kernel<T, R, LSE>, grid, kRowPassThreads, 0, stream,
+                 /*dependent=*/false, values, A.C, chunk, staged, A.scratch, A.scratch_stride,
+                 row0, row0 + rows);
+}
+
+// The kernels for rows [row0, row0 + rows), ROWS rows per tile block, `staged` null or the
+// workspace (ROWS >= kStageMinRows): (a1) and (a2) for log_mass, (a1) alone to stage for
+// sum and max, then (b) and (c).
+template <class T, class Out, int RED, int ROWS>
+cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out, int64_t row0,
+                        int64_t rows, cudaStream_t stream) {
+  constexpr bool kLse = RED == kLogMass;
+  int64_t splits = 0;
+  cudaError_t err = cudaSuccess;
+  if constexpr (ROWS >= kStageMinRows) {
+    if (staged != nullptr)
+      err = launch_row_pass<T, ROWS, kLse>(A, values, staged, row0, rows, &splits, stream);
+  }
+  if constexpr (kLse) {
+    if (err == cudaSuccess && staged == nullptr)
+      err = launch_row_pass<T, 1, true>(A, values, nullptr, row0, rows, &splits, stream);
+    if (err == cudaSuccess)
+      err = enqueue(row_lse_merge_kernel,
+                    static_cast<unsigned>((rows + kSpanWarps - 1) / kSpanWarps),
+                    kSpanWarps * 32, 0, stream, true, rows, splits, A.scratch,
+                    A.scratch_stride, row0);
+  }
+  if (err != cudaSuccess) return err;
+  const dim3 tgrid(static_cast<unsigned>(A.n_tiles),
+                   static_cast<unsigned>((rows + ROWS - 1) / ROWS));
+  err = enqueue(tile_kernel<T, RED, ROWS>, tgrid, kTileThreads,
+                tile_shared_bytes<Out, RED, ROWS>(A.tile), stream,
+                /*dependent=*/kLse || staged != nullptr, values,
+                static_cast<const T*>(staged), A.C, A.leaf_token, A.L, A.tile_run_ptr,
+                A.run_bounds, A.tile_node_lo, A.node_src, A.tile_scratch_ptr, A.scratch_src,
+                A.scratch_slot, A.scratch, A.scratch_stride, out, A.num_nodes, A.tile, row0,
+                row0 + rows);
+  if (err != cudaSuccess || A.S == 0) return err;
+  const int64_t narrow_blocks = (A.span_narrow + kSpanThreads - 1) / kSpanThreads;
+  const int64_t warp_blocks = (A.span_warp - A.span_narrow + kSpanWarps - 1) / kSpanWarps;
+  const int64_t block_nodes = A.S - A.span_warp;
+  const dim3 sgrid(static_cast<unsigned>(narrow_blocks + warp_blocks + block_nodes),
+                   static_cast<unsigned>(rows));
+  return enqueue(span_kernel<Out, RED>, sgrid, kSpanThreads, 0, stream, true, A.span_node,
+                 A.span_left, A.span_right, A.span_tile_lo, A.span_tile_hi, A.S, A.span_narrow,
+                 narrow_blocks, A.span_warp, warp_blocks, A.scratch, A.scratch_stride, out,
+                 A.num_nodes, row0);
+}
+
 template <class T, class Out, int RED>
 cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
   static_assert(std::is_same_v<Out, TileValue<T, RED>>, "the tile kernel writes its values");
   const T* values = static_cast<const T*>(A.values);
   Out* out = static_cast<Out*>(A.out);
+  const bool stage = A.staged != nullptr && staging_on();
   for (int64_t row0 = 0; row0 < A.B; row0 += kMaxGridY) {
     const int64_t rows = A.B - row0 < kMaxGridY ? A.B - row0 : kMaxGridY;
-    if (RED == kLogMass) {
-      // split each row into slices so that even B = 1 fills the device; each slice's
-      // partial takes two scratch slots (free until the tile kernel writes them)
-      int64_t splits = (kLseTargetBlocks + rows - 1) / rows;
-      const int64_t by_width = (A.C + kLseMinChunk - 1) / kLseMinChunk;
-      const int64_t by_room = (A.scratch_stride - 1) / 2;
-      if (splits > by_width) splits = by_width;
-      if (splits > by_room) splits = by_room;
-      if (splits < 1) splits = 1;
-      const int64_t chunk = (A.C + splits - 1) / splits;
-      splits = (A.C + chunk - 1) / chunk;  // no empty slice (C >= 1)
-      const dim3 pgrid(static_cast<unsigned>(splits), static_cast<unsigned>(rows));
-      if (const cudaError_t err =
-              enqueue(row_lse_partial_kernel<T>, pgrid, kLseThreads, 0, stream, false, values,
-                      A.C, chunk, A.scratch, A.scratch_stride, row0);
-          err != cudaSuccess)
-        return err;
-      if (const cudaError_t err =
-              enqueue(row_lse_merge_kernel,
-                      static_cast<unsigned>((rows + kSpanWarps - 1) / kSpanWarps),
-                      kSpanWarps * 32, 0, stream, true, rows, splits, A.scratch,
-                      A.scratch_stride, row0);
-          err != cudaSuccess)
-        return err;
+    // ROWS rows per tile block: the largest of 32, 16, ..., 1 the batch fills
+    T* staged = stage && rows >= kStageMinRows ? static_cast<T*>(A.staged) : nullptr;
+    cudaError_t err;
+    if (rows >= 32) {
+      err = launch_rows<T, Out, RED, 32>(A, values, staged, out, row0, rows, stream);
+    } else if (rows >= 16) {
+      err = launch_rows<T, Out, RED, 16>(A, values, staged, out, row0, rows, stream);
+    } else if (rows >= 8) {
+      err = launch_rows<T, Out, RED, 8>(A, values, staged, out, row0, rows, stream);
+    } else if (rows >= 4) {
+      err = launch_rows<T, Out, RED, 4>(A, values, nullptr, out, row0, rows, stream);
+    } else if (rows >= 2) {
+      err = launch_rows<T, Out, RED, 2>(A, values, nullptr, out, row0, rows, stream);
+    } else {
+      err = launch_rows<T, Out, RED, 1>(A, values, nullptr, out, row0, rows, stream);
     }
-    if (const cudaError_t err = launch_tiles_for<T, RED>(A, values, out, row0, rows, stream);
-        err != cudaSuccess)
-      return err;
-    if (A.S > 0) {
-      const int64_t narrow_blocks = (A.span_narrow + kSpanThreads - 1) / kSpanThreads;
-      const int64_t warp_blocks = (A.span_warp - A.span_narrow + kSpanWarps - 1) / kSpanWarps;
-      const int64_t block_nodes = A.S - A.span_warp;
-      const dim3 sgrid(static_cast<unsigned>(narrow_blocks + warp_blocks + block_nodes),
-                       static_cast<unsigned>(rows));
-      if (const cudaError_t err =
-              enqueue(span_kernel<Out, RED>, sgrid, kSpanThreads, 0, stream, true, A.span_node,
-                      A.span_left, A.span_right, A.span_tile_lo, A.span_tile_hi, A.S,
-                      A.span_narrow, narrow_blocks, A.span_warp, warp_blocks, A.scratch,
-                      A.scratch_stride, out, A.num_nodes, row0);
-          err != cudaSuccess)
-        return err;
-    }
+    if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
 }

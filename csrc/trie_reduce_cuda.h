@@ -14,12 +14,18 @@ namespace cuda {
 // at most, fit the 48 KiB a launch gets without opting in (genlm_fast/ops/layout.py uses 64)
 constexpr int kMaxTile = 64;
 
+// batches of at least this many rows have their values staged for the tile kernel's gather
+// (trie_reduce_cuda.cu, (a1)): a column's values for 8 rows of float fill a 32-byte sector
+constexpr int kStageMinRows = 8;
+
 enum DType : int { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3 };
 enum Reduction : int { kSum = 0, kMax = 1, kLogMass = 2 };
 
 // The tile decomposition of genlm_fast/ops/layout.py, for one trie mode. All device pointers.
 struct TrieArgs {
   const void* values;  // [B, C] contiguous, dtype as below
+  void* staged;        // workspace of B * C values of that dtype (B >= kStageMinRows), or
+                       // null: no staging. Its contents on return are unspecified.
   int dtype;           // DType (sum/max: kF32 or kF64 only)
   int64_t B, C;
   const int32_t* leaf_token;  // [L] column of each leaf position

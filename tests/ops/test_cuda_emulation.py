@@ -45,6 +45,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CU = os.path.join(REPO, "csrc", "trie_reduce_cuda.cu")
 DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
 REDUCTION = {"sum": 0, "max": 1, "log_mass": 2}
+with open(os.path.join(REPO, "csrc", "trie_reduce_cuda.h")) as _header:
+    # batches from this many rows up get the staging workspace (the binding's rule)
+    STAGE_MIN_ROWS = int(re.search(r"kStageMinRows = (\d+);", _header.read()).group(1))
 
 HARNESS = r"""
 #include <atomic>
@@ -184,6 +187,8 @@ int main(int argc, char** argv) {
   A.span_warp = h[11];
   int64_t n;
   A.values = read_array(f, &n);
+  void* staged = read_array(f, &n);  // empty: none
+  A.staged = n ? staged : nullptr;
   A.leaf_token = static_cast<int32_t*>(read_array(f, &n)); A.L = n / 4;
   A.tile_node_lo = static_cast<int32_t*>(read_array(f, &n)); A.n_tiles = n / 4 - 1;
   A.tile_run_ptr = static_cast<int32_t*>(read_array(f, &n));
@@ -311,12 +316,15 @@ def emulator(tmp_path_factory):
 
 def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
                  mode: str = "without_eos", max_grid_y: int = 65535, tile: int | None = None,
-                 span_narrow: int | None = None, span_warp: int | None = None):
+                 span_narrow: int | None = None, span_warp: int | None = None,
+                 stage: bool = True):
     """(launch status, emulator errors, launches, result, scratch): the CUDA kernels' result
     for ``values`` (what cuda_backend.trie_reduce would return) and their per-row scratch
     (log_mass: the row's lse in its last column). Spanning nodes [0, ``span_narrow``) take
     the thread-per-node path, [``span_narrow``, ``span_warp``) the warp-per-node one, the
-    rest a block each (default: the layout's splits)."""
+    rest a block each (default: the layout's splits). The staging workspace is given as the
+    binding gives it (B >= 8: a NaN-filled copy's worth), and used unless ``stage`` is False
+    (GENLM_FAST_CUDA_STAGE=0)."""
     ml = layout.modes[mode]
     tile = ml.tile if tile is None else tile
     span_narrow = span_class_end(ml, SPAN_NARROW_TILES) if span_narrow is None else span_narrow
@@ -329,10 +337,12 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
     scratch = np.full((B, stride), np.nan)
     raw = values.view(torch.int16).numpy() if values.dtype in (torch.float16, torch.bfloat16) \
         else values.numpy()
+    staged = np.full(raw.shape, np.nan if raw.dtype.kind == "f" else -1, dtype=raw.dtype) \
+        if B >= STAGE_MIN_ROWS else raw[:0]  # int16 -1: a NaN in float16 and bfloat16
     header = np.array([DTYPES[values.dtype], B, C, layout.num_nodes, stride, tile,
                        int(out_double), REDUCTION[reduction], 0, max_grid_y,
                        span_narrow, span_warp], dtype=np.int64)
-    arrays = [raw, ml.leaf_token, ml.tile_node_lo, ml.tile_run_ptr, ml.run_bounds, ml.node_src,
+    arrays = [raw, staged, ml.leaf_token, ml.tile_node_lo, ml.tile_run_ptr, ml.run_bounds, ml.node_src,
               ml.tile_scratch_ptr, ml.scratch_src, ml.scratch_slot, ml.span_node, ml.span_left,
               ml.span_right, ml.span_tile_lo, ml.span_tile_hi, scratch, out]
     path_in = os.path.join(tmp_dir, "in.bin")
@@ -344,7 +354,7 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
             f.write(np.int64(len(b)).tobytes())
             f.write(b)
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0",
-               UBSAN_OPTIONS="print_stacktrace=1")
+               UBSAN_OPTIONS="print_stacktrace=1", GENLM_FAST_CUDA_STAGE="1" if stage else "0")
     proc = subprocess.run([exe, path_in, path_out], capture_output=True, text=True, timeout=600,
                           env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -403,7 +413,7 @@ def make_values(rng, B, C, reduction, spread=10.0, neg_inf=0.0, dtype=torch.floa
 
 
 def check(emulator, tmp_path, words, reduction, *, B=3, extra=0, eos=(), spread=10.0,
-          neg_inf=0.0, dtype=torch.float32, seed=0, max_grid_y=65535, rows=None):
+          neg_inf=0.0, dtype=torch.float32, seed=0, max_grid_y=65535, rows=None, stage=True):
     trie = make_trie(words, eos)
     layout = trie.layout
     rng = np.random.default_rng(seed)
@@ -412,7 +422,7 @@ def check(emulator, tmp_path, words, reduction, *, B=3, extra=0, eos=(), spread=
     modes = ["without_eos"] + (["with_eos"] if "with_eos" in layout.modes and eos else [])
     for mode in modes:
         status, errors, launches, got, _ = run_emulated(emulator, str(tmp_path), x, layout,
-                                                       reduction, mode, max_grid_y)
+                                                       reduction, mode, max_grid_y, stage=stage)
         assert status == 0, f"launch failed with cudaError {status}"
         assert errors == 0
         want = reference(x, layout, reduction, mode)
@@ -551,11 +561,15 @@ def test_spanning_nodes_by_thread_warp_and_block(emulator, tmp_path, reduction):
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
 def test_rows_are_chunked_below_the_grid_limit(emulator, tmp_path, reduction):
     """``launch`` splits B into chunks of kMaxGridY rows (gridDim.y <= 65535); with the
-    chunk lowered to 2, B=5 takes three chunks of every kernel."""
+    chunk lowered to 2, B=5 takes three chunks of every kernel; lowered to 10, B=21 too."""
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(150)]
     kernels = 4 if reduction == "log_mass" else 2
     launches = check(emulator, tmp_path, words, reduction, B=5, max_grid_y=2)
     assert launches == 3 * kernels
+    # chunks of 10, 10 and 1 rows: the first two staged (a block of 8 rows and one of 2;
+    # sum and max: one launch more each), the last not
+    launches = check(emulator, tmp_path, words, reduction, B=21, max_grid_y=10)
+    assert launches == 3 * kernels + (2 if reduction != "log_mass" else 0)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
@@ -578,6 +592,37 @@ def test_row_blocks_give_each_row_its_own_result(emulator, tmp_path, reduction, 
         x[1] *= 1e-30
         x[3] *= 1e20
     check(emulator, tmp_path, words, reduction, rows=x.float())
+
+
+@pytest.mark.parametrize("reduction,dtype,B", [
+    ("sum", torch.float32, 40), ("max", torch.float32, 40), ("log_mass", torch.float32, 40),
+    ("log_mass", torch.bfloat16, 40), ("sum", torch.float64, 40), ("sum", torch.float64, 16),
+    ("max", torch.float64, 19)])
+def test_staged_rows_give_what_the_input_rows_give(emulator, tmp_path, reduction, dtype, B):
+    """B >= 8: (a1) stages the rows, a tile block's rows side by side per column, and the
+    tile kernel gathers from there (GENLM_FAST_CUDA_STAGE=0: from the input rows). 40 rows:
+    a block of 32 and a partial one of 8; 16 and 19: one of 16 (and 3). Full blocks of
+    float32 x 32 or float64 x 16 rows read a column as one 128-byte line, which the tile
+    kernel then drops from L2: the emulation fills it with NaN, so a second read of it would
+    show. Rows wider than the vocabulary, -inf masks. Both ways match the reference; sum and
+    max read the same values, so they agree bit for bit, and sum/max take one launch more
+    staged (the row pass), log_mass none (it has one)."""
+    words = [bytes(np.random.default_rng(i).integers(97, 101, size=1 + i % 5))
+             for i in range(220)]
+    layout = make_trie(words).layout
+    rng = np.random.default_rng(11)
+    x = make_values(rng, B, layout.num_columns + 37, reduction, spread=15.0,
+                    neg_inf=0.1, dtype=dtype)
+    want = reference(x, layout, reduction)
+    got, launches = {}, {}
+    for stage in (True, False):
+        status, errors, launches[stage], got[stage], _ = run_emulated(
+            emulator, str(tmp_path), x, layout, reduction, stage=stage)
+        assert status == 0 and errors == 0
+        assert_matches(got[stage], want, reduction, f"{reduction}/{dtype}/stage={stage}")
+    if reduction != "log_mass":
+        np.testing.assert_array_equal(got[True], got[False])
+    assert launches[True] == launches[False] + (reduction != "log_mass")
 
 
 @pytest.mark.parametrize("B", [1, 3])
@@ -612,10 +657,13 @@ def test_bad_arguments_are_refused_before_any_launch(emulator, tmp_path):
     assert status == 1 and launches == 0  # cudaErrorInvalidValue
 
 
-def test_row_lse_flags_exactly_the_bad_rows(emulator, tmp_path):
+@pytest.mark.parametrize("stage", [True, False], ids=["staged", "unstaged"])
+def test_row_lse_flags_exactly_the_bad_rows(emulator, tmp_path, stage):
     """(a1)/(a2) leave each row's lse in the last scratch column: NaN for a row with a NaN or
     +inf logit or no finite one, finite otherwise, which cuda_backend reads as the row check
-    (no separate pass over the logits). Rows 30,000 wide take several slices: a NaN in one
+    (no separate pass over the logits); 9 rows, so (a1) stages them (blocks of 8 rows and 1,
+    threads sharing a row merging by shuffles) or, unstaged, takes a block per row slice
+    (its warps merging through shared memory). Rows 30,000 wide take several slices: a NaN in one
     slice among finite ones, a NaN inside a slice of -inf (a masked row: the slice's sum
     stays 0, so only the flag can carry it), in the padding columns past the vocabulary, and
     a +inf; good rows with -inf masks and whole -inf slices stay finite and exact."""
@@ -638,7 +686,7 @@ def test_row_lse_flags_exactly_the_bad_rows(emulator, tmp_path):
     for dtype in (torch.float32, torch.float16, torch.float64):
         x = torch.from_numpy(rows).to(dtype)
         status, errors, _, got, scratch = run_emulated(emulator, str(tmp_path), x, trie.layout,
-                                                       "log_mass")
+                                                       "log_mass", stage=stage)
         assert status == 0 and errors == 0
         lse = scratch[:, -1]
         assert np.flatnonzero(~np.isfinite(lse)).tolist() == bad, (dtype, lse)

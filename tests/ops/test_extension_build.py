@@ -756,8 +756,9 @@ def test_cuda_dependent_kernels_wait_before_touching_results(tmp_path):
     """Programmatic dependent launch (sm_90): the kernels launched dependent on the one
     before them, (a2) row_lse_merge, (b) tile and (c) span, may start while it still runs.
     In their sm_90 PTX, griddepcontrol.wait must come before their first float64 global
-    load (the scratch: partials, lse, tile totals) and their first global store (scratch
-    and output); the kernels that let the next one start early say so
+    load (the scratch: partials, lse, tile totals), before the tile kernel's first load of
+    staged values (ld.global.cs: what (a1) wrote) and before their first global store
+    (scratch and output); the kernels that let the next one start early say so
     (griddepcontrol.launch_dependents). Below sm_90 there is neither (the host then launches
     as usual: ptxVersion < 90)."""
     nvcc = shutil.which("nvcc")
@@ -776,21 +777,22 @@ def test_cuda_dependent_kernels_wait_before_touching_results(tmp_path):
     entries = re.split(r"\n(?=(?:\.visible )?\.entry )", ptx["sm_90"])[1:]
     seen = set()
     for body in entries:
-        name = re.search(r"(row_lse_merge_kernel|row_lse_partial_kernel|tile_kernel|span_kernel)",
+        name = re.search(r"(row_lse_merge_kernel|row_pass_kernel|tile_kernel|span_kernel)",
                          body).group(1)
         seen.add(name)
         wait = body.find("griddepcontrol.wait")
         first_store = re.search(r"st\.global", body).start()
         loads = re.search(r"ld\.global[.\w]*\.f64", body)
-        if name == "row_lse_partial_kernel":  # the first kernel of a call: nothing to wait for
+        if name == "row_pass_kernel":  # the first kernel of a call: nothing to wait for
             assert wait < 0
         else:
             assert 0 <= wait < first_store, name
             assert loads is None or wait < loads.start(), name
+        if name == "tile_kernel":
+            assert 0 <= wait < body.index("ld.global.cs"), name
         if name != "span_kernel":
             assert "griddepcontrol.launch_dependents" in body, name
-    assert seen == {"row_lse_merge_kernel", "row_lse_partial_kernel", "tile_kernel",
-                    "span_kernel"}
+    assert seen == {"row_lse_merge_kernel", "row_pass_kernel", "tile_kernel", "span_kernel"}
 
 
 def test_cuda_bindings_compile(tmp_path):

@@ -342,8 +342,8 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
     header = np.array([DTYPES[values.dtype], B, C, layout.num_nodes, stride, tile,
                        int(out_double), REDUCTION[reduction], 0, max_grid_y,
                        span_narrow, span_warp], dtype=np.int64)
-    arrays = [raw, staged, ml.leaf_token, ml.tile_node_lo, ml.tile_run_ptr, ml.run_bounds, ml.node_src,
-              ml.tile_scratch_ptr, ml.scratch_src, ml.scratch_slot, ml.span_node, ml.span_left,
+    arrays = [raw, staged, ml.leaf_token, ml.tile_node_lo, ml.tile_run_ptr, ml.run_bounds,
+              ml.node_src, ml.tile_scratch_ptr, ml.scratch_src, ml.scratch_slot, ml.span_node, ml.span_left,
               ml.span_right, ml.span_tile_lo, ml.span_tile_hi, scratch, out]
     path_in = os.path.join(tmp_dir, "in.bin")
     path_out = os.path.join(tmp_dir, "out.bin")

@@ -675,38 +675,48 @@ def _bench_input(context, op: str, B: int):
     return (logits if op == "log_mass" else probs).to(context["device"]).contiguous()
 
 
-# (op, B) pairs timed with the CUDA kernels' dependent launches off and on (--pdl)
-PDL_CASES = (("sum", 1), ("sum", 32), ("log_mass", 1), ("log_mass", 64))
+# The CUDA kernels' switches, environment variables the extension reads at each call, and
+# the (op, B) pairs at which --switches times each off ("0") and on (its default), the
+# others at their defaults: dependent launches (PDL, sm_90) and staging for the gather
+# (from B=8 on)
+CUDA_SWITCHES = {
+    "pdl": ("GENLM_FAST_CUDA_PDL", (("sum", 1), ("sum", 32), ("log_mass", 1), ("log_mass", 64))),
+    "stage": ("GENLM_FAST_CUDA_STAGE", (("sum", 8), ("sum", 32), ("log_mass", 8),
+                                        ("log_mass", 64), ("sum", 128))),
+}
 
 
-def pdl_comparison(context) -> list[dict]:
-    """The CUDA kernels alone with ordinary launches (GENLM_FAST_CUDA_PDL=0, read by the
-    extension at each call) and with programmatic dependent launches (the default on
-    sm_90+), side by side in one process; each result checked equal to the other first."""
+def switch_comparison(context, names) -> list[dict]:
+    """The CUDA kernels alone with each switch of ``names`` off, then on, side by side in one
+    process; the two results are first checked to agree (bit for bit but for log_mass's
+    lse, summed in another order when staged: within 1e-5)."""
     import torch
 
+    if not names:
+        return []
     if "cuda" not in context["backends"] or context["device"].type != "cuda":
-        print("--pdl: no CUDA backend on a GPU here; nothing to compare", flush=True)
+        print("--switches: no CUDA backend on a GPU here; nothing to compare", flush=True)
         return []
     out = []
-    for op, B in PDL_CASES:
-        fn = kernel_call("cuda", _bench_input(context, op, B), context["layout"], op)
-        row = {"op": op, "B": B}
-        try:
-            for name, value in (("ordinary", "0"), ("dependent", "1")):
-                os.environ["GENLM_FAST_CUDA_PDL"] = value
-                row[f"{name}_result"] = fn()
-                row[f"{name}_ms"] = bench_ms(fn, context["device"], context["how"])
-            assert torch.equal(row.pop("ordinary_result"), row.pop("dependent_result")), \
-                "the two launch modes disagree"
-        except Exception as e:  # noqa: BLE001
-            row = {"op": op, "B": B, "failed": f"{type(e).__name__}: {e}"}
-        finally:
-            os.environ.pop("GENLM_FAST_CUDA_PDL", None)
-        out.append(row)
-        print(f"pdl {op:8s} B={B:<4d} " + (row.get("failed") or
-              f"ordinary {row['ordinary_ms']:.4f} ms, dependent {row['dependent_ms']:.4f} ms"),
-              flush=True)
+    for name in names:
+        env, cases = CUDA_SWITCHES[name]
+        for op, B in cases:
+            fn = kernel_call("cuda", _bench_input(context, op, B), context["layout"], op)
+            row = {"switch": name, "op": op, "B": B}
+            try:
+                for state, value in (("off", "0"), ("on", "1")):
+                    os.environ[env] = value
+                    row[f"{state}_result"] = fn()
+                    row[f"{state}_ms"] = bench_ms(fn, context["device"], context["how"])
+                assert torch.allclose(row.pop("off_result"), row.pop("on_result"), rtol=1e-5,
+                                      atol=1e-5, equal_nan=True), f"{name} off and on disagree"
+            except Exception as e:  # noqa: BLE001
+                row = {"switch": name, "op": op, "B": B, "failed": f"{type(e).__name__}: {e}"}
+            finally:
+                os.environ.pop(env, None)
+            out.append(row)
+            print(f"{name} {op:8s} B={B:<4d} " + (row.get("failed") or
+                  f"off {row['off_ms']:.4f} ms, on {row['on_ms']:.4f} ms"), flush=True)
     return out
 
 
@@ -714,7 +724,7 @@ def _f(x, fmt):
     return "-" if x is None else format(x, fmt)
 
 
-def table(rows, info, command: str, sweep_rows=(), pdl_rows=()) -> str:
+def table(rows, info, command: str, sweep_rows=(), switch_rows=()) -> str:
     lines = ["# genlm_fast GPU trie kernels", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in info.items()]
     lines += ["", f"Command: `{command}`", "",
@@ -764,18 +774,19 @@ def table(rows, info, command: str, sweep_rows=(), pdl_rows=()) -> str:
               "| goal | backend | measured | met |", "|---|---|---:|---|"]
     for r in goals(rows):
         lines.append(f"| {r['goal']} | {r['backend']} | {r['measured']} | {r['met']} |")
-    if pdl_rows:
-        lines += ["", "CUDA kernels alone, ordinary launches (`GENLM_FAST_CUDA_PDL=0`) vs "
-                  "programmatic dependent launches (`--pdl`; each result checked equal first):",
-                  "", "| op | B | ordinary ms | dependent ms | ordinary / dependent |",
-                  "|---|---:|---:|---:|---:|"]
-        for r in pdl_rows:
+    if switch_rows:
+        lines += ["", "CUDA kernels alone, each switch off (`=0`) and on (the default), the "
+                  "others on (`--switches`; the two results checked to agree first): " +
+                  ", ".join(f"{name} `{env}`" for name, (env, _) in CUDA_SWITCHES.items()),
+                  "", "| switch | op | B | off ms | on ms | off / on |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for r in switch_rows:
+            head = f"| {r['switch']} | {r['op']} | {r['B']} |"
             if "failed" in r:
-                lines.append(f"| {r['op']} | {r['B']} | FAILED: {r['failed']} | | |")
+                lines.append(f"{head} FAILED: {r['failed']} | | |")
             else:
-                lines.append(f"| {r['op']} | {r['B']} | {r['ordinary_ms']:.4f} | "
-                             f"{r['dependent_ms']:.4f} | "
-                             f"{r['ordinary_ms'] / r['dependent_ms']:.3f} |")
+                lines.append(f"{head} {r['off_ms']:.4f} | {r['on_ms']:.4f} | "
+                             f"{r['off_ms'] / r['on_ms']:.3f} |")
     if sweep_rows:
         lines += ["", "Triton tile-kernel configurations (`--sweep`; constants of "
                   "`genlm_fast.ops.triton_backend`; kernels alone, each checked against the "
@@ -846,9 +857,9 @@ def main(argv=None) -> int:
                         help=f"run the same code path on CPU (reference/cpu/triton-interpreter "
                         f"backends, first {DRY_RUN_TOKENS} tokens, B in {DRY_RUN_BATCHES}) to test this "
                         "script")
-    parser.add_argument("--pdl", action="store_true",
-                        help="then time the CUDA kernels with ordinary and with programmatic "
-                        "dependent launches (a section of the table)")
+    parser.add_argument("--switches", nargs="+", choices=sorted(CUDA_SWITCHES), default=[],
+                        help="then time the CUDA kernels with each of these switches off and "
+                        "on (a section of the table)")
     parser.add_argument("--sweep", action="store_true",
                         help="then time the Triton tile kernels in every TRITON_SWEEP "
                         "configuration (a section of the table)")
@@ -873,10 +884,10 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     text = table(rows, info, command.strip())
     out.write_text(text)  # before the extras: a session cut short keeps the main table
-    pdl_rows = pdl_comparison(context) if args.pdl else []
+    switch_rows = switch_comparison(context, args.switches)
     sweep_rows = triton_sweep(args, context) if args.sweep else []
-    if pdl_rows or sweep_rows:
-        text = table(rows, info, command.strip(), sweep_rows, pdl_rows)
+    if switch_rows or sweep_rows:
+        text = table(rows, info, command.strip(), sweep_rows, switch_rows)
         out.write_text(text)
     print()
     print(text)

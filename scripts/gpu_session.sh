@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (the device tool; README "GPU sessions"):
 #     bash scripts/gpu_session.sh tests    # build with the CUDA kernels, run the GPU tests
-#     bash scripts/gpu_session.sh bench    # python -m bench.gpu --pdl --sweep (Llama-3 vocabulary)
+#     bash scripts/gpu_session.sh bench    # python -m bench.gpu --switches pdl stage --sweep (Llama-3)
 #     bash scripts/gpu_session.sh profile  # ncu on the CUDA tile and span kernels
 #     bash scripts/gpu_session.sh all      # all three in one device call: build, bench,
 #                                          # profile (at most PROFILE_S = 80 s), tests
@@ -15,8 +15,9 @@
 # 30 s after a call, so two calls usually mean two builds; `all` bounds the benchmark and the
 # tests with timeouts that share what the build leaves of TOTAL_S = 585 s (BENCH_S and
 # TESTS_S override them), to fit the 10-minute limit; PYTEST_ARGS adds pytest arguments,
-# BENCH_ARGS replaces the benchmark's --pdl --sweep). What comes back: the benchmark table, the
-# test log, env.txt and, if a test crashed the interpreter, its C stack (crash.txt); the
+# BENCH_ARGS replaces the benchmark's --switches pdl stage --sweep). What comes back: the
+# benchmark table, the test log, env.txt and, if a test crashed the interpreter, its C
+# stack (crash.txt); the
 # rest (build log, test reports, the sm_90 compile table, the ncu reports ncu-*.txt) in
 # logs.tar.gz, as the tool brings back 8 files. Commit the table under bench/results/.
 # SmolLM2's vocabulary cases are left out there (its tokenizer ships in a 96 MB GGUF, over
@@ -126,15 +127,16 @@ run_tests() {
 }
 
 run_profile() {
-  # ncu on the third call's lse (log_mass), tile and span kernels (bench/gpu_profile.py: the
-  # CUDA log_mass at B=64 and sum at B=32, the goals' shapes; per call 3 and 2 of them);
+  # ncu on the third call's row pass, tile and span kernels (bench/gpu_profile.py: the CUDA
+  # log_mass at B=64 and sum at B=32, the goals' shapes; 3 of them per call: at these
+  # batches the row pass stages the rows, and for log_mass also takes the partial lse);
   # where the machine withholds the performance counters, the report says so
   local ncu op batch per_call
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   [ -x "$ncu" ] || { echo "no ncu on this machine"; return 0; }
-  for shape in "log_mass 64 3" "sum 32 2"; do
+  for shape in "log_mass 64 3" "sum 32 3"; do
     read -r op batch per_call <<<"$shape"
-    "$ncu" --kernel-name regex:'row_lse_partial|tile_kernel|span_kernel' \
+    "$ncu" --kernel-name regex:'row_pass|tile_kernel|span_kernel' \
       --launch-skip $((2 * per_call)) --launch-count "$per_call" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
       --section WarpStateStats $PY -m bench.gpu_profile --op "$op" --batch "$batch" \
@@ -145,7 +147,7 @@ run_profile() {
 
 run_bench() {
   # --sweep: after the main table (written first), the Triton kernels' launch configurations
-  $PY -m bench.gpu ${BENCH_ARGS---pdl --sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
+  $PY -m bench.gpu ${BENCH_ARGS---switches pdl stage --sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
   return "${PIPESTATUS[0]}"
 }
 

@@ -209,40 +209,50 @@ def test_profile_script_dry_run(capsys):
     assert "1 calls of triton sum B=2 -> (2, " in out
 
 
-def test_pdl_comparison_times_both_launch_modes_and_checks_them_equal(monkeypatch):
-    """--pdl: each case is run and timed with GENLM_FAST_CUDA_PDL=0, then =1 (the extension
-    reads it at each call), the two results must be equal, and the variable is gone after.
-    The CUDA pieces are stand-ins here (kernel_call returns what the variable says, a second
-    case disagrees); the section renders both outcomes."""
+def test_switch_comparison_times_each_switch_off_and_on_and_checks_them(monkeypatch):
+    """--switches: each case of each switch named is run and timed with its variable at 0,
+    then 1 (the extension reads it at each call), the two results must agree, and the
+    variable is gone after. The CUDA pieces are stand-ins here (kernel_call returns what the
+    variables say; one case disagrees, another only within 1e-5, as log_mass's lse may);
+    the section renders both outcomes."""
     import torch
 
     seen = []
+    envs = {name: env for name, (env, _) in gpu.CUDA_SWITCHES.items()}
 
     def fake_kernel_call(backend, values, layout, reduction, mode="without_eos"):
         def fn():
-            flag = os.environ.get("GENLM_FAST_CUDA_PDL")
-            seen.append((reduction, values.shape[0], flag))
-            if reduction == "log_mass" and values.shape[0] == 64 and flag == "1":
-                return torch.ones(1)  # disagrees with the ordinary launch
+            flags = tuple(os.environ.get(env) for env in envs.values())
+            seen.append((reduction, values.shape[0], flags))
+            if reduction == "log_mass" and values.shape[0] == 64 and flags[0] == "1":
+                return torch.ones(1)  # pdl on disagrees with pdl off
+            if os.environ.get(envs["stage"]) == "1":
+                return torch.full((1,), 1e-7)  # close enough
             return torch.zeros(1)
         return fn
 
     monkeypatch.setattr(gpu, "kernel_call", fake_kernel_call)
     monkeypatch.setattr(gpu, "_bench_input", lambda context, op, B: torch.zeros(B, 10))
     monkeypatch.setattr(gpu, "bench_ms", lambda fn, device, how: 0.5 if
-                        os.environ["GENLM_FAST_CUDA_PDL"] == "0" else 0.4)
-    monkeypatch.delenv("GENLM_FAST_CUDA_PDL", raising=False)
+                        "0" in [os.environ.get(env) for env in envs.values()] else 0.4)
+    for env in envs.values():
+        monkeypatch.delenv(env, raising=False)
     context = {"backends": ["cuda"], "device": torch.device("cuda"), "how": "cuda_events",
                "vocab": [b"a"] * 10, "layout": None}
-    rows = gpu.pdl_comparison(context)
-    assert "GENLM_FAST_CUDA_PDL" not in os.environ
-    assert [(r["op"], r["B"]) for r in rows] == list(gpu.PDL_CASES)
-    assert {(op, B, flag) for op, B, flag in seen} == {
-        (op, B, flag) for op, B in gpu.PDL_CASES for flag in ("0", "1")}
+    rows = gpu.switch_comparison(context, ["pdl", "stage"])
+    assert not any(env in os.environ for env in envs.values())
+    want = [(name, op, B) for name in ("pdl", "stage") for op, B in gpu.CUDA_SWITCHES[name][1]]
+    assert [(r["switch"], r["op"], r["B"]) for r in rows] == want
+    # each switch toggled alone: the other one unset (its default)
+    assert {(op, B, flags) for op, B, flags in seen} == (
+        {(op, B, (v, None)) for op, B in gpu.CUDA_SWITCHES["pdl"][1] for v in "01"}
+        | {(op, B, (None, v)) for op, B in gpu.CUDA_SWITCHES["stage"][1] for v in "01"})
     failed = [r for r in rows if "failed" in r]
-    assert [(r["op"], r["B"]) for r in failed] == [("log_mass", 64)]
-    assert "disagree" in failed[0]["failed"]
-    text = gpu.table([], {}, "cmd", pdl_rows=rows)
-    assert "| sum | 32 | 0.5000 | 0.4000 | 1.250 |" in text
-    assert "| log_mass | 64 | FAILED: AssertionError: the two launch modes disagree |" in text
-    assert gpu.pdl_comparison({**context, "backends": ["triton"]}) == []
+    assert [(r["switch"], r["op"], r["B"]) for r in failed] == [("pdl", "log_mass", 64)]
+    assert "pdl off and on disagree" in failed[0]["failed"]
+    text = gpu.table([], {}, "cmd", switch_rows=rows)
+    assert "| pdl | sum | 32 | 0.5000 | 0.4000 | 1.250 |" in text
+    assert "| stage | log_mass | 64 | 0.5000 | 0.4000 | 1.250 |" in text
+    assert "| pdl | log_mass | 64 | FAILED: AssertionError: pdl off and on disagree |" in text
+    assert gpu.switch_comparison({**context, "backends": ["triton"]}, ["pdl"]) == []
+    assert gpu.switch_comparison(context, []) == []

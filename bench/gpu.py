@@ -778,15 +778,15 @@ def table(rows, info, command: str, sweep_rows=(), switch_rows=()) -> str:
         lines += ["", "CUDA kernels alone, each switch off (`=0`) and on (the default), the "
                   "others on (`--switches`; the two results checked to agree first): " +
                   ", ".join(f"{name} `{env}`" for name, (env, _) in CUDA_SWITCHES.items()),
-                  "", "| switch | op | B | off ms | on ms | off / on |",
-                  "|---|---|---:|---:|---:|---:|"]
+                  "", "| switch | op | B | off ms | on ms | off / on | goal, off / on |",
+                  "|---|---|---:|---:|---:|---:|---|"]
         for r in switch_rows:
             head = f"| {r['switch']} | {r['op']} | {r['B']} |"
             if "failed" in r:
-                lines.append(f"{head} FAILED: {r['failed']} | | |")
+                lines.append(f"{head} FAILED: {r['failed']} | | | |")
             else:
                 lines.append(f"{head} {r['off_ms']:.4f} | {r['on_ms']:.4f} | "
-                             f"{r['off_ms'] / r['on_ms']:.3f} |")
+                             f"{r['off_ms'] / r['on_ms']:.3f} | {switch_goal(r, rows)} |")
     if sweep_rows:
         lines += ["", "Triton tile-kernel configurations (`--sweep`; constants of "
                   "`genlm_fast.ops.triton_backend`; kernels alone, each checked against the "
@@ -808,6 +808,24 @@ def table(rows, info, command: str, sweep_rows=(), switch_rows=()) -> str:
             lines.append(f"| {r['op']} | {r['B']} | {r['kernel']} | {config} | {ms} | "
                          f"{r['GBs']:.0f} | {frac} | {r['max_rel_err']:.1e} |")
     return "\n".join(lines) + "\n"
+
+
+def switch_goal(switch_row, rows) -> str:
+    """For a --switches case at a goal's shape, the goal's measure with the switch off and on
+    (the CUDA row of the main table gives the reference's time and the bytes moved)."""
+    op, B = switch_row["op"], switch_row["B"]
+    main = [r for r in rows if r["backend"] == "cuda" and r["op"] == op and r["B"] == B
+            and "failed" not in r]
+    if not main:
+        return "-"
+    off, on = switch_row["off_ms"], switch_row["on_ms"]
+    if op == "sum" and B == SPEEDUP_B:
+        return f"{main[0]['ref_ms'] / off:.1f}x / {main[0]['ref_ms'] / on:.1f}x the reference"
+    if op == GOAL_PEAK_OP and B == GOAL_PEAK_B and main[0]["peak_frac"] is not None:
+        # peak_frac = moved / kernel_ms / peak: scale by this case's times
+        frac = main[0]["peak_frac"] * main[0]["kernel_ms"]
+        return f"{100 * frac / off:.0f}% / {100 * frac / on:.0f}% of peak HBM"
+    return "-"
 
 
 def goals(rows) -> list[dict]:

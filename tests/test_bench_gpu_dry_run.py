@@ -250,9 +250,18 @@ def test_switch_comparison_times_each_switch_off_and_on_and_checks_them(monkeypa
     failed = [r for r in rows if "failed" in r]
     assert [(r["switch"], r["op"], r["B"]) for r in failed] == [("pdl", "log_mass", 64)]
     assert "pdl off and on disagree" in failed[0]["failed"]
+    # the goals' shapes also get the goal's measure both ways, from the main table's CUDA row
+    main = [{"backend": "cuda", "op": "sum", "B": gpu.SPEEDUP_B, "ref_ms": 5.0,
+             "kernel_ms": 0.45, "peak_frac": 0.1},
+            {"backend": "cuda", "op": gpu.GOAL_PEAK_OP, "B": gpu.GOAL_PEAK_B, "ref_ms": 1.0,
+             "kernel_ms": 0.5, "peak_frac": 0.2}]
+    by_case = {(r["switch"], r["op"], r["B"]): r for r in rows}
+    assert gpu.switch_goal(by_case["pdl", "sum", 32], main) == "10.0x / 12.5x the reference"
+    assert gpu.switch_goal(by_case["stage", "log_mass", 64], main) == "20% / 25% of peak HBM"
+    assert gpu.switch_goal(by_case["stage", "sum", 8], main) == "-"
+    assert gpu.switch_goal(by_case["pdl", "sum", 32], []) == "-"
     text = gpu.table([], {}, "cmd", switch_rows=rows)
-    assert "| pdl | sum | 32 | 0.5000 | 0.4000 | 1.250 |" in text
-    assert "| stage | log_mass | 64 | 0.5000 | 0.4000 | 1.250 |" in text
+    assert "| pdl | sum | 32 | 0.5000 | 0.4000 | 1.250 | - |" in text
     assert "| pdl | log_mass | 64 | FAILED: AssertionError: pdl off and on disagree |" in text
     assert gpu.switch_comparison({**context, "backends": ["triton"]}, ["pdl"]) == []
     assert gpu.switch_comparison(context, []) == []

@@ -17,9 +17,8 @@
 # TESTS_S override them), to fit the 10-minute limit; PYTEST_ARGS adds pytest arguments,
 # BENCH_ARGS replaces the benchmark's --switches pdl stage --sweep). What comes back: the
 # benchmark table, the test log, env.txt and, if a test crashed the interpreter, its C
-# stack (crash.txt); the
-# rest (build log, test reports, the sm_90 compile table, the ncu reports ncu-*.txt) in
-# logs.tar.gz, as the tool brings back 8 files. Commit the table under bench/results/.
+# stack (crash.txt); the rest (build log, test reports, the sm_90 compile table, the ncu
+# reports ncu-*.txt) in logs.tar.gz, as the tool brings back 8 files. Commit the table under bench/results/.
 # SmolLM2's vocabulary cases are left out there (its tokenizer ships in a 96 MB GGUF, over
 # the transfer limit).
 set -uo pipefail

@@ -211,6 +211,32 @@ def test_log_mass_low_precision_logits(backend, dtype):
     oracle.assert_close(got.cpu().numpy(), want, "log_mass", f"{backend}/{dtype}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_batches_of_eight_rows_and_more(backend, reduction):
+    """8, 19 and 40 rows, where the CUDA kernels stage the rows for their gather (a tile
+    block's 8, 16 or 32 rows side by side per column, and a full block's columns dropped from
+    L2 once read): full and partial blocks, each row at its own scale, rows wider than the
+    vocabulary, -inf logits; log_mass also from float16 and bfloat16 logits."""
+    rng = np.random.default_rng(8)
+    words = [bytes(rng.integers(97, 101, size=rng.integers(1, 7))) for _ in range(130)]
+    trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device=device_for(backend),
+                         cache=False)
+    extra = 9 if reduction == "log_mass" else 0
+    for B in (8, 19, 40):
+        rows = make_rows(rng, B, len(words) + extra, reduction, spread=40.0, neg_inf=0.1)
+        rows *= np.logspace(-3, 1, B, dtype=np.float32)[:, None] if reduction != "sum" else 1
+        check_trie(trie, rows, reduction, backend)
+    if reduction == "log_mass":
+        for dtype in (torch.float16, torch.bfloat16):
+            logits = torch.from_numpy(rows).to(dtype)
+            want = oracle.reduce(oracle.members(trie), trie.num_nodes, logits.float().numpy(),
+                                 "log_mass")
+            got = trie.batch_log_mass(logits.to(device_for(backend)))
+            assert trie.last_kernel_backend == backend
+            oracle.assert_close(got.cpu().numpy(), want, "log_mass", f"{backend}/{dtype}")
+
+
 # ------------------------------------------------------------------ bad rows
 
 BAD_ROWS = [

@@ -63,7 +63,7 @@
 //  reads each row once, coalesced, and (b) gathers every column again, each 32-byte sector
 //  by ~8 different tile blocks, which then find it in L2 instead of behind ~100 MB of
 //  output. Staged, (a1) reads them evict-first, and (b) reads each staged value exactly
-//  once (load_once: evict-first).
+//  once (load_once: from L2, not cached in L1).
 // Empty nodes (no leaves; always local): 0 for sum and max, -inf for log_mass. Floats are
 // enough where they are used: the design's bound on log-masses is 1e-4 absolute, these
 // kernels stay within a few float ulps (times the magnitude, for the fast exp) of the float64
@@ -117,7 +117,8 @@ __device__ __forceinline__ float to_arith(__nv_bfloat16 v) { return __bfloat162f
 //    an L2 policy made once per thread: keep_policy (evict-last: read again by the tile
 //    kernel's gather) or stream_policy (evict-first: read once, by the staging row pass);
 //  - load_once: the staged values, written by the kernel before (coherent: ld.global) and
-//    read exactly once (.cs: evict-first).
+//    read exactly once (.cg: from L2, never allocated in L1, so no L1 line can predate
+//    their writing).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 __device__ __forceinline__ uint64_t keep_policy() {
   uint64_t policy;
@@ -138,7 +139,7 @@ __device__ __forceinline__ uint64_t stream_policy() {
   }                                                                                        \
   __device__ __forceinline__ T load_once(const T* p) {                                     \
     BITS_T bits;                                                                           \
-    asm volatile("ld.global.cs." PTX_TYPE " %0, [%1];" : CONSTRAINT(bits) : "l"(p) : "memory"); \
+    asm volatile("ld.global.cg." PTX_TYPE " %0, [%1];" : CONSTRAINT(bits) : "l"(p) : "memory"); \
     return FROM_BITS(bits);                                                                \
   }
 GF_LOADS("b32", "=r", unsigned int, __uint_as_float, float)

@@ -757,7 +757,7 @@ def test_cuda_dependent_kernels_wait_before_touching_results(tmp_path):
     before them, (a2) row_lse_merge, (b) tile and (c) span, may start while it still runs.
     In their sm_90 PTX, griddepcontrol.wait must come before their first float64 global
     load (the scratch: partials, lse, tile totals), before the tile kernel's first load of
-    staged values (ld.global.cs: what (a1) wrote) and before their first global store
+    staged values (ld.global.cg: what (a1) wrote) and before their first global store
     (scratch and output); the kernels that let the next one start early say so
     (griddepcontrol.launch_dependents). Below sm_90 there is neither (the host then launches
     as usual: ptxVersion < 90)."""
@@ -789,7 +789,7 @@ def test_cuda_dependent_kernels_wait_before_touching_results(tmp_path):
             assert 0 <= wait < first_store, name
             assert loads is None or wait < loads.start(), name
         if name == "tile_kernel":
-            assert 0 <= wait < body.index("ld.global.cs"), name
+            assert 0 <= wait < body.index("ld.global.cg"), name
         if name != "span_kernel":
             assert "griddepcontrol.launch_dependents" in body, name
     assert seen == {"row_lse_merge_kernel", "row_pass_kernel", "tile_kernel", "span_kernel"}

@@ -222,13 +222,18 @@ __device__ __forceinline__ double identity() {
   return RED == kSum ? 0.0 : neg_inf();
 }
 
-template <class V>
+// over aligned groups of kLanes lanes (a power of two, the whole warp by default): every
+// lane ends with its group's max or sum; all 32 lanes take part
+template <int kLanes = 32, class V>
 __device__ __forceinline__ V warp_max(V v) {
-  for (int off = 16; off > 0; off >>= 1) v = vmax(v, __shfl_xor_sync(kFullMask, v, off));
+#pragma unroll
+  for (int off = kLanes / 2; off > 0; off >>= 1) v = vmax(v, __shfl_xor_sync(kFullMask, v, off));
   return v;
 }
+template <int kLanes = 32>
 __device__ __forceinline__ double warp_sum(double v) {
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
+#pragma unroll
+  for (int off = kLanes / 2; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
   return v;
 }
 // every lane of the warp ends with the merge of all lanes' (m, z) pairs
@@ -344,13 +349,8 @@ __global__ void __launch_bounds__(kRowPassThreads)
     // are kPerRow consecutive lanes of one warp (R >= 8: shuffles within the group), or
     // whole warps (R = 1: the block's, through shared memory).
     constexpr int kGroupLanes = kPerRow < 32 ? kPerRow : 32;
-    double rm = static_cast<double>(m);
-    double rbad = bad ? 1.0 : 0.0;
-#pragma unroll
-    for (int off = kGroupLanes / 2; off > 0; off >>= 1) {
-      rm = vmax(rm, __shfl_xor_sync(kFullMask, rm, off));
-      rbad = vmax(rbad, __shfl_xor_sync(kFullMask, rbad, off));
-    }
+    double rm = warp_max<kGroupLanes>(static_cast<double>(m));
+    double rbad = warp_max<kGroupLanes>(bad ? 1.0 : 0.0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if constexpr (kPerRow > 32) {
       if (lane == 0) red_m[warp] = rbad > 0.0 ? __longlong_as_double(kNaNBits) : rm;
@@ -364,10 +364,7 @@ __global__ void __launch_bounds__(kRowPassThreads)
       }
     }
     const double md = static_cast<double>(m);
-    double rs = md == neg_inf() ? 0.0 : s * exp(md - rm);
-#pragma unroll
-    for (int off = kGroupLanes / 2; off > 0; off >>= 1)
-      rs += __shfl_xor_sync(kFullMask, rs, off);
+    double rs = warp_sum<kGroupLanes>(md == neg_inf() ? 0.0 : s * exp(md - rm));
     if constexpr (kPerRow > 32) {
       if (lane == 0) red_s[warp] = rs;
       __syncthreads();

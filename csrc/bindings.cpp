@@ -8,10 +8,10 @@
 //                   float64_result (float32 values are then read as they are)
 //                   bad_row = -1, or the first row the kernel rejected (a NaN for sum/max;
 //                   no finite maximum for log_mass), whose result is then incomplete
-//   trie_reduce_cuda(values, leaf_token, tile_node_lo, tile_run_ptr, run_bounds, node_src,
-//                    tile_scratch_ptr, scratch_src, scratch_slot, span_node, span_left,
-//                    span_right, span_tile_lo, span_tile_hi, span_narrow, span_warp, scratch,
-//                    reduction, num_nodes, num_scratch, tile)
+//   trie_reduce_cuda(values, leaf_token, column_leaf, tile_node_lo, tile_run_ptr, run_bounds,
+//                    node_src, tile_scratch_ptr, scratch_src, scratch_slot, span_node,
+//                    span_left, span_right, span_tile_lo, span_tile_hi, span_narrow,
+//                    span_warp, scratch, reduction, num_nodes, num_scratch, tile)
 //                    -> Tensor[B, num_nodes]   (only when built with -DWITH_CUDA; scratch is a
 //                    float64 [B, num_scratch + 1] workspace the caller allocates, its last
 //                    column each row's lse for log_mass; spanning nodes [0, span_narrow) are
@@ -25,7 +25,8 @@
 //                   decoding steps on the CPU: genlm_fast/backend/llm/cpu_linear.py)
 //
 // The index arrays are the int32 arrays of genlm_fast.ops.layout.TrieLayout.device_arrays,
-// plus those the CPU path derives once per layout (genlm_fast/ops/cpu_backend.py caches them):
+// plus those the CUDA path derives once per layout (cuda_backend.py: `column_leaf[c]` = the
+// leaf position reading column c, or -1) and the CPU path (cpu_backend.py caches them):
 // `node_of_leaf[pos]` = the node receiving leaf position pos (non-decreasing), `empty_nodes` = the
 // nodes with no leaves (they are 0 under "max"), the runs of single-child links the row sweep
 // steps over (see trie_reduce_cpu.h) and the maximum depth. Validation of
@@ -347,7 +348,7 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
 
 #ifdef WITH_CUDA
 at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_token,
-                            const at::Tensor& tile_node_lo, const at::Tensor& tile_run_ptr,
+                            const at::Tensor& column_leaf, const at::Tensor& tile_node_lo, const at::Tensor& tile_run_ptr,
                             const at::Tensor& run_bounds, const at::Tensor& node_src,
                             const at::Tensor& tile_scratch_ptr, const at::Tensor& scratch_src,
                             const at::Tensor& scratch_slot, const at::Tensor& span_node,
@@ -363,6 +364,7 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   check_values(values, red, "cuda");
   const at::Device dev = values.device();
   check_index(leaf_token, "leaf_token", dev);
+  check_index(column_leaf, "column_leaf", dev);
   check_index(tile_node_lo, "tile_node_lo", dev);
   check_index(tile_run_ptr, "tile_run_ptr", dev);
   check_index(run_bounds, "run_bounds", dev);
@@ -396,6 +398,9 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
               "trie_reduce_cuda: need 0 <= span_narrow <= span_warp <= S = ", S, ", got ",
               span_narrow, " and ", span_warp);
   TORCH_CHECK(num_nodes >= 1, "trie_reduce_cuda: num_nodes must be positive");
+  TORCH_CHECK(column_leaf.numel() <= C && leaf_token.numel() <= C,
+              "trie_reduce_cuda: rows have ", C, " entries, fewer than the column_leaf (",
+              column_leaf.numel(), ") or leaf_token (", leaf_token.numel(), ") entries");
   TORCH_CHECK(num_scratch >= n_tiles, "trie_reduce_cuda: num_scratch (", num_scratch,
               ") must cover the ", n_tiles, " tile totals");
   TORCH_CHECK(scratch.device() == dev && scratch.scalar_type() == at::kDouble &&
@@ -411,8 +416,8 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   const c10::cuda::CUDAGuard guard(dev);
   genlm_fast::cuda::TrieArgs A;
   A.values = values.data_ptr();
-  // the tile kernel's gather reads the values staged, a block's rows side by side (see
-  // trie_reduce_cuda.cu, (a1)); a batch too small to gain from it gets none
+  // the tile kernel's gather reads the values staged, a block's rows side by side in leaf
+  // order (see trie_reduce_cuda.cu, (a1)); a batch too small to gain from it gets none
   at::Tensor staged;
   if (B >= genlm_fast::cuda::kStageMinRows) staged = at::empty_like(values);
   A.staged = staged.defined() ? staged.data_ptr() : nullptr;
@@ -421,6 +426,8 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   A.C = C;
   A.leaf_token = leaf_token.data_ptr<int32_t>();
   A.L = leaf_token.numel();
+  A.column_leaf = column_leaf.data_ptr<int32_t>();
+  A.n_column_leaf = column_leaf.numel();
   A.tile_node_lo = tile_node_lo.data_ptr<int32_t>();
   A.n_tiles = n_tiles;
   A.tile_run_ptr = tile_run_ptr.data_ptr<int32_t>();
@@ -478,8 +485,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef WITH_CUDA
   m.def("trie_reduce_cuda", &trie_reduce_cuda,
         "Per-node sum/max/log_mass of a vocabulary trie (CUDA, tile decomposition)",
-        pybind11::arg("values"), pybind11::arg("leaf_token"), pybind11::arg("tile_node_lo"),
-        pybind11::arg("tile_run_ptr"), pybind11::arg("run_bounds"), pybind11::arg("node_src"),
+        pybind11::arg("values"), pybind11::arg("leaf_token"), pybind11::arg("column_leaf"),
+        pybind11::arg("tile_node_lo"), pybind11::arg("tile_run_ptr"), pybind11::arg("run_bounds"), pybind11::arg("node_src"),
         pybind11::arg("tile_scratch_ptr"), pybind11::arg("scratch_src"),
         pybind11::arg("scratch_slot"),
         pybind11::arg("span_node"), pybind11::arg("span_left"), pybind11::arg("span_right"),

@@ -19,9 +19,10 @@
 //        summed pairwise in float, the sum in double; the slice's partial (max, sum) of
 //        each row goes to two scratch slots the tile kernel only fills later.
 //      - staging (B >= kStageMinRows, R = the tile kernel's ROWS): the values again, to a
-//        workspace where a block's rows sit side by side, column by column, so that the
-//        tile kernel's gather reads a column's values for 8 or more rows from one 32-byte
-//        sector, not one sector per (row, column). sum and max launch (a1) for this alone.
+//        workspace where a block's rows sit side by side and the columns in leaf order
+//        (column_leaf), so that the tile kernel's gather reads one contiguous stretch per
+//        tile, not one 32-byte sector per (row, leaf). sum and max launch (a1) for this
+//        alone.
 //      (a2) row_lse_merge (log_mass): one warp per row merges the partials into lse = max +
 //      log(sum exp(x - max)) over all C columns, stored (double) in the row's last scratch
 //      column; NaN for a bad row (a NaN or +inf logit, or none finite), the row check
@@ -34,7 +35,7 @@
 //      (the distinct ranges of two leaves or more: nested, so fewer than `tile`; a chain of
 //      single-child nodes shares one) or from nowhere (empty; spanning: (c) writes it).
 //      1. gather: the rows' values of the tile's leaves, x[row, leaf_token[pos]] (staged
-//         by (a1) or from the input rows), into shared memory, [pos][row] with an odd
+//         by (a1), in leaf order, or from the input rows), into shared memory, [pos][row] with an odd
 //         row stride (lanes at consecutive rows: no bank conflicts), each thread with all
 //         its loads in flight. log_mass keeps the log-probability v = x - lse (float; lse
 //         as a float pair, exact to rounding) and the tile's largest v per row (the
@@ -259,15 +260,18 @@ __device__ __forceinline__ void warp_lse_merge(double& m, double& z) {
 //    the partial's sum is NaN, whatever the rest (masks of -inf around a NaN would
 //    otherwise leave the sum at 0 and the NaN unseen).
 //  - staging (R > 1): the round's [R][window] values go through shared memory to `staged`,
-//    where the block's nr rows (R, fewer in a batch's last block) are interleaved, column
-//    by column: [C][nr] from staged + first_row * C. The tile kernel's gather then finds a
-//    column's values for all its rows side by side (nr * 4 bytes: 8 or more rows fill a
-//    32-byte sector) instead of one sector per (row, column): 8.2M sectors of L2 traffic
-//    at B=64 on Llama-3 become 1.0M, for one more write and read of the logits, in L2.
-//    The values are then read only here: loaded evict-first.
+//    where the block's nr rows (R, fewer in a batch's last block) are interleaved and the
+//    columns put in leaf order: [L][nr] from staged + first_row * C, column c's nr values
+//    at its leaf position column_leaf[c] (a column no leaf reads is dropped). The tile
+//    kernel's gather then reads its tile's values for all its rows as one contiguous
+//    stretch (tile * nr values), instead of one 32-byte sector per (row, column) scattered
+//    over the rows: 8.2M sectors of L2 traffic at B=64 on Llama-3 become 1.0M, for one
+//    more write and read of the logits, in L2. The values are then read only here: loaded
+//    evict-first.
 template <class T, int R, bool LSE>
 __global__ void __launch_bounds__(kRowPassThreads)
     row_pass_kernel(const T* __restrict__ values, int64_t C, int64_t chunk,
+                    const int32_t* __restrict__ column_leaf, int64_t n_column_leaf,
                     T* __restrict__ staged, double* __restrict__ scratch, int64_t stride,
                     int64_t row0, int64_t row_end) {
   static_assert(R == 1 || (R >= kStageMinRows && R <= 32), "staged blocks take 8 to 32 rows");
@@ -279,6 +283,7 @@ __global__ void __launch_bounds__(kRowPassThreads)
   // (4-byte values) when a warp writes 32 / kPerRow rows of kPerRow columns each
   constexpr int kTileStride = R + R / 8;
   __shared__ T round_values[kStage ? kWindow * kTileStride : 1];
+  __shared__ int32_t round_leaf[kStage ? kWindow : 1];  // the round's columns' leaf positions
   __shared__ double red_m[kRowPassThreads / 32];
   __shared__ double red_s[kRowPassThreads / 32];
   allow_next_kernel();
@@ -309,13 +314,17 @@ __global__ void __launch_bounds__(kRowPassThreads)
 #pragma unroll
       for (int u = 0; u < kLseUnroll; ++u)
         if (in[u]) round_values[(sub + u * kPerRow) * kTileStride + j] = raw[u];
-      __syncthreads();
-      // the round's columns for the block's rows: one contiguous stretch of staged
       const int cols = hi - c0 < kWindow ? static_cast<int>(hi - c0) : kWindow;
-      T* dst = staged + first_row * C + c0 * nr;
+      for (int col = threadIdx.x; col < cols; col += kRowPassThreads)
+        round_leaf[col] = c0 + col < n_column_leaf ? column_leaf[c0 + col] : -1;
+      __syncthreads();
+      // each column's values for the block's rows (nr * sizeof(T) contiguous bytes: a
+      // 128-byte line for 32 float rows) to its leaf position
+      T* dst = staged + first_row * C;
       for (int e = threadIdx.x; e < cols * R; e += kRowPassThreads) {
         const int col = e / R, row = e % R;
-        if (row < nr) dst[col * nr + row] = round_values[col * kTileStride + row];
+        const int64_t leaf = round_leaf[col];
+        if (row < nr && leaf >= 0) dst[leaf * nr + row] = round_values[col * kTileStride + row];
       }
       __syncthreads();  // before the next round overwrites round_values
     }
@@ -495,8 +504,10 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   allow_next_kernel();
   const int run0 = tile_run_ptr[t], n_runs = tile_run_ptr[t + 1] - run0;
 
-  for (int p = threadIdx.x; p < tile; p += kTileThreads)
-    token[p] = base + p < L ? leaf_token[base + p] : -1;
+  if (staged == nullptr) {  // staged values are in leaf order already
+    for (int p = threadIdx.x; p < tile; p += kTileThreads)
+      token[p] = base + p < L ? leaf_token[base + p] : -1;
+  }
   for (int r = threadIdx.x; r < n_runs; r += kTileThreads) bounds[r] = run_bounds[run0 + r];
   if (threadIdx.x < kStride)
     val[(2 * tile - 1) * kStride + threadIdx.x] = static_cast<V>(empty_node_value<RED>());
@@ -504,26 +515,35 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
 
   // gather: thread (g, j) takes row j at positions g, g + kGroups, ...: all its loads in
   // flight at once, unconditionally; a position past the tile's last leaf, or a row past
-  // the batch's, reads column 0 of the block's first row and is dropped. The columns are
-  // scattered over the row: in the input rows each load is a 32-byte sector of its own;
-  // staged by (a1), the block's rows of a column sit side by side ([C][rows] from
-  // first_row * C), one sector for 8 of them. The input predates the kernels before this
-  // one (log_mass: this kernel is launched dependent), so its loads go out before the wait
-  // for them; staged values only after it.
+  // the batch's, reads the block's first value and is dropped. In the input rows the
+  // columns are scattered: each load is a 32-byte sector of its own. Staged by (a1), the
+  // tile's values for the block's rows are one contiguous stretch ([L][rows] from
+  // first_row * C, in leaf order): a warp's loads are one 128-byte line. The input
+  // predates the kernels before this one (log_mass: this kernel is launched dependent),
+  // so its loads go out before the wait for them; staged values only after it.
   const int jr = j < rows ? j : 0;
-  const T* src = staged != nullptr ? staged + first_row * C + jr : values + (first_row + jr) * C;
-  const int64_t column_stride = staged != nullptr ? rows : 1;
-  const uint64_t policy = keep_policy();
-  if (staged != nullptr) wait_for_previous_kernel();
+  const int n_leaves = L - base < tile ? static_cast<int>(L - base) : tile;
   T x[kPerThread];
   bool valid[kPerThread];
+  if (staged != nullptr) {
+    const T* src = staged + first_row * C + base * rows + jr;
+    wait_for_previous_kernel();
 #pragma unroll
-  for (int u = 0; u < kPerThread; ++u) {
-    const int p = g + u * kGroups;
-    const int32_t column = p < tile ? token[p] : -1;
-    valid[u] = j < rows && column >= 0;
-    const T* at = src + (column >= 0 ? column : 0) * column_stride;
-    x[u] = staged != nullptr ? load_once(at) : load_hinted(at, policy);
+    for (int u = 0; u < kPerThread; ++u) {
+      const int p = g + u * kGroups;
+      valid[u] = j < rows && p < n_leaves;
+      x[u] = load_once(src + (p < n_leaves ? p : 0) * rows);
+    }
+  } else {
+    const T* src = values + (first_row + jr) * C;
+    const uint64_t policy = keep_policy();
+#pragma unroll
+    for (int u = 0; u < kPerThread; ++u) {
+      const int p = g + u * kGroups;
+      const int32_t column = p < tile ? token[p] : -1;
+      valid[u] = j < rows && column >= 0;
+      x[u] = load_hinted(src + (column >= 0 ? column : 0), policy);
+    }
   }
   wait_for_previous_kernel();  // from here on: the rows' lse read, scratch written
   if constexpr (RED == kLogMass) {
@@ -574,14 +594,14 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   }
   __syncthreads();
 
-  // Staged lines this block read whole (ROWS values of 4 or 8 bytes, 128 bytes: a column's
-  // values for every row of a full block) are read by no one else (a column belongs to one
-  // leaf: layout.py checks), and all its loads are done (their values are in shared
-  // memory): dropped from L2 unwritten, they cost no write-back to memory.
+  // Staged lines this block read whole (ROWS values of 4 or 8 bytes, 128 bytes: a leaf's
+  // values for every row of a full block) are read by no one else (a leaf position is in
+  // one tile), and all its loads are done (their values are in shared memory): dropped
+  // from L2 unwritten, they cost no write-back to memory.
   if constexpr (ROWS * sizeof(T) == kL2Line) {
     if (staged != nullptr && rows == ROWS) {
-      for (int p = threadIdx.x; p < tile; p += kTileThreads)
-        if (token[p] >= 0) discard_l2_line(staged + first_row * C + token[p] * int64_t{ROWS});
+      for (int p = threadIdx.x; p < n_leaves; p += kTileThreads)
+        discard_l2_line(staged + first_row * C + (base + p) * int64_t{ROWS});
     }
   }
 
@@ -804,8 +824,8 @@ cudaError_t launch_row_pass(const TrieArgs& A, const T* values, T* staged, int64
   *splits = (A.C + chunk - 1) / chunk;  // no empty slice (C >= 1)
   const dim3 grid(static_cast<unsigned>(*splits), static_cast<unsigned>(row_blocks));
   return enqueue(row_pass_kernel<T, R, LSE>, grid, kRowPassThreads, 0, stream,
-                 /*dependent=*/false, values, A.C, chunk, staged, A.scratch, A.scratch_stride,
-                 row0, row0 + rows);
+                 /*dependent=*/false, values, A.C, chunk, A.column_leaf, A.n_column_leaf,
+                 staged, A.scratch, A.scratch_stride, row0, row0 + rows);
 }
 
 // The kernels for rows [row0, row0 + rows), ROWS rows per tile block, `staged` null or the
@@ -888,6 +908,9 @@ cudaError_t trie_reduce(const TrieArgs& A, cudaStream_t stream) {
   if (A.tile < 1 || A.tile > kMaxTile || A.n_tiles < 1 || A.scratch_stride < 1 ||
       A.span_narrow < 0 || A.span_narrow > A.span_warp || A.span_warp > A.S)
     return cudaErrorInvalidValue;
+  if (A.staged != nullptr &&
+      (A.column_leaf == nullptr || A.n_column_leaf > A.C || A.L > A.C))
+    return cudaErrorInvalidValue;  // (a1) would stage past a row block's C * rows values
   if (A.reduction == kLogMass) {
     if (A.C < 1) return cudaErrorInvalidValue;  // no logits: no log-sum-exp
     switch (A.dtype) {

@@ -24,12 +24,14 @@ enum Reduction : int { kSum = 0, kMax = 1, kLogMass = 2 };
 // The tile decomposition of genlm_fast/ops/layout.py, for one trie mode. All device pointers.
 struct TrieArgs {
   const void* values;  // [B, C] contiguous, dtype as below
-  void* staged;        // workspace of B * C values of that dtype (B >= kStageMinRows), or
-                       // null: no staging. Its contents on return are unspecified.
+  void* staged;        // workspace of B * C values of that dtype (B >= kStageMinRows; C >= L),
+                       // or null: no staging. Its contents on return are unspecified.
   int dtype;           // DType (sum/max: kF32 or kF64 only)
   int64_t B, C;
   const int32_t* leaf_token;  // [L] column of each leaf position
   int64_t L;
+  const int32_t* column_leaf;  // [n_column_leaf <= C] its inverse: the leaf position of each
+  int64_t n_column_leaf;       // column, -1 for a column no leaf reads (staging only)
   const int32_t* tile_node_lo;  // [n_tiles + 1] the node ids tile t owns (and writes):
                                 // [tile_node_lo[t], tile_node_lo[t + 1])
   int64_t n_tiles;

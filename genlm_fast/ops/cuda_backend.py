@@ -28,7 +28,12 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
     cached = arrays.get("_cuda")
     if cached is None:  # one device sync per (layout, mode, device)
         token = arrays["leaf_token"]
-        cached = arrays["_cuda"] = {"min_columns": int(token.max()) + 1 if token.numel() else 0}
+        min_columns = int(token.max()) + 1 if token.numel() else 0
+        # its inverse, for staging the rows in leaf order: the leaf position of each column
+        column_leaf = torch.full((min_columns,), -1, dtype=torch.int32, device=token.device)
+        column_leaf[token.long()] = torch.arange(token.numel(), dtype=torch.int32,
+                                                 device=token.device)
+        cached = arrays["_cuda"] = {"min_columns": min_columns, "column_leaf": column_leaf}
     if values.shape[1] < cached["min_columns"]:
         raise ValueError(f"rows have {values.shape[1]} entries but the vocabulary needs at "
                          f"least {cached['min_columns']}")
@@ -36,7 +41,7 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
     scratch = torch.empty(values.shape[0], num_scratch + 1, dtype=torch.float64,
                           device=values.device)
     out = extension.load_module().trie_reduce_cuda(
-        values, arrays["leaf_token"], arrays["tile_node_lo"], arrays["tile_run_ptr"],
+        values, arrays["leaf_token"], cached["column_leaf"], arrays["tile_node_lo"], arrays["tile_run_ptr"],
         arrays["run_bounds"], arrays["node_src"], arrays["tile_scratch_ptr"],
         arrays["scratch_src"], arrays["scratch_slot"], arrays["span_node"], arrays["span_left"],
         arrays["span_right"], arrays["span_tile_lo"], arrays["span_tile_hi"],

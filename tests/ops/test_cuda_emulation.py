@@ -190,6 +190,7 @@ int main(int argc, char** argv) {
   void* staged = read_array(f, &n);  // empty: none
   A.staged = n ? staged : nullptr;
   A.leaf_token = static_cast<int32_t*>(read_array(f, &n)); A.L = n / 4;
+  A.column_leaf = static_cast<int32_t*>(read_array(f, &n)); A.n_column_leaf = n / 4;
   A.tile_node_lo = static_cast<int32_t*>(read_array(f, &n)); A.n_tiles = n / 4 - 1;
   A.tile_run_ptr = static_cast<int32_t*>(read_array(f, &n));
   A.run_bounds = static_cast<int32_t*>(read_array(f, &n));
@@ -317,14 +318,15 @@ def emulator(tmp_path_factory):
 def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
                  mode: str = "without_eos", max_grid_y: int = 65535, tile: int | None = None,
                  span_narrow: int | None = None, span_warp: int | None = None,
-                 stage: bool = True):
+                 stage: bool = True, column_leaf: np.ndarray | None = None):
     """(launch status, emulator errors, launches, result, scratch): the CUDA kernels' result
     for ``values`` (what cuda_backend.trie_reduce would return) and their per-row scratch
     (log_mass: the row's lse in its last column). Spanning nodes [0, ``span_narrow``) take
     the thread-per-node path, [``span_narrow``, ``span_warp``) the warp-per-node one, the
     rest a block each (default: the layout's splits). The staging workspace is given as the
     binding gives it (B >= 8: a NaN-filled copy's worth), and used unless ``stage`` is False
-    (GENLM_FAST_CUDA_STAGE=0)."""
+    (GENLM_FAST_CUDA_STAGE=0); ``column_leaf`` (each column's leaf position, -1 for none)
+    is built here from the layout unless given."""
     ml = layout.modes[mode]
     tile = ml.tile if tile is None else tile
     span_narrow = span_class_end(ml, SPAN_NARROW_TILES) if span_narrow is None else span_narrow
@@ -342,7 +344,11 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
     header = np.array([DTYPES[values.dtype], B, C, layout.num_nodes, stride, tile,
                        int(out_double), REDUCTION[reduction], 0, max_grid_y,
                        span_narrow, span_warp], dtype=np.int64)
-    arrays = [raw, staged, ml.leaf_token, ml.tile_node_lo, ml.tile_run_ptr, ml.run_bounds,
+    if column_leaf is None:
+        column_leaf = np.full(layout.num_columns, -1, dtype=np.int32)
+        column_leaf[ml.leaf_token] = np.arange(len(ml.leaf_token), dtype=np.int32)
+    arrays = [raw, staged, ml.leaf_token, np.asarray(column_leaf, dtype=np.int32),
+              ml.tile_node_lo, ml.tile_run_ptr, ml.run_bounds,
               ml.node_src, ml.tile_scratch_ptr, ml.scratch_src, ml.scratch_slot, ml.span_node, ml.span_left,
               ml.span_right, ml.span_tile_lo, ml.span_tile_hi, scratch, out]
     path_in = os.path.join(tmp_dir, "in.bin")
@@ -711,9 +717,10 @@ def test_dispatcher_names_bad_rows_from_the_cuda_lse_pass(emulator, tmp_path, mo
     class EmulatedBinding:
         @staticmethod
         def trie_reduce_cuda(values, *args):
-            scratch, reduction = args[15], args[16]
-            status, errors, _, out, filled = run_emulated(emulator, str(tmp_path), values,
-                                                          layout, reduction)
+            column_leaf, scratch, reduction = args[1], args[16], args[17]
+            status, errors, _, out, filled = run_emulated(
+                emulator, str(tmp_path), values, layout, reduction,
+                column_leaf=column_leaf.numpy())
             assert status == 0 and errors == 0
             scratch.copy_(torch.from_numpy(filled.copy()))
             return torch.from_numpy(out.copy())
@@ -734,6 +741,11 @@ def test_dispatcher_names_bad_rows_from_the_cuda_lse_pass(emulator, tmp_path, mo
     assert used == "cuda" and passes == []
     assert_matches(out.numpy(), reference(torch.from_numpy(rows).float(), layout, "log_mass"),
                    "log_mass")
+    # 9 rows: staged, in the leaf order of the column_leaf that cuda_backend builds
+    staged_rows = torch.from_numpy(rng.standard_normal((9, 43)) * 10).float()
+    out, used = dispatch.trie_reduce(staged_rows, layout, "log_mass")
+    assert used == "cuda"
+    assert_matches(out.numpy(), reference(staged_rows, layout, "log_mass"), "log_mass")
     for value, message in [(np.nan, "logit row 2 contains NaN"),
                            (np.inf, r"logit row 2 contains \+inf"),
                            (-np.inf, r"logit row 2 has no finite logit \(all -inf\)")]:

@@ -60,7 +60,8 @@ SPEEDUP_B = 32
 SPAN_ARRAYS = ("span_node", "span_left", "span_right", "span_tile_lo", "span_tile_hi")
 INDEX_ARRAYS = {
     # the same tiles: the Triton kernels read their local ranges, csrc/trie_reduce_cuda.cu
-    # the tiles' sources (runs, each owned node's source, the scratch values')
+    # the tiles' sources (runs, each owned node's source, the scratch values'; from 8 rows
+    # on, staged, column_leaf of the same size instead of leaf_token)
     "triton": ("leaf_token", "tile_range_ptr", "tile_unit_end", "range_start", "range_end",
                "range_dest") + SPAN_ARRAYS,
     "cuda": ("leaf_token", "tile_node_lo", "tile_run_ptr", "run_bounds", "node_src",
@@ -683,8 +684,9 @@ def _bench_input(context, op: str, B: int):
 CUDA_SWITCHES = {
     "pdl": ("GENLM_FAST_CUDA_PDL", (("sum", 1), ("sum", 32), ("log_mass", 1), ("log_mass", 64)),
             ()),
-    "stage": ("GENLM_FAST_CUDA_STAGE", (("sum", 8), ("sum", 32), ("log_mass", 8),
-                                        ("log_mass", 64), ("sum", 128)), ("log_mass",)),
+    "stage": ("GENLM_FAST_CUDA_STAGE", (("sum", 8), ("sum", 16), ("sum", 32), ("sum", 128),
+                                        ("log_mass", 8), ("log_mass", 16), ("log_mass", 64),
+                                        ("log_mass", 128)), ("log_mass",)),
 }
 
 

@@ -35,10 +35,10 @@ logger = logging.getLogger("genlm_fast.ops")
 
 BACKENDS = ("reference", "triton", "cuda", "cpu")
 REDUCTIONS = ("sum", "max", "log_mass")
-# "auto" on a GPU, fastest first, per reduction: H200, Llama-3 vocabulary, at 5e66b7f
-# (bench/results/gpu-h200-2026-11-26-3.md), kernels alone: sum B=32 cuda 0.069 ms, triton
-# 0.123 ms; max B=64 cuda 0.130 ms, triton 0.200 ms; log_mass B=64 cuda 0.160 ms, triton
-# 0.273 ms (CUDA is ahead at every B from 1 to 128, for every op).
+# "auto" on a GPU, fastest first, per reduction: H100, Llama-3 vocabulary, at 80569f1
+# (bench/results/gpu-h100-2026-11-26-2.md), kernels alone: sum B=32 cuda 0.063 ms, triton
+# 0.143 ms; max B=64 cuda 0.130 ms, triton 0.222 ms; log_mass B=64 cuda 0.152 ms, triton
+# 0.296 ms (CUDA is ahead at every B from 1 to 128, for every op, as on the H200 at 5e66b7f).
 GPU_PREFERENCE = {"sum": ("cuda", "triton"), "max": ("cuda", "triton"),
                   "log_mass": ("cuda", "triton")}
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -348,9 +348,9 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
         column_leaf = np.full(layout.num_columns, -1, dtype=np.int32)
         column_leaf[ml.leaf_token] = np.arange(len(ml.leaf_token), dtype=np.int32)
     arrays = [raw, staged, ml.leaf_token, np.asarray(column_leaf, dtype=np.int32),
-              ml.tile_node_lo, ml.tile_run_ptr, ml.run_bounds,
-              ml.node_src, ml.tile_scratch_ptr, ml.scratch_src, ml.scratch_slot, ml.span_node, ml.span_left,
-              ml.span_right, ml.span_tile_lo, ml.span_tile_hi, scratch, out]
+              ml.tile_node_lo, ml.tile_run_ptr, ml.run_bounds, ml.node_src, ml.tile_scratch_ptr,
+              ml.scratch_src, ml.scratch_slot, ml.span_node, ml.span_left, ml.span_right,
+              ml.span_tile_lo, ml.span_tile_hi, scratch, out]
     path_in = os.path.join(tmp_dir, "in.bin")
     path_out = os.path.join(tmp_dir, "out.bin")
     with open(path_in, "wb") as f:

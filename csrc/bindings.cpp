@@ -348,7 +348,8 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
 
 #ifdef WITH_CUDA
 at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_token,
-                            const at::Tensor& column_leaf, const at::Tensor& tile_node_lo, const at::Tensor& tile_run_ptr,
+                            const at::Tensor& column_leaf, const at::Tensor& tile_node_lo,
+                            const at::Tensor& tile_run_ptr,
                             const at::Tensor& run_bounds, const at::Tensor& node_src,
                             const at::Tensor& tile_scratch_ptr, const at::Tensor& scratch_src,
                             const at::Tensor& scratch_slot, const at::Tensor& span_node,
@@ -486,7 +487,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("trie_reduce_cuda", &trie_reduce_cuda,
         "Per-node sum/max/log_mass of a vocabulary trie (CUDA, tile decomposition)",
         pybind11::arg("values"), pybind11::arg("leaf_token"), pybind11::arg("column_leaf"),
-        pybind11::arg("tile_node_lo"), pybind11::arg("tile_run_ptr"), pybind11::arg("run_bounds"), pybind11::arg("node_src"),
+        pybind11::arg("tile_node_lo"), pybind11::arg("tile_run_ptr"),
+        pybind11::arg("run_bounds"), pybind11::arg("node_src"),
         pybind11::arg("tile_scratch_ptr"), pybind11::arg("scratch_src"),
         pybind11::arg("scratch_slot"),
         pybind11::arg("span_node"), pybind11::arg("span_left"), pybind11::arg("span_right"),

@@ -35,11 +35,11 @@
 //      (the distinct ranges of two leaves or more: nested, so fewer than `tile`; a chain of
 //      single-child nodes shares one) or from nowhere (empty; spanning: (c) writes it).
 //      1. gather: the rows' values of the tile's leaves, x[row, leaf_token[pos]] (staged
-//         by (a1), in leaf order, or from the input rows), into shared memory, [pos][row] with an odd
-//         row stride (lanes at consecutive rows: no bank conflicts), each thread with all
-//         its loads in flight. log_mass keeps the log-probability v = x - lse (float; lse
-//         as a float pair, exact to rounding) and the tile's largest v per row (the
-//         shift), then exp(v - shift) per leaf, once.
+//         by (a1), in leaf order, or from the input rows), into shared memory, [pos][row]
+//         with an odd row stride (lanes at consecutive rows: no bank conflicts), each
+//         thread with all its loads in flight. log_mass keeps the log-probability
+//         v = x - lse (float; lse as a float pair, exact to rounding) and the tile's
+//         largest v per row (the shift), then exp(v - shift) per leaf, once.
 //      2. runs: lanes = rows, the thread groups deal the runs round-robin (longest first):
 //         sum a double sum, max the max (exact), log_mass shift + log(sum of the exps),
 //         exact to float rounding when that sum is >= kFastMinMass (1e-24; see reduce_run);

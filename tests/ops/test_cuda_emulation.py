@@ -605,14 +605,15 @@ def test_row_blocks_give_each_row_its_own_result(emulator, tmp_path, reduction, 
     ("log_mass", torch.bfloat16, 40), ("sum", torch.float64, 40), ("sum", torch.float64, 16),
     ("max", torch.float64, 19)])
 def test_staged_rows_give_what_the_input_rows_give(emulator, tmp_path, reduction, dtype, B):
-    """B >= 8: (a1) stages the rows, a tile block's rows side by side per column, and the
-    tile kernel gathers from there (GENLM_FAST_CUDA_STAGE=0: from the input rows). 40 rows:
-    a block of 32 and a partial one of 8; 16 and 19: one of 16 (and 3). Full blocks of
-    float32 x 32 or float64 x 16 rows read a column as one 128-byte line, which the tile
-    kernel then drops from L2: the emulation fills it with NaN, so a second read of it would
-    show. Rows wider than the vocabulary, -inf masks. Both ways match the reference; sum and
-    max read the same values, so they agree bit for bit, and sum/max take one launch more
-    staged (the row pass), log_mass none (it has one)."""
+    """B >= 8: (a1) stages the rows, a tile block's rows side by side and the columns in
+    leaf order, and the tile kernel gathers from there (GENLM_FAST_CUDA_STAGE=0: from the
+    input rows). 40 rows: a block of 32 and a partial one of 8; 16 and 19: one of 16 (and
+    3). Full blocks of float32 x 32 or float64 x 16 rows read a leaf's values as one
+    128-byte line, which the tile kernel then drops from L2: the emulation fills it with
+    NaN, so a second read of it would show. Rows wider than the vocabulary, -inf masks.
+    Both ways match the reference; sum and max read the same values, so they agree bit for
+    bit, and sum/max take one launch more staged (the row pass), log_mass none (it has
+    one)."""
     words = [bytes(np.random.default_rng(i).integers(97, 101, size=1 + i % 5))
              for i in range(220)]
     layout = make_trie(words).layout
@@ -629,6 +630,28 @@ def test_staged_rows_give_what_the_input_rows_give(emulator, tmp_path, reduction
     if reduction != "log_mass":
         np.testing.assert_array_equal(got[True], got[False])
     assert launches[True] == launches[False] + (reduction != "log_mass")
+
+
+def test_staged_rows_follow_each_modes_leaf_order(emulator, tmp_path, monkeypatch):
+    """With EOS tokens the two modes order the leaves differently (with_eos moves the EOS
+    tokens' leaves under the EOS node), so each mode stages the columns at its own leaf
+    positions, from the column_leaf cuda_backend builds for it (through dispatch, the
+    kernels emulated); a column past the vocabulary is staged nowhere."""
+    words = [bytes(np.random.default_rng(i).integers(97, 100, size=1 + i % 4))
+             for i in range(90)]
+    words = list(dict.fromkeys(words))
+    trie = make_trie(words, eos=[words[3], words[40]])
+    orders = {m: trie.layout.modes[m].leaf_token for m in ("without_eos", "with_eos")}
+    assert not np.array_equal(orders["without_eos"], orders["with_eos"])
+    use_emulated_binding(monkeypatch, emulator, tmp_path, trie.layout)
+    rng = np.random.default_rng(4)
+    for reduction in ("sum", "log_mass"):
+        x = make_values(rng, 12, trie.layout.num_columns + 5, reduction, neg_inf=0.05)
+        for mode in orders:
+            got, used = dispatch.trie_reduce(x, trie.layout, reduction, mode=mode)
+            assert used == "cuda"
+            assert_matches(got.numpy(), reference(x, trie.layout, reduction, mode), reduction,
+                           f"{reduction}/{mode}")
 
 
 @pytest.mark.parametrize("B", [1, 3])
@@ -654,13 +677,21 @@ def test_a_real_vocabulary_slice(emulator, tmp_path):
 
 
 def test_bad_arguments_are_refused_before_any_launch(emulator, tmp_path):
-    """trie_reduce's own argument checks: a tile past kMaxTile is cudaErrorInvalidValue."""
+    """trie_reduce's own argument checks (cudaErrorInvalidValue, nothing launched): a tile
+    past kMaxTile; staging with a column_leaf longer than the rows."""
     trie = make_trie([b"a", b"b"])
     x = torch.zeros(1, 2)
     # a tile the kernels refuse (its shared memory would pass the limit)
     status, _, launches, _, _ = run_emulated(emulator, str(tmp_path), x, trie.layout, "sum",
                                              tile=100000)
     assert status == 1 and launches == 0  # cudaErrorInvalidValue
+    # 8 rows (staged): the row pass would write leaf positions past a row block's C * 8
+    # values; the same call with the right column_leaf runs
+    x = torch.zeros(8, 2)
+    for column_leaf, want in (([0, 1, -1], 1), ([0, 1], 0)):
+        status, _, launches, _, _ = run_emulated(emulator, str(tmp_path), x, trie.layout, "sum",
+                                                 column_leaf=np.array(column_leaf))
+        assert status == want and (launches == 0) == (want == 1)
 
 
 @pytest.mark.parametrize("stage", [True, False], ids=["staged", "unstaged"])
@@ -703,49 +734,64 @@ def test_row_lse_flags_exactly_the_bad_rows(emulator, tmp_path, stage):
         assert_matches(got[good], reference(x[good], trie.layout, "log_mass"), "log_mass")
 
 
+def use_emulated_binding(monkeypatch, emulator, tmp_path, layout):
+    """The CUDA extension replaced by the emulated kernels, for ``layout``: the real
+    cuda_backend runs as on a GPU and its arguments reach the emulator (its column_leaf,
+    the mode whose leaf_token it passes); scratch is filled in place as the binding does."""
+    from genlm_fast.ops import extension
+
+    class EmulatedBinding:
+        @staticmethod
+        def trie_reduce_cuda(values, leaf_token, column_leaf, *args):
+            scratch, reduction = args[14], args[15]
+            mode = next(m for m, ml in layout.modes.items()
+                        if np.array_equal(ml.leaf_token, leaf_token.numpy()))
+            status, errors, _, out, filled = run_emulated(
+                emulator, str(tmp_path), values, layout, reduction, mode=mode,
+                column_leaf=column_leaf.numpy())
+            assert status == 0 and errors == 0
+            scratch.copy_(torch.from_numpy(filled.copy()))
+            return torch.from_numpy(out.copy())
+
+    monkeypatch.setattr(extension, "has", lambda kind: kind == "cuda")
+    monkeypatch.setattr(extension, "load_module", lambda: EmulatedBinding)
+    # "auto" takes the CUDA backend; an explicit one (the tests' reference) is kept
+    real_resolve = dispatch.resolve_backend
+    monkeypatch.setattr(dispatch, "resolve_backend", lambda backend, device, reduction:
+                        "cuda" if backend == "auto" else real_resolve(backend, device, reduction))
+
+
 def test_dispatcher_names_bad_rows_from_the_cuda_lse_pass(emulator, tmp_path, monkeypatch):
     """Through dispatch.trie_reduce and the real cuda_backend, with the emulated kernels as
     the extension (the binding's call, run by the emulator: scratch filled in place): for
     log_mass the dispatcher makes no pass of its own over the logits and names the first
     bad row from the lse the kernels leave in scratch; sum still gets the dispatcher's
     check (the kernels flag nothing there), and good rows give the reference's values."""
-    from genlm_fast.ops import cuda_backend, extension
+    from genlm_fast.ops import cuda_backend
 
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(40)]
     layout = make_trie(words).layout
+    rng = np.random.default_rng(2)
+    rows = rng.standard_normal((4, 43)) * 10
+    # 9 rows: staged, in the leaf order of the column_leaf that cuda_backend builds
+    staged_rows = torch.from_numpy(rng.standard_normal((9, 43)) * 10).float()
+    want = {B: reference(x, layout, "log_mass")
+            for B, x in ((4, torch.from_numpy(rows).float()), (9, staged_rows))}
 
-    class EmulatedBinding:
-        @staticmethod
-        def trie_reduce_cuda(values, *args):
-            column_leaf, scratch, reduction = args[1], args[16], args[17]
-            status, errors, _, out, filled = run_emulated(
-                emulator, str(tmp_path), values, layout, reduction,
-                column_leaf=column_leaf.numpy())
-            assert status == 0 and errors == 0
-            scratch.copy_(torch.from_numpy(filled.copy()))
-            return torch.from_numpy(out.copy())
-
+    use_emulated_binding(monkeypatch, emulator, tmp_path, layout)
     passes = []
     real_bad_rows = dispatch.bad_rows
-    monkeypatch.setattr(extension, "has", lambda kind: kind == "cuda")
-    monkeypatch.setattr(extension, "load_module", lambda: EmulatedBinding)
-    monkeypatch.setattr(dispatch, "resolve_backend", lambda backend, device, reduction: "cuda")
     monkeypatch.setattr(dispatch, "bad_rows",
                         lambda values, reduction: passes.append(reduction) or
                         real_bad_rows(values, reduction))
     assert cuda_backend.OWN_ROW_CHECK == ("log_mass",)
 
-    rng = np.random.default_rng(2)
-    rows = rng.standard_normal((4, 43)) * 10
     out, used = dispatch.trie_reduce(torch.from_numpy(rows).float(), layout, "log_mass")
     assert used == "cuda" and passes == []
-    assert_matches(out.numpy(), reference(torch.from_numpy(rows).float(), layout, "log_mass"),
-                   "log_mass")
-    # 9 rows: staged, in the leaf order of the column_leaf that cuda_backend builds
-    staged_rows = torch.from_numpy(rng.standard_normal((9, 43)) * 10).float()
+    assert_matches(out.numpy(), want[4], "log_mass")
     out, used = dispatch.trie_reduce(staged_rows, layout, "log_mass")
-    assert used == "cuda"
-    assert_matches(out.numpy(), reference(staged_rows, layout, "log_mass"), "log_mass")
+    assert used == "cuda" and passes == []
+    assert_matches(out.numpy(), want[9], "log_mass")
     for value, message in [(np.nan, "logit row 2 contains NaN"),
                            (np.inf, r"logit row 2 contains \+inf"),
                            (-np.inf, r"logit row 2 has no finite logit \(all -inf\)")]:

@@ -34,6 +34,9 @@
 //      position (a one-leaf node: ~80% on real vocabularies), from one of the tile's *runs*
 //      (the distinct ranges of two leaves or more: nested, so fewer than `tile`; a chain of
 //      single-child nodes shares one) or from nowhere (empty; spanning: (c) writes it).
+//      0. the tile's slices of the index arrays (its runs, its leaves' columns, its node
+//         ids' sources, its scratch values) are loaded first, all in one round trip, into
+//         shared memory: no later phase waits on a global load of its own.
 //      1. gather: the rows' values of the tile's leaves, x[row, leaf_token[pos]] (staged
 //         by (a1), in leaf order, or from the input rows), into shared memory, [pos][row]
 //         with an odd row stride (lanes at consecutive rows: no bank conflicts), each
@@ -93,6 +96,9 @@ constexpr int kTileWarps = kTileThreads / 32;
 // as a launch bound: up to 64 registers a thread (it takes ~56; bounds of 5, 6 or 8 blocks an SM
 // were no faster on the H200)
 constexpr int kTileBlocksPerSM = 4;
+// node ids a tile block keeps the sources of in shared memory (Llama-3: 201 a tile on
+// average, 462 at most), a multiple of kTileThreads
+constexpr int kSharedIds = 2 * kTileThreads;
 constexpr float kFastMinMass = 1e-24f;
 constexpr int kRowPassThreads = 256;
 constexpr int kLseUnroll = 16;      // loads in flight per thread in (a1), a power of two
@@ -493,25 +499,51 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   float* lin = reinterpret_cast<float*>(val + 2 * tile * kStride);  // log_mass: [tile][kStride]
   __shared__ int32_t token[kMaxTile];
   __shared__ int32_t bounds[kMaxTile];  // the tile's runs (fewer than tile)
+  __shared__ int32_t id_src[kSharedIds];  // node_src of the tile's first kSharedIds node ids
+  __shared__ int32_t q_src[kTileThreads], q_slot[kTileThreads];  // its first scratch values
   __shared__ float lse_hi[ROWS], lse_lo[ROWS];  // log_mass: each row's lse as hi + lo
   __shared__ float part_max[kTileWarps][ROWS];  // log_mass: the warps' largest v per row
   const int t = blockIdx.x;
   const int64_t first_row = row0 + static_cast<int64_t>(blockIdx.y) * ROWS;
   const int rows = row_end - first_row < ROWS ? static_cast<int>(row_end - first_row) : ROWS;
   const int64_t base = static_cast<int64_t>(t) * tile;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int j = static_cast<int>(threadIdx.x) % ROWS, g = static_cast<int>(threadIdx.x) / ROWS;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int j = tid % ROWS, g = tid / ROWS;
   allow_next_kernel();
+  // The tile's slices of the index arrays, all loaded now, in one round trip (their
+  // pointers in the one before), and kept in shared memory: the later phases make no
+  // global load but (rarely) for ids and scratch values past the shared arrays. Unstaged,
+  // they are stored at once (the gather needs the token columns); staged, only once the
+  // gather is issued, so that its loads go out while these are in flight.
   const int run0 = tile_run_ptr[t], n_runs = tile_run_ptr[t + 1] - run0;
-
-  if (staged == nullptr) {  // staged values are in leaf order already
-    for (int p = threadIdx.x; p < tile; p += kTileThreads)
-      token[p] = base + p < L ? leaf_token[base + p] : -1;
+  const int q0 = tile_scratch_ptr[t], n_q = tile_scratch_ptr[t + 1] - q0;
+  const int node_lo = tile_node_lo[t], n_ids = tile_node_lo[t + 1] - node_lo;
+  const int32_t my_token =
+      staged == nullptr && tid < tile && base + tid < L ? leaf_token[base + tid] : -1;
+  const int32_t my_bounds = tid < n_runs ? run_bounds[run0 + tid] : 0;
+  const int32_t my_q_src = tid < n_q ? scratch_src[q0 + tid] : 0;
+  const int32_t my_q_slot = tid < n_q ? scratch_slot[q0 + tid] : 0;
+  int32_t my_id_src[kSharedIds / kTileThreads];
+#pragma unroll
+  for (int u = 0; u < kSharedIds / kTileThreads; ++u) {
+    const int k = tid + u * kTileThreads;
+    my_id_src[u] = k < n_ids ? node_src[node_lo + k] : 0;
   }
-  for (int r = threadIdx.x; r < n_runs; r += kTileThreads) bounds[r] = run_bounds[run0 + r];
-  if (threadIdx.x < kStride)
-    val[(2 * tile - 1) * kStride + threadIdx.x] = static_cast<V>(empty_node_value<RED>());
-  __syncthreads();
+  const auto store_slices = [&] {
+    if (tid < tile) token[tid] = my_token;
+    if (tid < n_runs) bounds[tid] = my_bounds;
+    if (tid < n_q) q_src[tid] = my_q_src, q_slot[tid] = my_q_slot;
+#pragma unroll
+    for (int u = 0; u < kSharedIds / kTileThreads; ++u) {
+      if (tid + u * kTileThreads < n_ids) id_src[tid + u * kTileThreads] = my_id_src[u];
+    }
+  };
+  if (tid < kStride)
+    val[(2 * tile - 1) * kStride + tid] = static_cast<V>(empty_node_value<RED>());
+  if (staged == nullptr) {
+    store_slices();
+    __syncthreads();
+  }
 
   // gather: thread (g, j) takes row j at positions g, g + kGroups, ...: all its loads in
   // flight at once, unconditionally; a position past the tile's last leaf, or a row past
@@ -534,6 +566,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
       valid[u] = j < rows && p < n_leaves;
       x[u] = load_once(src + (p < n_leaves ? p : 0) * rows);
     }
+    store_slices();  // read after the barrier below
   } else {
     const T* src = values + (first_row + jr) * C;
     const uint64_t policy = keep_policy();
@@ -615,20 +648,18 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   __syncthreads();
 
   // the tile's total and pieces to scratch (double)
-  const int q0 = tile_scratch_ptr[t], n_q = tile_scratch_ptr[t + 1] - q0;
-  for (int i = threadIdx.x; i < n_q * ROWS; i += kTileThreads) {
-    const int q = i / ROWS, jj = i % ROWS;
+  for (int e = threadIdx.x; e < n_q * ROWS; e += kTileThreads) {
+    const int q = e / ROWS, jj = e % ROWS;
+    const int src = q < kTileThreads ? q_src[q] : scratch_src[q0 + q];
+    const int slot = q < kTileThreads ? q_slot[q] : scratch_slot[q0 + q];
     if (jj < rows)
-      scratch[(first_row + jj) * stride + scratch_slot[q0 + q]] =
-          static_cast<double>(val[scratch_src[q0 + q] * kStride + jj]);
+      scratch[(first_row + jj) * stride + slot] = static_cast<double>(val[src * kStride + jj]);
   }
   // the node ids the tile owns, each row's block whole: a warp per 32 consecutive ids, its
   // lanes at consecutive ids (coalesced lines), looping over the rows
-  const int64_t node_lo = tile_node_lo[t];
-  const int n_ids = tile_node_lo[t + 1] - static_cast<int>(node_lo);
   for (int k = warp * 32 + lane; k - lane < n_ids; k += kTileThreads) {
     if (k >= n_ids) continue;
-    const V* src = val + node_src[node_lo + k] * kStride;
+    const V* src = val + (k < kSharedIds ? id_src[k] : node_src[node_lo + k]) * kStride;
     V* dst = out + first_row * num_nodes + node_lo + k;
     if (rows == ROWS) {
 #pragma unroll

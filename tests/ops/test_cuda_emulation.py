@@ -48,6 +48,12 @@ REDUCTION = {"sum": 0, "max": 1, "log_mass": 2}
 with open(os.path.join(REPO, "csrc", "trie_reduce_cuda.h")) as _header:
     # batches from this many rows up get the staging workspace (the binding's rule)
     STAGE_MIN_ROWS = int(re.search(r"kStageMinRows = (\d+);", _header.read()).group(1))
+with open(CU) as _source:
+    _cu = _source.read()
+    # the tile kernel keeps this many of a tile's node sources, and one scratch value a
+    # thread, in shared memory; more are read from global memory as they are written out
+    TILE_THREADS = int(re.search(r"kTileThreads = (\d+);", _cu).group(1))
+    SHARED_IDS = int(re.search(r"kSharedIds = (\d+) \* kTileThreads;", _cu).group(1)) * TILE_THREADS
 
 HARNESS = r"""
 #include <atomic>
@@ -518,6 +524,25 @@ def test_long_node_blocks_and_tiles_owning_none(emulator, tmp_path, reduction, d
     assert (np.diff(modes["with_eos"].tile_node_lo) == 0).any()
     check(emulator, tmp_path, words, reduction, B=3, dtype=dtype, neg_inf=0.2, eos=[b"dd"],
           extra=3 if reduction == "log_mass" else 0)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
+@pytest.mark.parametrize("B", [3, STAGE_MIN_ROWS])
+def test_tiles_past_their_shared_index_slices(emulator, tmp_path, reduction, B):
+    """The tile kernel loads a tile's node sources and scratch values into shared arrays of
+    SHARED_IDS and TILE_THREADS entries, and reads the rest from global memory: a chain of
+    700 nested tokens with a branch at every 11th, where a tile owns more node ids than that
+    and holds the pieces of more spanning nodes (from varied sources past the shared ones),
+    unstaged (B=3) and staged."""
+    words = [b"x" * k for k in range(1, 701)] + [b"x" * k + b"y" for k in range(1, 701, 11)]
+    mode = make_trie(words).layout.modes["without_eos"]
+    assert np.diff(mode.tile_node_lo).max() > SHARED_IDS
+    ptr = mode.tile_scratch_ptr
+    t = int(np.argmax(np.diff(ptr)))
+    past = mode.scratch_src[ptr[t] + TILE_THREADS:ptr[t + 1]]
+    assert len(past) and len(np.unique(past)) > 1
+    check(emulator, tmp_path, words, reduction, B=B, spread=3.0,
+          extra=2 if reduction == "log_mass" else 0)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])

@@ -31,9 +31,10 @@
 //      phases with a barrier between each. The layout has turned the tile's local ranges
 //      into *sources* (genlm_fast/ops/layout.py, _tile_sources): a node the tile owns (its
 //      last leaf is here: one block of ids, tile_node_lo) takes its value from a leaf
-//      position (a one-leaf node: ~80% on real vocabularies), from one of the tile's *runs*
-//      (the distinct ranges of two leaves or more: nested, so fewer than `tile`; a chain of
-//      single-child nodes shares one) or from nowhere (empty; spanning: (c) writes it).
+//      position (a one-leaf node: ~80% on real vocabularies), from the whole tile (its
+//      total), from one of the tile's *runs* (the other distinct ranges of two leaves or
+//      more: nested, so at most tile - 2; a chain of single-child nodes shares one) or from
+//      nowhere (empty; spanning: (c) writes it).
 //      0. the tile's slices of the index arrays (its runs, its leaves' columns, its node
 //         ids' sources, its scratch values) are loaded first, all in one round trip, into
 //         shared memory: no later phase waits on a global load of its own.
@@ -42,11 +43,14 @@
 //         with an odd row stride (lanes at consecutive rows: no bank conflicts), each
 //         thread with all its loads in flight. log_mass keeps the log-probability
 //         v = x - lse (float; lse as a float pair, exact to rounding) and the tile's
-//         largest v per row (the shift), then exp(v - shift) per leaf, once.
+//         largest v per row (the shift), then exp(v - shift) per leaf, once. Each thread
+//         also reduces the values it holds: the tile's total is those partials combined
+//         (over the lanes, then the warps), not a 64-leaf run for one thread group.
 //      2. runs: lanes = rows, the thread groups deal the runs round-robin (longest first):
 //         sum a double sum, max the max (exact), log_mass shift + log(sum of the exps),
 //         exact to float rounding when that sum is >= kFastMinMass (1e-24; see reduce_run);
-//         a run under that is redone by its own max.
+//         a run under that is redone by its own max. (The tile's total is always exact:
+//         its sum of exps holds exp(shift - shift) = 1.)
 //      3. out: the node ids the tile owns, a warp per 32 consecutive ids, each lane copying
 //         its id's source for every row: whole, coalesced lines of each output row, once.
 //         The tile total and pieces (scratch slots for (c)) are copied the same way.
@@ -435,8 +439,9 @@ __device__ __forceinline__ double empty_node_value() {
 }
 
 // Dynamic shared memory of a tile block: `val` [2 * tile][ROWS + 1] of V (rows [0, tile):
-// the leaf values, [tile, 2 * tile - 1): the runs' results, row 2 * tile - 1: the empty-node
-// value), then for log_mass `lin` [tile][ROWS + 1] floats, exp(v - shift).
+// the leaf values, [tile, 2 * tile - 2): the runs' results, row 2 * tile - 2: the tile's
+// total, row 2 * tile - 1: the empty-node value), then for log_mass `lin` [tile][ROWS + 1]
+// floats, exp(v - shift).
 template <class V, int RED, int ROWS>
 __host__ __device__ constexpr size_t tile_shared_bytes(int tile) {
   return static_cast<size_t>(ROWS + 1) * tile *
@@ -503,6 +508,8 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   __shared__ int32_t q_src[kTileThreads], q_slot[kTileThreads];  // its first scratch values
   __shared__ float lse_hi[ROWS], lse_lo[ROWS];  // log_mass: each row's lse as hi + lo
   __shared__ float part_max[kTileWarps][ROWS];  // log_mass: the warps' largest v per row
+  // the warps' partial totals per row: sum, max, log_mass the sum of exp(v - shift)
+  __shared__ double part_total[kTileWarps][ROWS];
   const int t = blockIdx.x;
   const int64_t first_row = row0 + static_cast<int64_t>(blockIdx.y) * ROWS;
   const int rows = row_end - first_row < ROWS ? static_cast<int>(row_end - first_row) : ROWS;
@@ -591,6 +598,8 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   }
   V v[kPerThread];
   float m = static_cast<float>(neg_inf());  // log_mass: the largest v this thread saw
+  // this thread's part of the tile's total: sum, max (log_mass: summed below, from lin)
+  double total = identity<RED == kLogMass ? kSum : RED>();
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
     const int p = g + u * kGroups;
@@ -604,6 +613,8 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
         m = vmax(m, v[u]);
       } else {
         v[u] = x[u];
+        total = RED == kSum ? total + static_cast<double>(v[u])
+                            : vmax(total, static_cast<double>(v[u]));
       }
     }
     if (p < tile) val[p * kStride + j] = v[u];
@@ -619,12 +630,22 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
 #pragma unroll
     for (int w = 0; w < kTileWarps; ++w) shift = vmax(shift, part_max[w][j]);
     if (shift == static_cast<float>(neg_inf())) shift = 0.0f;
+    float lin_total = 0.0f;  // at most 64 terms <= 1
 #pragma unroll
     for (int u = 0; u < kPerThread; ++u) {
       const int p = g + u * kGroups;
-      if (p < tile) lin[p * kStride + j] = fast_exp(v[u] - shift);  // -inf gives 0
+      const float e = fast_exp(v[u] - shift);  // -inf (and invalid) gives 0
+      lin_total += e;
+      if (p < tile) lin[p * kStride + j] = e;
     }
+    total = lin_total;
   }
+  // the partial totals: over the warp's lanes of row j, then to part_total for the runs phase
+  for (int off = 16; off >= ROWS; off >>= 1) {
+    const double other = __shfl_xor_sync(kFullMask, total, off);
+    total = RED == kMax ? vmax(total, other) : total + other;
+  }
+  if (lane < ROWS) part_total[warp][lane] = total;
   __syncthreads();
 
   // Staged lines this block read whole (ROWS values of 4 or 8 bytes, 128 bytes: a leaf's
@@ -638,11 +659,24 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     }
   }
 
-  // runs, longest first, dealt round-robin to the groups
+  // runs, longest first, dealt round-robin to the groups; the last group (the fewest
+  // runs) also combines the warps' partial totals (a tile of 2 leaves or more)
   if (j < rows) {
     for (int r = g; r < n_runs; r += kGroups) {
       const int a = bounds[r] & 0xffff, b = bounds[r] >> 16;
       val[(tile + r) * kStride + j] = reduce_run<V, RED, ROWS>(val, lin, shift, a, b, j);
+    }
+    if (g == kGroups - 1 && n_leaves >= 2) {
+      double acc = part_total[0][j];
+#pragma unroll
+      for (int w = 1; w < kTileWarps; ++w)
+        acc = RED == kMax ? vmax(acc, part_total[w][j]) : acc + part_total[w][j];
+      V tile_total;
+      if constexpr (RED == kLogMass)  // acc >= 1 unless every leaf is -inf
+        tile_total = acc > 0.0 ? shift + fast_log(static_cast<float>(acc)) : neg_inf();
+      else
+        tile_total = static_cast<V>(acc);
+      val[(2 * tile - 2) * kStride + j] = tile_total;
     }
   }
   __syncthreads();

@@ -42,7 +42,7 @@ TILE = 64  # leaf positions per tile; a power of two (Triton block shapes)
 # CUDA's warp class up to device_arrays(...)["span_warp"].
 SPAN_NARROW_TILES = 16
 SPAN_WARP_TILES = 256
-LAYOUT_VERSION = 5  # bump when the pickled layout changes (the disk cache key has it)
+LAYOUT_VERSION = 6  # bump when the pickled layout changes (the disk cache key has it)
 
 
 @dataclass
@@ -65,13 +65,14 @@ class ModeLayout:
     # kernel writes the block of each row whole.
     tile_node_lo: np.ndarray
     # The same local ranges as the CUDA tile kernel reads them: where each owned node's
-    # value comes from inside its tile. A tile's distinct ranges of two leaves or more are
-    # its *runs* (at most tile - 1: they nest), tile_run_ptr [n_tiles + 1] the CSR over
-    # run_bounds [runs] (local positions a | b << 16, longest first). node_src [N]: the
-    # node's source code, a leaf position p < tile (one leaf: its own value), tile + r (the
-    # tile's run r) or 2 * tile - 1 (none: an empty node, or a spanning node, which the
-    # span pass writes). tile_scratch_ptr [n_tiles + 1] the CSR over the tile's scratch
-    # values (its total and pieces): scratch_src [P] a source code, scratch_slot [P] the slot.
+    # value comes from inside its tile. A tile's distinct ranges of two leaves or more, but
+    # the whole tile, are its *runs* (at most tile - 2: they nest), tile_run_ptr
+    # [n_tiles + 1] the CSR over run_bounds [runs] (local positions a | b << 16, longest
+    # first). node_src [N]: the node's source code, a leaf position p < tile (one leaf: its
+    # own value), tile + r (the tile's run r), 2 * tile - 2 (the whole tile, 2+ leaves) or
+    # 2 * tile - 1 (none: an empty node, or a spanning node, which the span pass writes).
+    # tile_scratch_ptr [n_tiles + 1] the CSR over the tile's scratch values (its total and
+    # pieces): scratch_src [P] a source code, scratch_slot [P] the slot.
     tile_run_ptr: np.ndarray
     run_bounds: np.ndarray
     node_src: np.ndarray
@@ -378,7 +379,8 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node, tile=None):
     owner = np.maximum(leaf_end - 1, 0) // tile  # non-decreasing in the node id
     node_lo = np.searchsorted(owner, np.arange(n_tiles + 1), side="left")
 
-    sources = _tile_sources(num_nodes, tile, n_tiles, r_start, r_end, r_dest, r_tile)
+    sources = _tile_sources(num_nodes, tile, n_tiles, r_start, r_end, r_dest, r_tile,
+                            tot_end - tot_start)
 
     i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)
     # spanning nodes sorted by how many whole tiles they sum, so a block of them loops alike
@@ -404,16 +406,21 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node, tile=None):
     )
 
 
-def _tile_sources(num_nodes, tile, n_tiles, r_start, r_end, r_dest, r_tile):
+def _tile_sources(num_nodes, tile, n_tiles, r_start, r_end, r_dest, r_tile, tile_len):
     """The CUDA tile kernel's view of the local ranges (``ModeLayout``'s tile_run_ptr ..
-    scratch_slot): each range becomes a source code inside its tile (a leaf position, or
-    the run of its distinct bounds), each node and scratch slot points at its range's."""
+    scratch_slot): each range becomes a source code inside its tile (a leaf position, the
+    tile's total, or the run of its distinct bounds), each node and scratch slot points at
+    its range's. ``tile_len``: the leaves in each tile."""
     a = r_start - r_tile * tile  # local bounds
     b = r_end - r_tile * tile
     length = b - a
     code = np.full(len(a), 2 * tile - 1, dtype=np.int64)  # empty ranges: none
     code[length == 1] = a[length == 1]
-    multi = np.flatnonzero(length >= 2)
+    # the whole tile (its total, and any node whose leaves are all of the tile's): the
+    # kernel sums it as it gathers, not as a run
+    whole = (length >= 2) & (a == 0) & (b == tile_len[r_tile])
+    code[whole] = 2 * tile - 2
+    multi = np.flatnonzero((length >= 2) & ~whole)
     # runs: the distinct (tile, a, b) of two leaves or more, longest first within a tile
     # (the kernel deals them round-robin to its thread groups)
     key = (r_tile[multi] * (tile + 1) + (tile - length[multi])) * (tile + 1) + a[multi]

@@ -95,8 +95,8 @@ def evaluate_tiles(ml, num_nodes, weights):
 def evaluate_sources(ml, num_nodes, weights):
     """The same from the tiles' sources, the way the CUDA tile kernel reads them: per tile,
     its leaf values and run sums, each owned node and scratch value copied from its source
-    code (a position, tile + a run, or 2 * tile - 1: none, the empty value 0), then the
-    spanning nodes."""
+    code (a position, tile + a run, 2 * tile - 2: the whole tile, or 2 * tile - 1: none, the
+    empty value 0), then the spanning nodes."""
     out = np.full(num_nodes, np.nan)
     scratch = np.full(ml.num_scratch, np.nan)
     leaf_w = np.zeros(len(ml.tile_node_lo) * ml.tile)  # whole tiles
@@ -105,10 +105,16 @@ def evaluate_sources(ml, num_nodes, weights):
     for t in range(len(ml.tile_node_lo) - 1):
         leaves = leaf_w[t * tile:(t + 1) * tile]
         bounds = ml.run_bounds[ml.tile_run_ptr[t]:ml.tile_run_ptr[t + 1]]
-        assert len(bounds) < max(tile, 2)  # nested ranges of 2+ leaves: fewer than tile
+        # nested ranges of 2+ leaves but the whole tile: at most tile - 2
+        assert len(bounds) <= max(tile - 2, 0)
+        n_leaves = min(tile, len(ml.leaf_token) - t * tile)
         runs = [leaves[b & 0xFFFF:b >> 16].sum() for b in bounds]
-        assert all((b >> 16) - (b & 0xFFFF) >= 2 for b in bounds)
-        source = np.concatenate([leaves, runs, np.zeros(tile - len(runs))])
+        assert all(2 <= (b >> 16) - (b & 0xFFFF) < n_leaves for b in bounds)
+        source = np.zeros(2 * tile)  # [2 * tile - 1]: the empty value
+        source[:tile] = leaves
+        source[tile:tile + len(runs)] = runs
+        if n_leaves >= 2:
+            source[2 * tile - 2] = leaves.sum()
         nodes = slice(ml.tile_node_lo[t], ml.tile_node_lo[t + 1])
         out[nodes] = source[ml.node_src[nodes]]
         q = slice(ml.tile_scratch_ptr[t], ml.tile_scratch_ptr[t + 1])

@@ -168,14 +168,29 @@ __device__ __forceinline__ T load_once(const T* p) { return *p; }
 #endif
 
 // exp of a value <= 0 and log of a positive sum where a few float ulps (times the
-// argument's magnitude, for exp) are far within the design's 1e-4 on log-masses: CUDA's fast
-// intrinsics, ex2/lg2.approx (in the CPU emulation of tests/ops/test_cuda_emulation.py,
-// libm's expf/logf)
+// argument's magnitude, for exp) are far within the design's 1e-4 on log-masses: the
+// hardware's ex2/lg2.approx with subnormals flushed (.ftz; 2 instructions an exp, where
+// __expf's subnormal-safe form takes 5). An exp under 2^-126 is then 0: every caller sums
+// terms <= 1 whose largest is 1, or tests the sum against kFastMinMass (see reduce_run), so
+// a flushed term is under 1e-36 of its sum. No log here is of a subnormal: its sums are
+// >= kFastMinMass or >= 1. In the CPU emulation of tests/ops/test_cuda_emulation.py,
+// libm's expf (flushed the same way) and logf.
 #ifdef __CUDA_ARCH__
-__device__ __forceinline__ float fast_exp(float x) { return __expf(x); }
-__device__ __forceinline__ float fast_log(float x) { return __logf(x); }
+__device__ __forceinline__ float fast_exp(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f));
+  return y;
+}
+__device__ __forceinline__ float fast_log(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y * 0.693147180559945309f;
+}
 #else
-__device__ __forceinline__ float fast_exp(float x) { return expf(x); }
+__device__ __forceinline__ float fast_exp(float x) {
+  const float y = expf(x);
+  return y < 1.17549435e-38f ? 0.0f : y;  // FLT_MIN: subnormals flushed, as .ftz does
+}
 __device__ __forceinline__ float fast_log(float x) { return logf(x); }
 #endif
 

@@ -453,14 +453,25 @@ __device__ __forceinline__ double empty_node_value() {
   return RED == kLogMass ? neg_inf() : 0.0;
 }
 
-// Dynamic shared memory of a tile block: `val` [2 * tile][ROWS + 1] of V (rows [0, tile):
-// the leaf values, [tile, 2 * tile - 2): the runs' results, row 2 * tile - 2: the tile's
-// total, row 2 * tile - 1: the empty-node value), then for log_mass `lin` [tile][ROWS + 1]
-// floats, exp(v - shift).
+// Dynamic shared memory of a tile block, sized for kMaxTile whatever the layout's tile (so
+// that every address in it is a constant offset from the thread's own): `val`
+// [2 * kMaxTile][ROWS + 1] of V (rows [0, kMaxTile): the leaf values, [kMaxTile,
+// 2 * kMaxTile - 2): the runs' results, row kTotalRow: the tile's total, row kEmptyRow: the
+// empty-node value), then for log_mass `lin` [kMaxTile][ROWS + 1] floats, exp(v - shift).
+constexpr int kTotalRow = 2 * kMaxTile - 2;
+constexpr int kEmptyRow = 2 * kMaxTile - 1;
 template <class V, int RED, int ROWS>
-__host__ __device__ constexpr size_t tile_shared_bytes(int tile) {
-  return static_cast<size_t>(ROWS + 1) * tile *
+__host__ __device__ constexpr size_t tile_shared_bytes() {
+  return static_cast<size_t>(ROWS + 1) * kMaxTile *
          (2 * sizeof(V) + (RED == kLogMass ? sizeof(float) : 0));
+}
+
+// The row of `val` that holds a source code of the layout (a position < tile, tile + run,
+// 2 * tile - 2 the total, 2 * tile - 1 none: genlm_fast/ops/layout.py, _tile_sources).
+__device__ __forceinline__ int source_row(int code, int tile) {
+  if (code < tile) return code;
+  if (code < 2 * tile - 2) return code - tile + kMaxTile;
+  return code - (2 * tile - 2) + kTotalRow;
 }
 
 // A run, positions [a, b) of the tile, for row j: sum (double), max, or log_mass: with the
@@ -514,9 +525,10 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   constexpr int kStride = ROWS + 1;  // odd: lanes at consecutive rows hit different banks
   constexpr int kGroups = kTileThreads / ROWS;  // thread groups; a group's lanes = rows
   constexpr int kPerThread = (kMaxTile + kGroups - 1) / kGroups;  // gathered values each
+  constexpr bool kFitsTile = kPerThread * kGroups == kMaxTile;  // no position past kMaxTile
   extern __shared__ double smem[];
-  V* val = reinterpret_cast<V*>(smem);  // [2 * tile][kStride]
-  float* lin = reinterpret_cast<float*>(val + 2 * tile * kStride);  // log_mass: [tile][kStride]
+  V* val = reinterpret_cast<V*>(smem);  // [2 * kMaxTile][kStride]
+  float* lin = reinterpret_cast<float*>(val + 2 * kMaxTile * kStride);  // [kMaxTile][kStride]
   __shared__ int32_t token[kMaxTile];
   __shared__ int32_t bounds[kMaxTile];  // the tile's runs (fewer than tile)
   __shared__ int32_t id_src[kSharedIds];  // node_src of the tile's first kSharedIds node ids
@@ -561,7 +573,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     }
   };
   if (tid < kStride)
-    val[(2 * tile - 1) * kStride + tid] = static_cast<V>(empty_node_value<RED>());
+    val[kEmptyRow * kStride + tid] = static_cast<V>(empty_node_value<RED>());
   if (staged == nullptr) {
     store_slices();
     __syncthreads();
@@ -611,28 +623,31 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     }
     __syncthreads();
   }
+  // the values, branch-free (a select per value): past the last leaf or row, -inf, never
+  // read but by the max and the total, where -inf (max) or 0 (sum) changes nothing
   V v[kPerThread];
   float m = static_cast<float>(neg_inf());  // log_mass: the largest v this thread saw
   // this thread's part of the tile's total: sum, max (log_mass: summed below, from lin)
   double total = identity<RED == kLogMass ? kSum : RED>();
+  float hi = 0.0f, lo = 0.0f;  // log_mass: the row's lse
+  if constexpr (RED == kLogMass) hi = lse_hi[j], lo = lse_lo[j];
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
     const int p = g + u * kGroups;
-    v[u] = static_cast<V>(neg_inf());  // past the last leaf or row: never read
-    if (valid[u]) {
-      if constexpr (RED == kLogMass) {
-        if constexpr (std::is_same_v<T, double>)
-          v[u] = static_cast<float>(x[u] - (static_cast<double>(lse_hi[j]) + lse_lo[j]));
-        else
-          v[u] = (to_arith(x[u]) - lse_hi[j]) - lse_lo[j];  // -inf stays -inf
-        m = vmax(m, v[u]);
-      } else {
-        v[u] = x[u];
-        total = RED == kSum ? total + static_cast<double>(v[u])
-                            : vmax(total, static_cast<double>(v[u]));
-      }
+    if constexpr (RED == kLogMass) {
+      float lp;  // the log-probability; -inf stays -inf
+      if constexpr (std::is_same_v<T, double>)
+        lp = static_cast<float>(x[u] - (static_cast<double>(hi) + lo));
+      else
+        lp = (to_arith(x[u]) - hi) - lo;
+      v[u] = valid[u] ? lp : static_cast<float>(neg_inf());
+      m = vmax(m, v[u]);
+    } else {
+      v[u] = valid[u] ? x[u] : static_cast<V>(neg_inf());
+      total = RED == kSum ? total + (valid[u] ? static_cast<double>(x[u]) : 0.0)
+                          : vmax(total, static_cast<double>(v[u]));
     }
-    if (p < tile) val[p * kStride + j] = v[u];
+    if (kFitsTile || p < kMaxTile) val[p * kStride + j] = v[u];
   }
   float shift = 0.0f;
   if constexpr (RED == kLogMass) {
@@ -651,7 +666,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
       const int p = g + u * kGroups;
       const float e = fast_exp(v[u] - shift);  // -inf (and invalid) gives 0
       lin_total += e;
-      if (p < tile) lin[p * kStride + j] = e;
+      if (kFitsTile || p < kMaxTile) lin[p * kStride + j] = e;
     }
     total = lin_total;
   }
@@ -679,7 +694,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   if (j < rows) {
     for (int r = g; r < n_runs; r += kGroups) {
       const int a = bounds[r] & 0xffff, b = bounds[r] >> 16;
-      val[(tile + r) * kStride + j] = reduce_run<V, RED, ROWS>(val, lin, shift, a, b, j);
+      val[(kMaxTile + r) * kStride + j] = reduce_run<V, RED, ROWS>(val, lin, shift, a, b, j);
     }
     if (g == kGroups - 1 && n_leaves >= 2) {
       double acc = part_total[0][j];
@@ -691,7 +706,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
         tile_total = acc > 0.0 ? shift + fast_log(static_cast<float>(acc)) : neg_inf();
       else
         tile_total = static_cast<V>(acc);
-      val[(2 * tile - 2) * kStride + j] = tile_total;
+      val[kTotalRow * kStride + j] = tile_total;
     }
   }
   __syncthreads();
@@ -702,13 +717,15 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     const int src = q < kTileThreads ? q_src[q] : scratch_src[q0 + q];
     const int slot = q < kTileThreads ? q_slot[q] : scratch_slot[q0 + q];
     if (jj < rows)
-      scratch[(first_row + jj) * stride + slot] = static_cast<double>(val[src * kStride + jj]);
+      scratch[(first_row + jj) * stride + slot] =
+          static_cast<double>(val[source_row(src, tile) * kStride + jj]);
   }
   // the node ids the tile owns, each row's block whole: a warp per 32 consecutive ids, its
   // lanes at consecutive ids (coalesced lines), looping over the rows
   for (int k = warp * 32 + lane; k - lane < n_ids; k += kTileThreads) {
     if (k >= n_ids) continue;
-    const V* src = val + (k < kSharedIds ? id_src[k] : node_src[node_lo + k]) * kStride;
+    const int code = k < kSharedIds ? id_src[k] : node_src[node_lo + k];
+    const V* src = val + source_row(code, tile) * kStride;
     V* dst = out + first_row * num_nodes + node_lo + k;
     if (rows == ROWS) {
 #pragma unroll
@@ -934,7 +951,7 @@ cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out,
   const dim3 tgrid(static_cast<unsigned>(A.n_tiles),
                    static_cast<unsigned>((rows + ROWS - 1) / ROWS));
   err = enqueue(tile_kernel<T, RED, ROWS>, tgrid, kTileThreads,
-                tile_shared_bytes<Out, RED, ROWS>(A.tile), stream,
+                tile_shared_bytes<Out, RED, ROWS>(), stream,
                 /*dependent=*/kLse || staged != nullptr, values,
                 static_cast<const T*>(staged), A.C, A.leaf_token, A.L, A.tile_run_ptr,
                 A.run_bounds, A.tile_node_lo, A.node_src, A.tile_scratch_ptr, A.scratch_src,

@@ -10,8 +10,9 @@
 namespace genlm_fast {
 namespace cuda {
 
-// leaf positions per tile the tile kernel accepts: its shared arrays, 2 * tile * 33 doubles
-// at most, fit the 48 KiB a launch gets without opting in (genlm_fast/ops/layout.py uses 64)
+// leaf positions per tile the tile kernel accepts: its shared arrays, sized for this many
+// whatever the layout's tile (2 * 64 * 33 doubles at most, 40 KiB with the static ones), fit
+// the 48 KiB a launch gets without opting in (genlm_fast/ops/layout.py uses 64)
 constexpr int kMaxTile = 64;
 
 // batches of at least this many rows have their values staged for the tile kernel's gather

@@ -39,6 +39,7 @@ import torch
 from genlm_fast.backend.tokenization import Token
 from genlm_fast.bytes import TokenByteTrie
 from genlm_fast.ops import dispatch
+from genlm_fast.ops import layout as layout_module
 from genlm_fast.ops.layout import SPAN_NARROW_TILES, SPAN_WARP_TILES, span_class_end
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -466,6 +467,22 @@ def test_random_tries(emulator, tmp_path, reduction):
               extra=7 if reduction == "log_mass" and case % 3 == 0 else 0, eos=eos,
               spread=[1.0, 50.0, 400.0][case % 3], neg_inf=0.3 if case >= 3 else 0.0,
               seed=case)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
+@pytest.mark.parametrize("tile,B", [(2, 3), (8, STAGE_MIN_ROWS), (27, 5)])
+def test_layouts_of_smaller_tiles(emulator, tmp_path, monkeypatch, reduction, tile, B):
+    """The tile kernel lays out its shared arrays for kMaxTile (64) leaves whatever the
+    layout's tile, and maps the layout's source codes (runs from `tile` on, the whole tile at
+    2 * tile - 2, none at 2 * tile - 1) onto those rows: layouts of 2, 8 and 27 leaves a
+    tile (layout.TILE; the production layout's 64 makes the mapping the identity), staged
+    (B=8) and not, EOS mode included."""
+    monkeypatch.setattr(layout_module, "TILE", tile)
+    rng = np.random.default_rng(tile)
+    words = [bytes(rng.integers(97, 100, size=rng.integers(0, 6))) for _ in range(150)]
+    assert make_trie(words).layout.modes["without_eos"].tile == tile
+    check(emulator, tmp_path, words, reduction, B=B, eos={words[1]}, spread=30.0, neg_inf=0.2,
+          extra=3 if reduction == "log_mass" else 0)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])

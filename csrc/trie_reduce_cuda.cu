@@ -262,6 +262,17 @@ __device__ __forceinline__ double warp_sum(double v) {
   for (int off = kLanes / 2; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
   return v;
 }
+// over the lanes kStride apart (a power of two; lane % kStride alike, the tile kernel's
+// lanes of one row): every lane ends with their max (kMax) or sum; all 32 lanes take part
+template <int kStride, bool kMax, class V>
+__device__ __forceinline__ V strided_lanes_reduce(V v) {
+#pragma unroll
+  for (int off = 16; off >= kStride; off >>= 1) {
+    const V other = __shfl_xor_sync(kFullMask, v, off);
+    v = kMax ? vmax(v, other) : v + other;
+  }
+  return v;
+}
 // every lane of the warp ends with the merge of all lanes' (m, z) pairs
 __device__ __forceinline__ void warp_lse_merge(double& m, double& z) {
   for (int off = 16; off > 0; off >>= 1) {
@@ -530,7 +541,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   V* val = reinterpret_cast<V*>(smem);  // [2 * kMaxTile][kStride]
   float* lin = reinterpret_cast<float*>(val + 2 * kMaxTile * kStride);  // [kMaxTile][kStride]
   __shared__ int32_t token[kMaxTile];
-  __shared__ int32_t bounds[kMaxTile];  // the tile's runs (fewer than tile)
+  __shared__ int32_t bounds[kMaxTile];  // the tile's runs (at most tile - 2)
   __shared__ int32_t id_src[kSharedIds];  // node_src of the tile's first kSharedIds node ids
   __shared__ int32_t q_src[kTileThreads], q_slot[kTileThreads];  // its first scratch values
   __shared__ float lse_hi[ROWS], lse_lo[ROWS];  // log_mass: each row's lse as hi + lo
@@ -653,7 +664,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   if constexpr (RED == kLogMass) {
     // the tile's largest log-probability per row: over the warp's lanes of row j, then the
     // warps; rows with no finite value shift by 0
-    for (int off = 16; off >= ROWS; off >>= 1) m = vmax(m, __shfl_xor_sync(kFullMask, m, off));
+    m = strided_lanes_reduce<ROWS, true>(m);
     if (lane < ROWS) part_max[warp][lane] = m;
     __syncthreads();
     shift = static_cast<float>(neg_inf());
@@ -671,10 +682,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     total = lin_total;
   }
   // the partial totals: over the warp's lanes of row j, then to part_total for the runs phase
-  for (int off = 16; off >= ROWS; off >>= 1) {
-    const double other = __shfl_xor_sync(kFullMask, total, off);
-    total = RED == kMax ? vmax(total, other) : total + other;
-  }
+  total = strided_lanes_reduce<ROWS, RED == kMax>(total);
   if (lane < ROWS) part_total[warp][lane] = total;
   __syncthreads();
 

@@ -20,7 +20,10 @@ For every available GPU backend (``triton``, ``cuda``), batch size and op it
    one more read of it), and their fractions of the device's peak HBM bandwidth;
 4. at B=64, profiles each backend's kernels (torch.profiler): the time of each kernel of
    its chain, to show where the time goes;
-5. with ``--sweep``, times the Triton tile kernels in each launch configuration of
+5. times the memory floors (``memory_floors``) at the goals' shapes: torch's own kernels
+   writing the output once, reading the input once, copying it, and gathering it into
+   [B, N], for the fraction of peak that moving that traffic alone gets on the device;
+6. with ``--sweep``, times the Triton tile kernels in each launch configuration of
    ``TRITON_SWEEP`` (rows per program, warps, chunk sizes), to choose the defaults from.
 The reference is genlm.backend's ``ParallelTokenCharacterTrie(device="cuda")`` when
 ``genlm.backend`` imports (its own ancestor matrix), else the same algorithm inline (a torch
@@ -726,11 +729,52 @@ def switch_comparison(context, names) -> list[dict]:
     return out
 
 
+def memory_floors(context) -> list[dict]:
+    """What the memory system alone gives at the goals' shapes (log_mass at GOAL_PEAK_B, sum
+    at SPEEDUP_B), with torch's own kernels and the same timer: the [B, N] float32 output
+    written once (``fill_``), the [B, V'] input read once (``amax`` over each row), read and
+    written once (``copy_``: what staging the rows costs at the least), and gathered into
+    [B, N] (``index_select`` of each node's last leaf's column: the fused pass with no
+    reduction and no normalization at all). They say what fraction of peak a kernel that only
+    moves the goal's traffic gets on this device, to read the trie kernels' fraction against
+    (torch's kernels are good streaming kernels, not proven optimal ones)."""
+    import torch
+
+    layout, device = context["layout"], context["device"]
+    how, peak = context["how"], context["peak"]
+    ml = layout.modes["without_eos"]
+    leaf_end = torch.as_tensor(ml.leaf_end, dtype=torch.int64)
+    has_leaf = leaf_end > torch.as_tensor(ml.leaf_start, dtype=torch.int64)
+    last_column = torch.as_tensor(ml.leaf_token, dtype=torch.int64)[(leaf_end - 1).clamp(min=0)]
+    node_column = torch.where(has_leaf, last_column, 0).to(device)
+    N = layout.num_nodes
+    out = []
+    for op, B in ((GOAL_PEAK_OP, GOAL_PEAK_B), ("sum", SPEEDUP_B)):
+        x = _bench_input(context, op, B)
+        result = torch.empty(B, N, dtype=torch.float32, device=device)
+        copy = torch.empty_like(x)
+        in_bytes, out_bytes = x.numel() * x.element_size(), result.numel() * 4
+        cases = (
+            ("write [B, N] once (fill_)", out_bytes, lambda: result.fill_(1.0)),
+            ("read [B, V'] once (amax per row)", in_bytes, lambda: torch.amax(x, dim=1)),
+            ("read and write [B, V'] (copy_)", 2 * in_bytes, lambda: copy.copy_(x)),
+            ("gather [B, V'] into [B, N] (index_select)", in_bytes + out_bytes,
+             lambda: torch.index_select(x, 1, node_column, out=result)),
+        )
+        for name, moved, fn in cases:
+            ms = bench_ms(fn, device, how)
+            gbs = moved / (ms * 1e-3) / 1e9
+            out.append({"op": op, "B": B, "floor": name, "MB": moved / 1e6, "ms": ms,
+                        "GBs": gbs, "peak_frac": gbs / peak if peak else None})
+            print(f"floor {op:8s} B={B:<4d} {name:45s} {ms:9.4f} ms {gbs:8.1f} GB/s", flush=True)
+    return out
+
+
 def _f(x, fmt):
     return "-" if x is None else format(x, fmt)
 
 
-def table(rows, info, command: str, sweep_rows=(), switch_rows=()) -> str:
+def table(rows, info, command: str, sweep_rows=(), switch_rows=(), floor_rows=()) -> str:
     lines = ["# genlm_fast GPU trie kernels", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in info.items()]
     lines += ["", f"Command: `{command}`", "",
@@ -780,6 +824,15 @@ def table(rows, info, command: str, sweep_rows=(), switch_rows=()) -> str:
               "| goal | backend | measured | met |", "|---|---|---:|---|"]
     for r in goals(rows):
         lines.append(f"| {r['goal']} | {r['backend']} | {r['measured']} | {r['met']} |")
+    if floor_rows:
+        lines += ["", "Memory floors at the goals' shapes (torch's own kernels, same timer; "
+                  "`memory_floors`): what the memory system gives a kernel of that traffic:", "",
+                  "| op | B | floor | MB moved | ms | GB/s | % of peak |",
+                  "|---|---:|---|---:|---:|---:|---:|"]
+        for r in floor_rows:
+            frac = "-" if r["peak_frac"] is None else f"{100 * r['peak_frac']:.0f}%"
+            lines.append(f"| {r['op']} | {r['B']} | {r['floor']} | {r['MB']:.2f} | "
+                         f"{r['ms']:.4f} | {r['GBs']:.0f} | {frac} |")
     if switch_rows:
         lines += ["", "CUDA kernels alone, each switch off (`=0`) and on (the default), the "
                   "others on (`--switches`; the two results checked to agree first): " +
@@ -908,11 +961,11 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     text = table(rows, info, command.strip())
     out.write_text(text)  # before the extras: a session cut short keeps the main table
+    floor_rows = memory_floors(context)
     switch_rows = switch_comparison(context, args.switches)
     sweep_rows = triton_sweep(args, context) if args.sweep else []
-    if switch_rows or sweep_rows:
-        text = table(rows, info, command.strip(), sweep_rows, switch_rows)
-        out.write_text(text)
+    text = table(rows, info, command.strip(), sweep_rows, switch_rows, floor_rows)
+    out.write_text(text)
     print()
     print(text)
     print(f"wrote {out}")

@@ -2,7 +2,8 @@
 # On a lent GPU machine (the device tool; README "GPU sessions"):
 #     bash scripts/gpu_session.sh tests    # build with the CUDA kernels, run the GPU tests
 #     bash scripts/gpu_session.sh bench    # python -m bench.gpu --switches pdl stage --sweep (Llama-3)
-#     bash scripts/gpu_session.sh profile  # ncu on the CUDA tile and span kernels
+#     bash scripts/gpu_session.sh profile  # ncu on the CUDA kernels (and their DRAM traffic
+#                                          # with the caches as the pipeline leaves them)
 #     bash scripts/gpu_session.sh all      # all three in one device call: build, bench,
 #                                          # profile (at most PROFILE_S = 80 s), tests
 # Each step installs what it needs first (once per machine): the wheels that
@@ -141,6 +142,19 @@ run_profile() {
       --section WarpStateStats $PY -m bench.gpu_profile --op "$op" --batch "$batch" \
       >"$OUT/ncu-$op-B$batch.txt" 2>&1
     echo "ncu $op B=$batch: exit $? ($OUT/ncu-$op-B$batch.txt)"
+  done
+  # The DRAM traffic of each kernel of the third call as the pipeline leaves the L2 to it
+  # (--cache-control none: no flush between kernels; three counters, one pass): whether the
+  # staged rows, the scratch and the span pass's writes reach DRAM at all. log_mass runs 4
+  # kernels a call (row pass, lse merge, tile, span), sum 3.
+  for shape in "log_mass 64 4" "sum 32 3"; do
+    read -r op batch per_call <<<"$shape"
+    "$ncu" --cache-control none --kernel-name regex:'row_pass|row_lse_merge|tile_kernel|span_kernel' \
+      --launch-skip $((2 * per_call)) --launch-count "$per_call" \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+      $PY -m bench.gpu_profile --op "$op" --batch "$batch" \
+      >"$OUT/ncu-pipeline-$op-B$batch.txt" 2>&1
+    echo "ncu (caches kept) $op B=$batch: exit $? ($OUT/ncu-pipeline-$op-B$batch.txt)"
   done
 }
 

@@ -120,3 +120,42 @@ def test_outputs_come_back_as_at_most_8_files(tmp_path):
     with tarfile.open(out / "logs.tar.gz") as tar:
         assert sorted(tar.getnames()) == sorted(packed)
         assert tar.extractfile("ncu-sum-B32.txt").read() == b"contents of ncu-sum-B32.txt\n"
+
+
+def test_profile_skips_two_calls_of_each_shape_and_keeps_the_caches_for_the_traffic(tmp_path):
+    """run_profile's ncu selections, with an ncu that only prints its arguments: the third
+    call of each shape is the one profiled (the first two are warm-up), which takes skipping
+    two calls' worth of the selected kernels: 3 a call (row pass, tile, span) for the
+    sections, and with the lse merge (log_mass) 4 for the DRAM traffic, which runs with the
+    caches left as the kernels before left them."""
+    script = (REPO / "scripts" / "gpu_session.sh").read_text()
+    run_profile = script[script.index("run_profile() {"):script.index("\nrun_bench() {")]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ncu").write_text('#!/bin/sh\necho "$@"\n')
+    (bin_dir / "ncu").chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OUT": str(out), "PY": "python3",
+           "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
+    proc = subprocess.run(["bash", "-c", run_profile + "\nrun_profile"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def args(name):
+        return (out / name).read_text().split()
+
+    for name, skip, count, kernels in (
+            ("ncu-log_mass-B64.txt", 6, 3, "row_pass|tile_kernel|span_kernel"),
+            ("ncu-sum-B32.txt", 6, 3, "row_pass|tile_kernel|span_kernel"),
+            ("ncu-pipeline-log_mass-B64.txt", 8, 4,
+             "row_pass|row_lse_merge|tile_kernel|span_kernel"),
+            ("ncu-pipeline-sum-B32.txt", 6, 3, "row_pass|row_lse_merge|tile_kernel|span_kernel")):
+        a = args(name)
+        assert a[a.index("--launch-skip") + 1] == str(skip), (name, a)
+        assert a[a.index("--launch-count") + 1] == str(count), (name, a)
+        assert a[a.index("--kernel-name") + 1] == f"regex:{kernels}", (name, a)
+        assert ("--cache-control" in a) == ("pipeline" in name), (name, a)
+        op, batch = name.split("-")[-2], name.split("-B")[-1].split(".")[0]
+        assert a[-4:] == ["--op", op, "--batch", batch], (name, a)
+    assert "dram__bytes_write.sum" in " ".join(args("ncu-pipeline-sum-B32.txt"))

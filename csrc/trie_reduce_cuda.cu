@@ -13,8 +13,9 @@
 // one before (programmatic dependent launch, sm_90+: it starts while that one ends, and
 // waits for it before touching its results; see enqueue):
 //  (a) the row pass, and the row lse.
-//      (a1) row_pass: grid (splits, blocks of R rows), each block reads one slice of its
-//      rows once, kLseUnroll loads in flight per thread. It does one or both of:
+//      (a1) row_pass: grid (splits, blocks of R rows), one wave of blocks, each reading one
+//      slice of its rows once, in rounds of kLseUnroll loads in flight per thread, a round's
+//      loads issued before the round before is staged. It does one or both of:
 //      - lse (log_mass): a (max, sum-exp) pair per thread: per round one max, fast exps
 //        summed pairwise in float, the sum in double; the slice's partial (max, sum) of
 //        each row goes to two scratch slots the tile kernel only fills later.
@@ -107,7 +108,9 @@ constexpr float kFastMinMass = 1e-24f;
 constexpr int kRowPassThreads = 256;
 constexpr int kLseUnroll = 16;      // loads in flight per thread in (a1), a power of two
 constexpr int64_t kRowPassMinValues = 4096;  // values per (a1) block, at least
-constexpr int64_t kRowPassTargetBlocks = 1024;  // (a1) blocks per launch to aim for
+// (a1) blocks per launch where the device cannot say how many it holds at once, and in
+// the CPU emulation (whose tests set it)
+constexpr int64_t kRowPassTargetBlocks = 1024;
 constexpr int kSpanWarps = 8;        // (a2) and (c): warps per block
 constexpr int kSpanThreads = kSpanWarps * 32;  // (c)'s blocks: a thread per narrow node
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -285,17 +288,20 @@ __device__ __forceinline__ void warp_lse_merge(double& m, double& z) {
 // ---------------------------------------------------------------------------- (a) row pass
 
 // (a1) grid (splits, row blocks): each block reads one slice [lo, hi) of R rows ONCE, in
-// rounds of kLseUnroll loads in flight per thread (the slice end predicated, not a serial
-// tail); the block's kRowPassThreads / R threads of a row take its columns in turn.
+// rounds of kUnroll loads in flight per thread (the slice end predicated, not a serial
+// tail); the block's kRowPassThreads / R threads of a row take its columns in turn. The
+// next round's loads are issued as soon as this round's values are in shared memory (and
+// its lse terms summed), before this round is staged.
 //  - lse (log_mass): per thread and round one max, at most one rescale of its double sum,
-//    and kLseUnroll fast exps (terms <= 1) summed pairwise in float: a few float ulps,
+//    and kUnroll fast exps (terms <= 1) summed pairwise in float: a few float ulps,
 //    against a double sum of every term. The row's threads then merge, and write the
 //    slice's partial (m, s), m its largest logit and s the sum of exp(x - m), to scratch
 //    slots [2 * split, 2 * split + 1] of the row; those are free until the tile kernel,
 //    which runs after (a2), writes its totals there. A NaN or +inf logit marks the row bad:
 //    the partial's sum is NaN, whatever the rest (masks of -inf around a NaN would
 //    otherwise leave the sum at 0 and the NaN unseen).
-//  - staging (R > 1): the round's [R][window] values go through shared memory to `staged`,
+//  - staging (R > 1): the round's [R][window] values go through shared memory (two buffers,
+//    one barrier a round) to `staged`,
 //    where the block's nr rows (R, fewer in a batch's last block) are interleaved and the
 //    columns put in leaf order: [L][nr] from staged + first_row * C, column c's nr values
 //    at its leaf position column_leaf[c] (a column no leaf reads is dropped). The tile
@@ -314,12 +320,17 @@ __global__ void __launch_bounds__(kRowPassThreads)
   using A = decltype(to_arith(T()));
   constexpr bool kStage = R > 1;
   constexpr int kPerRow = kRowPassThreads / R;  // threads per row
-  constexpr int kWindow = kPerRow * kLseUnroll;  // columns per round
+  // loads in flight per thread: kLseUnroll, half as many 8-byte values staged (the two
+  // round buffers then stay within the 48 KB of static shared memory)
+  constexpr int kUnroll = kStage && sizeof(T) == 8 ? kLseUnroll / 2 : kLseUnroll;
+  constexpr int kWindow = kPerRow * kUnroll;  // columns per round
+  constexpr int kLeavesPerThread = (kWindow + kRowPassThreads - 1) / kRowPassThreads;
   // the round's values, [column][row] with a row stride of R + R / 8: conflict-free banks
-  // (4-byte values) when a warp writes 32 / kPerRow rows of kPerRow columns each
+  // (4-byte values) when a warp writes 32 / kPerRow rows of kPerRow columns each; two
+  // rounds' worth, so that a round's stores to `staged` need no barrier after them
   constexpr int kTileStride = R + R / 8;
-  __shared__ T round_values[kStage ? kWindow * kTileStride : 1];
-  __shared__ int32_t round_leaf[kStage ? kWindow : 1];  // the round's columns' leaf positions
+  __shared__ T round_values[2][kStage ? kWindow * kTileStride : 1];
+  __shared__ int32_t round_leaf[2][kStage ? kWindow : 1];  // the columns' leaf positions
   __shared__ double red_m[kRowPassThreads / 32];
   __shared__ double red_s[kRowPassThreads / 32];
   allow_next_kernel();
@@ -337,56 +348,83 @@ __global__ void __launch_bounds__(kRowPassThreads)
   double s = 0.0;  // sum of exp(x - m)
   bool bad = false;  // a NaN or +inf seen
   const uint64_t policy = kStage ? stream_policy() : keep_policy();
-  for (int64_t c0 = lo; c0 < hi; c0 += kWindow) {
-    T raw[kLseUnroll];
-    bool in[kLseUnroll];
+  // whether the thread's value u of the round at c0 is in the block's slice
+  const auto in_slice = [&](int64_t c0, int u) {
+    return has_row && c0 + sub + u * kPerRow < hi;
+  };
+  // A round's loads, all in flight at once: the thread's kUnroll values of its row and,
+  // staging, the leaf positions of up to kLeavesPerThread of the round's columns. Each
+  // round's are issued before the round before is staged, so that the block's reads and
+  // its scattered 128-byte writes overlap rather than take turns.
+  T raw[kUnroll];
+  int32_t raw_leaf[kLeavesPerThread];
+  auto load_round = [&](int64_t c0) {
 #pragma unroll
-    for (int u = 0; u < kLseUnroll; ++u) {
-      const int64_t c = c0 + sub + u * kPerRow;
-      in[u] = has_row && c < hi;
-      raw[u] = in[u] ? load_hinted(x + c, policy) : T();
-    }
+    for (int u = 0; u < kUnroll; ++u)
+      raw[u] = in_slice(c0, u) ? load_hinted(x + c0 + sub + u * kPerRow, policy) : T();
     if constexpr (kStage) {
 #pragma unroll
-      for (int u = 0; u < kLseUnroll; ++u)
-        if (in[u]) round_values[(sub + u * kPerRow) * kTileStride + j] = raw[u];
-      const int cols = hi - c0 < kWindow ? static_cast<int>(hi - c0) : kWindow;
-      for (int col = threadIdx.x; col < cols; col += kRowPassThreads)
-        round_leaf[col] = c0 + col < n_column_leaf ? column_leaf[c0 + col] : -1;
-      __syncthreads();
-      // each column's values for the block's rows (nr * sizeof(T) contiguous bytes: a
-      // 128-byte line for 32 float rows) to its leaf position
-      T* dst = staged + first_row * C;
-      for (int e = threadIdx.x; e < cols * R; e += kRowPassThreads) {
-        const int col = e / R, row = e % R;
-        const int64_t leaf = round_leaf[col];
-        if (row < nr && leaf >= 0) dst[leaf * nr + row] = round_values[col * kTileStride + row];
+      for (int k = 0; k < kLeavesPerThread; ++k) {
+        const int col = static_cast<int>(threadIdx.x) + k * kRowPassThreads;
+        const int64_t c = c0 + col;
+        raw_leaf[k] = col < kWindow && c < hi && c < n_column_leaf ? column_leaf[c] : -1;
       }
-      __syncthreads();  // before the next round overwrites round_values
+    }
+  };
+  load_round(lo);
+#pragma unroll 1
+  for (int64_t c0 = lo, round = 0; c0 < hi; c0 += kWindow, ++round) {
+    T* const buffer = round_values[round & 1];
+    int32_t* const leaves = round_leaf[round & 1];
+    if constexpr (kStage) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (in_slice(c0, u)) buffer[(sub + u * kPerRow) * kTileStride + j] = raw[u];
+#pragma unroll
+      for (int k = 0; k < kLeavesPerThread; ++k) {
+        const int col = static_cast<int>(threadIdx.x) + k * kRowPassThreads;
+        if (col < kWindow) leaves[col] = raw_leaf[k];
+      }
     }
     if constexpr (LSE) {
-      A v[kLseUnroll];
+      A v[kUnroll];
       A top = no_mass;
 #pragma unroll
-      for (int u = 0; u < kLseUnroll; ++u) {
-        v[u] = in[u] ? to_arith(raw[u]) : no_mass;
+      for (int u = 0; u < kUnroll; ++u) {
+        v[u] = in_slice(c0, u) ? to_arith(raw[u]) : no_mass;
         bad |= !(v[u] < pos_inf);  // NaN compares false
         top = vmax(top, v[u]);
       }
-      if (top == no_mass) continue;  // nothing but -inf (or NaN: flagged)
-      if (top > m) {  // m = -inf: s is 0 and stays 0
-        s *= static_cast<double>(expf(static_cast<float>(m - top)));
-        m = top;
+      if (top != no_mass) {  // else nothing but -inf (or NaN: flagged)
+        if (top > m) {  // m = -inf: s is 0 and stays 0
+          s *= static_cast<double>(expf(static_cast<float>(m - top)));
+          m = top;
+        }
+        float term[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) term[u] = fast_exp(static_cast<float>(v[u] - m));
+#pragma unroll
+        for (int w = kUnroll / 2; w > 0; w >>= 1) {
+#pragma unroll
+          for (int u = 0; u < w; ++u) term[u] += term[u + w];
+        }
+        s += static_cast<double>(term[0]);
       }
-      float term[kLseUnroll];
-#pragma unroll
-      for (int u = 0; u < kLseUnroll; ++u) term[u] = fast_exp(static_cast<float>(v[u] - m));
-#pragma unroll
-      for (int w = kLseUnroll / 2; w > 0; w >>= 1) {
-#pragma unroll
-        for (int u = 0; u < w; ++u) term[u] += term[u + w];
+    }
+    if (c0 + kWindow < hi) load_round(c0 + kWindow);  // in flight while this round is staged
+    if constexpr (kStage) {
+      __syncthreads();  // the round's values and leaf positions are in `buffer`, `leaves`
+      // each column's values for the block's rows (nr * sizeof(T) contiguous bytes: a
+      // 128-byte line for 32 float rows) to its leaf position. The next round fills the
+      // other buffer; this one is refilled only past the next round's barrier, which every
+      // thread reaches after its reads here.
+      const int cols = hi - c0 < kWindow ? static_cast<int>(hi - c0) : kWindow;
+      T* dst = staged + first_row * C;
+      for (int e = threadIdx.x; e < cols * R; e += kRowPassThreads) {
+        const int col = e / R, row = e % R;
+        const int64_t leaf = leaves[col];
+        if (row < nr && leaf >= 0) dst[leaf * nr + row] = buffer[col * kTileStride + row];
       }
-      s += static_cast<double>(term[0]);
     }
   }
   if constexpr (LSE) {
@@ -911,15 +949,45 @@ bool staging_on() {
   return env == nullptr || env[0] != '0';
 }
 
+// How many (a1) blocks the device holds at once (asked once per device and kernel): the
+// launch aims at one wave of them, so that each block reads several rounds, each round's
+// loads in flight while the round before is staged, and no second wave starts late.
+template <class T, int R, bool LSE>
+int64_t row_pass_target_blocks() {
+#ifdef __CUDACC__
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> resident[kMaxDevices];  // 0: not asked yet
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices)
+    return kRowPassTargetBlocks;
+  int blocks = resident[device].load(std::memory_order_relaxed);
+  if (blocks == 0) {
+    int sms = 0, per_sm = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, row_pass_kernel<T, R, LSE>,
+                                                      kRowPassThreads, 0) != cudaSuccess ||
+        sms < 1 || per_sm < 1) {
+      cudaGetLastError();  // not sticky: the launch below reports its own
+      return kRowPassTargetBlocks;
+    }
+    blocks = sms * per_sm;
+    resident[device].store(blocks, std::memory_order_relaxed);
+  }
+  return blocks;
+#else
+  return kRowPassTargetBlocks;
+#endif
+}
+
 // (a1) over rows [row0, row0 + rows), R rows a block (1: no staging): slices of each row's
-// columns, enough blocks to fill the device even at B = 1 but at least kRowPassMinValues
-// values each, whole 32-column stretches, and (lse) two scratch slots per slice's partial.
-// The slice count goes to *splits for (a2).
+// columns, one wave of blocks (row_pass_target_blocks) to fill the device even at B = 1,
+// but at least kRowPassMinValues values each, whole 32-column stretches, and (lse) two
+// scratch slots per slice's partial. The slice count goes to *splits for (a2).
 template <class T, int R, bool LSE>
 cudaError_t launch_row_pass(const TrieArgs& A, const T* values, T* staged, int64_t row0,
                             int64_t rows, int64_t* splits, cudaStream_t stream) {
   const int64_t row_blocks = (rows + R - 1) / R;
-  int64_t n = (kRowPassTargetBlocks + row_blocks - 1) / row_blocks;
+  int64_t n = (row_pass_target_blocks<T, R, LSE>() + row_blocks - 1) / row_blocks;
   const int64_t by_width = (A.C * R + kRowPassMinValues - 1) / kRowPassMinValues;
   const int64_t by_room = (A.scratch_stride - 1) / 2;
   if (n > by_width) n = by_width;

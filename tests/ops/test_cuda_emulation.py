@@ -98,6 +98,7 @@ thread_local uint3 tid, bid;
 thread_local Block* blk = nullptr;
 dim3 gdim, bdim;
 int64_t max_grid_y = 65535;  // the kernels' row chunk (kMaxGridY), lowered by the tests
+int64_t row_pass_blocks = 1024;  // (a1)'s blocks a launch (kRowPassTargetBlocks), set by tests
 std::atomic<int> errors{0};
 cudaError_t last_error = cudaSuccess;
 std::atomic<long> launches{0};
@@ -189,6 +190,7 @@ int main(int argc, char** argv) {
   A.tile = static_cast<int>(h[5]);
   A.out_double = h[6] != 0;
   A.reduction = static_cast<int>(h[7]);
+  if (h[8] > 0) emu::row_pass_blocks = h[8];
   emu::max_grid_y = h[9];
   A.span_narrow = h[10];
   A.span_warp = h[11];
@@ -256,6 +258,8 @@ def emulated_source(src: str) -> str:
          r"\1* \2 = reinterpret_cast<\1*>(emu::blk->shmem);"),
         (r"__shared__ ", "static "),  # static shared arrays: blocks run one at a time
         (r"constexpr int64_t kMaxGridY = 65535;", "static const int64_t& kMaxGridY = emu::max_grid_y;"),
+        (r"constexpr int64_t kRowPassTargetBlocks = 1024;",
+         "static const int64_t& kRowPassTargetBlocks = emu::row_pass_blocks;"),
     ]
     for pattern, repl in rewrites:
         src, count = re.subn(pattern, repl, src)
@@ -325,7 +329,8 @@ def emulator(tmp_path_factory):
 def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
                  mode: str = "without_eos", max_grid_y: int = 65535, tile: int | None = None,
                  span_narrow: int | None = None, span_warp: int | None = None,
-                 stage: bool = True, column_leaf: np.ndarray | None = None):
+                 stage: bool = True, column_leaf: np.ndarray | None = None,
+                 row_pass_blocks: int = 0):
     """(launch status, emulator errors, launches, result, scratch): the CUDA kernels' result
     for ``values`` (what cuda_backend.trie_reduce would return) and their per-row scratch
     (log_mass: the row's lse in its last column). Spanning nodes [0, ``span_narrow``) take
@@ -333,7 +338,8 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
     rest a block each (default: the layout's splits). The staging workspace is given as the
     binding gives it (B >= 8: a NaN-filled copy's worth), and used unless ``stage`` is False
     (GENLM_FAST_CUDA_STAGE=0); ``column_leaf`` (each column's leaf position, -1 for none)
-    is built here from the layout unless given."""
+    is built here from the layout unless given. ``row_pass_blocks`` (> 0) is the number
+    of blocks the row pass aims at (on a GPU: one wave of them; here 1024 by default)."""
     ml = layout.modes[mode]
     tile = ml.tile if tile is None else tile
     span_narrow = span_class_end(ml, SPAN_NARROW_TILES) if span_narrow is None else span_narrow
@@ -349,7 +355,7 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
     staged = np.full(raw.shape, np.nan if raw.dtype.kind == "f" else -1, dtype=raw.dtype) \
         if B >= STAGE_MIN_ROWS else raw[:0]  # int16 -1: a NaN in float16 and bfloat16
     header = np.array([DTYPES[values.dtype], B, C, layout.num_nodes, stride, tile,
-                       int(out_double), REDUCTION[reduction], 0, max_grid_y,
+                       int(out_double), REDUCTION[reduction], row_pass_blocks, max_grid_y,
                        span_narrow, span_warp], dtype=np.int64)
     if column_leaf is None:
         column_leaf = np.full(layout.num_columns, -1, dtype=np.int32)
@@ -672,6 +678,42 @@ def test_staged_rows_give_what_the_input_rows_give(emulator, tmp_path, reduction
     if reduction != "log_mass":
         np.testing.assert_array_equal(got[True], got[False])
     assert launches[True] == launches[False] + (reduction != "log_mass")
+
+
+@pytest.mark.parametrize("row_pass_blocks", [1, 3])
+@pytest.mark.parametrize("reduction,dtype,B", [
+    ("sum", torch.float32, 8), ("log_mass", torch.float32, 40), ("log_mass", torch.bfloat16, 16),
+    ("max", torch.float64, 40), ("sum", torch.float64, 19), ("log_mass", torch.float64, 8)])
+def test_row_pass_blocks_of_many_rounds(emulator, tmp_path, reduction, dtype, B,
+                                        row_pass_blocks):
+    """(a1) reads its slice in rounds, each round's loads issued before the round before is
+    staged, through two shared buffers: with the device taken as holding 1 or 3 blocks at
+    once, each block reads 2 to 27 rounds (float32: 512, 256 or 128 columns a round at 8, 16
+    or 32 rows a block; 8-byte values half as many), the last one partial, full and
+    partial, and 1,500 columns past the vocabulary, which no leaf reads. Staged and not, the
+    result is the reference's (sum and max: bit for bit the same both ways), and so is each
+    row's lse."""
+    words = [bytes(np.random.default_rng(i).integers(97, 101, size=1 + i % 5))
+             for i in range(220)]
+    layout = make_trie(words).layout
+    rng = np.random.default_rng(B)
+    x = make_values(rng, B, layout.num_columns + 1500, reduction, spread=15.0,
+                    neg_inf=0.1, dtype=dtype)
+    want = reference(x, layout, reduction)
+    got, lse = {}, {}
+    for stage in (True, False):
+        status, errors, _, got[stage], scratch = run_emulated(
+            emulator, str(tmp_path), x, layout, reduction, stage=stage,
+            row_pass_blocks=row_pass_blocks)
+        assert status == 0 and errors == 0
+        assert_matches(got[stage], want, reduction, f"{reduction}/{dtype}/stage={stage}")
+        lse[stage] = scratch[:, -1]
+    if reduction == "log_mass":
+        want_lse = torch.logsumexp(x.double(), dim=1).numpy()
+        for stage in (True, False):
+            np.testing.assert_allclose(lse[stage], want_lse, rtol=1e-6, atol=1e-6)
+    else:
+        np.testing.assert_array_equal(got[True], got[False])
 
 
 def test_staged_rows_follow_each_modes_leaf_order(emulator, tmp_path, monkeypatch):

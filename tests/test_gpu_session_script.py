@@ -39,6 +39,16 @@ def test_f_fails():
 '''
 
 
+def stand_in(tmp_path, name: str, body: str) -> Path:
+    """A folder holding an executable ``name`` that runs the shell line ``body`` in place of
+    the real tool: put it first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+    (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="bash script, Linux signals")
 def test_a_crash_costs_only_the_tests_not_yet_run(tmp_path):
     (tmp_path / "scripts").symlink_to(REPO / "scripts")  # the runner's cwd is the repo's root
@@ -49,10 +59,7 @@ def test_a_crash_costs_only_the_tests_not_yet_run(tmp_path):
     script = (REPO / "scripts" / "gpu_session.sh").read_text()
     run_tests = script[script.index("native_stack() {"):script.index("\nrun_bench() {")]
     # a gdb that does nothing: the real one would rerun each crash (slow, not what is tested)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "gdb").write_text("#!/bin/sh\nexit 0\n")
-    (bin_dir / "gdb").chmod(0o755)
+    bin_dir = stand_in(tmp_path, "gdb", "exit 0")
     env = {**os.environ, "OUT": str(out), "PY": sys.executable, "TEST_PATHS": "tests",
            "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
     env.pop("PYTEST_ADDOPTS", None)
@@ -130,10 +137,7 @@ def test_profile_skips_two_calls_of_each_shape_and_keeps_the_caches_for_the_traf
     caches left as the kernels before left them."""
     script = (REPO / "scripts" / "gpu_session.sh").read_text()
     run_profile = script[script.index("run_profile() {"):script.index("\nrun_bench() {")]
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "ncu").write_text('#!/bin/sh\necho "$@"\n')
-    (bin_dir / "ncu").chmod(0o755)
+    bin_dir = stand_in(tmp_path, "ncu", 'echo "$@"')
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "OUT": str(out), "PY": "python3",

@@ -348,7 +348,8 @@ __global__ void __launch_bounds__(kRowPassThreads)
   double s = 0.0;  // sum of exp(x - m)
   bool bad = false;  // a NaN or +inf seen
   const uint64_t policy = kStage ? stream_policy() : keep_policy();
-  // whether the thread's value u of the round at c0 is in the block's slice
+  // whether the thread's value u of the round at c0 is in the block's slice (recomputed
+  // where used: an array of these flags, live across the loop, took 16 more registers)
   const auto in_slice = [&](int64_t c0, int u) {
     return has_row && c0 + sub + u * kPerRow < hi;
   };
@@ -790,22 +791,35 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
 // that wait_for_previous_kernel is empty) and are off with GENLM_FAST_CUDA_PDL=0, read at
 // each call (bench/gpu.py times both ways).
 #ifdef __CUDACC__
+constexpr int kMaxDevices = 64;
+
+// A fixed fact about the current device, nonzero: ask(device) the first time, then what
+// `known` remembers for it (0: not asked yet). `fallback` where there is no current device
+// (or one past kMaxDevices), or where ask has no answer (0; asked again next time).
+template <class Ask>
+int per_device(std::atomic<int> (&known)[kMaxDevices], int fallback, Ask ask) {
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices)
+    return fallback;
+  int value = known[device].load(std::memory_order_relaxed);
+  if (value == 0) {
+    value = ask(device);
+    if (value == 0) return fallback;
+    known[device].store(value, std::memory_order_relaxed);
+  }
+  return value;
+}
+
 bool dependent_launches_on() {
   const char* env = std::getenv("GENLM_FAST_CUDA_PDL");
   if (env != nullptr && env[0] == '0') return false;
-  constexpr int kMaxDevices = 64;
-  static std::atomic<signed char> compiled_for[kMaxDevices];  // 0 unknown, 1 sm_90+, -1 not
-  int device = -1;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
-  signed char state = compiled_for[device].load(std::memory_order_relaxed);
-  if (state == 0) {
-    cudaFuncAttributes attributes;
-    state = cudaFuncGetAttributes(&attributes, row_lse_merge_kernel) == cudaSuccess &&
-                    attributes.ptxVersion >= 90
-                ? 1 : -1;
-    compiled_for[device].store(state, std::memory_order_relaxed);
-  }
-  return state > 0;
+  static std::atomic<int> compiled_for[kMaxDevices];  // 1 sm_90+, -1 not
+  return per_device(compiled_for, -1, [](int) {
+           cudaFuncAttributes attributes;
+           return cudaFuncGetAttributes(&attributes, row_lse_merge_kernel) == cudaSuccess &&
+                          attributes.ptxVersion >= 90
+                      ? 1 : -1;
+         }) > 0;
 }
 #else
 bool dependent_launches_on() { return false; }  // the CPU emulation runs kernels in order
@@ -955,25 +969,17 @@ bool staging_on() {
 template <class T, int R, bool LSE>
 int64_t row_pass_target_blocks() {
 #ifdef __CUDACC__
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> resident[kMaxDevices];  // 0: not asked yet
-  int device = -1;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices)
-    return kRowPassTargetBlocks;
-  int blocks = resident[device].load(std::memory_order_relaxed);
-  if (blocks == 0) {
+  static std::atomic<int> resident[kMaxDevices];
+  return per_device(resident, static_cast<int>(kRowPassTargetBlocks), [](int device) {
     int sms = 0, per_sm = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, row_pass_kernel<T, R, LSE>,
-                                                      kRowPassThreads, 0) != cudaSuccess ||
-        sms < 1 || per_sm < 1) {
+                                                      kRowPassThreads, 0) != cudaSuccess) {
       cudaGetLastError();  // not sticky: the launch below reports its own
-      return kRowPassTargetBlocks;
+      return 0;
     }
-    blocks = sms * per_sm;
-    resident[device].store(blocks, std::memory_order_relaxed);
-  }
-  return blocks;
+    return sms > 0 && per_sm > 0 ? sms * per_sm : 0;
+  });
 #else
   return kRowPassTargetBlocks;
 #endif

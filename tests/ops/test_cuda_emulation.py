@@ -648,6 +648,20 @@ def test_row_blocks_give_each_row_its_own_result(emulator, tmp_path, reduction, 
     check(emulator, tmp_path, words, reduction, rows=x.float())
 
 
+def staged_and_not(emulator, tmp_path, x, layout, reduction, label, **kwargs):
+    """The kernels on ``x`` staged and not (GENLM_FAST_CUDA_STAGE), each result checked
+    against the reference: {stage: (launches, result, scratch)}."""
+    want = reference(x, layout, reduction)
+    runs = {}
+    for stage in (True, False):
+        status, errors, launches, got, scratch = run_emulated(
+            emulator, str(tmp_path), x, layout, reduction, stage=stage, **kwargs)
+        assert status == 0 and errors == 0
+        assert_matches(got, want, reduction, f"{label}/stage={stage}")
+        runs[stage] = (launches, got, scratch)
+    return runs
+
+
 @pytest.mark.parametrize("reduction,dtype,B", [
     ("sum", torch.float32, 40), ("max", torch.float32, 40), ("log_mass", torch.float32, 40),
     ("log_mass", torch.bfloat16, 40), ("sum", torch.float64, 40), ("sum", torch.float64, 16),
@@ -668,13 +682,9 @@ def test_staged_rows_give_what_the_input_rows_give(emulator, tmp_path, reduction
     rng = np.random.default_rng(11)
     x = make_values(rng, B, layout.num_columns + 37, reduction, spread=15.0,
                     neg_inf=0.1, dtype=dtype)
-    want = reference(x, layout, reduction)
-    got, launches = {}, {}
-    for stage in (True, False):
-        status, errors, launches[stage], got[stage], _ = run_emulated(
-            emulator, str(tmp_path), x, layout, reduction, stage=stage)
-        assert status == 0 and errors == 0
-        assert_matches(got[stage], want, reduction, f"{reduction}/{dtype}/stage={stage}")
+    runs = staged_and_not(emulator, tmp_path, x, layout, reduction, f"{reduction}/{dtype}")
+    got = {stage: run[1] for stage, run in runs.items()}
+    launches = {stage: run[0] for stage, run in runs.items()}
     if reduction != "log_mass":
         np.testing.assert_array_equal(got[True], got[False])
     assert launches[True] == launches[False] + (reduction != "log_mass")
@@ -689,8 +699,8 @@ def test_row_pass_blocks_of_many_rounds(emulator, tmp_path, reduction, dtype, B,
     """(a1) reads its slice in rounds, each round's loads issued before the round before is
     staged, through two shared buffers: with the device taken as holding 1 or 3 blocks at
     once, each block reads 2 to 27 rounds (float32: 512, 256 or 128 columns a round at 8, 16
-    or 32 rows a block; 8-byte values half as many), the last one partial, full and
-    partial, and 1,500 columns past the vocabulary, which no leaf reads. Staged and not, the
+    or 32 rows a block; 8-byte values half as many), the last one partial; full and partial
+    blocks of rows, and 1,500 columns past the vocabulary, which no leaf reads. Staged and not, the
     result is the reference's (sum and max: bit for bit the same both ways), and so is each
     row's lse."""
     words = [bytes(np.random.default_rng(i).integers(97, 101, size=1 + i % 5))
@@ -699,15 +709,10 @@ def test_row_pass_blocks_of_many_rounds(emulator, tmp_path, reduction, dtype, B,
     rng = np.random.default_rng(B)
     x = make_values(rng, B, layout.num_columns + 1500, reduction, spread=15.0,
                     neg_inf=0.1, dtype=dtype)
-    want = reference(x, layout, reduction)
-    got, lse = {}, {}
-    for stage in (True, False):
-        status, errors, _, got[stage], scratch = run_emulated(
-            emulator, str(tmp_path), x, layout, reduction, stage=stage,
-            row_pass_blocks=row_pass_blocks)
-        assert status == 0 and errors == 0
-        assert_matches(got[stage], want, reduction, f"{reduction}/{dtype}/stage={stage}")
-        lse[stage] = scratch[:, -1]
+    runs = staged_and_not(emulator, tmp_path, x, layout, reduction, f"{reduction}/{dtype}",
+                          row_pass_blocks=row_pass_blocks)
+    got = {stage: run[1] for stage, run in runs.items()}
+    lse = {stage: run[2][:, -1] for stage, run in runs.items()}
     if reduction == "log_mass":
         want_lse = torch.logsumexp(x.double(), dim=1).numpy()
         for stage in (True, False):

@@ -65,8 +65,10 @@
 //      and a few more: 2 on Llama-3, the root's ~2,000 tiles took a warp ~5 us) one block
 //      per (node, row). (A block for each of the 33 nodes above 16 tiles made 2,112 blocks
 //      of mostly idle threads at B=64, twice the narrow part's.) One launch: narrow blocks
-//      first, then blocks of kSpanWarps warp nodes, then the block nodes. Sums in double;
-//      log_mass as the max, then a double sum of exp(v - max).
+//      first, then blocks of kSpanWarps warp nodes, then the block nodes. Each thread
+//      issues its elements' loads a chunk at a time (one round trip for ~95% of the narrow
+//      nodes, the warp nodes and the root). Sums in double; log_mass as (max, double sum of
+//      exp(v - max)) pairs, merged.
 //  Memory: the output is written once and never read here, so it is stored evict-first
 //  (__stcs). Unstaged, the logits are loaded with an L2 evict-last hint (load_hinted): (a)
 //  reads each row once, coalesced, and (b) gathers every column again, each 32-byte sector
@@ -112,6 +114,7 @@ constexpr int64_t kRowPassMinValues = 4096;  // values per (a1) block, at least
 // the CPU emulation (whose tests set it)
 constexpr int64_t kRowPassTargetBlocks = 1024;
 constexpr int kSpanWarps = 8;        // (a2) and (c): warps per block
+constexpr int kMergeChunk = 8;       // (a2): partials a lane loads at once
 constexpr int kSpanThreads = kSpanWarps * 32;  // (c)'s blocks: a thread per narrow node
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int64_t kMaxGridY = 65535;
@@ -479,9 +482,21 @@ __global__ void __launch_bounds__(kSpanWarps * 32)
   double* sc = scratch + (row0 + r) * stride;
   double m = neg_inf(), z = 0.0;
   bool bad = false;
-  for (int64_t k = lane; k < splits; k += 32) {
-    bad |= sc[2 * k + 1] != sc[2 * k + 1];  // (a1) saw a NaN or +inf
-    lse_merge(m, z, sc[2 * k], sc[2 * k + 1]);
+  // kMergeChunk partials a lane at a time, their loads issued together (at most one round
+  // trip a row at up to 32 * kMergeChunk splits: ~250 at B=64 on an H100)
+  for (int64_t k0 = lane; k0 < splits; k0 += 32 * kMergeChunk) {
+    double part_m[kMergeChunk], part_s[kMergeChunk];
+#pragma unroll
+    for (int u = 0; u < kMergeChunk; ++u) {
+      const int64_t k = k0 + 32 * u;
+      part_m[u] = k < splits ? sc[2 * k] : neg_inf();
+      part_s[u] = k < splits ? sc[2 * k + 1] : 0.0;
+    }
+#pragma unroll
+    for (int u = 0; u < kMergeChunk; ++u) {
+      bad |= part_s[u] != part_s[u];  // (a1) saw a NaN or +inf
+      lse_merge(m, z, part_m[u], part_s[u]);
+    }
   }
   warp_lse_merge(m, z);
   bad = warp_max(bad ? 1.0 : 0.0) > 0.0;
@@ -852,32 +867,34 @@ cudaError_t enqueue(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shm
 // ---------------------------------------------------------------------------- (c) spanning nodes
 
 // Element k of spanning node s: whole tile t0 + k for k < n, then its left and right
-// pieces (slot -1: none, the reduction's identity).
+// pieces; none (slot -1, or k past them) is the reduction's identity.
 template <int RED>
 __device__ __forceinline__ double span_element(const double* sc, int32_t t0, int32_t n,
                                                int32_t left, int32_t right, int32_t k) {
-  const int32_t slot = k < n ? t0 + k : (k == n ? left : right);
+  const int32_t slot = k < n ? t0 + k : k == n ? left : k == n + 1 ? right : -1;
   return slot >= 0 ? sc[slot] : identity<RED>();
 }
 
 // Who reduces one spanning node: a thread (narrow nodes), a warp (wider ones, at most
-// SPAN_WARP_TILES + 2 elements: ~8 loads a lane) or a block (the widest: the root's ~2,000
-// tiles, ~8 loads a thread). Each member takes elements rank(), rank() + kSize, ...; sum
-// and max combine the members' values, every member getting the result.
+// SPAN_WARP_TILES + 2 elements) or a block (the widest: the root's ~2,000 tiles). Each
+// member takes elements rank(), rank() + kSize, ..., kChunk of them at a time, their loads
+// issued together (kChunk * kSize covers a narrow node of up to 2 whole tiles, ~95% of
+// them on Llama-3, a warp node and the root: one round trip each); sum and max combine the
+// members' values, every member getting the result.
 struct ThreadGroup {
-  static constexpr int kSize = 1;
+  static constexpr int kSize = 1, kChunk = 4;
   __device__ static int rank() { return 0; }
   __device__ static double sum(double v) { return v; }
   __device__ static double max(double v) { return v; }
 };
 struct WarpGroup {
-  static constexpr int kSize = 32;
+  static constexpr int kSize = 32, kChunk = 4;
   __device__ static int rank() { return threadIdx.x & 31; }
   __device__ static double sum(double v) { return warp_sum(v); }
   __device__ static double max(double v) { return warp_max(v); }
 };
 struct BlockGroup {
-  static constexpr int kSize = kSpanThreads;
+  static constexpr int kSize = kSpanThreads, kChunk = 8;
   __device__ static int rank() { return threadIdx.x; }
   // warps, then the warps' results in order; the leading barrier lets a second combine
   // reuse `part` once every thread has read the first's
@@ -897,25 +914,46 @@ struct BlockGroup {
   __device__ static double max(double v) { return combine<false>(v); }
 };
 
-// A spanning node's value, by one Group: sum or max of its elements; log_mass their max,
-// then the double sum of exp(v - max) (float exp). Every member returns the value.
+// A spanning node's value, by one Group: sum or max of its elements; log_mass m + log(z),
+// m their max and z the sum of exp(element - m): each member keeps its own (m, z), a chunk
+// at a time (its max, then its float exps summed in double, merged by lse_merge), and the
+// group sums the members' z scaled to the group's m. Every member returns the value.
 template <int RED, class Group>
 __device__ __forceinline__ double span_reduce(const double* sc, int32_t t0, int32_t n,
                                               int32_t left, int32_t right) {
-  double acc = identity<RED>();  // log_mass: the max
-  for (int32_t k = Group::rank(); k < n + 2; k += Group::kSize) {
-    const double v = span_element<RED>(sc, t0, n, left, right, k);
-    acc = RED == kSum ? acc + v : vmax(acc, v);
+  constexpr int kChunk = Group::kChunk;
+  double acc = identity<RED>();  // log_mass: m, the member's largest element so far
+  double z = 0.0;                // log_mass: the sum of exp(element - m)
+  for (int32_t k0 = Group::rank(); k0 < n + 2; k0 += kChunk * Group::kSize) {
+    double v[kChunk];
+#pragma unroll
+    for (int u = 0; u < kChunk; ++u)
+      v[u] = span_element<RED>(sc, t0, n, left, right, k0 + u * Group::kSize);
+    if constexpr (RED == kLogMass) {
+      double chunk_max = v[0];
+#pragma unroll
+      for (int u = 1; u < kChunk; ++u) chunk_max = vmax(chunk_max, v[u]);
+      if (chunk_max != neg_inf()) {  // else nothing here has mass
+        double chunk_z = 0.0;  // terms <= 1, at least one of them 1
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u)
+          chunk_z += fast_exp(static_cast<float>(v[u] - chunk_max));
+        lse_merge(acc, z, chunk_max, chunk_z);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < kChunk; ++u) acc = RED == kSum ? acc + v[u] : vmax(acc, v[u]);
+    }
   }
-  acc = RED == kSum ? Group::sum(acc) : Group::max(acc);
-  if constexpr (RED != kLogMass) {
-    return acc;
+  if constexpr (RED == kSum) {
+    return Group::sum(acc);
+  } else if constexpr (RED == kMax) {
+    return Group::max(acc);
   } else {
-    if (acc == neg_inf()) return acc;  // no mass beneath the node (the whole group agrees)
-    double z = 0.0;  // terms <= 1
-    for (int32_t k = Group::rank(); k < n + 2; k += Group::kSize)
-      z += fast_exp(static_cast<float>(span_element<RED>(sc, t0, n, left, right, k) - acc));
-    return acc + static_cast<double>(fast_log(static_cast<float>(Group::sum(z))));  // z >= 1
+    const double m = Group::max(acc);
+    if (m == neg_inf()) return m;  // no mass beneath the node (the whole group agrees)
+    const double total = Group::sum(acc == neg_inf() ? 0.0 : z * exp(acc - m));  // >= 1
+    return m + static_cast<double>(fast_log(static_cast<float>(total)));
   }
 }
 

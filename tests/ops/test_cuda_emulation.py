@@ -612,6 +612,37 @@ def test_spanning_nodes_by_thread_warp_and_block(emulator, tmp_path, reduction):
         assert status != 0 and launches == 0  # a split out of order or past S is refused
 
 
+@pytest.mark.parametrize("reduction", ["sum", "log_mass"])  # max: as sum, one vmax each
+def test_spanning_nodes_of_many_chunks(emulator, tmp_path, monkeypatch, reduction):
+    """span_reduce loads a member's elements kChunk at a time (a thread 4, a warp's lanes 4
+    each) and, for log_mass, merges the chunks' (max, sum of exps) pairs: on tiles of 2
+    leaves the root spans over 4 * 32 tiles, so a warp takes several chunks and a thread
+    dozens, with whole chunks of -inf between chunks of mass far apart (each merge rescales
+    one way or the other, or skips a chunk without mass). Every spanning node by thread,
+    then by warp; the 3 widest by block (a block of 256 OS threads each here)."""
+    monkeypatch.setattr(layout_module, "TILE", 2)
+    rng = np.random.default_rng(5)
+    words = [bytes(rng.integers(97, 101, size=rng.integers(1, 6))) for _ in range(290)]
+    layout = make_trie(words).layout
+    ml = layout.modes["without_eos"]
+    S = len(ml.span_node)
+    assert (ml.span_tile_hi - ml.span_tile_lo).max() > 4 * 32
+    x = make_values(rng, 2, layout.num_columns, reduction, spread=5.0)
+    if reduction != "sum":
+        leaf_columns = ml.leaf_token  # in leaf order: stretches of whole tiles
+        for k, lo in enumerate(range(0, len(leaf_columns), 96)):
+            x[0, leaf_columns[lo:lo + 48]] = -np.inf  # 24 tiles without mass
+            x[0, leaf_columns[lo + 48:lo + 96]] += [-300.0, 0.0, 150.0][k % 3]
+    want = reference(x, layout, reduction)
+    for split, warp_end in [(S, S), (0, S), (0, S - 3)]:
+        status, errors, _, got, _ = run_emulated(emulator, str(tmp_path), x, layout,
+                                                 reduction, span_narrow=split,
+                                                 span_warp=warp_end)
+        assert status == 0 and errors == 0
+        assert_matches(got, want, reduction,
+                       f"{reduction}, span_narrow={split}, span_warp={warp_end}")
+
+
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
 def test_rows_are_chunked_below_the_grid_limit(emulator, tmp_path, reduction):
     """``launch`` splits B into chunks of kMaxGridY rows (gridDim.y <= 65535); with the

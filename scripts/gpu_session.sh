@@ -3,7 +3,8 @@
 #     bash scripts/gpu_session.sh tests    # build with the CUDA kernels, run the GPU tests
 #     bash scripts/gpu_session.sh bench    # python -m bench.gpu --switches pdl stage --sweep (Llama-3)
 #     bash scripts/gpu_session.sh profile  # ncu on the CUDA kernels (and their DRAM traffic
-#                                          # with the caches as the pipeline leaves them)
+#                                          # with the caches as the pipeline leaves them,
+#                                          # and what the tile and span kernels wait on)
 #     bash scripts/gpu_session.sh all      # all three in one device call: build, bench,
 #                                          # profile (at most PROFILE_S = 80 s), tests
 # Each step installs what it needs first (once per machine): the wheels that
@@ -156,6 +157,12 @@ run_profile() {
       >"$OUT/ncu-pipeline-$op-B$batch.txt" 2>&1
     echo "ncu (caches kept) $op B=$batch: exit $? ($OUT/ncu-pipeline-$op-B$batch.txt)"
   done
+  # What the tile and span kernels' warps wait on (log_mass B=64, the third call): each
+  # stall reason's warps per issued instruction, one counter a reason
+  "$ncu" --kernel-name regex:'tile_kernel|span_kernel' --launch-skip 4 --launch-count 2 \
+    --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$' \
+    $PY -m bench.gpu_profile --op log_mass --batch 64 >"$OUT/ncu-stalls-log_mass-B64.txt" 2>&1
+  echo "ncu stalls log_mass B=64: exit $? ($OUT/ncu-stalls-log_mass-B64.txt)"
 }
 
 run_bench() {

@@ -134,7 +134,8 @@ def test_profile_skips_two_calls_of_each_shape_and_keeps_the_caches_for_the_traf
     call of each shape is the one profiled (the first two are warm-up), which takes skipping
     two calls' worth of the selected kernels: 3 a call (row pass, tile, span) for the
     sections, and with the lse merge (log_mass) 4 for the DRAM traffic, which runs with the
-    caches left as the kernels before left them."""
+    caches left as the kernels before left them; and the stall reasons of log_mass's tile and
+    span kernels (2 a call)."""
     script = (REPO / "scripts" / "gpu_session.sh").read_text()
     run_profile = script[script.index("run_profile() {"):script.index("\nrun_bench() {")]
     bin_dir = stand_in(tmp_path, "ncu", 'echo "$@"')
@@ -163,3 +164,9 @@ def test_profile_skips_two_calls_of_each_shape_and_keeps_the_caches_for_the_traf
         op, batch = name.split("-")[-2], name.split("-B")[-1].split(".")[0]
         assert a[-4:] == ["--op", op, "--batch", batch], (name, a)
     assert "dram__bytes_write.sum" in " ".join(args("ncu-pipeline-sum-B32.txt"))
+    # the stall reasons: the tile and span kernels of log_mass B=64's third call
+    a = args("ncu-stalls-log_mass-B64.txt")
+    assert a[a.index("--launch-skip") + 1] == "4" and a[a.index("--launch-count") + 1] == "2"
+    assert a[a.index("--kernel-name") + 1] == "regex:tile_kernel|span_kernel"
+    assert "issue_stalled" in a[a.index("--metrics") + 1] and "--cache-control" not in a
+    assert a[-4:] == ["--op", "log_mass", "--batch", "64"]

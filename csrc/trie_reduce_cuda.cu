@@ -73,9 +73,8 @@
 //  (__stcs). Unstaged, the logits are loaded with an L2 evict-last hint (load_hinted): (a)
 //  reads each row once, coalesced, and (b) gathers every column again, each 32-byte sector
 //  by ~8 different tile blocks, which then find it in L2 instead of behind ~100 MB of
-//  output. Staged, (a1) reads them evict-first and stores the staged values evict-last
-//  (store_kept), and (b) reads each staged value exactly once (load_once: from L2, not
-//  cached in L1).
+//  output. Staged, (a1) reads them evict-first, and (b) reads each staged value exactly
+//  once (load_once: from L2, not cached in L1).
 // Empty nodes (no leaves; always local): 0 for sum and max, -inf for log_mass. Floats are
 // enough where they are used: the design's bound on log-masses is 1e-4 absolute, these
 // kernels stay within a few float ulps (times the magnitude, for the fast exp) of the float64
@@ -129,13 +128,11 @@ __device__ __forceinline__ double to_arith(double v) { return v; }
 __device__ __forceinline__ float to_arith(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_arith(__nv_bfloat16 v) { return __bfloat162float(v); }
 
-// Loads and a store with a cache hint (sm_80+; elsewhere, and in the CPU emulation of
-// tests/ops/test_cuda_emulation.py, plain loads and stores):
+// Loads with a cache hint (sm_80+; elsewhere, and in the CPU emulation of
+// tests/ops/test_cuda_emulation.py, plain loads):
 //  - load_hinted: the input values, which predate the call (read-only: ld.global.nc), with
 //    an L2 policy made once per thread: keep_policy (evict-last: read again by the tile
 //    kernel's gather) or stream_policy (evict-first: read once, by the staging row pass);
-//  - store_kept: the staged values, written evict-last (the row pass wrote 25 of its 33 MB
-//    back to DRAM at log_mass B=64 on the H100 before the tile kernel read them);
 //  - load_once: the staged values, written by the kernel before (coherent: ld.global) and
 //    read exactly once (.cg: from L2, never allocated in L1, so no L1 line can predate
 //    their writing).
@@ -150,27 +147,22 @@ __device__ __forceinline__ uint64_t stream_policy() {
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   return policy;
 }
-#define GF_LOADS(PTX_TYPE, CONSTRAINT, BITS_T, FROM_BITS, TO_BITS, T)                      \
+#define GF_LOADS(PTX_TYPE, CONSTRAINT, BITS_T, FROM_BITS, T)                                 \
   __device__ __forceinline__ T load_hinted(const T* p, uint64_t policy) {                  \
     BITS_T bits;                                                                           \
     asm("ld.global.nc.L2::cache_hint." PTX_TYPE " %0, [%1], %2;"                           \
-        : "=" CONSTRAINT(bits) : "l"(p), "l"(policy));                                     \
+        : CONSTRAINT(bits) : "l"(p), "l"(policy));                                         \
     return FROM_BITS(bits);                                                                \
   }                                                                                        \
   __device__ __forceinline__ T load_once(const T* p) {                                     \
     BITS_T bits;                                                                           \
-    asm volatile("ld.global.cg." PTX_TYPE " %0, [%1];"                                     \
-                 : "=" CONSTRAINT(bits) : "l"(p) : "memory");                              \
+    asm volatile("ld.global.cg." PTX_TYPE " %0, [%1];" : CONSTRAINT(bits) : "l"(p) : "memory"); \
     return FROM_BITS(bits);                                                                \
-  }                                                                                        \
-  __device__ __forceinline__ void store_kept(T* p, T v, uint64_t policy) {                 \
-    asm volatile("st.global.L2::cache_hint." PTX_TYPE " [%0], %1, %2;"                     \
-                 : : "l"(p), CONSTRAINT(TO_BITS(v)), "l"(policy) : "memory");              \
   }
-GF_LOADS("b32", "r", unsigned int, __uint_as_float, __float_as_uint, float)
-GF_LOADS("b64", "l", long long, __longlong_as_double, __double_as_longlong, double)
-GF_LOADS("b16", "h", unsigned short, __ushort_as_half, __half_as_ushort, __half)
-GF_LOADS("b16", "h", unsigned short, __ushort_as_bfloat16, __bfloat16_as_ushort, __nv_bfloat16)
+GF_LOADS("b32", "=r", unsigned int, __uint_as_float, float)
+GF_LOADS("b64", "=l", long long, __longlong_as_double, double)
+GF_LOADS("b16", "=h", unsigned short, __ushort_as_half, __half)
+GF_LOADS("b16", "=h", unsigned short, __ushort_as_bfloat16, __nv_bfloat16)
 #undef GF_LOADS
 #else
 __device__ __forceinline__ uint64_t keep_policy() { return 0; }
@@ -179,8 +171,6 @@ template <class T>
 __device__ __forceinline__ T load_hinted(const T* p, uint64_t) { return *p; }
 template <class T>
 __device__ __forceinline__ T load_once(const T* p) { return *p; }
-template <class T>
-__device__ __forceinline__ void store_kept(T* p, T v, uint64_t) { *p = v; }
 #endif
 
 // exp of a value <= 0 and log of a positive sum where a few float ulps (times the
@@ -361,7 +351,6 @@ __global__ void __launch_bounds__(kRowPassThreads)
   double s = 0.0;  // sum of exp(x - m)
   bool bad = false;  // a NaN or +inf seen
   const uint64_t policy = kStage ? stream_policy() : keep_policy();
-  const uint64_t keep = keep_policy();  // staging: the staged values' stores
   // whether the thread's value u of the round at c0 is in the block's slice (recomputed
   // where used: an array of these flags, live across the loop, took 16 more registers)
   const auto in_slice = [&](int64_t c0, int u) {
@@ -438,8 +427,7 @@ __global__ void __launch_bounds__(kRowPassThreads)
       for (int e = threadIdx.x; e < cols * R; e += kRowPassThreads) {
         const int col = e / R, row = e % R;
         const int64_t leaf = leaves[col];
-        if (row < nr && leaf >= 0)
-          store_kept(dst + leaf * nr + row, buffer[col * kTileStride + row], keep);
+        if (row < nr && leaf >= 0) dst[leaf * nr + row] = buffer[col * kTileStride + row];
       }
     }
   }

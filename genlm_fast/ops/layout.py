@@ -15,7 +15,9 @@ Tiles (GPU backends). The leaf order is cut into tiles of ``TILE`` positions. A 
 range lies inside one tile ("local") is reduced by the program that owns that tile. A node
 whose range crosses tile boundaries ("spanning") is split into a left piece, whole tiles and
 a right piece; pieces and tile totals are themselves local ranges written to a small
-per-row scratch buffer, then combined by a second kernel. Scratch holds ``n_tiles`` tile
+per-row scratch buffer, then combined by a second kernel (CUDA: the narrow ones by the tile
+kernel itself, in the tile that owns them, from the scratch values of the tiles before it;
+see ModeLayout.tile_fold_ptr). Scratch holds ``n_tiles`` tile
 totals followed by the pieces: O(n_tiles * depth) values per row, far below ``V``.
 """
 
@@ -35,14 +37,15 @@ import genlm_fast
 
 TILE = 64  # leaf positions per tile; a power of two (Triton block shapes)
 # Spanning nodes with at most this many whole tiles are "narrow": the GPU backends reduce
-# one per thread (CUDA) or per lane (Triton), the wider ones (the top levels of the trie)
+# one per thread (CUDA: in the tile kernel, the tile of its last leaf) or per lane
+# (Triton), the wider ones (the top levels of the trie)
 # with a warp (CUDA, up to SPAN_WARP_TILES tiles), a block (CUDA, wider still: the root and
 # a few more; Llama-3: 2 of 5,171) or a program (Triton) each. Spanning nodes are sorted by
 # tile count, so each class is a slice: narrow [0, device_arrays(...)["span_narrow"]), then
 # CUDA's warp class up to device_arrays(...)["span_warp"].
 SPAN_NARROW_TILES = 16
 SPAN_WARP_TILES = 256
-LAYOUT_VERSION = 6  # bump when the pickled layout changes (the disk cache key has it)
+LAYOUT_VERSION = 7  # bump when the pickled layout changes (the disk cache key has it)
 
 
 @dataclass
@@ -70,7 +73,7 @@ class ModeLayout:
     # [n_tiles + 1] the CSR over run_bounds [runs] (local positions a | b << 16, longest
     # first). node_src [N]: the node's source code, a leaf position p < tile (one leaf: its
     # own value), tile + r (the tile's run r), 2 * tile - 2 (the whole tile, 2+ leaves) or
-    # 2 * tile - 1 (none: an empty node, or a spanning node, which the span pass writes).
+    # 2 * tile - 1 (none: an empty node, or a spanning node, written after).
     # tile_scratch_ptr [n_tiles + 1] the CSR over the tile's scratch values (its total and
     # pieces): scratch_src [P] a source code, scratch_slot [P] the slot.
     tile_run_ptr: np.ndarray
@@ -79,6 +82,17 @@ class ModeLayout:
     tile_scratch_ptr: np.ndarray
     scratch_src: np.ndarray
     scratch_slot: np.ndarray
+    # The narrow spanning nodes (at most SPAN_NARROW_TILES whole tiles) as the CUDA tile
+    # kernel reduces them: in the tile that owns each (the tile of its last leaf), from the
+    # scratch values of that tile and the ones before it ("folds"). tile_fold_ptr
+    # [n_tiles + 1] the CSR over them by owner tile; tile_fold_wait [n_tiles] the first
+    # tile whose scratch values the tile's folds read (the tile itself: none before it);
+    # fold_bounds [F, 4] each one's first whole tile, one past its last, left piece slot
+    # and right piece slot (-1: none); fold_node [F] its id.
+    tile_fold_ptr: np.ndarray
+    tile_fold_wait: np.ndarray
+    fold_bounds: np.ndarray
+    fold_node: np.ndarray
     range_start: np.ndarray  # [R] absolute leaf position (inclusive)
     range_end: np.ndarray  # [R] absolute leaf position (exclusive)
     range_dest: np.ndarray  # [R] >= 0: output node column; < 0: scratch slot -1 - dest
@@ -132,7 +146,8 @@ class TrieLayout:
                     "range_end", "range_dest",
                     "span_node", "span_left", "span_right", "span_tile_lo", "span_tile_hi",
                     "leaf_start", "leaf_end", "tile_run_ptr", "run_bounds", "node_src",
-                    "tile_scratch_ptr", "scratch_src", "scratch_slot",
+                    "tile_scratch_ptr", "scratch_src", "scratch_slot", "tile_fold_ptr",
+                    "tile_fold_wait", "fold_bounds", "fold_node",
                 )
             }
             cached["parent"] = torch.from_numpy(self.parent).to(device)
@@ -385,6 +400,10 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node, tile=None):
     i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)
     # spanning nodes sorted by how many whole tiles they sum, so a block of them loops alike
     span_order = np.argsort(hi_tile - lo_tile, kind="stable")
+    whole_tiles = (hi_tile - lo_tile)[span_order]
+    folds = tile_folds(n_tiles, span[span_order], lo_tile[span_order], hi_tile[span_order],
+                       left_slot[span_order], right_slot[span_order],
+                       int(np.searchsorted(whole_tiles, SPAN_NARROW_TILES, side="right")))
     return ModeLayout(
         leaf_token=i32(token_column[order]),
         leaf_start=i32(leaf_start),
@@ -394,6 +413,7 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node, tile=None):
         tile_unit_end=i32(unit_end),
         tile_node_lo=i32(node_lo),
         **{name: i32(a) for name, a in sources.items()},
+        **{name: i32(a) for name, a in folds.items()},
         range_start=i32(r_start[by_tile]),
         range_end=i32(r_end[by_tile]),
         range_dest=i32(r_dest[by_tile]),
@@ -446,6 +466,21 @@ def _tile_sources(num_nodes, tile, n_tiles, r_start, r_end, r_dest, r_tile, tile
         "scratch_src": code[to_scratch],
         "scratch_slot": -1 - r_dest[to_scratch],
     }
+
+
+def tile_folds(n_tiles, node, lo_tile, hi_tile, left_slot, right_slot, narrow):
+    """``ModeLayout``'s tile_fold_ptr .. fold_node: the first ``narrow`` of the spanning
+    nodes given (sorted by whole tiles) as the CUDA tile kernel's folds."""
+    owner = np.where(right_slot[:narrow] >= 0, hi_tile[:narrow], hi_tile[:narrow] - 1)
+    first = np.where(left_slot[:narrow] >= 0, lo_tile[:narrow] - 1, lo_tile[:narrow])
+    by_owner = np.argsort(owner, kind="stable")
+    fold_ptr = np.zeros(n_tiles + 1, dtype=np.int64)
+    np.cumsum(np.bincount(owner, minlength=n_tiles), out=fold_ptr[1:])
+    wait = np.arange(n_tiles, dtype=np.int64)
+    np.minimum.at(wait, owner, first)
+    bounds = np.stack([lo_tile, hi_tile, left_slot, right_slot], axis=1)[:narrow][by_owner]
+    return {"tile_fold_ptr": fold_ptr, "tile_fold_wait": wait,
+            "fold_bounds": bounds.reshape(-1), "fold_node": node[:narrow][by_owner]}
 
 
 def compile_layout(parent, node_first, leaf_node, token_column, edge_key, eos_node,

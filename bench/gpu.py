@@ -68,7 +68,8 @@ INDEX_ARRAYS = {
     "triton": ("leaf_token", "tile_range_ptr", "tile_unit_end", "range_start", "range_end",
                "range_dest") + SPAN_ARRAYS,
     "cuda": ("leaf_token", "tile_node_lo", "tile_run_ptr", "run_bounds", "node_src",
-             "tile_scratch_ptr", "scratch_src", "scratch_slot") + SPAN_ARRAYS,
+             "tile_scratch_ptr", "scratch_src", "scratch_slot", "tile_fold_ptr", "tile_fold_wait",
+             "fold_bounds", "fold_node") + SPAN_ARRAYS,
     # the CPU kernel's (genlm_fast/ops/cpu_backend.py): the layout's parent and leaf_token,
     # and the arrays it derives once per layout (cpu_backend.cpu_arrays)
     "cpu": ("parent", "leaf_token", "node_of_leaf", "empty", "run_end", "run_depth",

@@ -28,14 +28,14 @@
 //      log(sum exp(x - max)) over all C columns, stored (double) in the row's last scratch
 //      column; NaN for a bad row (a NaN or +inf logit, or none finite), the row check
 //      cuda_backend hands the dispatcher. Splitting rows keeps the device busy at B = 1.
-//  (b) tile: one block per (tile, block of ROWS rows, ROWS = 1..32), 256 threads, in three
+//  (b) tile: one block per (tile, block of ROWS rows, ROWS = 1..32), 256 threads, in four
 //      phases with a barrier between each. The layout has turned the tile's local ranges
 //      into *sources* (genlm_fast/ops/layout.py, _tile_sources): a node the tile owns (its
 //      last leaf is here: one block of ids, tile_node_lo) takes its value from a leaf
 //      position (a one-leaf node: ~80% on real vocabularies), from the whole tile (its
 //      total), from one of the tile's *runs* (the other distinct ranges of two leaves or
 //      more: nested, so at most tile - 2; a chain of single-child nodes shares one) or from
-//      nowhere (empty; spanning: (c) writes it).
+//      nowhere (empty; spanning: written after, by 4. or (c)).
 //      0. the tile's slices of the index arrays (its runs, its leaves' columns, its node
 //         ids' sources, its scratch values) are loaded first, all in one round trip, into
 //         shared memory: no later phase waits on a global load of its own.
@@ -52,23 +52,28 @@
 //         exact to float rounding when that sum is >= kFastMinMass (1e-24; see reduce_run);
 //         a run under that is redone by its own max. (The tile's total is always exact:
 //         its sum of exps holds exp(shift - shift) = 1.)
-//      3. out: the node ids the tile owns, a warp per 32 consecutive ids, each lane copying
-//         its id's source for every row: whole, coalesced lines of each output row, once.
-//         The tile total and pieces (scratch slots for (c)) are copied the same way.
-//  (c) span: a spanning node combines its left piece, the totals of its whole tiles and its
-//      right piece, all in the row's scratch. Nodes are sorted by tile count and most have
-//      a few whole tiles (Llama-3: 5,171 nodes, 5,591 tiles in all): the first
-//      `span_narrow` nodes (genlm_fast/ops/layout.py: at most SPAN_NARROW_TILES tiles) get
-//      one thread per (node, row), consecutive threads at consecutive nodes; the next ones
-//      up to `span_warp` (at most SPAN_WARP_TILES tiles; Llama-3: 31 nodes of 17 to 95)
-//      one warp per (node, row), its lanes striding over the tiles; the widest (the root
-//      and a few more: 2 on Llama-3, the root's ~2,000 tiles took a warp ~5 us) one block
-//      per (node, row). (A block for each of the 33 nodes above 16 tiles made 2,112 blocks
-//      of mostly idle threads at B=64, twice the narrow part's.) One launch: narrow blocks
-//      first, then blocks of kSpanWarps warp nodes, then the block nodes. Each thread
-//      issues its elements' loads a chunk at a time (one round trip for ~95% of the narrow
-//      nodes, the warp nodes and the root). Sums in double; log_mass as (max, double sum of
-//      exp(v - max)) pairs, merged.
+//      3. out: the tile total and pieces to the row's scratch (double), and the tile's flag
+//         set (publish_tile: its scratch values are there); then the node ids the tile
+//         owns, a warp per 32 consecutive ids, each lane copying its id's source for every
+//         row: whole, coalesced lines of each output row, once.
+//      4. folds: a spanning node combines its left piece, the totals of its whole tiles and
+//         its right piece, all in the row's scratch. Most have a few whole tiles (Llama-3:
+//         5,138 of 5,171 have at most SPAN_NARROW_TILES = 16, ~1.3 tiles each), and the
+//         tile that owns one (its last leaf is here) reduces it, a thread per (node, row),
+//         once the tiles it reads have set their flags: the last warp polls those flags
+//         (wait_tile, one lane a tile) before its share of 3., so the wait overlaps the
+//         other warps' stores. Their values go straight to the output, into the lines 3.
+//         just wrote (in L2 still), over the empty value 3. wrote there. A tile waits only
+//         for tiles before it (lower block index), and sets its own flag before it waits:
+//         no tile waits on a waiting tile ("decoupled look-back"). The flags are zeroed
+//         once per call, and each launch of rows sets them to its own value.
+//  (c) span: the spanning nodes wider than that (at most SPAN_WARP_TILES tiles, Llama-3: 31
+//      nodes of 17 to 95) one warp per (node, row), its lanes striding over the tiles; the
+//      widest (the root and a few more: 2 on Llama-3, the root's ~2,000 tiles took a warp
+//      ~5 us) one block per (node, row). One launch: blocks of kSpanWarps warp nodes, then
+//      the block nodes. Each thread (here and in 4.) issues its elements' loads a chunk at
+//      a time (one round trip for ~95% of the folds, the warp nodes and the root). Sums in
+//      double; log_mass as (max, double sum of exp(v - max)) pairs, merged.
 //  Memory: the output is written once and never read here, so it is stored evict-first
 //  (__stcs). Unstaged, the logits are loaded with an L2 evict-last hint (load_hinted): (a)
 //  reads each row once, coalesced, and (b) gathers every column again, each 32-byte sector
@@ -91,6 +96,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
+#if !defined(__CUDACC__)
+#include <thread>  // the CPU emulation's look-back (wait_tile)
+#endif
 
 #include "trie_reduce_cuda.h"
 
@@ -115,7 +123,7 @@ constexpr int64_t kRowPassMinValues = 4096;  // values per (a1) block, at least
 constexpr int64_t kRowPassTargetBlocks = 1024;
 constexpr int kSpanWarps = 8;        // (a2) and (c): warps per block
 constexpr int kMergeChunk = 8;       // (a2): partials a lane loads at once
-constexpr int kSpanThreads = kSpanWarps * 32;  // (c)'s blocks: a thread per narrow node
+constexpr int kSpanThreads = kSpanWarps * 32;  // (c)'s blocks
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int64_t kMaxGridY = 65535;
 constexpr long long kNaNBits = 0x7ff8000000000000LL;  // a quiet NaN (double)
@@ -128,14 +136,16 @@ __device__ __forceinline__ double to_arith(double v) { return v; }
 __device__ __forceinline__ float to_arith(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_arith(__nv_bfloat16 v) { return __bfloat162float(v); }
 
-// Loads with a cache hint (sm_80+; elsewhere, and in the CPU emulation of
-// tests/ops/test_cuda_emulation.py, plain loads):
-//  - load_hinted: the input values, which predate the call (read-only: ld.global.nc), with
-//    an L2 policy made once per thread: keep_policy (evict-last: read again by the tile
-//    kernel's gather) or stream_policy (evict-first: read once, by the staging row pass);
-//  - load_once: the staged values, written by the kernel before (coherent: ld.global) and
-//    read exactly once (.cg: from L2, never allocated in L1, so no L1 line can predate
-//    their writing).
+// Loads with a cache hint (in the CPU emulation of tests/ops/test_cuda_emulation.py, plain
+// loads):
+//  - load_hinted (sm_80+, elsewhere a plain load): the input values, which predate the call
+//    (read-only: ld.global.nc), with an L2 policy made once per thread: keep_policy
+//    (evict-last: read again by the tile kernel's gather) or stream_policy (evict-first:
+//    read once, by the staging row pass);
+//  - load_once: values written during the call, by the kernel before (the staged values,
+//    read exactly once) or by another block of the same kernel (the scratch values of the
+//    tile kernel's folds): coherent (ld.global) and .cg (from L2, never allocated in L1, so
+//    no L1 line can predate their writing).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 __device__ __forceinline__ uint64_t keep_policy() {
   uint64_t policy;
@@ -147,28 +157,37 @@ __device__ __forceinline__ uint64_t stream_policy() {
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   return policy;
 }
-#define GF_LOADS(PTX_TYPE, CONSTRAINT, BITS_T, FROM_BITS, T)                                 \
+#define GF_LOAD_HINTED(PTX_TYPE, CONSTRAINT, BITS_T, FROM_BITS, T)                          \
   __device__ __forceinline__ T load_hinted(const T* p, uint64_t policy) {                  \
     BITS_T bits;                                                                           \
     asm("ld.global.nc.L2::cache_hint." PTX_TYPE " %0, [%1], %2;"                           \
         : CONSTRAINT(bits) : "l"(p), "l"(policy));                                         \
     return FROM_BITS(bits);                                                                \
-  }                                                                                        \
-  __device__ __forceinline__ T load_once(const T* p) {                                     \
-    BITS_T bits;                                                                           \
-    asm volatile("ld.global.cg." PTX_TYPE " %0, [%1];" : CONSTRAINT(bits) : "l"(p) : "memory"); \
-    return FROM_BITS(bits);                                                                \
   }
-GF_LOADS("b32", "=r", unsigned int, __uint_as_float, float)
-GF_LOADS("b64", "=l", long long, __longlong_as_double, double)
-GF_LOADS("b16", "=h", unsigned short, __ushort_as_half, __half)
-GF_LOADS("b16", "=h", unsigned short, __ushort_as_bfloat16, __nv_bfloat16)
-#undef GF_LOADS
+GF_LOAD_HINTED("b32", "=r", unsigned int, __uint_as_float, float)
+GF_LOAD_HINTED("b64", "=l", long long, __longlong_as_double, double)
+GF_LOAD_HINTED("b16", "=h", unsigned short, __ushort_as_half, __half)
+GF_LOAD_HINTED("b16", "=h", unsigned short, __ushort_as_bfloat16, __nv_bfloat16)
+#undef GF_LOAD_HINTED
 #else
 __device__ __forceinline__ uint64_t keep_policy() { return 0; }
 __device__ __forceinline__ uint64_t stream_policy() { return 0; }
 template <class T>
 __device__ __forceinline__ T load_hinted(const T* p, uint64_t) { return *p; }
+#endif
+#if defined(__CUDA_ARCH__)
+#define GF_LOAD_ONCE(PTX_TYPE, CONSTRAINT, BITS_T, FROM_BITS, T)                            \
+  __device__ __forceinline__ T load_once(const T* p) {                                     \
+    BITS_T bits;                                                                           \
+    asm volatile("ld.global.cg." PTX_TYPE " %0, [%1];" : CONSTRAINT(bits) : "l"(p) : "memory"); \
+    return FROM_BITS(bits);                                                                \
+  }
+GF_LOAD_ONCE("b32", "=r", unsigned int, __uint_as_float, float)
+GF_LOAD_ONCE("b64", "=l", long long, __longlong_as_double, double)
+GF_LOAD_ONCE("b16", "=h", unsigned short, __ushort_as_half, __half)
+GF_LOAD_ONCE("b16", "=h", unsigned short, __ushort_as_bfloat16, __nv_bfloat16)
+#undef GF_LOAD_ONCE
+#else
 template <class T>
 __device__ __forceinline__ T load_once(const T* p) { return *p; }
 #endif
@@ -217,6 +236,40 @@ __device__ __forceinline__ void allow_next_kernel() {
 #else
 __device__ __forceinline__ void wait_for_previous_kernel() {}
 __device__ __forceinline__ void allow_next_kernel() {}
+#endif
+
+// The look-back of the tile kernel's folds (see (b)): a tile block publishes that its
+// scratch values are written (publish_tile: a block barrier after every thread's writes,
+// then one thread fences and sets the tile's flag, as a cooperative grid sync does), and
+// waits for those of the tiles before it (wait_tile: spins on each flag, then fences; a
+// block barrier after it passes that on to the block). The values are then read through
+// L2 (load_once), never from an L1 line that may predate them. A block waits only for
+// blocks of lower linear index, which the device dispatches first (as CUB's single-pass
+// scan assumes): they are resident or done, and publish before they wait themselves.
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ void publish_tile(int32_t* flag, int32_t value) {
+  __threadfence();
+  *reinterpret_cast<volatile int32_t*>(flag) = value;
+}
+__device__ __forceinline__ void wait_tile(const int32_t* flag, int32_t value) {
+  while (*reinterpret_cast<const volatile int32_t*>(flag) != value) {
+#if __CUDA_ARCH__ >= 700
+    __nanosleep(64);
+#endif
+  }
+  __threadfence();
+}
+#elif !defined(__CUDACC__)
+__device__ __forceinline__ void publish_tile(int32_t* flag, int32_t value) {
+  std::atomic_ref<int32_t>(*flag).store(value, std::memory_order_release);
+}
+__device__ __forceinline__ void wait_tile(const int32_t* flag, int32_t value) {
+  std::atomic_ref<int32_t> ref(*const_cast<int32_t*>(flag));
+  while (ref.load(std::memory_order_acquire) != value) std::this_thread::yield();
+}
+#else
+__device__ __forceinline__ void publish_tile(int32_t*, int32_t) {}
+__device__ __forceinline__ void wait_tile(const int32_t*, int32_t) {}
 #endif
 
 // Drops the 128-byte L2 line at p (aligned) without writing it back: its contents become
@@ -504,6 +557,102 @@ __global__ void __launch_bounds__(kSpanWarps * 32)
                                                         : m + log(z);
 }
 
+// ---------------------------------------------------------------------------- spanning nodes
+
+// The reduction of one spanning node over its pieces and whole tiles in a row's scratch:
+// by the tile kernel for the narrow ones (its folds), by the span pass for the rest.
+
+// Element k of spanning node s: whole tile t0 + k for k < n, then its left and right
+// pieces; none (slot -1, or k past them) is the reduction's identity.
+template <int RED>
+__device__ __forceinline__ double span_element(const double* sc, int32_t t0, int32_t n,
+                                               int32_t left, int32_t right, int32_t k) {
+  const int32_t slot = k < n ? t0 + k : k == n ? left : k == n + 1 ? right : -1;
+  return slot >= 0 ? load_once(sc + slot) : identity<RED>();
+}
+
+// Who reduces one spanning node: a thread (narrow nodes: (b)'s folds), a warp (wider ones,
+// at most SPAN_WARP_TILES + 2 elements) or a block (the widest: the root's ~2,000 tiles). Each
+// member takes elements rank(), rank() + kSize, ..., kChunk of them at a time, their loads
+// issued together (kChunk * kSize covers a narrow node of up to 2 whole tiles, ~95% of
+// them on Llama-3, a warp node and the root: one round trip each); sum and max combine the
+// members' values, every member getting the result.
+struct ThreadGroup {
+  static constexpr int kSize = 1, kChunk = 4;
+  __device__ static int rank() { return 0; }
+  __device__ static double sum(double v) { return v; }
+  __device__ static double max(double v) { return v; }
+};
+struct WarpGroup {
+  static constexpr int kSize = 32, kChunk = 4;
+  __device__ static int rank() { return threadIdx.x & 31; }
+  __device__ static double sum(double v) { return warp_sum(v); }
+  __device__ static double max(double v) { return warp_max(v); }
+};
+struct BlockGroup {
+  static constexpr int kSize = kSpanThreads, kChunk = 8;
+  __device__ static int rank() { return threadIdx.x; }
+  // warps, then the warps' results in order; the leading barrier lets a second combine
+  // reuse `part` once every thread has read the first's
+  template <bool kSum>
+  __device__ static double combine(double v) {
+    __shared__ double part[kSpanWarps];
+    v = kSum ? warp_sum(v) : warp_max(v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = part[0];
+#pragma unroll
+    for (int w = 1; w < kSpanWarps; ++w) v = kSum ? v + part[w] : vmax(v, part[w]);
+    return v;
+  }
+  __device__ static double sum(double v) { return combine<true>(v); }
+  __device__ static double max(double v) { return combine<false>(v); }
+};
+
+// A spanning node's value, by one Group: sum or max of its elements; log_mass m + log(z),
+// m their max and z the sum of exp(element - m): each member keeps its own (m, z), a chunk
+// at a time (its max, then its float exps summed in double, merged by lse_merge), and the
+// group sums the members' z scaled to the group's m. Every member returns the value.
+template <int RED, class Group>
+__device__ __forceinline__ double span_reduce(const double* sc, int32_t t0, int32_t n,
+                                              int32_t left, int32_t right) {
+  constexpr int kChunk = Group::kChunk;
+  double acc = identity<RED>();  // log_mass: m, the member's largest element so far
+  double z = 0.0;                // log_mass: the sum of exp(element - m)
+  for (int32_t k0 = Group::rank(); k0 < n + 2; k0 += kChunk * Group::kSize) {
+    double v[kChunk];
+#pragma unroll
+    for (int u = 0; u < kChunk; ++u)
+      v[u] = span_element<RED>(sc, t0, n, left, right, k0 + u * Group::kSize);
+    if constexpr (RED == kLogMass) {
+      double chunk_max = v[0];
+#pragma unroll
+      for (int u = 1; u < kChunk; ++u) chunk_max = vmax(chunk_max, v[u]);
+      if (chunk_max != neg_inf()) {  // else nothing here has mass
+        double chunk_z = 0.0;  // terms <= 1, at least one of them 1
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u)
+          chunk_z += fast_exp(static_cast<float>(v[u] - chunk_max));
+        lse_merge(acc, z, chunk_max, chunk_z);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < kChunk; ++u) acc = RED == kSum ? acc + v[u] : vmax(acc, v[u]);
+    }
+  }
+  if constexpr (RED == kSum) {
+    return Group::sum(acc);
+  } else if constexpr (RED == kMax) {
+    return Group::max(acc);
+  } else {
+    const double m = Group::max(acc);
+    if (m == neg_inf()) return m;  // no mass beneath the node (the whole group agrees)
+    const double total = Group::sum(acc == neg_inf() ? 0.0 : z * exp(acc - m));  // >= 1
+    return m + static_cast<double>(fast_log(static_cast<float>(total)));
+  }
+}
+
 // ---------------------------------------------------------------------------- (b) tiles
 
 // What the tile kernel keeps per (position, row), and what it writes: log_mass the
@@ -583,7 +732,10 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
                 const int32_t* __restrict__ node_src,
                 const int32_t* __restrict__ tile_scratch_ptr,
                 const int32_t* __restrict__ scratch_src, const int32_t* __restrict__ scratch_slot,
-                double* __restrict__ scratch, int64_t stride,
+                const int32_t* __restrict__ tile_fold_ptr,
+                const int32_t* __restrict__ tile_fold_wait, const int4* __restrict__ fold_bounds,
+                const int32_t* __restrict__ fold_node, int32_t* __restrict__ tile_flags,
+                int32_t flag_value, double* __restrict__ scratch, int64_t stride,
                 TileValue<T, RED>* __restrict__ out, int64_t num_nodes, int tile, int64_t row0,
                 int64_t row_end) {
   using V = TileValue<T, RED>;
@@ -597,11 +749,14 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   __shared__ int32_t token[kMaxTile];
   __shared__ int32_t bounds[kMaxTile];  // the tile's runs (at most tile - 2)
   __shared__ int32_t id_src[kSharedIds];  // node_src of the tile's first kSharedIds node ids
-  __shared__ int32_t q_src[kTileThreads], q_slot[kTileThreads];  // its first scratch values
-  __shared__ float lse_hi[ROWS], lse_lo[ROWS];  // log_mass: each row's lse as hi + lo
+  __shared__ int32_t q_src[kTileThreads];  // its first scratch values: source code,
+  __shared__ int32_t q_slot[kTileThreads];  // and slot
+  __shared__ float lse_hi[ROWS];  // log_mass: each row's lse as hi + lo
+  __shared__ float lse_lo[ROWS];
   __shared__ float part_max[kTileWarps][ROWS];  // log_mass: the warps' largest v per row
   // the warps' partial totals per row: sum, max, log_mass the sum of exp(v - shift)
   __shared__ double part_total[kTileWarps][ROWS];
+  __shared__ int4 fold_info[kTileThreads];  // the bounds of the tile's first folds
   const int t = blockIdx.x;
   const int64_t first_row = row0 + static_cast<int64_t>(blockIdx.y) * ROWS;
   const int rows = row_end - first_row < ROWS ? static_cast<int>(row_end - first_row) : ROWS;
@@ -751,6 +906,13 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     }
   }
 
+  // the tile's folds: their bounds (in flight while the runs are reduced), and the first
+  // tile they read, for the last warp (it polls those tiles' flags)
+  const int fold0 = tile_fold_ptr[t], n_fold = tile_fold_ptr[t + 1] - fold0;
+  int4 my_fold = {0, 0, 0, 0};
+  if (tid < n_fold) my_fold = fold_bounds[fold0 + tid];
+  const int wait_lo = warp == kTileWarps - 1 && n_fold > 0 ? tile_fold_wait[t] : t;
+
   // runs, longest first, dealt round-robin to the groups; the last group (the fewest
   // runs) also combines the warps' partial totals (a tile of 2 leaves or more)
   if (j < rows) {
@@ -771,6 +933,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
       val[kTotalRow * kStride + j] = tile_total;
     }
   }
+  if (tid < n_fold) fold_info[tid] = my_fold;
   __syncthreads();
 
   // the tile's total and pieces to scratch (double)
@@ -781,6 +944,15 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     if (jj < rows)
       scratch[(first_row + jj) * stride + slot] =
           static_cast<double>(val[source_row(src, tile) * kStride + jj]);
+  }
+  // published, for the folds of the tiles after this one; this tile's folds wait for the
+  // tiles before it: the last warp polls their flags (one lane a tile) before its share of
+  // the ids below, which keep the other warps busy meanwhile
+  if (tile_flags != nullptr) {  // null: the layout has no folds
+    int32_t* const flags = tile_flags + static_cast<int64_t>(blockIdx.y) * gridDim.x;
+    __syncthreads();  // the block's scratch values are written
+    if (tid == 0) publish_tile(flags + t, flag_value);
+    for (int k = wait_lo + lane; k < t; k += 32) wait_tile(flags + k, flag_value);
   }
   // the node ids the tile owns, each row's block whole: a warp per 32 consecutive ids, its
   // lanes at consecutive ids (coalesced lines), looping over the rows
@@ -794,6 +966,21 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
       for (int jj = 0; jj < ROWS; ++jj) store_out(dst + jj * num_nodes, src[jj]);
     } else {
       for (int jj = 0; jj < rows; ++jj) store_out(dst + jj * num_nodes, src[jj]);
+    }
+  }
+  // the folds, over the scratch values of the tiles waited for and this one's: a thread per
+  // (fold, row), consecutive threads at consecutive folds of a row (their whole tiles are
+  // neighbours in scratch). Their ids were written the empty value above: the barrier
+  // orders these stores after those.
+  if (n_fold > 0) {  // the same for the whole block
+    __syncthreads();  // the flags polled, the ids written
+    for (int e = tid; e < n_fold * rows; e += kTileThreads) {
+      const int f = e % n_fold, jj = e / n_fold;
+      const int4 b = f < kTileThreads ? fold_info[f] : fold_bounds[fold0 + f];
+      const int32_t node = fold_node[fold0 + f];
+      const double res = span_reduce<RED, ThreadGroup>(scratch + (first_row + jj) * stride,
+                                                       b.x, b.y - b.x, b.z, b.w);
+      store_out(out + (first_row + jj) * num_nodes + node, static_cast<V>(res));
     }
   }
 }
@@ -866,124 +1053,29 @@ cudaError_t enqueue(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shm
 
 // ---------------------------------------------------------------------------- (c) spanning nodes
 
-// Element k of spanning node s: whole tile t0 + k for k < n, then its left and right
-// pieces; none (slot -1, or k past them) is the reduction's identity.
-template <int RED>
-__device__ __forceinline__ double span_element(const double* sc, int32_t t0, int32_t n,
-                                               int32_t left, int32_t right, int32_t k) {
-  const int32_t slot = k < n ? t0 + k : k == n ? left : k == n + 1 ? right : -1;
-  return slot >= 0 ? sc[slot] : identity<RED>();
-}
-
-// Who reduces one spanning node: a thread (narrow nodes), a warp (wider ones, at most
-// SPAN_WARP_TILES + 2 elements) or a block (the widest: the root's ~2,000 tiles). Each
-// member takes elements rank(), rank() + kSize, ..., kChunk of them at a time, their loads
-// issued together (kChunk * kSize covers a narrow node of up to 2 whole tiles, ~95% of
-// them on Llama-3, a warp node and the root: one round trip each); sum and max combine the
-// members' values, every member getting the result.
-struct ThreadGroup {
-  static constexpr int kSize = 1, kChunk = 4;
-  __device__ static int rank() { return 0; }
-  __device__ static double sum(double v) { return v; }
-  __device__ static double max(double v) { return v; }
-};
-struct WarpGroup {
-  static constexpr int kSize = 32, kChunk = 4;
-  __device__ static int rank() { return threadIdx.x & 31; }
-  __device__ static double sum(double v) { return warp_sum(v); }
-  __device__ static double max(double v) { return warp_max(v); }
-};
-struct BlockGroup {
-  static constexpr int kSize = kSpanThreads, kChunk = 8;
-  __device__ static int rank() { return threadIdx.x; }
-  // warps, then the warps' results in order; the leading barrier lets a second combine
-  // reuse `part` once every thread has read the first's
-  template <bool kSum>
-  __device__ static double combine(double v) {
-    __shared__ double part[kSpanWarps];
-    v = kSum ? warp_sum(v) : warp_max(v);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = part[0];
-#pragma unroll
-    for (int w = 1; w < kSpanWarps; ++w) v = kSum ? v + part[w] : vmax(v, part[w]);
-    return v;
-  }
-  __device__ static double sum(double v) { return combine<true>(v); }
-  __device__ static double max(double v) { return combine<false>(v); }
-};
-
-// A spanning node's value, by one Group: sum or max of its elements; log_mass m + log(z),
-// m their max and z the sum of exp(element - m): each member keeps its own (m, z), a chunk
-// at a time (its max, then its float exps summed in double, merged by lse_merge), and the
-// group sums the members' z scaled to the group's m. Every member returns the value.
-template <int RED, class Group>
-__device__ __forceinline__ double span_reduce(const double* sc, int32_t t0, int32_t n,
-                                              int32_t left, int32_t right) {
-  constexpr int kChunk = Group::kChunk;
-  double acc = identity<RED>();  // log_mass: m, the member's largest element so far
-  double z = 0.0;                // log_mass: the sum of exp(element - m)
-  for (int32_t k0 = Group::rank(); k0 < n + 2; k0 += kChunk * Group::kSize) {
-    double v[kChunk];
-#pragma unroll
-    for (int u = 0; u < kChunk; ++u)
-      v[u] = span_element<RED>(sc, t0, n, left, right, k0 + u * Group::kSize);
-    if constexpr (RED == kLogMass) {
-      double chunk_max = v[0];
-#pragma unroll
-      for (int u = 1; u < kChunk; ++u) chunk_max = vmax(chunk_max, v[u]);
-      if (chunk_max != neg_inf()) {  // else nothing here has mass
-        double chunk_z = 0.0;  // terms <= 1, at least one of them 1
-#pragma unroll
-        for (int u = 0; u < kChunk; ++u)
-          chunk_z += fast_exp(static_cast<float>(v[u] - chunk_max));
-        lse_merge(acc, z, chunk_max, chunk_z);
-      }
-    } else {
-#pragma unroll
-      for (int u = 0; u < kChunk; ++u) acc = RED == kSum ? acc + v[u] : vmax(acc, v[u]);
-    }
-  }
-  if constexpr (RED == kSum) {
-    return Group::sum(acc);
-  } else if constexpr (RED == kMax) {
-    return Group::max(acc);
-  } else {
-    const double m = Group::max(acc);
-    if (m == neg_inf()) return m;  // no mass beneath the node (the whole group agrees)
-    const double total = Group::sum(acc == neg_inf() ? 0.0 : z * exp(acc - m));  // >= 1
-    return m + static_cast<double>(fast_log(static_cast<float>(total)));
-  }
-}
-
+// The spanning nodes past the narrow ones (those the tile kernel folds): a warp each for
+// the first ones, up to warp_end, then a block each.
 template <class Out, int RED>
 __global__ void __launch_bounds__(kSpanThreads)
     span_kernel(const int32_t* __restrict__ span_node, const int32_t* __restrict__ span_left,
                 const int32_t* __restrict__ span_right, const int32_t* __restrict__ span_tile_lo,
-                const int32_t* __restrict__ span_tile_hi, int64_t S, int64_t narrow,
-                int64_t narrow_blocks, int64_t warp_end, int64_t warp_blocks,
-                const double* __restrict__ scratch, int64_t stride, Out* __restrict__ out,
-                int64_t num_nodes, int64_t row0) {
+                const int32_t* __restrict__ span_tile_hi, int64_t narrow, int64_t warp_end,
+                int64_t warp_blocks, const double* __restrict__ scratch, int64_t stride,
+                Out* __restrict__ out, int64_t num_nodes, int64_t row0) {
   const int64_t row = row0 + blockIdx.y;
   const double* sc = scratch + row * stride;
   const int64_t bx = blockIdx.x;
-  // the node: a thread per narrow one, a warp per wider one, a block per widest one
-  const int kind = bx < narrow_blocks ? 0 : bx < narrow_blocks + warp_blocks ? 1 : 2;
-  const int64_t s =
-      kind == 0 ? bx * kSpanThreads + threadIdx.x
-      : kind == 1 ? narrow + (bx - narrow_blocks) * kSpanWarps + (threadIdx.x >> 5)
-                  : warp_end + bx - narrow_blocks - warp_blocks;
-  if ((kind == 0 && s >= narrow) || (kind == 1 && s >= warp_end)) return;  // whole warps in 1
+  const bool by_warp = bx < warp_blocks;
+  const int64_t s = by_warp ? narrow + bx * kSpanWarps + (threadIdx.x >> 5)
+                            : warp_end + bx - warp_blocks;
+  if (by_warp && s >= warp_end) return;  // whole warps
   const int32_t t0 = span_tile_lo[s], n = span_tile_hi[s] - t0;
   const int32_t left = span_left[s], right = span_right[s], node = span_node[s];
   // launched dependent on the tile kernel: its scratch values read, and its write of this
   // node's id (the empty value) overwritten, only once it is done
   wait_for_previous_kernel();
   Out* dst = out + row * num_nodes + node;
-  if (kind == 0) {
-    store_out(dst, static_cast<Out>(span_reduce<RED, ThreadGroup>(sc, t0, n, left, right)));
-  } else if (kind == 1) {
+  if (by_warp) {
     const double res = span_reduce<RED, WarpGroup>(sc, t0, n, left, right);
     if ((threadIdx.x & 31) == 0) store_out(dst, static_cast<Out>(res));
   } else {
@@ -1050,7 +1142,7 @@ cudaError_t launch_row_pass(const TrieArgs& A, const T* values, T* staged, int64
 // sum and max, then (b) and (c).
 template <class T, class Out, int RED, int ROWS>
 cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out, int64_t row0,
-                        int64_t rows, cudaStream_t stream) {
+                        int64_t rows, int32_t flag_value, cudaStream_t stream) {
   constexpr bool kLse = RED == kLogMass;
   int64_t splits = 0;
   cudaError_t err = cudaSuccess;
@@ -1075,18 +1167,22 @@ cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out,
                 /*dependent=*/kLse || staged != nullptr, values,
                 static_cast<const T*>(staged), A.C, A.leaf_token, A.L, A.tile_run_ptr,
                 A.run_bounds, A.tile_node_lo, A.node_src, A.tile_scratch_ptr, A.scratch_src,
-                A.scratch_slot, A.scratch, A.scratch_stride, out, A.num_nodes, A.tile, row0,
+                A.scratch_slot, A.tile_fold_ptr, A.tile_fold_wait,
+                reinterpret_cast<const int4*>(A.fold_bounds), A.fold_node, A.tile_flags,
+                flag_value, A.scratch, A.scratch_stride, out, A.num_nodes, A.tile, row0,
                 row0 + rows);
-  if (err != cudaSuccess || A.S == 0) return err;
-  const int64_t narrow_blocks = (A.span_narrow + kSpanThreads - 1) / kSpanThreads;
+  if (err != cudaSuccess || A.S == A.span_narrow) return err;
   const int64_t warp_blocks = (A.span_warp - A.span_narrow + kSpanWarps - 1) / kSpanWarps;
   const int64_t block_nodes = A.S - A.span_warp;
-  const dim3 sgrid(static_cast<unsigned>(narrow_blocks + warp_blocks + block_nodes),
-                   static_cast<unsigned>(rows));
+  const dim3 sgrid(static_cast<unsigned>(warp_blocks + block_nodes), static_cast<unsigned>(rows));
   return enqueue(span_kernel<Out, RED>, sgrid, kSpanThreads, 0, stream, true, A.span_node,
-                 A.span_left, A.span_right, A.span_tile_lo, A.span_tile_hi, A.S, A.span_narrow,
-                 narrow_blocks, A.span_warp, warp_blocks, A.scratch, A.scratch_stride, out,
-                 A.num_nodes, row0);
+                 A.span_left, A.span_right, A.span_tile_lo, A.span_tile_hi, A.span_narrow,
+                 A.span_warp, warp_blocks, A.scratch, A.scratch_stride, out, A.num_nodes, row0);
+}
+
+// Rows per tile block for a launch of `rows` rows: the largest of 32, 16, ..., 1 it fills.
+int rows_per_block(int64_t rows) {
+  return rows >= 32 ? 32 : rows >= 16 ? 16 : rows >= 8 ? 8 : rows >= 4 ? 4 : rows >= 2 ? 2 : 1;
 }
 
 template <class T, class Out, int RED>
@@ -1095,23 +1191,35 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
   const T* values = static_cast<const T*>(A.values);
   Out* out = static_cast<Out*>(A.out);
   const bool stage = A.staged != nullptr && staging_on();
+  // the look-back flags, all 0: a launch of rows [row0, ...) sets its flags to its own value
+  if (A.tile_flags != nullptr) {
+    const cudaError_t err = cudaMemsetAsync(
+        A.tile_flags, 0, sizeof(int32_t) * tile_flag_count(A.B, A.n_tiles), stream);
+    if (err != cudaSuccess) return err;
+  }
   for (int64_t row0 = 0; row0 < A.B; row0 += kMaxGridY) {
     const int64_t rows = A.B - row0 < kMaxGridY ? A.B - row0 : kMaxGridY;
-    // ROWS rows per tile block: the largest of 32, 16, ..., 1 the batch fills
+    const int32_t flag_value = static_cast<int32_t>(row0 / kMaxGridY + 1);
     T* staged = stage && rows >= kStageMinRows ? static_cast<T*>(A.staged) : nullptr;
     cudaError_t err;
-    if (rows >= 32) {
-      err = launch_rows<T, Out, RED, 32>(A, values, staged, out, row0, rows, stream);
-    } else if (rows >= 16) {
-      err = launch_rows<T, Out, RED, 16>(A, values, staged, out, row0, rows, stream);
-    } else if (rows >= 8) {
-      err = launch_rows<T, Out, RED, 8>(A, values, staged, out, row0, rows, stream);
-    } else if (rows >= 4) {
-      err = launch_rows<T, Out, RED, 4>(A, values, nullptr, out, row0, rows, stream);
-    } else if (rows >= 2) {
-      err = launch_rows<T, Out, RED, 2>(A, values, nullptr, out, row0, rows, stream);
-    } else {
-      err = launch_rows<T, Out, RED, 1>(A, values, nullptr, out, row0, rows, stream);
+    switch (rows_per_block(rows)) {
+      case 32:
+        err = launch_rows<T, Out, RED, 32>(A, values, staged, out, row0, rows, flag_value, stream);
+        break;
+      case 16:
+        err = launch_rows<T, Out, RED, 16>(A, values, staged, out, row0, rows, flag_value, stream);
+        break;
+      case 8:
+        err = launch_rows<T, Out, RED, 8>(A, values, staged, out, row0, rows, flag_value, stream);
+        break;
+      case 4:
+        err = launch_rows<T, Out, RED, 4>(A, values, nullptr, out, row0, rows, flag_value, stream);
+        break;
+      case 2:
+        err = launch_rows<T, Out, RED, 2>(A, values, nullptr, out, row0, rows, flag_value, stream);
+        break;
+      default:
+        err = launch_rows<T, Out, RED, 1>(A, values, nullptr, out, row0, rows, flag_value, stream);
     }
     if (err != cudaSuccess) return err;
   }
@@ -1120,10 +1228,24 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
 
 }  // namespace
 
+int64_t tile_flag_count(int64_t B, int64_t n_tiles) {
+  // the launches of rows: all of kMaxGridY rows but the last (fewer rows, but maybe more
+  // blocks of fewer rows each)
+  const auto blocks = [](int64_t rows) {
+    const int per_block = rows_per_block(rows);
+    return (rows + per_block - 1) / per_block;
+  };
+  const int64_t first = blocks(B < kMaxGridY ? B : kMaxGridY);
+  const int64_t last = blocks(B % kMaxGridY == 0 ? kMaxGridY : B % kMaxGridY);
+  return n_tiles * (first > last ? first : last);
+}
+
 cudaError_t trie_reduce(const TrieArgs& A, cudaStream_t stream) {
   if (A.B == 0 || A.num_nodes == 0) return cudaSuccess;
   if (A.tile < 1 || A.tile > kMaxTile || A.n_tiles < 1 || A.scratch_stride < 1 ||
-      A.span_narrow < 0 || A.span_narrow > A.span_warp || A.span_warp > A.S)
+      A.span_narrow < 0 || A.span_narrow > A.span_warp || A.span_warp > A.S ||
+      (A.span_narrow > 0 && A.tile_flags == nullptr) ||
+      reinterpret_cast<uintptr_t>(A.fold_bounds) % alignof(int4) != 0)
     return cudaErrorInvalidValue;
   if (A.staged != nullptr &&
       (A.column_leaf == nullptr || A.n_column_leaf > A.C || A.L > A.C))

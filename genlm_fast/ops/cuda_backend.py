@@ -44,7 +44,9 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
         values, arrays["leaf_token"], cached["column_leaf"], arrays["tile_node_lo"],
         arrays["tile_run_ptr"], arrays["run_bounds"], arrays["node_src"],
         arrays["tile_scratch_ptr"], arrays["scratch_src"], arrays["scratch_slot"],
-        arrays["span_node"], arrays["span_left"], arrays["span_right"], arrays["span_tile_lo"],
+        arrays["tile_fold_ptr"], arrays["tile_fold_wait"], arrays["fold_bounds"],
+        arrays["fold_node"], arrays["span_node"], arrays["span_left"], arrays["span_right"],
+        arrays["span_tile_lo"],
         arrays["span_tile_hi"], arrays["span_narrow"], arrays["span_warp"], scratch, reduction,
         num_nodes, num_scratch, tile)
     return out, scratch[:, -1] if reduction == "log_mass" else None

@@ -4,13 +4,18 @@ No GPU here, so the .cu itself is compiled as host C++ (g++, with CUDA's host he
 ``__half``/``__nv_bfloat16``/``dim3``) after a mechanical rewrite of the few CUDA-only
 constructs, and executed with real thread semantics:
 
-* every launch ``k<<<grid, block, shmem, stream>>>(args)`` runs each block in turn, with one
-  OS thread per CUDA thread; the launch fails (as on a device) on a grid dimension of 0 or
-  past its limit (x < 2^31, y and z <= 65535), more than 1024 threads, or more than 48 KiB
-  of dynamic shared memory;
+* every launch ``k<<<grid, block, shmem, stream>>>(args)`` runs its blocks in order of
+  linear index (the order a device dispatches them), with one OS thread per CUDA thread,
+  one block at a time or (``resident_blocks``) up to that many at once, each starting as
+  soon as one of those before it is done; the launch fails (as on a device) on a grid
+  dimension of 0 or past its limit (x < 2^31, y and z <= 65535), more than 1024 threads,
+  or more than 48 KiB of dynamic shared memory;
 * ``__syncthreads()`` is a block-wide barrier, ``__shfl_xor_sync`` a warp-wide exchange
   that reports a lane missing from the full mask (an exited lane: undefined on a device);
-* dynamic shared memory is a heap block of exactly the launch's size, filled with NaN;
+* dynamic shared memory is a heap block of exactly the launch's size, filled with NaN, and
+  each static ``__shared__`` array a heap block of its own per block, all bits set;
+* the tile kernel's look-back (wait_tile) spins on std::atomic flags: blocks running at
+  once really wait for each other; a wait that never ends fails the run;
 * the harness is built with AddressSanitizer + UBSan and every device array is a heap block
   of exactly its size, so an out-of-bounds read or write, or signed overflow, fails the run
   (a stand-in for compute-sanitizer's memcheck); outputs and scratch start as NaN, so a node
@@ -20,8 +25,9 @@ The results are compared with the plain-torch reference backend on random tries
 (duplicates, empty tokens, deep chains, EOS mode, rows wider than the vocabulary, -inf
 logits, hundreds of nats, fp16/bf16 logits) and with the row chunking of ``launch``
 (gridDim.y <= 65535) forced down to 2 rows. What it cannot show: the device's own
-arithmetic (CUDA's exp/log are within 1-2 ulp of glibc's), memory-model races between
-blocks (blocks run one after another), timing, and csrc/bindings.cpp (torch + CUDA).
+arithmetic (CUDA's exp/log are within 1-2 ulp of glibc's), the device's memory model (the
+emulator's is the CPU's, with the flags' release and acquire: a missing fence on the device
+shows nowhere here), timing, and csrc/bindings.cpp (torch + CUDA).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from genlm_fast.backend.tokenization import Token
 from genlm_fast.bytes import TokenByteTrie
 from genlm_fast.ops import dispatch
 from genlm_fast.ops import layout as layout_module
-from genlm_fast.ops.layout import SPAN_NARROW_TILES, SPAN_WARP_TILES, span_class_end
+from genlm_fast.ops.layout import SPAN_NARROW_TILES, SPAN_WARP_TILES, span_class_end, tile_folds
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CU = os.path.join(REPO, "csrc", "trie_reduce_cuda.cu")
@@ -59,7 +65,10 @@ with open(CU) as _source:
 HARNESS = r"""
 #include <atomic>
 #include <barrier>
+#include <chrono>
 #include <cmath>
+#include <map>
+#include <mutex>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -85,6 +94,8 @@ struct Block {
   std::vector<std::unique_ptr<Warp>> warps;
   unsigned char* shmem;
   size_t shmem_bytes;
+  std::mutex statics_mutex;
+  std::map<int, void*> statics;  // the static __shared__ arrays, by declaration
   Block(int threads, size_t bytes) : bar(threads), shmem_bytes(bytes) {
     for (int w = 0; w < threads / 32; ++w) warps.emplace_back(new Warp());
     shmem = static_cast<unsigned char*>(std::malloc(bytes ? bytes : 1));
@@ -92,21 +103,59 @@ struct Block {
     for (size_t i = 0; i + sizeof(double) <= bytes; i += sizeof(double))
       std::memcpy(shmem + i, &nan, sizeof(double));
   }
-  ~Block() { std::free(shmem); }
+  ~Block() {
+    std::free(shmem);
+    for (auto& entry : statics) std::free(entry.second);
+  }
 };
 thread_local uint3 tid, bid;
 thread_local Block* blk = nullptr;
 dim3 gdim, bdim;
 int64_t max_grid_y = 65535;  // the kernels' row chunk (kMaxGridY), lowered by the tests
 int64_t row_pass_blocks = 1024;  // (a1)'s blocks a launch (kRowPassTargetBlocks), set by tests
+int64_t resident_blocks = 1;  // blocks run at once, set by tests
 std::atomic<int> errors{0};
 cudaError_t last_error = cudaSuccess;
 std::atomic<long> launches{0};
+std::atomic<long> spins{0};  // look-back polls that found a flag unset
 
 void fail(const char* what) {
   if (errors.fetch_add(1) < 5) std::fprintf(stderr, "EMULATOR ERROR: %s\n", what);
 }
 cudaError_t get_last_error() { cudaError_t e = last_error; last_error = cudaSuccess; return e; }
+cudaError_t memset_async(void* p, int value, size_t bytes, cudaStream_t) {
+  std::memset(p, value, bytes);
+  return cudaSuccess;
+}
+
+// a static __shared__ array of the running block (declaration `id`), all bits set at first
+template <class A>
+A& shared_array(int id) {
+  std::lock_guard<std::mutex> lock(blk->statics_mutex);
+  void*& p = blk->statics[id];
+  if (p == nullptr) {
+    p = std::malloc(sizeof(A));
+    std::memset(p, 0xff, sizeof(A));
+  }
+  return *static_cast<A*>(p);
+}
+
+// one poll of wait_tile found its flag unset: yields; a wait past 60 s (a block waiting on
+// one that never publishes) ends the run
+void backoff() {
+  thread_local std::chrono::steady_clock::time_point since;
+  thread_local long last = -1;
+  const long n = spins.fetch_add(1);
+  const auto now = std::chrono::steady_clock::now();
+  if (last < 0 || n > last + 1000000) since = now;  // (roughly) a new wait
+  last = n;
+  if (now - since > std::chrono::seconds(60)) {
+    fail("a look-back wait never ends");
+    std::fflush(stderr);
+    std::_Exit(3);
+  }
+  std::this_thread::yield();
+}
 inline void syncthreads() { blk->bar.arrive_and_wait(); }
 inline double longlong_as_double(long long v) { double d; std::memcpy(&d, &v, 8); return d; }
 template <class T>
@@ -141,25 +190,37 @@ void launch(dim3 g, dim3 b, size_t shmem, cudaStream_t, F body) {
   }
   gdim = g;
   bdim = b;
-  for (unsigned z = 0; z < g.z; ++z)
-    for (unsigned y = 0; y < g.y; ++y)
-      for (unsigned x = 0; x < g.x; ++x) {
-        Block block(static_cast<int>(b.x), shmem);
-        std::vector<std::thread> pool;
-        pool.reserve(b.x);
-        for (unsigned t = 0; t < b.x; ++t)
-          pool.emplace_back([&, t, x, y, z] {
-            tid = uint3{t, 0, 0};
-            bid = uint3{x, y, z};
-            blk = &block;
-            body();
-            Warp& w = *block.warps[t >> 5];
-            w.exited.fetch_add(1);
-            w.bar.arrive_and_drop();
-            block.bar.arrive_and_drop();
-          });
-        for (auto& th : pool) th.join();
-      }
+  const auto run_block = [&](unsigned x, unsigned y, unsigned z) {
+    Block block(static_cast<int>(b.x), shmem);
+    std::vector<std::thread> pool;
+    pool.reserve(b.x);
+    for (unsigned t = 0; t < b.x; ++t)
+      pool.emplace_back([&, t] {
+        tid = uint3{t, 0, 0};
+        bid = uint3{x, y, z};
+        blk = &block;
+        body();
+        Warp& w = *block.warps[t >> 5];
+        w.exited.fetch_add(1);
+        w.bar.arrive_and_drop();
+        block.bar.arrive_and_drop();
+      });
+    for (auto& th : pool) th.join();
+  };
+  // blocks in order of linear index (x fastest), up to resident_blocks at once: each of
+  // those runners takes the next block when its own is done
+  const uint64_t total = 1ull * g.x * g.y * g.z;
+  std::atomic<uint64_t> next{0};
+  const auto runner = [&] {
+    for (uint64_t i = next++; i < total; i = next++)
+      run_block(static_cast<unsigned>(i % g.x), static_cast<unsigned>(i / g.x % g.y),
+                static_cast<unsigned>(i / g.x / g.y));
+  };
+  std::vector<std::thread> runners;
+  for (int64_t r = 1; r < resident_blocks && static_cast<uint64_t>(r) < total; ++r)
+    runners.emplace_back(runner);
+  runner();
+  for (auto& th : runners) th.join();
 }
 }  // namespace emu
 
@@ -179,8 +240,8 @@ static void* read_array(FILE* f, int64_t* nbytes) {
 int main(int argc, char** argv) {
   if (argc != 3) return 2;
   FILE* f = std::fopen(argv[1], "rb");
-  int64_t h[12];
-  if (std::fread(h, 8, 12, f) != 12) return 3;
+  int64_t h[13];
+  if (std::fread(h, 8, 13, f) != 13) return 3;
   genlm_fast::cuda::TrieArgs A{};
   A.dtype = static_cast<int>(h[0]);
   A.B = h[1];
@@ -194,6 +255,7 @@ int main(int argc, char** argv) {
   emu::max_grid_y = h[9];
   A.span_narrow = h[10];
   A.span_warp = h[11];
+  emu::resident_blocks = h[12];
   int64_t n;
   A.values = read_array(f, &n);
   void* staged = read_array(f, &n);  // empty: none
@@ -207,6 +269,10 @@ int main(int argc, char** argv) {
   A.tile_scratch_ptr = static_cast<int32_t*>(read_array(f, &n));
   A.scratch_src = static_cast<int32_t*>(read_array(f, &n));
   A.scratch_slot = static_cast<int32_t*>(read_array(f, &n));
+  A.tile_fold_ptr = static_cast<int32_t*>(read_array(f, &n));
+  A.tile_fold_wait = static_cast<int32_t*>(read_array(f, &n));
+  A.fold_bounds = static_cast<int32_t*>(read_array(f, &n));
+  A.fold_node = static_cast<int32_t*>(read_array(f, &n));
   A.span_node = static_cast<int32_t*>(read_array(f, &n)); A.S = n / 4;
   A.span_left = static_cast<int32_t*>(read_array(f, &n));
   A.span_right = static_cast<int32_t*>(read_array(f, &n));
@@ -216,10 +282,17 @@ int main(int argc, char** argv) {
   A.scratch = static_cast<double*>(read_array(f, &scratch_bytes));
   A.out = read_array(f, &out_bytes);
   std::fclose(f);
+  // the look-back flags as the binding gives them: uninitialized (here: garbage)
+  std::vector<int32_t> flags;
+  if (A.span_narrow > 0) {
+    flags.assign(genlm_fast::cuda::tile_flag_count(A.B, A.n_tiles), 0x5a5a5a5a);
+    A.tile_flags = flags.data();
+  }
   const cudaError_t status = genlm_fast::cuda::trie_reduce(A, nullptr);
   FILE* o = std::fopen(argv[2], "wb");
-  const int64_t head[3] = {static_cast<int64_t>(status), emu::errors.load(), emu::launches.load()};
-  std::fwrite(head, 8, 3, o);
+  const int64_t head[4] = {static_cast<int64_t>(status), emu::errors.load(), emu::launches.load(),
+                           emu::spins.load()};
+  std::fwrite(head, 8, 4, o);
   std::fwrite(A.out, 1, out_bytes, o);
   std::fwrite(A.scratch, 1, scratch_bytes, o);
   std::fclose(o);
@@ -256,7 +329,8 @@ def emulated_source(src: str) -> str:
         (r"cudaGetLastError\(\)", "emu::get_last_error()"),
         (r"extern __shared__ (\w+) (\w+)\[\];",
          r"\1* \2 = reinterpret_cast<\1*>(emu::blk->shmem);"),
-        (r"__shared__ ", "static "),  # static shared arrays: blocks run one at a time
+        (r"cudaMemsetAsync\(", "emu::memset_async("),
+        (r"std::this_thread::yield\(\)", "emu::backoff()"),
         (r"constexpr int64_t kMaxGridY = 65535;", "static const int64_t& kMaxGridY = emu::max_grid_y;"),
         (r"constexpr int64_t kRowPassTargetBlocks = 1024;",
          "static const int64_t& kRowPassTargetBlocks = emu::row_pass_blocks;"),
@@ -264,6 +338,14 @@ def emulated_source(src: str) -> str:
     for pattern, repl in rewrites:
         src, count = re.subn(pattern, repl, src)
         assert count or pattern in optional, f"the CUDA source no longer contains {pattern!r}: update the emulator"
+    # static shared arrays: one of each per block (blocks may run at once)
+    declarations = iter(range(1 << 30))
+    src, count = re.subn(
+        r"__shared__ ([\w:]+) (\w+)((?:\[[^\]]+\])+);",
+        lambda m: (f"{m[1]} (&{m[2]}){m[3]} = "
+                   f"emu::shared_array<{m[1]} {m[3]}>({next(declarations)});"),
+        src)
+    assert count and "__shared__" not in src, "a __shared__ declaration the emulator cannot read"
     out, pos, launches = [], 0, 0
     while True:
         i = src.find("<<<", pos)
@@ -330,20 +412,26 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
                  mode: str = "without_eos", max_grid_y: int = 65535, tile: int | None = None,
                  span_narrow: int | None = None, span_warp: int | None = None,
                  stage: bool = True, column_leaf: np.ndarray | None = None,
-                 row_pass_blocks: int = 0):
+                 row_pass_blocks: int = 0, resident_blocks: int = 1,
+                 stats: dict | None = None):
     """(launch status, emulator errors, launches, result, scratch): the CUDA kernels' result
     for ``values`` (what cuda_backend.trie_reduce would return) and their per-row scratch
-    (log_mass: the row's lse in its last column). Spanning nodes [0, ``span_narrow``) take
-    the thread-per-node path, [``span_narrow``, ``span_warp``) the warp-per-node one, the
-    rest a block each (default: the layout's splits). The staging workspace is given as the
-    binding gives it (B >= 8: a NaN-filled copy's worth), and used unless ``stage`` is False
-    (GENLM_FAST_CUDA_STAGE=0); ``column_leaf`` (each column's leaf position, -1 for none)
-    is built here from the layout unless given. ``row_pass_blocks`` (> 0) is the number
-    of blocks the row pass aims at (on a GPU: one wave of them; here 1024 by default)."""
+    (log_mass: the row's lse in its last column). Spanning nodes [0, ``span_narrow``) are
+    the tile kernel's folds (its arrays built here for that split), [``span_narrow``,
+    ``span_warp``) the span pass's warp-per-node path, the rest a block each (default: the
+    layout's splits). The staging workspace is given as the binding gives it (B >= 8: a
+    NaN-filled copy's worth), and used unless ``stage`` is False (GENLM_FAST_CUDA_STAGE=0);
+    ``column_leaf`` (each column's leaf position, -1 for none) is built here from the
+    layout unless given. ``row_pass_blocks`` (> 0) is the number of blocks the row pass aims
+    at (on a GPU: one wave of them; here 1024 by default); ``resident_blocks`` how many
+    blocks run at once. ``stats`` (a dict) gets ``spins``: the look-back's polls that found
+    a flag unset."""
     ml = layout.modes[mode]
     tile = ml.tile if tile is None else tile
     span_narrow = span_class_end(ml, SPAN_NARROW_TILES) if span_narrow is None else span_narrow
     span_warp = span_class_end(ml, SPAN_WARP_TILES) if span_warp is None else span_warp
+    folds = tile_folds(len(ml.tile_node_lo) - 1, ml.span_node, ml.span_tile_lo, ml.span_tile_hi,
+                       ml.span_left, ml.span_right, min(span_narrow, len(ml.span_node)))
     values = values.contiguous()
     B, C = values.shape
     out_double = values.dtype == torch.float64 and reduction != "log_mass"
@@ -356,14 +444,17 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
         if B >= STAGE_MIN_ROWS else raw[:0]  # int16 -1: a NaN in float16 and bfloat16
     header = np.array([DTYPES[values.dtype], B, C, layout.num_nodes, stride, tile,
                        int(out_double), REDUCTION[reduction], row_pass_blocks, max_grid_y,
-                       span_narrow, span_warp], dtype=np.int64)
+                       span_narrow, span_warp, resident_blocks], dtype=np.int64)
     if column_leaf is None:
         column_leaf = np.full(layout.num_columns, -1, dtype=np.int32)
         column_leaf[ml.leaf_token] = np.arange(len(ml.leaf_token), dtype=np.int32)
     arrays = [raw, staged, ml.leaf_token, np.asarray(column_leaf, dtype=np.int32),
               ml.tile_node_lo, ml.tile_run_ptr, ml.run_bounds, ml.node_src, ml.tile_scratch_ptr,
-              ml.scratch_src, ml.scratch_slot, ml.span_node, ml.span_left, ml.span_right,
-              ml.span_tile_lo, ml.span_tile_hi, scratch, out]
+              ml.scratch_src, ml.scratch_slot,
+              *(np.asarray(folds[name], dtype=np.int32)
+                for name in ("tile_fold_ptr", "tile_fold_wait", "fold_bounds", "fold_node")),
+              ml.span_node, ml.span_left, ml.span_right, ml.span_tile_lo, ml.span_tile_hi,
+              scratch, out]
     path_in = os.path.join(tmp_dir, "in.bin")
     path_out = os.path.join(tmp_dir, "out.bin")
     with open(path_in, "wb") as f:
@@ -379,9 +470,11 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "EMULATOR ERROR" not in proc.stderr, proc.stderr
     with open(path_out, "rb") as f:
-        status, errors, launches = np.frombuffer(f.read(24), dtype=np.int64)
+        status, errors, launches, spins = np.frombuffer(f.read(32), dtype=np.int64)
         got = np.frombuffer(f.read(out.nbytes), dtype=out.dtype).reshape(out.shape)
         scratch = np.frombuffer(f.read(scratch.nbytes), dtype=np.float64).reshape(scratch.shape)
+    if stats is not None:
+        stats["spins"] = int(spins)
     return int(status), int(errors), int(launches), got, scratch
 
 
@@ -569,13 +662,14 @@ def test_tiles_past_their_shared_index_slices(emulator, tmp_path, reduction, B):
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
-def test_spanning_nodes_by_thread_warp_and_block(emulator, tmp_path, reduction):
-    """The span kernel's three paths, a thread per (node, row) for the first
-    ``span_narrow`` spanning nodes, a warp per (node, row) up to ``span_warp`` and a block
-    per (node, row) for the rest, on a trie whose root and top levels cover more than
-    SPAN_NARROW_TILES whole tiles (so the layout's own split uses the first two; the block
-    path is for nodes over SPAN_WARP_TILES tiles, which a test-sized trie lacks): each
-    split, each path alone and all three at once, gives the reference's values. Rows: -inf
+def test_spanning_nodes_by_fold_warp_and_block(emulator, tmp_path, reduction):
+    """The three paths of a spanning node: the first ``span_narrow`` folded by the tile
+    kernel (a thread per (node, row) in the tile that owns it), the span pass's warp per
+    (node, row) up to ``span_warp`` and its block per (node, row) for the rest, on a trie
+    whose root and top levels cover more than SPAN_NARROW_TILES whole tiles (so the layout's
+    own split uses the first two; the block path is for nodes over SPAN_WARP_TILES tiles,
+    which a test-sized trie lacks): each split, each path alone and all three at once,
+    gives the reference's values. Rows: -inf
     runs over whole tiles, and masses far apart. (Every block node is a block of 256 OS
     threads here: the trie is kept just big enough.)"""
     rng = np.random.default_rng(21)
@@ -618,8 +712,9 @@ def test_spanning_nodes_of_many_chunks(emulator, tmp_path, monkeypatch, reductio
     each) and, for log_mass, merges the chunks' (max, sum of exps) pairs: on tiles of 2
     leaves the root spans over 4 * 32 tiles, so a warp takes several chunks and a thread
     dozens, with whole chunks of -inf between chunks of mass far apart (each merge rescales
-    one way or the other, or skips a chunk without mass). Every spanning node by thread,
-    then by warp; the 3 widest by block (a block of 256 OS threads each here)."""
+    one way or the other, or skips a chunk without mass). Every spanning node folded by the
+    tile kernel (a thread each, in its tile), then by warp; the 3 widest by block (a block
+    of 256 OS threads each here)."""
     monkeypatch.setattr(layout_module, "TILE", 2)
     rng = np.random.default_rng(5)
     words = [bytes(rng.integers(97, 101, size=rng.integers(1, 6))) for _ in range(290)]
@@ -644,11 +739,48 @@ def test_spanning_nodes_of_many_chunks(emulator, tmp_path, monkeypatch, reductio
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
+def test_folds_wait_for_the_tiles_before_them(emulator, tmp_path, monkeypatch, reduction):
+    """The tile kernel's folds with up to 6 blocks running at once, dispatched in order as
+    on a device: a tile's folds read the scratch values of the tiles before it, which may
+    still be running, so it waits for their flags. Scratch starts NaN and the flags as
+    garbage (the launch zeroes them), so a fold that read a value before its tile published
+    it, or a flag left from another launch, shows. On tiles of 4 leaves nearly every tile
+    owns folds, of up to 16 whole tiles (or, with every spanning node folded, of all of
+    them); rows unstaged (3) and staged (8), 5 rows in launches of 2 (their flags distinct
+    per launch), and 31 in launches of 16 and 15 (the second in more row blocks, of 8 rows:
+    tile_flag_count covers it). The polls did find flags unset: the waits ran."""
+    monkeypatch.setattr(layout_module, "TILE", 4)
+    rng = np.random.default_rng(17)
+    words = [bytes(rng.integers(97, 100, size=rng.integers(1, 7))) for _ in range(300)]
+    layout = make_trie(words).layout
+    ml = layout.modes["without_eos"]
+    S, narrow = len(ml.span_node), span_class_end(ml, SPAN_NARROW_TILES)
+    assert 0 < narrow < S and (np.diff(ml.tile_fold_ptr) > 0).mean() > 0.5
+    spins = 0
+    for B, split, max_grid_y in [(3, narrow, 65535), (STAGE_MIN_ROWS, narrow, 65535),
+                                 (3, S, 65535), (5, narrow, 2), (31, narrow, 16)]:
+        x = make_values(rng, B, layout.num_columns, reduction, spread=30.0, neg_inf=0.1)
+        stats = {}
+        status, errors, _, got, _ = run_emulated(
+            emulator, str(tmp_path), x, layout, reduction, span_narrow=split,
+            span_warp=max(split, span_class_end(ml, SPAN_WARP_TILES)), max_grid_y=max_grid_y,
+            resident_blocks=6, stats=stats)
+        assert status == 0 and errors == 0
+        assert_matches(got, reference(x, layout, reduction), reduction,
+                       f"{reduction}, B={B}, span_narrow={split}, max_grid_y={max_grid_y}")
+        spins += stats["spins"]
+    assert spins > 0
+
+
+@pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
 def test_rows_are_chunked_below_the_grid_limit(emulator, tmp_path, reduction):
     """``launch`` splits B into chunks of kMaxGridY rows (gridDim.y <= 65535); with the
-    chunk lowered to 2, B=5 takes three chunks of every kernel; lowered to 10, B=21 too."""
+    chunk lowered to 2, B=5 takes three chunks of every kernel; lowered to 10, B=21 too.
+    (Every spanning node of these 3 tiles is one of the tile kernel's folds: no span pass.)"""
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(150)]
-    kernels = 4 if reduction == "log_mass" else 2
+    ml = make_trie(words).layout.modes["without_eos"]
+    assert 0 < span_class_end(ml, SPAN_NARROW_TILES) == len(ml.span_node)
+    kernels = 3 if reduction == "log_mass" else 1
     launches = check(emulator, tmp_path, words, reduction, B=5, max_grid_y=2)
     assert launches == 3 * kernels
     # chunks of 10, 10 and 1 rows: the first two staged (a block of 8 rows and one of 2;
@@ -863,7 +995,7 @@ def use_emulated_binding(monkeypatch, emulator, tmp_path, layout):
     class EmulatedBinding:
         @staticmethod
         def trie_reduce_cuda(values, leaf_token, column_leaf, *args):
-            scratch, reduction = args[14], args[15]
+            scratch, reduction = args[18], args[19]
             mode = next(m for m, ml in layout.modes.items()
                         if np.array_equal(ml.leaf_token, leaf_token.numpy()))
             status, errors, _, out, filled = run_emulated(

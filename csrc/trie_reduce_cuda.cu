@@ -1201,25 +1201,18 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
     const int64_t rows = A.B - row0 < kMaxGridY ? A.B - row0 : kMaxGridY;
     const int32_t flag_value = static_cast<int32_t>(row0 / kMaxGridY + 1);
     T* staged = stage && rows >= kStageMinRows ? static_cast<T*>(A.staged) : nullptr;
+    const auto with_rows = [&](auto per_block) {  // a std::integral_constant
+      return launch_rows<T, Out, RED, decltype(per_block)::value>(A, values, staged, out, row0,
+                                                                  rows, flag_value, stream);
+    };
     cudaError_t err;
-    switch (rows_per_block(rows)) {
-      case 32:
-        err = launch_rows<T, Out, RED, 32>(A, values, staged, out, row0, rows, flag_value, stream);
-        break;
-      case 16:
-        err = launch_rows<T, Out, RED, 16>(A, values, staged, out, row0, rows, flag_value, stream);
-        break;
-      case 8:
-        err = launch_rows<T, Out, RED, 8>(A, values, staged, out, row0, rows, flag_value, stream);
-        break;
-      case 4:
-        err = launch_rows<T, Out, RED, 4>(A, values, nullptr, out, row0, rows, flag_value, stream);
-        break;
-      case 2:
-        err = launch_rows<T, Out, RED, 2>(A, values, nullptr, out, row0, rows, flag_value, stream);
-        break;
-      default:
-        err = launch_rows<T, Out, RED, 1>(A, values, nullptr, out, row0, rows, flag_value, stream);
+    switch (rows_per_block(rows)) {  // staged is null below kStageMinRows rows
+      case 32: err = with_rows(std::integral_constant<int, 32>()); break;
+      case 16: err = with_rows(std::integral_constant<int, 16>()); break;
+      case 8: err = with_rows(std::integral_constant<int, 8>()); break;
+      case 4: err = with_rows(std::integral_constant<int, 4>()); break;
+      case 2: err = with_rows(std::integral_constant<int, 2>()); break;
+      default: err = with_rows(std::integral_constant<int, 1>());
     }
     if (err != cudaSuccess) return err;
   }

@@ -146,6 +146,12 @@ __device__ __forceinline__ float to_arith(__nv_bfloat16 v) { return __bfloat162f
 //    read exactly once) or by another block of the same kernel (the scratch values of the
 //    tile kernel's folds): coherent (ld.global) and .cg (from L2, never allocated in L1, so
 //    no L1 line can predate their writing).
+// M(PTX type, register constraint, bits type, bits to value, value type) for each value type
+#define GF_LOAD_TYPES(M)                                         \
+  M("b32", "=r", unsigned int, __uint_as_float, float)           \
+  M("b64", "=l", long long, __longlong_as_double, double)        \
+  M("b16", "=h", unsigned short, __ushort_as_half, __half)       \
+  M("b16", "=h", unsigned short, __ushort_as_bfloat16, __nv_bfloat16)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 __device__ __forceinline__ uint64_t keep_policy() {
   uint64_t policy;
@@ -164,10 +170,7 @@ __device__ __forceinline__ uint64_t stream_policy() {
         : CONSTRAINT(bits) : "l"(p), "l"(policy));                                         \
     return FROM_BITS(bits);                                                                \
   }
-GF_LOAD_HINTED("b32", "=r", unsigned int, __uint_as_float, float)
-GF_LOAD_HINTED("b64", "=l", long long, __longlong_as_double, double)
-GF_LOAD_HINTED("b16", "=h", unsigned short, __ushort_as_half, __half)
-GF_LOAD_HINTED("b16", "=h", unsigned short, __ushort_as_bfloat16, __nv_bfloat16)
+GF_LOAD_TYPES(GF_LOAD_HINTED)
 #undef GF_LOAD_HINTED
 #else
 __device__ __forceinline__ uint64_t keep_policy() { return 0; }
@@ -182,15 +185,13 @@ __device__ __forceinline__ T load_hinted(const T* p, uint64_t) { return *p; }
     asm volatile("ld.global.cg." PTX_TYPE " %0, [%1];" : CONSTRAINT(bits) : "l"(p) : "memory"); \
     return FROM_BITS(bits);                                                                \
   }
-GF_LOAD_ONCE("b32", "=r", unsigned int, __uint_as_float, float)
-GF_LOAD_ONCE("b64", "=l", long long, __longlong_as_double, double)
-GF_LOAD_ONCE("b16", "=h", unsigned short, __ushort_as_half, __half)
-GF_LOAD_ONCE("b16", "=h", unsigned short, __ushort_as_bfloat16, __nv_bfloat16)
+GF_LOAD_TYPES(GF_LOAD_ONCE)
 #undef GF_LOAD_ONCE
 #else
 template <class T>
 __device__ __forceinline__ T load_once(const T* p) { return *p; }
 #endif
+#undef GF_LOAD_TYPES
 
 // exp of a value <= 0 and log of a positive sum where a few float ulps (times the
 // argument's magnitude, for exp) are far within the design's 1e-4 on log-masses: the

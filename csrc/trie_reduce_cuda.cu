@@ -241,23 +241,34 @@ __device__ __forceinline__ void allow_next_kernel() {}
 
 // The look-back of the tile kernel's folds (see (b)): a tile block publishes that its
 // scratch values are written (publish_tile: a block barrier after every thread's writes,
-// then one thread fences and sets the tile's flag, as a cooperative grid sync does), and
-// waits for those of the tiles before it (wait_tile: spins on each flag, then fences; a
-// block barrier after it passes that on to the block). The values are then read through
+// then one thread sets the tile's flag with release semantics, as a cooperative grid sync
+// does with a fence), and waits for those of the tiles before it (wait_tile: spins on each
+// flag with acquire loads; a block barrier after it passes that on to the block). The values are then read through
 // L2 (load_once), never from an L1 line that may predate them. A block waits only for
 // blocks of lower linear index, which the device dispatches first (as CUB's single-pass
 // scan assumes): they are resident or done, and publish before they wait themselves.
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+// (sm_70+: release and acquire at GPU scope, lighter than __threadfence's sequential
+// consistency; CUTLASS's inter-block barrier does the same)
+__device__ __forceinline__ void publish_tile(int32_t* flag, int32_t value) {
+  asm volatile("fence.acq_rel.gpu;\n\tst.relaxed.gpu.global.b32 [%0], %1;"
+               :: "l"(flag), "r"(value) : "memory");
+}
+__device__ __forceinline__ void wait_tile(const int32_t* flag, int32_t value) {
+  for (;;) {
+    int32_t seen;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
+    if (seen == value) return;
+    __nanosleep(64);
+  }
+}
+#elif defined(__CUDA_ARCH__)
 __device__ __forceinline__ void publish_tile(int32_t* flag, int32_t value) {
   __threadfence();
   *reinterpret_cast<volatile int32_t*>(flag) = value;
 }
 __device__ __forceinline__ void wait_tile(const int32_t* flag, int32_t value) {
-  while (*reinterpret_cast<const volatile int32_t*>(flag) != value) {
-#if __CUDA_ARCH__ >= 700
-    __nanosleep(64);
-#endif
-  }
+  while (*reinterpret_cast<const volatile int32_t*>(flag) != value) {}
   __threadfence();
 }
 #elif !defined(__CUDACC__)

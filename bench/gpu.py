@@ -684,13 +684,16 @@ def _bench_input(context, op: str, B: int):
 # (op, B) pairs at which --switches times each off ("0") and on (its default), the others at
 # their defaults, and the ops whose results may then differ in rounding: dependent launches
 # (PDL, sm_90) change nothing; staging for the gather (from B=8 on) sums log_mass's lse in
-# another order
+# another order; the tile kernel's folds of the narrow spanning nodes (off: the span pass
+# reduces them) do the same arithmetic
 CUDA_SWITCHES = {
     "pdl": ("GENLM_FAST_CUDA_PDL", (("sum", 1), ("sum", 32), ("log_mass", 1), ("log_mass", 64)),
             ()),
     "stage": ("GENLM_FAST_CUDA_STAGE", (("sum", 8), ("sum", 16), ("sum", 32), ("sum", 128),
                                         ("log_mass", 8), ("log_mass", 16), ("log_mass", 64),
                                         ("log_mass", 128)), ("log_mass",)),
+    "fold": ("GENLM_FAST_CUDA_FOLD", (("sum", 1), ("sum", 32), ("max", 64), ("log_mass", 1),
+                                      ("log_mass", 8), ("log_mass", 64), ("log_mass", 128)), ()),
 }
 
 

@@ -66,7 +66,9 @@
 //         just wrote (in L2 still), over the empty value 3. wrote there. A tile waits only
 //         for tiles before it (lower block index), and sets its own flag before it waits:
 //         no tile waits on a waiting tile ("decoupled look-back"). The flags are zeroed
-//         once per call, and each launch of rows sets them to its own value.
+//         once per call, and each launch of rows sets them to its own value. With
+//         GENLM_FAST_CUDA_FOLD=0 (c) reduces these nodes instead, a thread per (node, row),
+//         with the same arithmetic (bench/gpu.py times both ways).
 //  (c) span: the spanning nodes wider than that (at most SPAN_WARP_TILES tiles, Llama-3: 31
 //      nodes of 17 to 95) one warp per (node, row), its lanes striding over the tiles; the
 //      widest (the root and a few more: 2 on Llama-3, the root's ~2,000 tiles took a warp
@@ -920,7 +922,8 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
 
   // the tile's folds: their bounds (in flight while the runs are reduced), and the first
   // tile they read, for the last warp (it polls those tiles' flags)
-  const int fold0 = tile_fold_ptr[t], n_fold = tile_fold_ptr[t + 1] - fold0;
+  const int fold0 = tile_flags != nullptr ? tile_fold_ptr[t] : 0;  // null: no folds (c) does
+  const int n_fold = tile_flags != nullptr ? tile_fold_ptr[t + 1] - fold0 : 0;
   int4 my_fold = {0, 0, 0, 0};
   if (tid < n_fold) my_fold = fold_bounds[fold0 + tid];
   const int wait_lo = warp == kTileWarps - 1 && n_fold > 0 ? tile_fold_wait[t] : t;
@@ -960,7 +963,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   // published, for the folds of the tiles after this one; this tile's folds wait for the
   // tiles before it: the last warp polls their flags (one lane a tile) before its share of
   // the ids below, which keep the other warps busy meanwhile
-  if (tile_flags != nullptr) {  // null: the layout has no folds
+  if (tile_flags != nullptr) {
     int32_t* const flags = tile_flags + static_cast<int64_t>(blockIdx.y) * gridDim.x;
     __syncthreads();  // the block's scratch values are written
     if (tid == 0) publish_tile(flags + t, flag_value);
@@ -1004,6 +1007,15 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
 // whatever came before it. Dependent launches need the waits compiled in (ptxVersion >= 90; below
 // that wait_for_previous_kernel is empty) and are off with GENLM_FAST_CUDA_PDL=0, read at
 // each call (bench/gpu.py times both ways).
+// The switches bench/gpu.py times both ways, read at each call: dependent launches (below)
+// are on unless GENLM_FAST_CUDA_PDL=0, staging in (a1) unless GENLM_FAST_CUDA_STAGE=0, and
+// the tile kernel folds the narrow spanning nodes unless GENLM_FAST_CUDA_FOLD=0 (then (c)
+// reduces them, a thread each).
+bool switch_on(const char* name) {
+  const char* env = std::getenv(name);
+  return env == nullptr || env[0] != '0';
+}
+
 #ifdef __CUDACC__
 constexpr int kMaxDevices = 64;
 
@@ -1025,8 +1037,7 @@ int per_device(std::atomic<int> (&known)[kMaxDevices], int fallback, Ask ask) {
 }
 
 bool dependent_launches_on() {
-  const char* env = std::getenv("GENLM_FAST_CUDA_PDL");
-  if (env != nullptr && env[0] == '0') return false;
+  if (!switch_on("GENLM_FAST_CUDA_PDL")) return false;
   static std::atomic<int> compiled_for[kMaxDevices];  // 1 sm_90+, -1 not
   return per_device(compiled_for, -1, [](int) {
            cudaFuncAttributes attributes;
@@ -1065,29 +1076,34 @@ cudaError_t enqueue(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shm
 
 // ---------------------------------------------------------------------------- (c) spanning nodes
 
-// The spanning nodes past the narrow ones (those the tile kernel folds): a warp each for
-// the first ones, up to warp_end, then a block each.
+// The spanning nodes [first, S): a thread each up to `narrow` (none when the tile kernel
+// folds those: first = narrow), then a warp each up to warp_end, then a block each.
 template <class Out, int RED>
 __global__ void __launch_bounds__(kSpanThreads)
     span_kernel(const int32_t* __restrict__ span_node, const int32_t* __restrict__ span_left,
                 const int32_t* __restrict__ span_right, const int32_t* __restrict__ span_tile_lo,
-                const int32_t* __restrict__ span_tile_hi, int64_t narrow, int64_t warp_end,
-                int64_t warp_blocks, const double* __restrict__ scratch, int64_t stride,
-                Out* __restrict__ out, int64_t num_nodes, int64_t row0) {
+                const int32_t* __restrict__ span_tile_hi, int64_t first, int64_t narrow,
+                int64_t narrow_blocks, int64_t warp_end, int64_t warp_blocks,
+                const double* __restrict__ scratch, int64_t stride, Out* __restrict__ out,
+                int64_t num_nodes, int64_t row0) {
   const int64_t row = row0 + blockIdx.y;
   const double* sc = scratch + row * stride;
   const int64_t bx = blockIdx.x;
-  const bool by_warp = bx < warp_blocks;
-  const int64_t s = by_warp ? narrow + bx * kSpanWarps + (threadIdx.x >> 5)
-                            : warp_end + bx - warp_blocks;
-  if (by_warp && s >= warp_end) return;  // whole warps
+  const int kind = bx < narrow_blocks ? 0 : bx < narrow_blocks + warp_blocks ? 1 : 2;
+  const int64_t s =
+      kind == 0 ? first + bx * kSpanThreads + threadIdx.x
+      : kind == 1 ? narrow + (bx - narrow_blocks) * kSpanWarps + (threadIdx.x >> 5)
+                  : warp_end + bx - narrow_blocks - warp_blocks;
+  if ((kind == 0 && s >= narrow) || (kind == 1 && s >= warp_end)) return;  // whole warps in 1
   const int32_t t0 = span_tile_lo[s], n = span_tile_hi[s] - t0;
   const int32_t left = span_left[s], right = span_right[s], node = span_node[s];
   // launched dependent on the tile kernel: its scratch values read, and its write of this
   // node's id (the empty value) overwritten, only once it is done
   wait_for_previous_kernel();
   Out* dst = out + row * num_nodes + node;
-  if (by_warp) {
+  if (kind == 0) {
+    store_out(dst, static_cast<Out>(span_reduce<RED, ThreadGroup>(sc, t0, n, left, right)));
+  } else if (kind == 1) {
     const double res = span_reduce<RED, WarpGroup>(sc, t0, n, left, right);
     if ((threadIdx.x & 31) == 0) store_out(dst, static_cast<Out>(res));
   } else {
@@ -1097,13 +1113,6 @@ __global__ void __launch_bounds__(kSpanThreads)
 }
 
 // ---------------------------------------------------------------------------- launch
-
-// Staging in (a1) is on unless GENLM_FAST_CUDA_STAGE=0, read at each call (bench/gpu.py
-// times both ways).
-bool staging_on() {
-  const char* env = std::getenv("GENLM_FAST_CUDA_STAGE");
-  return env == nullptr || env[0] != '0';
-}
 
 // How many (a1) blocks the device holds at once (asked once per device and kernel): the
 // launch aims at one wave of them, so that each block reads several rounds, each round's
@@ -1154,7 +1163,7 @@ cudaError_t launch_row_pass(const TrieArgs& A, const T* values, T* staged, int64
 // sum and max, then (b) and (c).
 template <class T, class Out, int RED, int ROWS>
 cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out, int64_t row0,
-                        int64_t rows, int32_t flag_value, cudaStream_t stream) {
+                        int64_t rows, bool fold, int32_t flag_value, cudaStream_t stream) {
   constexpr bool kLse = RED == kLogMass;
   int64_t splits = 0;
   cudaError_t err = cudaSuccess;
@@ -1180,16 +1189,20 @@ cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out,
                 static_cast<const T*>(staged), A.C, A.leaf_token, A.L, A.tile_run_ptr,
                 A.run_bounds, A.tile_node_lo, A.node_src, A.tile_scratch_ptr, A.scratch_src,
                 A.scratch_slot, A.tile_fold_ptr, A.tile_fold_wait,
-                reinterpret_cast<const int4*>(A.fold_bounds), A.fold_node, A.tile_flags,
-                flag_value, A.scratch, A.scratch_stride, out, A.num_nodes, A.tile, row0,
+                reinterpret_cast<const int4*>(A.fold_bounds), A.fold_node,
+                fold ? A.tile_flags : nullptr, flag_value, A.scratch, A.scratch_stride, out, A.num_nodes, A.tile, row0,
                 row0 + rows);
-  if (err != cudaSuccess || A.S == A.span_narrow) return err;
+  const int64_t first = fold ? A.span_narrow : 0;  // (c)'s first spanning node
+  if (err != cudaSuccess || first == A.S) return err;
+  const int64_t narrow_blocks = (A.span_narrow - first + kSpanThreads - 1) / kSpanThreads;
   const int64_t warp_blocks = (A.span_warp - A.span_narrow + kSpanWarps - 1) / kSpanWarps;
   const int64_t block_nodes = A.S - A.span_warp;
-  const dim3 sgrid(static_cast<unsigned>(warp_blocks + block_nodes), static_cast<unsigned>(rows));
+  const dim3 sgrid(static_cast<unsigned>(narrow_blocks + warp_blocks + block_nodes),
+                   static_cast<unsigned>(rows));
   return enqueue(span_kernel<Out, RED>, sgrid, kSpanThreads, 0, stream, true, A.span_node,
-                 A.span_left, A.span_right, A.span_tile_lo, A.span_tile_hi, A.span_narrow,
-                 A.span_warp, warp_blocks, A.scratch, A.scratch_stride, out, A.num_nodes, row0);
+                 A.span_left, A.span_right, A.span_tile_lo, A.span_tile_hi, first, A.span_narrow,
+                 narrow_blocks, A.span_warp, warp_blocks, A.scratch, A.scratch_stride, out,
+                 A.num_nodes, row0);
 }
 
 // Rows per tile block for a launch of `rows` rows: the largest of 32, 16, ..., 1 it fills.
@@ -1202,9 +1215,10 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
   static_assert(std::is_same_v<Out, TileValue<T, RED>>, "the tile kernel writes its values");
   const T* values = static_cast<const T*>(A.values);
   Out* out = static_cast<Out*>(A.out);
-  const bool stage = A.staged != nullptr && staging_on();
+  const bool stage = A.staged != nullptr && switch_on("GENLM_FAST_CUDA_STAGE");
+  const bool fold = A.span_narrow > 0 && switch_on("GENLM_FAST_CUDA_FOLD");
   // the look-back flags, all 0: a launch of rows [row0, ...) sets its flags to its own value
-  if (A.tile_flags != nullptr) {
+  if (fold) {
     const cudaError_t err = cudaMemsetAsync(
         A.tile_flags, 0, sizeof(int32_t) * tile_flag_count(A.B, A.n_tiles), stream);
     if (err != cudaSuccess) return err;
@@ -1215,7 +1229,7 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
     T* staged = stage && rows >= kStageMinRows ? static_cast<T*>(A.staged) : nullptr;
     const auto with_rows = [&](auto per_block) {  // a std::integral_constant
       return launch_rows<T, Out, RED, decltype(per_block)::value>(A, values, staged, out, row0,
-                                                                  rows, flag_value, stream);
+                                                                  rows, fold, flag_value, stream);
     };
     cudaError_t err;
     switch (rows_per_block(rows)) {  // staged is null below kStageMinRows rows

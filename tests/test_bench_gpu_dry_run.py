@@ -254,14 +254,16 @@ def test_switch_comparison_times_each_switch_off_and_on_and_checks_them(monkeypa
         monkeypatch.delenv(env, raising=False)
     context = {"backends": ["cuda"], "device": torch.device("cuda"), "how": "cuda_events",
                "vocab": [b"a"] * 10, "layout": None}
-    rows = gpu.switch_comparison(context, ["pdl", "stage"])
+    names = ["pdl", "stage", "fold"]
+    assert list(envs) == names
+    rows = gpu.switch_comparison(context, names)
     assert not any(env in os.environ for env in envs.values())
-    want = [(name, op, B) for name in ("pdl", "stage") for op, B in gpu.CUDA_SWITCHES[name][1]]
+    want = [(name, op, B) for name in names for op, B in gpu.CUDA_SWITCHES[name][1]]
     assert [(r["switch"], r["op"], r["B"]) for r in rows] == want
-    # each switch toggled alone: the other one unset (its default)
-    assert {(op, B, flags) for op, B, flags in seen} == (
-        {(op, B, (v, None)) for op, B in gpu.CUDA_SWITCHES["pdl"][1] for v in "01"}
-        | {(op, B, (None, v)) for op, B in gpu.CUDA_SWITCHES["stage"][1] for v in "01"})
+    # each switch toggled alone: the others unset (their defaults)
+    assert {(op, B, flags) for op, B, flags in seen} == {
+        (op, B, tuple(v if other == name else None for other in names))
+        for name in names for op, B in gpu.CUDA_SWITCHES[name][1] for v in "01"}
     failed = [r for r in rows if "failed" in r]
     assert [(r["switch"], r["op"], r["B"]) for r in failed] == [("pdl", "log_mass", 64)] + [
         ("stage", op, B) for op, B in gpu.CUDA_SWITCHES["stage"][1] if op == "sum"]

@@ -413,7 +413,7 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
                  span_narrow: int | None = None, span_warp: int | None = None,
                  stage: bool = True, column_leaf: np.ndarray | None = None,
                  row_pass_blocks: int = 0, resident_blocks: int = 1,
-                 stats: dict | None = None):
+                 stats: dict | None = None, fold: bool = True):
     """(launch status, emulator errors, launches, result, scratch): the CUDA kernels' result
     for ``values`` (what cuda_backend.trie_reduce would return) and their per-row scratch
     (log_mass: the row's lse in its last column). Spanning nodes [0, ``span_narrow``) are
@@ -425,7 +425,8 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
     layout unless given. ``row_pass_blocks`` (> 0) is the number of blocks the row pass aims
     at (on a GPU: one wave of them; here 1024 by default); ``resident_blocks`` how many
     blocks run at once. ``stats`` (a dict) gets ``spins``: the look-back's polls that found
-    a flag unset."""
+    a flag unset. ``fold`` False: GENLM_FAST_CUDA_FOLD=0, the span pass reduces the narrow
+    spanning nodes too, a thread each."""
     ml = layout.modes[mode]
     tile = ml.tile if tile is None else tile
     span_narrow = span_class_end(ml, SPAN_NARROW_TILES) if span_narrow is None else span_narrow
@@ -464,7 +465,8 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
             f.write(np.int64(len(b)).tobytes())
             f.write(b)
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0",
-               UBSAN_OPTIONS="print_stacktrace=1", GENLM_FAST_CUDA_STAGE="1" if stage else "0")
+               UBSAN_OPTIONS="print_stacktrace=1", GENLM_FAST_CUDA_STAGE="1" if stage else "0",
+               GENLM_FAST_CUDA_FOLD="1" if fold else "0")
     proc = subprocess.run([exe, path_in, path_out], capture_output=True, text=True, timeout=600,
                           env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -770,6 +772,32 @@ def test_folds_wait_for_the_tiles_before_them(emulator, tmp_path, monkeypatch, r
                        f"{reduction}, B={B}, span_narrow={split}, max_grid_y={max_grid_y}")
         spins += stats["spins"]
     assert spins > 0
+
+
+@pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
+def test_folds_give_what_the_span_pass_gives(emulator, tmp_path, monkeypatch, reduction):
+    """GENLM_FAST_CUDA_FOLD=0 (the switch bench/gpu.py times): the span pass reduces the
+    narrow spanning nodes, a thread per (node, row), as before the tile kernel folded them;
+    the same arithmetic over the same scratch values, so the two results agree bit for bit,
+    and both with the reference, unstaged (3 rows) and staged (8). Without folds the launch
+    sets no flags: none are needed, and the span pass then takes every spanning node."""
+    monkeypatch.setattr(layout_module, "TILE", 8)
+    rng = np.random.default_rng(29)
+    words = [bytes(rng.integers(97, 100, size=rng.integers(1, 7))) for _ in range(400)]
+    layout = make_trie(words).layout
+    ml = layout.modes["without_eos"]
+    assert 0 < span_class_end(ml, SPAN_NARROW_TILES) < len(ml.span_node)
+    for B in (3, STAGE_MIN_ROWS):
+        x = make_values(rng, B, layout.num_columns, reduction, spread=30.0, neg_inf=0.1)
+        results = []
+        for fold in (True, False):
+            status, errors, _, got, _ = run_emulated(emulator, str(tmp_path), x, layout,
+                                                     reduction, fold=fold)
+            assert status == 0 and errors == 0
+            results.append(got)
+        np.testing.assert_array_equal(results[0], results[1])
+        assert_matches(results[1], reference(x, layout, reduction), reduction,
+                       f"{reduction}, B={B}, folds off")
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])

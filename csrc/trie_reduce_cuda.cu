@@ -73,7 +73,8 @@
 //      nodes of 17 to 95) one warp per (node, row), its lanes striding over the tiles; the
 //      widest (the root and a few more: 2 on Llama-3, the root's ~2,000 tiles took a warp
 //      ~5 us) one block per (node, row). One launch: blocks of kSpanWarps warp nodes, then
-//      the block nodes. Each thread (here and in 4.) issues its elements' loads a chunk at
+//      the block nodes (folds off: first, blocks of a thread per narrow node). Each thread
+//      (here and in 4.) issues its elements' loads a chunk at
 //      a time (one round trip for ~95% of the folds, the warp nodes and the root). Sums in
 //      double; log_mass as (max, double sum of exp(v - max)) pairs, merged.
 //  Memory: the output is written once and never read here, so it is stored evict-first

@@ -17,8 +17,8 @@ whose range crosses tile boundaries ("spanning") is split into a left piece, who
 a right piece; pieces and tile totals are themselves local ranges written to a small
 per-row scratch buffer, then combined by a second kernel (CUDA: the narrow ones by the tile
 kernel itself, in the tile that owns them, from the scratch values of the tiles before it;
-see ModeLayout.tile_fold_ptr). Scratch holds ``n_tiles`` tile
-totals followed by the pieces: O(n_tiles * depth) values per row, far below ``V``.
+see ModeLayout.tile_fold_ptr). Scratch holds ``n_tiles`` tile totals followed by the
+pieces: O(n_tiles * depth) values per row, far below ``V``.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ import genlm_fast
 TILE = 64  # leaf positions per tile; a power of two (Triton block shapes)
 # Spanning nodes with at most this many whole tiles are "narrow": the GPU backends reduce
 # one per thread (CUDA: in the tile kernel, the tile of its last leaf) or per lane
-# (Triton), the wider ones (the top levels of the trie)
-# with a warp (CUDA, up to SPAN_WARP_TILES tiles), a block (CUDA, wider still: the root and
-# a few more; Llama-3: 2 of 5,171) or a program (Triton) each. Spanning nodes are sorted by
+# (Triton), the wider ones (the top levels of the trie) with a warp (CUDA, up to
+# SPAN_WARP_TILES tiles), a block (CUDA, wider still: the root and a few more; Llama-3: 2
+# of 5,171) or a program (Triton) each. Spanning nodes are sorted by
 # tile count, so each class is a slice: narrow [0, device_arrays(...)["span_narrow"]), then
 # CUDA's warp class up to device_arrays(...)["span_warp"].
 SPAN_NARROW_TILES = 16

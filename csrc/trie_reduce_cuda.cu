@@ -306,11 +306,14 @@ __device__ __forceinline__ void discard_l2_line(const void*) {}
 template <class V>
 __device__ __forceinline__ V vmax(V a, V b) { return b > a ? b : a; }
 
-// (m, s) represents m + log(s); merges (m2, s2) into it. m == -inf means "no mass".
+// (m, s) represents m + log(s); merges (m2, s2) into it. m == -inf means "no mass" (s is
+// then 0: the first pair with mass is taken as it is, no exp needed).
 __device__ __forceinline__ void lse_merge(double& m, double& s, double m2, double s2) {
   if (m2 == neg_inf()) return;
-  if (m2 > m) {
-    s = s * exp(m - m2) + s2;  // exp(-inf) = 0 while m is still -inf
+  if (m == neg_inf()) {
+    m = m2, s = s2;
+  } else if (m2 > m) {
+    s = s * exp(m - m2) + s2;
     m = m2;
   } else {
     s += s2 * exp(m2 - m);
@@ -663,7 +666,9 @@ __device__ __forceinline__ double span_reduce(const double* sc, int32_t t0, int3
   } else {
     const double m = Group::max(acc);
     if (m == neg_inf()) return m;  // no mass beneath the node (the whole group agrees)
-    const double total = Group::sum(acc == neg_inf() ? 0.0 : z * exp(acc - m));  // >= 1
+    // >= 1; a thread alone has m = acc (no rescale)
+    const double total = Group::kSize == 1 ? z
+                                           : Group::sum(acc == neg_inf() ? 0.0 : z * exp(acc - m));
     return m + static_cast<double>(fast_log(static_cast<float>(total)));
   }
 }

@@ -928,7 +928,8 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
 
   // the tile's folds: their bounds (in flight while the runs are reduced), and the first
   // tile they read, for the last warp (it polls those tiles' flags)
-  const int fold0 = tile_flags != nullptr ? tile_fold_ptr[t] : 0;  // null: no folds (c) does
+  // (tile_flags null: no folds here, (c) reduces those nodes)
+  const int fold0 = tile_flags != nullptr ? tile_fold_ptr[t] : 0;
   const int n_fold = tile_flags != nullptr ? tile_fold_ptr[t + 1] - fold0 : 0;
   int4 my_fold = {0, 0, 0, 0};
   if (tid < n_fold) my_fold = fold_bounds[fold0 + tid];

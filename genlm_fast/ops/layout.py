@@ -160,8 +160,12 @@ class TrieLayout:
 def span_class_end(ml: ModeLayout, max_tiles: int) -> int:
     """How many spanning nodes (a prefix: they are sorted by tile count) have at most
     ``max_tiles`` whole tiles."""
-    count = ml.span_tile_hi.astype(np.int64) - ml.span_tile_lo
-    return int(np.searchsorted(count, max_tiles, side="right"))
+    return _class_end(ml.span_tile_hi.astype(np.int64) - ml.span_tile_lo, max_tiles)
+
+
+def _class_end(whole_tiles, max_tiles: int) -> int:
+    """``span_class_end`` from the spanning nodes' whole tile counts (sorted)."""
+    return int(np.searchsorted(whole_tiles, max_tiles, side="right"))
 
 
 # --------------------------------------------------------------------------- building
@@ -400,10 +404,9 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node, tile=None):
     i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)
     # spanning nodes sorted by how many whole tiles they sum, so a block of them loops alike
     span_order = np.argsort(hi_tile - lo_tile, kind="stable")
-    whole_tiles = (hi_tile - lo_tile)[span_order]
     folds = tile_folds(n_tiles, span[span_order], lo_tile[span_order], hi_tile[span_order],
                        left_slot[span_order], right_slot[span_order],
-                       int(np.searchsorted(whole_tiles, SPAN_NARROW_TILES, side="right")))
+                       _class_end((hi_tile - lo_tile)[span_order], SPAN_NARROW_TILES))
     return ModeLayout(
         leaf_token=i32(token_column[order]),
         leaf_start=i32(leaf_start),

@@ -22,7 +22,9 @@ For every available GPU backend (``triton``, ``cuda``), batch size and op it
    its chain, to show where the time goes;
 5. times the memory floors (``memory_floors``) at the goals' shapes: torch's own kernels
    writing the output once, reading the input once, copying it, and gathering it into
-   [B, N], for the fraction of peak that moving that traffic alone gets on the device;
+   [B, N], for the fraction of peak that moving that traffic alone gets on the device; then
+   the same bytes moved in the CUDA tile kernel's pattern, with no reduction
+   (bench/tile_floors.py), for what that pattern alone costs;
 6. with ``--sweep``, times the Triton tile kernels in each launch configuration of
    ``TRITON_SWEEP`` (rows per program, warps, chunk sizes), to choose the defaults from.
 The reference is genlm.backend's ``ParallelTokenCharacterTrie(device="cuda")`` when
@@ -741,7 +743,8 @@ def memory_floors(context) -> list[dict]:
     [B, N] (``index_select`` of each node's last leaf's column: the fused pass with no
     reduction and no normalization at all). They say what fraction of peak a kernel that only
     moves the goal's traffic gets on this device, to read the trie kernels' fraction against
-    (torch's kernels are good streaming kernels, not proven optimal ones)."""
+    (torch's kernels are good streaming kernels, not proven optimal ones). The tile pattern's
+    floors (``_tile_pattern_cases``) say how much of the gap is the pattern's own."""
     import torch
 
     layout, device = context["layout"], context["device"]
@@ -751,20 +754,22 @@ def memory_floors(context) -> list[dict]:
     has_leaf = leaf_end > torch.as_tensor(ml.leaf_start, dtype=torch.int64)
     last_column = torch.as_tensor(ml.leaf_token, dtype=torch.int64)[(leaf_end - 1).clamp(min=0)]
     node_column = torch.where(has_leaf, last_column, 0).to(device)
-    N = layout.num_nodes
+    N, L = layout.num_nodes, len(ml.leaf_token)
+    tile_node_lo = torch.as_tensor(ml.tile_node_lo).to(device)
     out = []
     for op, B in ((GOAL_PEAK_OP, GOAL_PEAK_B), ("sum", SPEEDUP_B)):
         x = _bench_input(context, op, B)
         result = torch.empty(B, N, dtype=torch.float32, device=device)
         copy = torch.empty_like(x)
         in_bytes, out_bytes = x.numel() * x.element_size(), result.numel() * 4
-        cases = (
+        cases = [
             ("write [B, N] once (fill_)", out_bytes, lambda: result.fill_(1.0)),
             ("read [B, V'] once (amax per row)", in_bytes, lambda: torch.amax(x, dim=1)),
             ("read and write [B, V'] (copy_)", 2 * in_bytes, lambda: copy.copy_(x)),
             ("gather [B, V'] into [B, N] (index_select)", in_bytes + out_bytes,
              lambda: torch.index_select(x, 1, node_column, out=result)),
-        )
+        ]
+        cases += _tile_pattern_cases(result, tile_node_lo, ml.tile, L, out_bytes)
         for name, moved, fn in cases:
             ms = bench_ms(fn, device, how)
             gbs = moved / (ms * 1e-3) / 1e9
@@ -772,6 +777,30 @@ def memory_floors(context) -> list[dict]:
                         "GBs": gbs, "peak_frac": gbs / peak if peak else None})
             print(f"floor {op:8s} B={B:<4d} {name:45s} {ms:9.4f} ms {gbs:8.1f} GB/s", flush=True)
     return out
+
+
+def _tile_pattern_cases(result, tile_node_lo, tile: int, L: int, out_bytes: int) -> list:
+    """The floors in the CUDA tile kernel's own pattern (bench/tile_floors.py), each checked
+    once against plain torch first."""
+    import torch
+
+    from bench import tile_floors
+
+    B, N = result.shape
+    staged = torch.rand(B * L, generator=torch.Generator().manual_seed(0)).to(result.device)
+    cases = []
+    for name, moved, kwargs in (
+            ("write [B, N] as the tile blocks do (32 rows x a tile's ids)", out_bytes, {}),
+            ("write [B, N] as blocks of 4 tiles would", out_bytes, {"tiles": 4}),
+            ("read the staged [B, L], write [B, N], as the tile blocks do",
+             staged.numel() * 4 + out_bytes, {"staged": staged})):
+        result.fill_(float("nan"))
+        tile_floors.tile_pattern(result, tile_node_lo, tile, L, **kwargs)
+        want = tile_floors.expected(B, N, tile_node_lo, tile, L, kwargs.get("staged"))
+        torch.testing.assert_close(result.cpu(), want, rtol=1e-4, atol=0.0, msg=name)
+        cases.append((name, moved, lambda kw=kwargs: tile_floors.tile_pattern(
+            result, tile_node_lo, tile, L, **kw)))
+    return cases
 
 
 def _f(x, fmt):
@@ -829,8 +858,10 @@ def table(rows, info, command: str, sweep_rows=(), switch_rows=(), floor_rows=()
     for r in goals(rows):
         lines.append(f"| {r['goal']} | {r['backend']} | {r['measured']} | {r['met']} |")
     if floor_rows:
-        lines += ["", "Memory floors at the goals' shapes (torch's own kernels, same timer; "
-                  "`memory_floors`): what the memory system gives a kernel of that traffic:", "",
+        lines += ["", "Memory floors at the goals' shapes (torch's own kernels, then Triton "
+                  "kernels moving the same bytes in the CUDA tile kernel's pattern with no "
+                  "reduction, bench/tile_floors.py; same timer; `memory_floors`): what the "
+                  "memory system gives a kernel of that traffic:", "",
                   "| op | B | floor | MB moved | ms | GB/s | % of peak |",
                   "|---|---:|---|---:|---:|---:|---:|"]
         for r in floor_rows:

@@ -16,8 +16,9 @@ For every available GPU backend (``triton``, ``cuda``), batch size and op it
    L2 flushed between runs) or CUDA events;
 3. reports the compulsory traffic — logits/weights read once (B * V' * 4 bytes), node values
    written once (B * N * 4), the backend's index arrays read once — the effective bandwidth
-   (traffic / time) of the kernels and of the public call (which also validates its input:
-   one more read of it), and their fractions of the device's peak HBM bandwidth;
+   (traffic / time) of the kernels and of the public call (which also checks each row for
+   NaN: the CUDA kernels' row pass does, the Triton backend's dispatcher makes one more read
+   of the input), and their fractions of the device's peak HBM bandwidth;
 4. at B=64, profiles each backend's kernels (torch.profiler): the time of each kernel of
    its chain, to show where the time goes;
 5. times the memory floors (``memory_floors``) at the goals' shapes: torch's own kernels

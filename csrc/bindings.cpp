@@ -15,7 +15,8 @@
 //                    reduction, num_nodes, num_scratch, tile)
 //                    -> Tensor[B, num_nodes]   (only when built with -DWITH_CUDA; scratch is a
 //                    float64 [B, num_scratch + 1] workspace the caller allocates, its last
-//                    column each row's lse for log_mass; spanning nodes [0, span_narrow) are
+//                    column each row's check, NaN exactly for a bad row (log_mass: else the
+//                    row's lse, sum/max: else 0); spanning nodes [0, span_narrow) are
 //                    reduced by the tile kernel (its folds), [span_narrow, span_warp) a warp
 //                    each, the rest a block each)
 //   empty_output_cache()  frees the cached blocks large CPU results reuse (OutputPool below)

@@ -12,18 +12,21 @@
 // Kernels, enqueued in order on one stream, each after the first launched dependent on the
 // one before (programmatic dependent launch, sm_90+: it starts while that one ends, and
 // waits for it before touching its results; see enqueue):
-//  (a) the row pass, and the row lse.
+//  (a) the row pass, the row check and the row lse.
 //      (a1) row_pass: grid (splits, blocks of R rows), one wave of blocks, each reading one
 //      slice of its rows once, in rounds of kLseUnroll loads in flight per thread, a round's
-//      loads issued before the round before is staged. It does one or both of:
+//      loads issued before the round before is staged. It checks the rows (the check every
+//      call gets: no other pass over the values) and does one or both of:
 //      - lse (log_mass): a (max, sum-exp) pair per thread: per round one max, fast exps
 //        summed pairwise in float, the sum in double; the slice's partial (max, sum) of
-//        each row goes to two scratch slots the tile kernel only fills later.
+//        each row goes to two scratch slots the tile kernel only fills later. A NaN or +inf
+//        logit makes the partial's sum NaN, and (a2) the row's lse.
 //      - staging (B >= kStageMinRows, R = the tile kernel's ROWS): the values again, to a
 //        workspace where a block's rows sit side by side and the columns in leaf order
 //        (column_leaf), so that the tile kernel's gather reads one contiguous stretch per
-//        tile, not one 32-byte sector per (row, leaf). sum and max launch (a1) for this
-//        alone.
+//        tile, not one 32-byte sector per (row, leaf).
+//      sum and max: a thread that reads a NaN writes NaN to the row's last scratch column,
+//      which launch() zeroes first; unstaged, (a1) runs for that check alone.
 //      (a2) row_lse_merge (log_mass): one warp per row merges the partials into lse = max +
 //      log(sum exp(x - max)) over all C columns, stored (double) in the row's last scratch
 //      column; NaN for a bad row (a NaN or +inf logit, or none finite), the row check
@@ -374,6 +377,8 @@ __device__ __forceinline__ void warp_lse_merge(double& m, double& z) {
 //    which runs after (a2), writes its totals there. A NaN or +inf logit marks the row bad:
 //    the partial's sum is NaN, whatever the rest (masks of -inf around a NaN would
 //    otherwise leave the sum at 0 and the NaN unseen).
+//  - sum and max (no lse): a NaN read marks the row bad: NaN to the row's last scratch
+//    column (0 until then: launch() zeroes it), by every thread that reads one.
 //  - staging (R > 1): the round's [R][window] values go through shared memory (two buffers,
 //    one barrier a round) to `staged`,
 //    where the block's nr rows (R, fewer in a batch's last block) are interleaved and the
@@ -420,7 +425,7 @@ __global__ void __launch_bounds__(kRowPassThreads)
 
   A m = no_mass;  // the largest logit so far (exact)
   double s = 0.0;  // sum of exp(x - m)
-  bool bad = false;  // a NaN or +inf seen
+  bool bad = false;  // log_mass: a NaN or +inf seen; sum, max: a NaN
   const uint64_t policy = kStage ? stream_policy() : keep_policy();
   // whether the thread's value u of the round at c0 is in the block's slice (recomputed
   // where used: an array of these flags, live across the loop, took 16 more registers)
@@ -486,6 +491,10 @@ __global__ void __launch_bounds__(kRowPassThreads)
         s += static_cast<double>(term[0]);
       }
     }
+    if constexpr (!LSE) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) bad |= to_arith(raw[u]) != to_arith(raw[u]);  // NaN
+    }
     if (c0 + kWindow < hi) load_round(c0 + kWindow);  // in flight while this round is staged
     if constexpr (kStage) {
       __syncthreads();  // the round's values and leaf positions are in `buffer`, `leaves`
@@ -501,6 +510,9 @@ __global__ void __launch_bounds__(kRowPassThreads)
         if (row < nr && leaf >= 0) dst[leaf * nr + row] = buffer[col * kTileStride + row];
       }
     }
+  }
+  if constexpr (!LSE) {
+    if (bad) scratch[(first_row + j) * stride + stride - 1] = __longlong_as_double(kNaNBits);
   }
   if constexpr (LSE) {
     // the row's threads merge: each rescales its sum to the row's max, then they sum. They
@@ -1007,11 +1019,11 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   }
 }
 
-// Kernels (a2), (c), and (b) after (a2), follow one of ours on the stream and are launched
-// dependent on it (programmatic dependent launch, sm_90+): they start while it ends, load
-// their index arrays, and wait for it (wait_for_previous_kernel) before touching its
-// results. The first kernel of a call, (a1) or (b), is an ordinary launch: it runs after
-// whatever came before it. Dependent launches need the waits compiled in (ptxVersion >= 90; below
+// Kernels (a2), (b) and (c) follow one of ours on the stream and are launched dependent on
+// it (programmatic dependent launch, sm_90+): they start while it ends, load their index
+// arrays, and wait for it (wait_for_previous_kernel) before touching its results. The first
+// kernel of a call, (a1), is an ordinary launch: it runs after whatever came before it (the
+// memsets of launch() included). Dependent launches need the waits compiled in (ptxVersion >= 90; below
 // that wait_for_previous_kernel is empty) and are off with GENLM_FAST_CUDA_PDL=0, read at
 // each call (bench/gpu.py times both ways).
 // The switches bench/gpu.py times both ways, read at each call: dependent launches (below)
@@ -1166,8 +1178,8 @@ cudaError_t launch_row_pass(const TrieArgs& A, const T* values, T* staged, int64
 }
 
 // The kernels for rows [row0, row0 + rows), ROWS rows per tile block, `staged` null or the
-// workspace (ROWS >= kStageMinRows): (a1) and (a2) for log_mass, (a1) alone to stage for
-// sum and max, then (b) and (c).
+// workspace (ROWS >= kStageMinRows): (a1) and (a2) for log_mass, (a1) alone for sum and max
+// (the row check, and staging), then (b) and (c).
 template <class T, class Out, int RED, int ROWS>
 cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out, int64_t row0,
                         int64_t rows, bool fold, int32_t flag_value, cudaStream_t stream) {
@@ -1178,9 +1190,9 @@ cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out,
     if (staged != nullptr)
       err = launch_row_pass<T, ROWS, kLse>(A, values, staged, row0, rows, &splits, stream);
   }
+  if (staged == nullptr)
+    err = launch_row_pass<T, 1, kLse>(A, values, nullptr, row0, rows, &splits, stream);
   if constexpr (kLse) {
-    if (err == cudaSuccess && staged == nullptr)
-      err = launch_row_pass<T, 1, true>(A, values, nullptr, row0, rows, &splits, stream);
     if (err == cudaSuccess)
       err = enqueue(row_lse_merge_kernel,
                     static_cast<unsigned>((rows + kSpanWarps - 1) / kSpanWarps),
@@ -1192,7 +1204,7 @@ cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out,
                    static_cast<unsigned>((rows + ROWS - 1) / ROWS));
   err = enqueue(tile_kernel<T, RED, ROWS>, tgrid, kTileThreads,
                 tile_shared_bytes<Out, RED, ROWS>(), stream,
-                /*dependent=*/kLse || staged != nullptr, values,
+                /*dependent=*/true, values,
                 static_cast<const T*>(staged), A.C, A.leaf_token, A.L, A.tile_run_ptr,
                 A.run_bounds, A.tile_node_lo, A.node_src, A.tile_scratch_ptr, A.scratch_src,
                 A.scratch_slot, A.tile_fold_ptr, A.tile_fold_wait,
@@ -1224,6 +1236,13 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
   Out* out = static_cast<Out*>(A.out);
   const bool stage = A.staged != nullptr && switch_on("GENLM_FAST_CUDA_STAGE");
   const bool fold = A.span_narrow > 0 && switch_on("GENLM_FAST_CUDA_FOLD");
+  // sum and max: the row check's column, 0 until (a1) reads a NaN in the row
+  if (RED != kLogMass) {
+    const cudaError_t err =
+        cudaMemset2DAsync(A.scratch + A.scratch_stride - 1, sizeof(double) * A.scratch_stride,
+                          0, sizeof(double), A.B, stream);
+    if (err != cudaSuccess) return err;
+  }
   // the look-back flags, all 0: a launch of rows [row0, ...) sets its flags to its own value
   if (fold) {
     const cudaError_t err = cudaMemsetAsync(

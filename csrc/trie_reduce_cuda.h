@@ -61,8 +61,9 @@ struct TrieArgs {
   int64_t span_warp;    // [span_narrow, span_warp) a warp each, the rest a block each
   int64_t num_nodes;
   double* scratch;  // [B, scratch_stride] workspace; scratch_stride >= num_scratch + 1, the
-                    // last column of each row holds the row's log-sum-exp (log_mass; NaN
-                    // for a row with a NaN or +inf logit or no finite one)
+                    // last column of each row holds the row check on return: NaN exactly
+                    // for a bad row (a NaN value; log_mass: or a +inf logit, or no finite
+                    // one), else log_mass the row's log-sum-exp, sum and max 0
   int64_t scratch_stride;
   int tile;                // leaf positions per tile, <= kMaxTile
   void* out;               // [B, num_nodes] float32, or float64 when out_double

@@ -11,10 +11,11 @@ import torch
 
 from genlm_fast.ops import extension
 
-# log_mass: the lse pass reads every logit anyway and leaves each row's lse NaN exactly for
-# the bad rows (a NaN or +inf logit, or no finite one): the dispatcher reads that instead
-# of its own pass over the logits
-OWN_ROW_CHECK = ("log_mass",)
+# the kernels' row pass reads every value anyway (log_mass: for the lse; sum and max: to
+# stage them for the gather, or for this alone) and leaves each row's check in the last
+# scratch column, NaN exactly for the bad rows: the dispatcher reads that instead of its own
+# pass over the values
+OWN_ROW_CHECK = ("sum", "max", "log_mass")
 
 
 def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
@@ -37,7 +38,8 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
     if values.shape[1] < cached["min_columns"]:
         raise ValueError(f"rows have {values.shape[1]} entries but the vocabulary needs at "
                          f"least {cached['min_columns']}")
-    # per-row workspace: tile totals and pieces, plus the row's log-sum-exp in the last column
+    # per-row workspace: tile totals and pieces, plus the row check in the last column (for
+    # log_mass the row's log-sum-exp)
     scratch = torch.empty(values.shape[0], num_scratch + 1, dtype=torch.float64,
                           device=values.device)
     out = extension.load_module().trie_reduce_cuda(
@@ -49,4 +51,4 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
         arrays["span_tile_lo"],
         arrays["span_tile_hi"], arrays["span_narrow"], arrays["span_warp"], scratch, reduction,
         num_nodes, num_scratch, tile)
-    return out, scratch[:, -1] if reduction == "log_mass" else None
+    return out, scratch[:, -1]

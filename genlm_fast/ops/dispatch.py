@@ -4,15 +4,15 @@ Every backend module (``reference``, ``triton_backend``, ``cpu_backend``, ``cuda
 implements the same function, on inputs this module has already checked::
 
     trie_reduce(values, arrays, reduction, *, num_nodes, num_scratch, tile, float64_result)
-        -> (Tensor[B, num_nodes] on values.device, row_lse or None)
+        -> (Tensor[B, num_nodes] on values.device, row_check or None)
 
 ``values``: [B, C] contiguous, B >= 1, float32/float64 (``sum``/``max``) or any float dtype
 (``log_mass``). Rows holding a NaN (and for ``log_mass`` a +inf, or no finite logit) are
-errors. The dispatcher finds them with one pass over the values before the backend runs,
-except for the reductions in the backend module's ``OWN_ROW_CHECK``: the ``cpu`` kernel
-checks each row as it reads it and raises, the ``cuda`` lse pass returns ``row_lse``, each
-row's log-sum-exp, NaN exactly for the bad rows (the second item of the result; None
-elsewhere). ``arrays``: the mode's index
+errors. The dispatcher finds them with one pass over the values before the backend runs
+(:func:`row_check`), except for the reductions in the backend module's ``OWN_ROW_CHECK``:
+the ``cpu`` kernel checks each row as it reads it and raises, the ``cuda`` row pass returns
+a ``row_check`` of its own (the second item of the result; None elsewhere), each read on the
+host once the kernels are enqueued. ``arrays``: the mode's index
 tensors on the values' device (``TrieLayout.device_arrays``); a backend may cache what it
 derives from them there under a ``_<backend>`` key. ``num_scratch`` and ``tile`` come from
 the mode's ``ModeLayout``. The result dtype is :func:`result_dtype`: ``float64_result`` asks
@@ -186,7 +186,7 @@ def result_dtype(reduction: str, dtype: torch.dtype, float64_result: bool = Fals
 
 def validate_values(values, layout: TrieLayout, exact_width: int | None = None):
     """Check a ``[B, C]`` value/logit tensor's type and shape; raise a clear error naming the
-    problem. Its entries are checked by :func:`bad_rows` (or by the CPU kernel itself)."""
+    problem. Its entries are checked by :func:`row_check` (or by the backend itself)."""
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor of values, got {type(values).__name__}")
     if values.dim() != 2:
@@ -202,24 +202,28 @@ def validate_values(values, layout: TrieLayout, exact_width: int | None = None):
                          f"{layout.num_columns}")
 
 
-def bad_rows(values: torch.Tensor, reduction: str) -> torch.Tensor | None:
-    """Which rows hold a NaN (any reduction) or, for log_mass, a +inf or no finite logit: a
-    [B] bool tensor on the values' device from one amax pass (amax propagates NaN), None for
-    no rows. No device sync: :func:`raise_bad_rows` reads it."""
-    if values.shape[0] == 0:
-        return None
-    peak = values.amax(dim=1)
-    return ~torch.isfinite(peak) if reduction == "log_mass" else torch.isnan(peak)
+def row_check(values: torch.Tensor) -> torch.Tensor | None:
+    """A row check: a [B] float tensor on the values' device that is NaN for a row holding a
+    NaN and, for log_mass, non-finite for a row with a +inf or no finite logit (each row's
+    largest value: amax propagates NaN), None for no rows. No device sync:
+    :func:`raise_bad_rows` reads it."""
+    return values.amax(dim=1) if values.shape[0] else None
 
 
-def raise_bad_rows(values: torch.Tensor, bad: torch.Tensor | None, reduction: str):
-    """Raise for the first row ``bad`` flags, if any (one device sync)."""
-    if bad is not None and bool(bad.any()):
+def raise_bad_rows(values: torch.Tensor, check: torch.Tensor | None, reduction: str):
+    """Raise for the first row a row check (:func:`row_check`, or a backend's: NaN or, for
+    log_mass, non-finite exactly for the bad rows) rejects, if any. One copy of B values to
+    the host (the device sync), the verdict taken there."""
+    if check is None:
+        return
+    check = check.cpu()
+    bad = ~torch.isfinite(check) if reduction == "log_mass" else torch.isnan(check)
+    if bool(bad.any()):
         raise_bad_row(values, int(bad.nonzero()[0, 0]), reduction)
 
 
 def raise_bad_row(values: torch.Tensor, row: int, reduction: str):
-    """The error for a row that :func:`bad_rows` or the CPU kernel rejected."""
+    """The error for a row that a row check or the CPU kernel rejected."""
     if reduction == "log_mass":
         v = float(values[row].amax())
         what = ("contains NaN" if v != v else "contains +inf" if v > 0
@@ -246,11 +250,9 @@ def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
     # enqueued: on a GPU they then run without waiting for the host to read it (a bad row's
     # results are computed, then dropped with the error).
     own_check = reduction in _backend_module(chosen).OWN_ROW_CHECK
-    bad = None if own_check else bad_rows(values, reduction)
-    out, row_lse = run_backend(values, layout, reduction, mode, chosen, float64_result)
-    if row_lse is not None:
-        bad = ~torch.isfinite(row_lse)
-    raise_bad_rows(values, bad, reduction)
+    check = None if own_check else row_check(values)
+    out, backend_check = run_backend(values, layout, reduction, mode, chosen, float64_result)
+    raise_bad_rows(values, backend_check if backend_check is not None else check, reduction)
     logger.debug("trie_reduce %s %s B=%d N=%d on %s via %s", reduction, mode,
                  values.shape[0], layout.num_nodes, values.device, chosen)
     return out, chosen
@@ -259,7 +261,7 @@ def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
 def run_backend(values: torch.Tensor, layout: TrieLayout, reduction: str, mode: str,
                 backend: str, float64_result: bool = False):
     """Run one concrete backend on values :func:`trie_reduce` has validated (and checked
-    row by row, unless the backend does that itself): (result, row_lse or None), the
+    row by row, unless the backend does that itself): (result, row_check or None), the
     backend contract's pair. ``bench.gpu`` times this directly."""
     if reduction != "log_mass" and values.dtype in (torch.float16, torch.bfloat16):
         values = values.float()

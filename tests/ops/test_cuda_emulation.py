@@ -127,6 +127,12 @@ cudaError_t memset_async(void* p, int value, size_t bytes, cudaStream_t) {
   std::memset(p, value, bytes);
   return cudaSuccess;
 }
+cudaError_t memset2d_async(void* p, size_t pitch, int value, size_t width, size_t height,
+                           cudaStream_t) {
+  if (width > pitch) return cudaErrorInvalidValue;
+  for (size_t r = 0; r < height; ++r) std::memset(static_cast<char*>(p) + r * pitch, value, width);
+  return cudaSuccess;
+}
 
 // a static __shared__ array of the running block (declaration `id`), all bits set at first
 template <class A>
@@ -330,6 +336,7 @@ def emulated_source(src: str) -> str:
         (r"extern __shared__ (\w+) (\w+)\[\];",
          r"\1* \2 = reinterpret_cast<\1*>(emu::blk->shmem);"),
         (r"cudaMemsetAsync\(", "emu::memset_async("),
+        (r"cudaMemset2DAsync\(", "emu::memset2d_async("),
         (r"std::this_thread::yield\(\)", "emu::backoff()"),
         (r"constexpr int64_t kMaxGridY = 65535;", "static const int64_t& kMaxGridY = emu::max_grid_y;"),
         (r"constexpr int64_t kRowPassTargetBlocks = 1024;",
@@ -1014,6 +1021,39 @@ def test_row_lse_flags_exactly_the_bad_rows(emulator, tmp_path, stage):
         assert_matches(got[good], reference(x[good], trie.layout, "log_mass"), "log_mass")
 
 
+@pytest.mark.parametrize("stage", [True, False], ids=["staged", "unstaged"])
+def test_row_check_of_sum_and_max_flags_exactly_the_nan_rows(emulator, tmp_path, stage):
+    """sum and max: (a1) leaves 0 in each row's last scratch column, NaN exactly for a row
+    with a NaN value (+inf and -inf weights are values like any other), staging the rows
+    (blocks of 8 rows and 1) or reading them for the check alone (unstaged: a block per row
+    slice). Rows 30,000 wide take several slices: a NaN in a middle slice, in the padding
+    past the vocabulary, in the first column, in a row of -inf; the good rows' results are
+    the reference's."""
+    words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(150)]
+    trie = make_trie(words)
+    rng = np.random.default_rng(10)
+    rows = rng.random((9, 30000))
+    rows[1, 15000] = np.nan
+    rows[3, 29999] = np.nan  # past the vocabulary (padding)
+    rows[4, 0] = np.nan
+    rows[5, :] = -np.inf
+    rows[5, 20000] = np.nan
+    rows[6, 7] = np.inf  # good
+    rows[7, ::2] = -np.inf  # good
+    bad = [1, 3, 4, 5]
+    good = [r for r in range(len(rows)) if r not in bad]
+    for dtype in (torch.float32, torch.float64):
+        x = torch.from_numpy(rows).to(dtype)
+        for reduction in ("sum", "max"):
+            status, errors, _, got, scratch = run_emulated(emulator, str(tmp_path), x,
+                                                           trie.layout, reduction, stage=stage)
+            assert status == 0 and errors == 0
+            check = scratch[:, -1]
+            assert np.flatnonzero(np.isnan(check)).tolist() == bad, (dtype, reduction, check)
+            assert (check[good] == 0).all()
+            assert_matches(got[good], reference(x[good], trie.layout, reduction), reduction)
+
+
 def use_emulated_binding(monkeypatch, emulator, tmp_path, layout):
     """The CUDA extension replaced by the emulated kernels, for ``layout``: the real
     cuda_backend runs as on a GPU and its arguments reach the emulator (its column_leaf,
@@ -1041,12 +1081,12 @@ def use_emulated_binding(monkeypatch, emulator, tmp_path, layout):
                         "cuda" if backend == "auto" else real_resolve(backend, device, reduction))
 
 
-def test_dispatcher_names_bad_rows_from_the_cuda_lse_pass(emulator, tmp_path, monkeypatch):
+def test_dispatcher_names_bad_rows_from_the_cuda_row_pass(emulator, tmp_path, monkeypatch):
     """Through dispatch.trie_reduce and the real cuda_backend, with the emulated kernels as
-    the extension (the binding's call, run by the emulator: scratch filled in place): for
-    log_mass the dispatcher makes no pass of its own over the logits and names the first
-    bad row from the lse the kernels leave in scratch; sum still gets the dispatcher's
-    check (the kernels flag nothing there), and good rows give the reference's values."""
+    the extension (the binding's call, run by the emulator: scratch filled in place): the
+    dispatcher makes no pass of its own over the values, for any reduction, and names the
+    first bad row from the row check the kernels leave in scratch (log_mass: the lse); good
+    rows give the reference's values."""
     from genlm_fast.ops import cuda_backend
 
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(40)]
@@ -1057,14 +1097,17 @@ def test_dispatcher_names_bad_rows_from_the_cuda_lse_pass(emulator, tmp_path, mo
     staged_rows = torch.from_numpy(rng.standard_normal((9, 43)) * 10).float()
     want = {B: reference(x, layout, "log_mass")
             for B, x in ((4, torch.from_numpy(rows).float()), (9, staged_rows))}
+    # sum and max: staged (9 rows) or read for the check alone (3)
+    weights = {B: torch.from_numpy(rng.random((B, 43))).float() for B in (3, 9)}
+    want_weights = {(B, reduction): reference(w, layout, reduction)
+                    for B, w in weights.items() for reduction in ("sum", "max")}
 
     use_emulated_binding(monkeypatch, emulator, tmp_path, layout)
     passes = []
-    real_bad_rows = dispatch.bad_rows
-    monkeypatch.setattr(dispatch, "bad_rows",
-                        lambda values, reduction: passes.append(reduction) or
-                        real_bad_rows(values, reduction))
-    assert cuda_backend.OWN_ROW_CHECK == ("log_mass",)
+    real_row_check = dispatch.row_check
+    monkeypatch.setattr(dispatch, "row_check",
+                        lambda values: passes.append(values.shape) or real_row_check(values))
+    assert set(cuda_backend.OWN_ROW_CHECK) == set(dispatch.REDUCTIONS)
 
     out, used = dispatch.trie_reduce(torch.from_numpy(rows).float(), layout, "log_mass")
     assert used == "cuda" and passes == []
@@ -1084,8 +1127,16 @@ def test_dispatcher_names_bad_rows_from_the_cuda_lse_pass(emulator, tmp_path, mo
         with pytest.raises(ValueError, match=message):
             dispatch.trie_reduce(torch.from_numpy(bad).float(), layout, "log_mass")
     assert passes == []
-    weights = torch.from_numpy(rng.random((3, 40))).float()
-    weights[1, 5] = float("nan")
-    with pytest.raises(ValueError, match="weight row 1 contains NaN"):
-        dispatch.trie_reduce(weights, layout, "sum")
-    assert passes == ["sum"]
+    for B, w in weights.items():  # sum and max: the row pass's check too
+        for reduction in ("sum", "max"):
+            out, used = dispatch.trie_reduce(w, layout, reduction)
+            assert used == "cuda"
+            assert_matches(out.numpy(), want_weights[B, reduction], reduction)
+        bad = w.clone()
+        bad[1, 41] = float("inf")  # allowed in weights
+        bad[2, 42] = float("nan")  # in a padding column
+        bad[B - 1, 0] = float("nan")
+        for reduction in ("sum", "max"):
+            with pytest.raises(ValueError, match="weight row 2 contains NaN"):
+                dispatch.trie_reduce(bad, layout, reduction)
+    assert passes == []

@@ -9,6 +9,8 @@ vocabularies.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -252,16 +254,20 @@ BAD_ROWS = [
 @pytest.mark.parametrize("reduction,value,message", BAD_ROWS)
 def test_bad_rows_are_named(backend, reduction, value, message):
     """The first bad row is named on every backend (the CPU kernel checks rows as it reads
-    them, the dispatcher checks them for the others), wherever the bad value sits: under a
-    leaf, or in a padding column past the vocabulary (log_mass takes wider rows)."""
+    them, the CUDA kernels' row pass too, the dispatcher checks them for the others),
+    wherever the bad value sits: under a leaf, or in a padding column past the vocabulary
+    (log_mass takes wider rows), in a batch of 4 rows or of 9 (CUDA stages those); and
+    +inf weights are no error for sum and max."""
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(40)]
     trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device=device_for(backend),
                          cache=False)
     trie.kernel_backend = backend
     rng = np.random.default_rng(5)
     width = 43 if reduction == "log_mass" else 40
-    for column in sorted({7, width - 1}):
-        rows = make_rows(rng, 4, width, reduction)
+    for B, column in itertools.product((4, 9), sorted({7, width - 1})):
+        rows = make_rows(rng, B, width, reduction)
+        if reduction != "log_mass":
+            rows[1, 3] = np.inf
         if value == "-inf":
             rows[2] = -np.inf
         else:

@@ -236,6 +236,64 @@ def test_log_mass_single_row_and_devices():
     assert trie.last_kernel_backend in ("cpu", "reference", "triton", "cuda")
 
 
+def test_gpu_results_reach_the_host_through_a_bounded_pinned_pool(monkeypatch):
+    """genlm.backend's tries return numpy arrays; from a GPU they are views of pinned blocks
+    (base._via_pinned; torch's caching host allocator reuses a block once its array is
+    freed). At most PINNED_LIMIT bytes of those alive at once: past it, and when no pinned
+    block can be had, a call takes the pageable copy; a freed array (once its last view is
+    gone) gives its bytes back. The device copy itself runs on GPU machines (the GPU tests'
+    ParallelTokenCharacterTrie(device="cuda")); here a CPU tensor stands in for the pinned
+    block, the bookkeeping and the values being the same."""
+    import gc
+
+    from genlm_fast.backend.trie import base
+
+    made = []
+
+    def fake_pinned(like):
+        made.append(like.shape)
+        return torch.empty(like.shape, dtype=like.dtype)
+
+    monkeypatch.setattr(base, "_pinned_empty", fake_pinned)
+    monkeypatch.setattr(base, "PINNED_LIMIT", 3 * 400)
+    monkeypatch.setattr(base, "_pinned_arrays", base._PinnedArrays())
+    pool = base._pinned_arrays
+    rows = [torch.arange(100, dtype=torch.float32) + 1000 * i for i in range(5)]
+    a, b, c = (base._via_pinned(r) for r in rows[:3])
+    for array, row in zip((a, b, c), rows):
+        np.testing.assert_array_equal(array, row.numpy())
+        assert not np.shares_memory(array, row.numpy())
+    del array
+    assert len(made) == 3 and pool.alive == 1200
+    d = base._via_pinned(rows[3])  # over the limit: the pageable copy
+    np.testing.assert_array_equal(d, rows[3].numpy())
+    assert len(made) == 3 and pool.alive == 1200
+    view = b[10:20].reshape(2, 5)
+    del a, b
+    gc.collect()
+    assert pool.alive == 800  # b's view still holds its block
+    e = base._via_pinned(rows[4])
+    np.testing.assert_array_equal(e, rows[4].numpy())
+    assert len(made) == 4 and pool.alive == 1200
+    del view
+    gc.collect()
+    assert pool.alive == 800
+
+    def no_pinned(like):
+        raise RuntimeError("cudaHostAlloc failed")
+
+    monkeypatch.setattr(base, "_pinned_empty", no_pinned)
+    f = base._via_pinned(rows[0])
+    np.testing.assert_array_equal(f, rows[0].numpy())
+    assert pool.alive == 800
+    del c, d, e, f
+    gc.collect()
+    assert pool.alive == 0
+    # a CPU result is handed over as it is (no copy), as before
+    cpu = torch.arange(4, dtype=torch.float32)
+    assert np.shares_memory(base.to_host(cpu), cpu.numpy())
+
+
 def test_numpy_views_are_read_as_numpy_reads_them():
     """Reversed views (negative strides) and big-endian arrays, as genlm's sequential trie
     reads the former."""

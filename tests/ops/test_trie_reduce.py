@@ -331,3 +331,24 @@ def test_real_vocabularies(backend, name, B):
                          spread=60.0 if reduction == "log_mass" else 5.0, neg_inf=0.01)
         check_trie(trie, rows, reduction, backend, TrieMode.WITH_EOS if reduction != "max" else None,
                    eos_positions)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_character_trie_results_are_pinned_host_arrays():
+    """ParallelTokenCharacterTrie(device="cuda") hands its results to the host through
+    pinned blocks (genlm_fast/backend/trie/base.py, to_host; the pool's bookkeeping is
+    tested on the CPU in tests/backend/test_trie_api.py): each a numpy array over page-locked
+    memory, its own (two calls do not share a block while both arrays live), the oracle's
+    values."""
+    words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(40)]
+    trie = ParallelTokenCharacterTrie([Token(i, w) for i, w in enumerate(words)],
+                                      device="cuda", cache=False)
+    rows = make_rows(np.random.default_rng(4), 3, len(words), "sum")
+    first = trie.batch_weight_sum(torch.from_numpy(rows).cuda())
+    second = trie.batch_weight_sum(torch.from_numpy(rows[::-1].copy()).cuda())
+    for array in (first, second):
+        assert isinstance(array, np.ndarray) and array.dtype == np.float32
+        assert isinstance(array.base, torch.Tensor) and array.base.is_pinned()
+    assert not np.shares_memory(first, second)
+    np.testing.assert_array_equal(first, second[::-1])
+    check_trie(trie, rows, "sum", "cuda", TrieMode.WITHOUT_EOS)

@@ -683,12 +683,13 @@ def _bench_input(context, op: str, B: int):
     return (logits if op == "log_mass" else probs).to(context["device"]).contiguous()
 
 
-# The CUDA kernels' switches, environment variables the extension reads at each call, the
-# (op, B) pairs at which --switches times each off ("0") and on (its default), the others at
-# their defaults, and the ops whose results may then differ in rounding: dependent launches
-# (PDL, sm_90) change nothing; staging for the gather (from B=8 on) sums log_mass's lse in
-# another order; the tile kernel's folds of the narrow spanning nodes (off: the span pass
-# reduces them) do the same arithmetic
+# The CUDA kernels' switches, environment variables the extension reads at each call (on by
+# default but chunk), the (op, B) pairs at which --switches times each off ("0") and on
+# ("1"), the others at their defaults, and the ops whose results may then differ in
+# rounding: dependent launches (PDL, sm_90) change nothing; staging for the gather (from B=8
+# on) sums log_mass's lse in another order; the tile kernel's folds of the narrow spanning
+# nodes (off: the span pass reduces them) do the same arithmetic; launches of 32 staged rows
+# (chunk) split log_mass's lse into other slices
 CUDA_SWITCHES = {
     "pdl": ("GENLM_FAST_CUDA_PDL", (("sum", 1), ("sum", 32), ("log_mass", 1), ("log_mass", 64)),
             ()),
@@ -697,7 +698,11 @@ CUDA_SWITCHES = {
                                         ("log_mass", 128)), ("log_mass",)),
     "fold": ("GENLM_FAST_CUDA_FOLD", (("sum", 1), ("sum", 32), ("max", 64), ("log_mass", 1),
                                       ("log_mass", 8), ("log_mass", 64), ("log_mass", 128)), ()),
+    "chunk": ("GENLM_FAST_CUDA_CHUNK", (("sum", 64), ("sum", 128), ("log_mass", 64),
+                                        ("log_mass", 128)), ("log_mass",)),
 }
+# the switches off unless set
+CUDA_SWITCHES_OFF_BY_DEFAULT = ("chunk",)
 
 
 def switch_comparison(context, names) -> list[dict]:
@@ -873,8 +878,9 @@ def table(rows, info, command: str, sweep_rows=(), switch_rows=(), floor_rows=()
             lines.append(f"| {r['op']} | {r['B']} | {r['floor']} | {r['MB']:.2f} | "
                          f"{r['ms']:.4f} | {r['GBs']:.0f} | {frac} |")
     if switch_rows:
-        lines += ["", "CUDA kernels alone, each switch off (`=0`) and on (the default), the "
-                  "others on (`--switches`; the two results checked to agree first): " +
+        lines += ["", "CUDA kernels alone, each switch off (`=0`) and on (`=1`), the others "
+                  "at their defaults (on, but " + ", ".join(CUDA_SWITCHES_OFF_BY_DEFAULT) +
+                  "; `--switches`; the two results checked to agree first): " +
                   ", ".join(f"{name} `{env}`" for name, (env, _, _) in CUDA_SWITCHES.items()),
                   "", "| switch | op | B | off ms | on ms | off / on | goal, off / on |",
                   "|---|---|---:|---:|---:|---:|---|"]

@@ -97,6 +97,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -132,6 +133,13 @@ constexpr int kMergeChunk = 8;       // (a2): partials a lane loads at once
 constexpr int kSpanThreads = kSpanWarps * 32;  // (c)'s blocks
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int64_t kMaxGridY = 65535;
+// Rows per launch of (a1)..(c) for a staged batch with GENLM_FAST_CUDA_CHUNK=1 (a tile
+// block's 32): (a1) then stages 32 rows (16 MB of float logits on Llama-3) and the tile
+// kernel reads them right after, while they are still in L2 (and drops them there,
+// discard_l2_line), instead of the whole batch's staged before any is read back (33 MB at
+// B = 64, written first and so the first evicted). Otherwise a launch takes up to kMaxGridY
+// rows (gridDim.y's limit).
+constexpr int64_t kChunkRows = 32;
 constexpr long long kNaNBits = 0x7ff8000000000000LL;  // a quiet NaN (double)
 
 __device__ __forceinline__ double neg_inf() { return -__longlong_as_double(0x7ff0000000000000LL); }
@@ -1027,12 +1035,13 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
 // that wait_for_previous_kernel is empty) and are off with GENLM_FAST_CUDA_PDL=0, read at
 // each call (bench/gpu.py times both ways).
 // The switches bench/gpu.py times both ways, read at each call: dependent launches (below)
-// are on unless GENLM_FAST_CUDA_PDL=0, staging in (a1) unless GENLM_FAST_CUDA_STAGE=0, and
-// the tile kernel folds the narrow spanning nodes unless GENLM_FAST_CUDA_FOLD=0 (then (c)
-// reduces them, a thread each).
-bool switch_on(const char* name) {
+// are on unless GENLM_FAST_CUDA_PDL=0, staging in (a1) unless GENLM_FAST_CUDA_STAGE=0, the
+// tile kernel folds the narrow spanning nodes unless GENLM_FAST_CUDA_FOLD=0 (then (c)
+// reduces them, a thread each), and staged batches go in launches of kChunkRows rows with
+// GENLM_FAST_CUDA_CHUNK=1 (off by default: not yet timed).
+bool switch_on(const char* name, bool by_default = true) {
   const char* env = std::getenv(name);
-  return env == nullptr || env[0] != '0';
+  return env == nullptr ? by_default : env[0] != '0';
 }
 
 #ifdef __CUDACC__
@@ -1224,6 +1233,11 @@ cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out,
                  A.num_nodes, row0);
 }
 
+// The most rows a launch of (a1)..(c) takes (kChunkRows in chunks).
+int64_t rows_per_launch(bool chunks) {
+  return chunks && kChunkRows < kMaxGridY ? kChunkRows : kMaxGridY;
+}
+
 // Rows per tile block for a launch of `rows` rows: the largest of 32, 16, ..., 1 it fills.
 int rows_per_block(int64_t rows) {
   return rows >= 32 ? 32 : rows >= 16 ? 16 : rows >= 8 ? 8 : rows >= 4 ? 4 : rows >= 2 ? 2 : 1;
@@ -1249,9 +1263,11 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
         A.tile_flags, 0, sizeof(int32_t) * tile_flag_count(A.B, A.n_tiles), stream);
     if (err != cudaSuccess) return err;
   }
-  for (int64_t row0 = 0; row0 < A.B; row0 += kMaxGridY) {
-    const int64_t rows = A.B - row0 < kMaxGridY ? A.B - row0 : kMaxGridY;
-    const int32_t flag_value = static_cast<int32_t>(row0 / kMaxGridY + 1);
+  const int64_t per_launch =
+      rows_per_launch(stage && switch_on("GENLM_FAST_CUDA_CHUNK", /*by_default=*/false));
+  for (int64_t row0 = 0; row0 < A.B; row0 += per_launch) {
+    const int64_t rows = A.B - row0 < per_launch ? A.B - row0 : per_launch;
+    const int32_t flag_value = static_cast<int32_t>(row0 / per_launch + 1);
     T* staged = stage && rows >= kStageMinRows ? static_cast<T*>(A.staged) : nullptr;
     const auto with_rows = [&](auto per_block) {  // a std::integral_constant
       return launch_rows<T, Out, RED, decltype(per_block)::value>(A, values, staged, out, row0,
@@ -1274,15 +1290,20 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
 }  // namespace
 
 int64_t tile_flag_count(int64_t B, int64_t n_tiles) {
-  // the launches of rows: all of kMaxGridY rows but the last (fewer rows, but maybe more
-  // blocks of fewer rows each)
+  // the launches of rows: all of rows_per_launch rows but the last (fewer rows, but maybe
+  // more blocks of fewer rows each), in chunks or not (whichever launch() then takes)
   const auto blocks = [](int64_t rows) {
     const int per_block = rows_per_block(rows);
     return (rows + per_block - 1) / per_block;
   };
-  const int64_t first = blocks(B < kMaxGridY ? B : kMaxGridY);
-  const int64_t last = blocks(B % kMaxGridY == 0 ? kMaxGridY : B % kMaxGridY);
-  return n_tiles * (first > last ? first : last);
+  int64_t most = 0;
+  for (const bool chunks : {false, true}) {
+    const int64_t per = rows_per_launch(chunks);
+    const int64_t first = blocks(B < per ? B : per);
+    const int64_t last = blocks(B % per == 0 ? per : B % per);
+    most = std::max({most, first, last});
+  }
+  return n_tiles * most;
 }
 
 cudaError_t trie_reduce(const TrieArgs& A, cudaStream_t stream) {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (the device tool; README "GPU sessions"):
 #     bash scripts/gpu_session.sh tests    # build with the CUDA kernels, run the GPU tests
-#     bash scripts/gpu_session.sh bench    # python -m bench.gpu --switches pdl stage fold --sweep (Llama-3)
+#     bash scripts/gpu_session.sh bench    # python -m bench.gpu --switches pdl stage fold chunk --sweep (Llama-3)
 #     bash scripts/gpu_session.sh profile  # ncu on the CUDA kernels (and their DRAM traffic
 #                                          # with the caches as the pipeline leaves them,
 #                                          # and what the tile and span kernels wait on)
@@ -17,7 +17,7 @@
 # 30 s after a call, so two calls usually mean two builds; `all` bounds the benchmark and the
 # tests with timeouts that share what the build leaves of TOTAL_S = 585 s (BENCH_S and
 # TESTS_S override them), to fit the 10-minute limit; PYTEST_ARGS adds pytest arguments,
-# BENCH_ARGS replaces the benchmark's --switches pdl stage fold --sweep). What comes back: the
+# BENCH_ARGS replaces the benchmark's --switches pdl stage fold chunk --sweep). What comes back: the
 # benchmark table, the test log, env.txt and, if a test crashed the interpreter, its C
 # stack (crash.txt); the rest (build log, test reports, the sm_90 compile table, the ncu
 # reports ncu-*.txt) in logs.tar.gz, as the tool brings back 8 files. Commit the table under bench/results/.
@@ -167,7 +167,7 @@ run_profile() {
 
 run_bench() {
   # --sweep: after the main table (written first), the Triton kernels' launch configurations
-  $PY -m bench.gpu ${BENCH_ARGS---switches pdl stage fold --sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
+  $PY -m bench.gpu ${BENCH_ARGS---switches pdl stage fold chunk --sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
   return "${PIPESTATUS[0]}"
 }
 

@@ -420,7 +420,7 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
                  span_narrow: int | None = None, span_warp: int | None = None,
                  stage: bool = True, column_leaf: np.ndarray | None = None,
                  row_pass_blocks: int = 0, resident_blocks: int = 1,
-                 stats: dict | None = None, fold: bool = True):
+                 stats: dict | None = None, fold: bool = True, chunk: bool = False):
     """(launch status, emulator errors, launches, result, scratch): the CUDA kernels' result
     for ``values`` (what cuda_backend.trie_reduce would return) and their per-row scratch
     (log_mass: the row's lse in its last column). Spanning nodes [0, ``span_narrow``) are
@@ -433,7 +433,8 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
     at (on a GPU: one wave of them; here 1024 by default); ``resident_blocks`` how many
     blocks run at once. ``stats`` (a dict) gets ``spins``: the look-back's polls that found
     a flag unset. ``fold`` False: GENLM_FAST_CUDA_FOLD=0, the span pass reduces the narrow
-    spanning nodes too, a thread each."""
+    spanning nodes too, a thread each. ``chunk``: GENLM_FAST_CUDA_CHUNK=1, a staged batch in
+    launches of 32 rows."""
     ml = layout.modes[mode]
     tile = ml.tile if tile is None else tile
     span_narrow = span_class_end(ml, SPAN_NARROW_TILES) if span_narrow is None else span_narrow
@@ -473,7 +474,8 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
             f.write(b)
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0",
                UBSAN_OPTIONS="print_stacktrace=1", GENLM_FAST_CUDA_STAGE="1" if stage else "0",
-               GENLM_FAST_CUDA_FOLD="1" if fold else "0")
+               GENLM_FAST_CUDA_FOLD="1" if fold else "0",
+               GENLM_FAST_CUDA_CHUNK="1" if chunk else "0")
     proc = subprocess.run([exe, path_in, path_out], capture_output=True, text=True, timeout=600,
                           env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -534,7 +536,8 @@ def make_values(rng, B, C, reduction, spread=10.0, neg_inf=0.0, dtype=torch.floa
 
 
 def check(emulator, tmp_path, words, reduction, *, B=3, extra=0, eos=(), spread=10.0,
-          neg_inf=0.0, dtype=torch.float32, seed=0, max_grid_y=65535, rows=None, stage=True):
+          neg_inf=0.0, dtype=torch.float32, seed=0, max_grid_y=65535, rows=None, stage=True,
+          chunk=False):
     trie = make_trie(words, eos)
     layout = trie.layout
     rng = np.random.default_rng(seed)
@@ -543,7 +546,8 @@ def check(emulator, tmp_path, words, reduction, *, B=3, extra=0, eos=(), spread=
     modes = ["without_eos"] + (["with_eos"] if "with_eos" in layout.modes and eos else [])
     for mode in modes:
         status, errors, launches, got, _ = run_emulated(emulator, str(tmp_path), x, layout,
-                                                       reduction, mode, max_grid_y, stage=stage)
+                                                       reduction, mode, max_grid_y, stage=stage,
+                                                       chunk=chunk)
         assert status == 0, f"launch failed with cudaError {status}"
         assert errors == 0
         want = reference(x, layout, reduction, mode)
@@ -810,18 +814,23 @@ def test_folds_give_what_the_span_pass_gives(emulator, tmp_path, monkeypatch, re
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
 def test_rows_are_chunked_below_the_grid_limit(emulator, tmp_path, reduction):
     """``launch`` splits B into chunks of kMaxGridY rows (gridDim.y <= 65535); with the
-    chunk lowered to 2, B=5 takes three chunks of every kernel; lowered to 10, B=21 too.
-    (Every spanning node of these 3 tiles is one of the tile kernel's folds: no span pass.)"""
+    chunk lowered to 2, B=5 takes three chunks of every kernel; lowered to 10, B=21 too
+    (the first two staged, a block of 8 rows and one of 2; the last not). With
+    GENLM_FAST_CUDA_CHUNK=1 a staged batch goes in chunks of 32 rows: B=70 in 32, 32 and 6
+    (unstaged), each row's result the reference's. (Every spanning node of these 3 tiles is
+    one of the tile kernel's folds: no span pass; the row pass, lse merge for log_mass, and
+    the tile kernel.)"""
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(150)]
     ml = make_trie(words).layout.modes["without_eos"]
     assert 0 < span_class_end(ml, SPAN_NARROW_TILES) == len(ml.span_node)
-    kernels = 3 if reduction == "log_mass" else 1
+    kernels = 3 if reduction == "log_mass" else 2
     launches = check(emulator, tmp_path, words, reduction, B=5, max_grid_y=2)
     assert launches == 3 * kernels
-    # chunks of 10, 10 and 1 rows: the first two staged (a block of 8 rows and one of 2;
-    # sum and max: one launch more each), the last not
     launches = check(emulator, tmp_path, words, reduction, B=21, max_grid_y=10)
-    assert launches == 3 * kernels + (2 if reduction != "log_mass" else 0)
+    assert launches == 3 * kernels
+    for chunk in (False, True):
+        launches = check(emulator, tmp_path, words, reduction, B=70, chunk=chunk)
+        assert launches == (3 if chunk else 1) * kernels
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
@@ -872,8 +881,8 @@ def test_staged_rows_give_what_the_input_rows_give(emulator, tmp_path, reduction
     128-byte line, which the tile kernel then drops from L2: the emulation fills it with
     NaN, so a second read of it would show. Rows wider than the vocabulary, -inf masks.
     Both ways match the reference; sum and max read the same values, so they agree bit for
-    bit, and sum/max take one launch more staged (the row pass), log_mass none (it has
-    one)."""
+    bit, and staging takes no launch more (the row pass runs either way: for the lse, or
+    the row check)."""
     words = [bytes(np.random.default_rng(i).integers(97, 101, size=1 + i % 5))
              for i in range(220)]
     layout = make_trie(words).layout
@@ -885,7 +894,7 @@ def test_staged_rows_give_what_the_input_rows_give(emulator, tmp_path, reduction
     launches = {stage: run[0] for stage, run in runs.items()}
     if reduction != "log_mass":
         np.testing.assert_array_equal(got[True], got[False])
-    assert launches[True] == launches[False] + (reduction != "log_mass")
+    assert launches[True] == launches[False]
 
 
 @pytest.mark.parametrize("row_pass_blocks", [1, 3])

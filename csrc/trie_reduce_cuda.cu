@@ -257,10 +257,11 @@ __device__ __forceinline__ void allow_next_kernel() {}
 // scratch values are written (publish_tile: a block barrier after every thread's writes,
 // then one thread sets the tile's flag with release semantics, as a cooperative grid sync
 // does with a fence), and waits for those of the tiles before it (wait_tile: spins on each
-// flag with acquire loads; a block barrier after it passes that on to the block). The values are then read through
-// L2 (load_once), never from an L1 line that may predate them. A block waits only for
-// blocks of lower linear index, which the device dispatches first (as CUB's single-pass
-// scan assumes): they are resident or done, and publish before they wait themselves.
+// flag with acquire loads; a block barrier after it passes that on to the block). The
+// values are then read through L2 (load_once), never from an L1 line that may predate them.
+// A block waits only for blocks of lower linear index, which the device dispatches first
+// (as CUB's single-pass scan assumes): they are resident or done, and publish before they
+// wait themselves.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
 // (sm_70+: release and acquire at GPU scope, lighter than __threadfence's sequential
 // consistency; CUTLASS's inter-block barrier does the same)
@@ -1031,9 +1032,9 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
 // it (programmatic dependent launch, sm_90+): they start while it ends, load their index
 // arrays, and wait for it (wait_for_previous_kernel) before touching its results. The first
 // kernel of a call, (a1), is an ordinary launch: it runs after whatever came before it (the
-// memsets of launch() included). Dependent launches need the waits compiled in (ptxVersion >= 90; below
-// that wait_for_previous_kernel is empty) and are off with GENLM_FAST_CUDA_PDL=0, read at
-// each call (bench/gpu.py times both ways).
+// memsets of launch() included). Dependent launches need the waits compiled in (ptxVersion
+// >= 90; below that wait_for_previous_kernel is empty) and are off with
+// GENLM_FAST_CUDA_PDL=0, read at each call (bench/gpu.py times both ways).
 // The switches bench/gpu.py times both ways, read at each call: dependent launches (below)
 // are on unless GENLM_FAST_CUDA_PDL=0, staging in (a1) unless GENLM_FAST_CUDA_STAGE=0, the
 // tile kernel folds the narrow spanning nodes unless GENLM_FAST_CUDA_FOLD=0 (then (c)
@@ -1218,8 +1219,8 @@ cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out,
                 A.run_bounds, A.tile_node_lo, A.node_src, A.tile_scratch_ptr, A.scratch_src,
                 A.scratch_slot, A.tile_fold_ptr, A.tile_fold_wait,
                 reinterpret_cast<const int4*>(A.fold_bounds), A.fold_node,
-                fold ? A.tile_flags : nullptr, flag_value, A.scratch, A.scratch_stride, out, A.num_nodes, A.tile, row0,
-                row0 + rows);
+                fold ? A.tile_flags : nullptr, flag_value, A.scratch, A.scratch_stride, out,
+                A.num_nodes, A.tile, row0, row0 + rows);
   const int64_t first = fold ? A.span_narrow : 0;  // (c)'s first spanning node
   if (err != cudaSuccess || first == A.S) return err;
   const int64_t narrow_blocks = (A.span_narrow - first + kSpanThreads - 1) / kSpanThreads;

@@ -27,7 +27,9 @@ class _PinnedArrays:
 
     def __init__(self):
         self.alive = 0
-        self.lock = threading.Lock()
+        # reentrant: a freed array's finalizer may run in whatever thread drops it, even
+        # one inside reserve()
+        self.lock = threading.RLock()
 
     def reserve(self, nbytes: int) -> bool:
         with self.lock:

@@ -58,7 +58,8 @@
 //      3. out: the tile total and pieces to the row's scratch (double), and the tile's flag
 //         set (publish_tile: its scratch values are there); then the node ids the tile
 //         owns, a warp per 32 consecutive ids, each lane copying its id's source for every
-//         row: whole, coalesced lines of each output row, once.
+//         row: coalesced, 128 bytes a store over two lines of the output row, once. (With
+//         GENLM_FAST_CUDA_ALIGN=1: a warp per row, each store one line of it.)
 //      4. folds: a spanning node combines its left piece, the totals of its whole tiles and
 //         its right piece, all in the row's scratch. Most have a few whole tiles (Llama-3:
 //         5,138 of 5,171 have at most SPAN_NARROW_TILES = 16, ~1.3 tiles each), and the
@@ -778,7 +779,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
                 const int32_t* __restrict__ fold_node, int32_t* __restrict__ tile_flags,
                 int32_t flag_value, double* __restrict__ scratch, int64_t stride,
                 TileValue<T, RED>* __restrict__ out, int64_t num_nodes, int tile, int64_t row0,
-                int64_t row_end) {
+                int64_t row_end, bool aligned_stores) {
   using V = TileValue<T, RED>;
   constexpr int kStride = ROWS + 1;  // odd: lanes at consecutive rows hit different banks
   constexpr int kGroups = kTileThreads / ROWS;  // thread groups; a group's lanes = rows
@@ -997,18 +998,36 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     if (tid == 0) publish_tile(flags + t, flag_value);
     for (int k = wait_lo + lane; k < t; k += 32) wait_tile(flags + k, flag_value);
   }
-  // the node ids the tile owns, each row's block whole: a warp per 32 consecutive ids, its
-  // lanes at consecutive ids (coalesced lines), looping over the rows
-  for (int k = warp * 32 + lane; k - lane < n_ids; k += kTileThreads) {
-    if (k >= n_ids) continue;
-    const int code = k < kSharedIds ? id_src[k] : node_src[node_lo + k];
-    const V* src = val + source_row(code, tile) * kStride;
-    V* dst = out + first_row * num_nodes + node_lo + k;
-    if (rows == ROWS) {
+  // the node ids the tile owns, each row's block whole
+  if (aligned_stores) {
+    // a warp per row (rows warp, warp + kTileWarps, ...), its lanes walking the row's block
+    // in windows of 32 ids that start on a multiple of 32 of the output's elements: each
+    // store is one whole line (floats; doubles: two), but for the block's two ends. The
+    // rows start at different offsets in a line (N is rarely a multiple of 32), so each row
+    // has its own windows, and each store looks up its own id's source.
+    for (int jj = warp; jj < rows; jj += kTileWarps) {
+      const int64_t row_at = (first_row + jj) * num_nodes + node_lo;
+      V* const dst = out + row_at;
+      for (int k = lane - static_cast<int>(row_at & 31); k < n_ids; k += 32) {
+        if (k < 0) continue;
+        const int code = k < kSharedIds ? id_src[k] : node_src[node_lo + k];
+        store_out(dst + k, val[source_row(code, tile) * kStride + jj]);
+      }
+    }
+  } else {
+    // a warp per 32 consecutive ids, its lanes at consecutive ids (128 bytes, over two lines
+    // but where the row's block starts on one), looping over the rows
+    for (int k = warp * 32 + lane; k - lane < n_ids; k += kTileThreads) {
+      if (k >= n_ids) continue;
+      const int code = k < kSharedIds ? id_src[k] : node_src[node_lo + k];
+      const V* src = val + source_row(code, tile) * kStride;
+      V* dst = out + first_row * num_nodes + node_lo + k;
+      if (rows == ROWS) {
 #pragma unroll
-      for (int jj = 0; jj < ROWS; ++jj) store_out(dst + jj * num_nodes, src[jj]);
-    } else {
-      for (int jj = 0; jj < rows; ++jj) store_out(dst + jj * num_nodes, src[jj]);
+        for (int jj = 0; jj < ROWS; ++jj) store_out(dst + jj * num_nodes, src[jj]);
+      } else {
+        for (int jj = 0; jj < rows; ++jj) store_out(dst + jj * num_nodes, src[jj]);
+      }
     }
   }
   // the folds, over the scratch values of the tiles waited for and this one's: a thread per
@@ -1038,8 +1057,9 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
 // The switches bench/gpu.py times both ways, read at each call: dependent launches (below)
 // are on unless GENLM_FAST_CUDA_PDL=0, staging in (a1) unless GENLM_FAST_CUDA_STAGE=0, the
 // tile kernel folds the narrow spanning nodes unless GENLM_FAST_CUDA_FOLD=0 (then (c)
-// reduces them, a thread each), and staged batches go in launches of kChunkRows rows with
-// GENLM_FAST_CUDA_CHUNK=1 (off by default: not yet timed).
+// reduces them, a thread each), staged batches go in launches of kChunkRows rows with
+// GENLM_FAST_CUDA_CHUNK=1, and the tile kernel stores whole lines of the output with
+// GENLM_FAST_CUDA_ALIGN=1 (both off by default: not yet timed).
 bool switch_on(const char* name, bool by_default = true) {
   const char* env = std::getenv(name);
   return env == nullptr ? by_default : env[0] != '0';
@@ -1192,7 +1212,8 @@ cudaError_t launch_row_pass(const TrieArgs& A, const T* values, T* staged, int64
 // (the row check, and staging), then (b) and (c).
 template <class T, class Out, int RED, int ROWS>
 cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out, int64_t row0,
-                        int64_t rows, bool fold, int32_t flag_value, cudaStream_t stream) {
+                        int64_t rows, bool fold, bool aligned, int32_t flag_value,
+                        cudaStream_t stream) {
   constexpr bool kLse = RED == kLogMass;
   int64_t splits = 0;
   cudaError_t err = cudaSuccess;
@@ -1220,7 +1241,7 @@ cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out,
                 A.scratch_slot, A.tile_fold_ptr, A.tile_fold_wait,
                 reinterpret_cast<const int4*>(A.fold_bounds), A.fold_node,
                 fold ? A.tile_flags : nullptr, flag_value, A.scratch, A.scratch_stride, out,
-                A.num_nodes, A.tile, row0, row0 + rows);
+                A.num_nodes, A.tile, row0, row0 + rows, aligned);
   const int64_t first = fold ? A.span_narrow : 0;  // (c)'s first spanning node
   if (err != cudaSuccess || first == A.S) return err;
   const int64_t narrow_blocks = (A.span_narrow - first + kSpanThreads - 1) / kSpanThreads;
@@ -1251,6 +1272,7 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
   Out* out = static_cast<Out*>(A.out);
   const bool stage = A.staged != nullptr && switch_on("GENLM_FAST_CUDA_STAGE");
   const bool fold = A.span_narrow > 0 && switch_on("GENLM_FAST_CUDA_FOLD");
+  const bool aligned = switch_on("GENLM_FAST_CUDA_ALIGN", /*by_default=*/false);
   // sum and max: the row check's column, 0 until (a1) reads a NaN in the row
   if (RED != kLogMass) {
     const cudaError_t err =
@@ -1272,7 +1294,8 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
     T* staged = stage && rows >= kStageMinRows ? static_cast<T*>(A.staged) : nullptr;
     const auto with_rows = [&](auto per_block) {  // a std::integral_constant
       return launch_rows<T, Out, RED, decltype(per_block)::value>(A, values, staged, out, row0,
-                                                                  rows, fold, flag_value, stream);
+                                                                  rows, fold, aligned, flag_value,
+                                                                  stream);
     };
     cudaError_t err;
     switch (rows_per_block(rows)) {  // staged is null below kStageMinRows rows

@@ -420,7 +420,8 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
                  span_narrow: int | None = None, span_warp: int | None = None,
                  stage: bool = True, column_leaf: np.ndarray | None = None,
                  row_pass_blocks: int = 0, resident_blocks: int = 1,
-                 stats: dict | None = None, fold: bool = True, chunk: bool = False):
+                 stats: dict | None = None, fold: bool = True, chunk: bool = False,
+                 align: bool = False):
     """(launch status, emulator errors, launches, result, scratch): the CUDA kernels' result
     for ``values`` (what cuda_backend.trie_reduce would return) and their per-row scratch
     (log_mass: the row's lse in its last column). Spanning nodes [0, ``span_narrow``) are
@@ -434,7 +435,8 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
     blocks run at once. ``stats`` (a dict) gets ``spins``: the look-back's polls that found
     a flag unset. ``fold`` False: GENLM_FAST_CUDA_FOLD=0, the span pass reduces the narrow
     spanning nodes too, a thread each. ``chunk``: GENLM_FAST_CUDA_CHUNK=1, a staged batch in
-    launches of 32 rows."""
+    launches of 32 rows. ``align``: GENLM_FAST_CUDA_ALIGN=1, the tile kernel's line-aligned
+    stores (a warp per row)."""
     ml = layout.modes[mode]
     tile = ml.tile if tile is None else tile
     span_narrow = span_class_end(ml, SPAN_NARROW_TILES) if span_narrow is None else span_narrow
@@ -475,7 +477,8 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0",
                UBSAN_OPTIONS="print_stacktrace=1", GENLM_FAST_CUDA_STAGE="1" if stage else "0",
                GENLM_FAST_CUDA_FOLD="1" if fold else "0",
-               GENLM_FAST_CUDA_CHUNK="1" if chunk else "0")
+               GENLM_FAST_CUDA_CHUNK="1" if chunk else "0",
+               GENLM_FAST_CUDA_ALIGN="1" if align else "0")
     proc = subprocess.run([exe, path_in, path_out], capture_output=True, text=True, timeout=600,
                           env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -853,6 +856,41 @@ def test_row_blocks_give_each_row_its_own_result(emulator, tmp_path, reduction, 
         x[1] *= 1e-30
         x[3] *= 1e20
     check(emulator, tmp_path, words, reduction, rows=x.float())
+
+
+@pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
+def test_line_aligned_stores_give_what_the_id_warps_give(emulator, tmp_path, reduction):
+    """GENLM_FAST_CUDA_ALIGN=1 (the switch bench/gpu.py times): the tile kernel writes each
+    row's block of ids a warp per row, in windows that start on a multiple of 32 of the
+    output's elements, instead of a warp per 32 ids over all rows. Both write every id once
+    with the same value: bit for bit the same result, and the reference's. Cases: a 1,500-id
+    block (past the shared node sources) and tiles owning none (EOS), float32 and float64,
+    unstaged (3 rows) and staged with a partial row block (9 rows: 8 and 1; 33: 32 and 1),
+    a trie with folds (spanning nodes written after the ids, into the lines just written);
+    N = 2,637 (odd): the output rows start at every offset in a line."""
+    rng = np.random.default_rng(17)
+    long_block = ([b"q" * 1500] + [b"dd"] * 200
+                  + [bytes(rng.integers(97, 100, size=rng.integers(1, 5))) for _ in range(300)])
+    folds = [bytes(rng.integers(97, 101, size=rng.integers(1, 8))) for _ in range(700)]
+    for words, eos, B, dtype in [(long_block, [b"dd"], 3, torch.float32),
+                                 (long_block, [b"dd"], 9, torch.float64),
+                                 (folds, [], 33, torch.float32)]:
+        if dtype == torch.float64 and reduction == "log_mass":
+            dtype = torch.float32  # log_mass writes floats whatever the logits
+        layout = make_trie(words, eos).layout
+        assert layout.num_nodes == (2637 if words is long_block else 7366)
+        assert span_class_end(layout.modes["without_eos"], SPAN_NARROW_TILES) > 0  # folds
+        x = make_values(rng, B, layout.num_columns + (3 if reduction == "log_mass" else 0),
+                        reduction, spread=40.0, neg_inf=0.2, dtype=dtype)
+        for mode in layout.modes:
+            want = reference(x, layout, reduction, mode)
+            got = {}
+            for align in (False, True):
+                status, errors, _, got[align], _ = run_emulated(
+                    emulator, str(tmp_path), x, layout, reduction, mode, align=align)
+                assert status == 0 and errors == 0
+                assert_matches(got[align], want, reduction, f"{mode}/B={B}/align={align}")
+            np.testing.assert_array_equal(got[True], got[False])
 
 
 def staged_and_not(emulator, tmp_path, x, layout, reduction, label, **kwargs):

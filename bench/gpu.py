@@ -684,12 +684,13 @@ def _bench_input(context, op: str, B: int):
 
 
 # The CUDA kernels' switches, environment variables the extension reads at each call (on by
-# default but chunk), the (op, B) pairs at which --switches times each off ("0") and on
-# ("1"), the others at their defaults, and the ops whose results may then differ in
+# default but chunk and align), the (op, B) pairs at which --switches times each off ("0")
+# and on ("1"), the others at their defaults, and the ops whose results may then differ in
 # rounding: dependent launches (PDL, sm_90) change nothing; staging for the gather (from B=8
 # on) sums log_mass's lse in another order; the tile kernel's folds of the narrow spanning
 # nodes (off: the span pass reduces them) do the same arithmetic; launches of 32 staged rows
-# (chunk) split log_mass's lse into other slices
+# (chunk) split log_mass's lse into other slices; the tile kernel's line-aligned stores
+# (align: a warp per output row) write the same values
 CUDA_SWITCHES = {
     "pdl": ("GENLM_FAST_CUDA_PDL", (("sum", 1), ("sum", 32), ("log_mass", 1), ("log_mass", 64)),
             ()),
@@ -700,9 +701,11 @@ CUDA_SWITCHES = {
                                       ("log_mass", 8), ("log_mass", 64), ("log_mass", 128)), ()),
     "chunk": ("GENLM_FAST_CUDA_CHUNK", (("sum", 64), ("sum", 128), ("log_mass", 64),
                                         ("log_mass", 128)), ("log_mass",)),
+    "align": ("GENLM_FAST_CUDA_ALIGN", (("sum", 1), ("sum", 32), ("max", 32), ("log_mass", 8),
+                                        ("log_mass", 64), ("log_mass", 128)), ()),
 }
 # the switches off unless set
-CUDA_SWITCHES_OFF_BY_DEFAULT = ("chunk",)
+CUDA_SWITCHES_OFF_BY_DEFAULT = ("chunk", "align")
 
 
 def switch_comparison(context, names) -> list[dict]:

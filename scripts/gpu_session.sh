@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (the device tool; README "GPU sessions"):
 #     bash scripts/gpu_session.sh tests    # build with the CUDA kernels, run the GPU tests
-#     bash scripts/gpu_session.sh bench    # python -m bench.gpu --switches pdl stage fold chunk --sweep (Llama-3)
+#     bash scripts/gpu_session.sh bench    # python -m bench.gpu --switches pdl stage fold chunk
+#                                          #   align --sweep (Llama-3)
 #     bash scripts/gpu_session.sh profile  # ncu on the CUDA kernels (and their DRAM traffic
 #                                          # with the caches as the pipeline leaves them,
 #                                          # and what the tile and span kernels wait on)
@@ -17,10 +18,11 @@
 # 30 s after a call, so two calls usually mean two builds; `all` bounds the benchmark and the
 # tests with timeouts that share what the build leaves of TOTAL_S = 585 s (BENCH_S and
 # TESTS_S override them), to fit the 10-minute limit; PYTEST_ARGS adds pytest arguments,
-# BENCH_ARGS replaces the benchmark's --switches pdl stage fold chunk --sweep). What comes back: the
-# benchmark table, the test log, env.txt and, if a test crashed the interpreter, its C
-# stack (crash.txt); the rest (build log, test reports, the sm_90 compile table, the ncu
-# reports ncu-*.txt) in logs.tar.gz, as the tool brings back 8 files. Commit the table under bench/results/.
+# BENCH_ARGS replaces the benchmark's --switches pdl stage fold chunk align --sweep). What
+# comes back: the benchmark table, the test log, env.txt and, if a test crashed the
+# interpreter, its C stack (crash.txt); the rest (build log, test reports, the sm_90 compile
+# table, the ncu reports ncu-*.txt) in logs.tar.gz, as the tool brings back 8 files. Commit
+# the table under bench/results/.
 # SmolLM2's vocabulary cases are left out there (its tokenizer ships in a 96 MB GGUF, over
 # the transfer limit).
 set -uo pipefail
@@ -163,11 +165,21 @@ run_profile() {
     --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$' \
     $PY -m bench.gpu_profile --op log_mass --batch 64 >"$OUT/ncu-stalls-log_mass-B64.txt" 2>&1
   echo "ncu stalls log_mass B=64: exit $? ($OUT/ncu-stalls-log_mass-B64.txt)"
+  # The tile kernel's stores with GENLM_FAST_CUDA_ALIGN off and on (log_mass B=64, the third
+  # call): the memory tables' L1 and L2 requests and sectors per global store, and how often
+  # the schedulers issue. Last: a section this ncu lacks costs only these two reports.
+  for align in 0 1; do
+    GENLM_FAST_CUDA_ALIGN=$align "$ncu" --kernel-name regex:tile_kernel --launch-skip 2 \
+      --launch-count 1 --section MemoryWorkloadAnalysis_Tables --section SchedulerStats \
+      $PY -m bench.gpu_profile --op log_mass --batch 64 \
+      >"$OUT/ncu-stores-align$align-log_mass-B64.txt" 2>&1
+    echo "ncu stores (align=$align) log_mass B=64: exit $?"
+  done
 }
 
 run_bench() {
   # --sweep: after the main table (written first), the Triton kernels' launch configurations
-  $PY -m bench.gpu ${BENCH_ARGS---switches pdl stage fold chunk --sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
+  $PY -m bench.gpu ${BENCH_ARGS---switches pdl stage fold chunk align --sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
   return "${PIPESTATUS[0]}"
 }
 

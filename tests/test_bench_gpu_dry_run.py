@@ -259,7 +259,7 @@ def test_switch_comparison_times_each_switch_off_and_on_and_checks_them(monkeypa
         monkeypatch.delenv(env, raising=False)
     context = {"backends": ["cuda"], "device": torch.device("cuda"), "how": "cuda_events",
                "vocab": [b"a"] * 10, "layout": None}
-    names = ["pdl", "stage", "fold", "chunk"]
+    names = ["pdl", "stage", "fold", "chunk", "align"]
     assert list(envs) == names
     rows = gpu.switch_comparison(context, names)
     assert not any(env in os.environ for env in envs.values())

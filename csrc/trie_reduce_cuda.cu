@@ -59,7 +59,8 @@
 //         set (publish_tile: its scratch values are there); then the node ids the tile
 //         owns, a warp per 32 consecutive ids, each lane copying its id's source for every
 //         row: coalesced, 128 bytes a store over two lines of the output row, once. (With
-//         GENLM_FAST_CUDA_ALIGN=1: a warp per row, each store one line of it.)
+//         GENLM_FAST_CUDA_ALIGN=1, in blocks of 32 rows: a warp per row, each store one
+//         line of it.)
 //      4. folds: a spanning node combines its left piece, the totals of its whole tiles and
 //         its right piece, all in the row's scratch. Most have a few whole tiles (Llama-3:
 //         5,138 of 5,171 have at most SPAN_NARROW_TILES = 16, ~1.3 tiles each), and the
@@ -999,12 +1000,14 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     for (int k = wait_lo + lane; k < t; k += 32) wait_tile(flags + k, flag_value);
   }
   // the node ids the tile owns, each row's block whole
-  if (aligned_stores) {
+  if (ROWS == 32 && aligned_stores) {
     // a warp per row (rows warp, warp + kTileWarps, ...), its lanes walking the row's block
     // in windows of 32 ids that start on a multiple of 32 of the output's elements: each
     // store is one whole line (floats; doubles: two), but for the block's two ends. The
     // rows start at different offsets in a line (N is rarely a multiple of 32), so each row
-    // has its own windows, and each store looks up its own id's source.
+    // has its own windows, and each store looks up its own id's source. Blocks of 32 rows
+    // only (B >= 32): compiled into the smaller ones, it costs them registers (48-56 -> 64
+    // for float sum and max), i.e. blocks an SM, whether it is used or not.
     for (int jj = warp; jj < rows; jj += kTileWarps) {
       const int64_t row_at = (first_row + jj) * num_nodes + node_lo;
       V* const dst = out + row_at;

@@ -860,21 +860,22 @@ def test_row_blocks_give_each_row_its_own_result(emulator, tmp_path, reduction, 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
 def test_line_aligned_stores_give_what_the_id_warps_give(emulator, tmp_path, reduction):
-    """GENLM_FAST_CUDA_ALIGN=1 (the switch bench/gpu.py times): the tile kernel writes each
-    row's block of ids a warp per row, in windows that start on a multiple of 32 of the
-    output's elements, instead of a warp per 32 ids over all rows. Both write every id once
-    with the same value: bit for bit the same result, and the reference's. Cases: a 1,500-id
-    block (past the shared node sources) and tiles owning none (EOS), float32 and float64,
-    unstaged (3 rows) and staged with a partial row block (9 rows: 8 and 1; 33: 32 and 1),
-    a trie with folds (spanning nodes written after the ids, into the lines just written);
-    N = 2,637 (odd): the output rows start at every offset in a line."""
+    """GENLM_FAST_CUDA_ALIGN=1 (the switch bench/gpu.py times): in blocks of 32 rows (B >=
+    32), the tile kernel writes each row's block of ids a warp per row, in windows that start
+    on a multiple of 32 of the output's elements, instead of a warp per 32 ids over all rows.
+    Both write every id once with the same value: bit for bit the same result, and the
+    reference's. Cases: a 1,500-id block (past the shared node sources) and tiles owning none
+    (EOS), float32 unstaged and float64 staged, full and partial row blocks (33 rows: 32 and
+    1; 40: 32 and 8, the 8 as before), a trie with folds (spanning nodes written after the
+    ids, into the lines just written); N = 2,637 (odd): the output rows start at every offset
+    in a line."""
     rng = np.random.default_rng(17)
     long_block = ([b"q" * 1500] + [b"dd"] * 200
                   + [bytes(rng.integers(97, 100, size=rng.integers(1, 5))) for _ in range(300)])
     folds = [bytes(rng.integers(97, 101, size=rng.integers(1, 8))) for _ in range(700)]
-    for words, eos, B, dtype in [(long_block, [b"dd"], 3, torch.float32),
-                                 (long_block, [b"dd"], 9, torch.float64),
-                                 (folds, [], 33, torch.float32)]:
+    for words, eos, B, dtype, stage in [(long_block, [b"dd"], 33, torch.float32, False),
+                                        (long_block, [b"dd"], 40, torch.float64, True),
+                                        (folds, [], 33, torch.float32, True)]:
         if dtype == torch.float64 and reduction == "log_mass":
             dtype = torch.float32  # log_mass writes floats whatever the logits
         layout = make_trie(words, eos).layout
@@ -887,7 +888,8 @@ def test_line_aligned_stores_give_what_the_id_warps_give(emulator, tmp_path, red
             got = {}
             for align in (False, True):
                 status, errors, _, got[align], _ = run_emulated(
-                    emulator, str(tmp_path), x, layout, reduction, mode, align=align)
+                    emulator, str(tmp_path), x, layout, reduction, mode, stage=stage,
+                    align=align)
                 assert status == 0 and errors == 0
                 assert_matches(got[align], want, reduction, f"{mode}/B={B}/align={align}")
             np.testing.assert_array_equal(got[True], got[False])

@@ -690,7 +690,7 @@ def _bench_input(context, op: str, B: int):
 # on) sums log_mass's lse in another order; the tile kernel's folds of the narrow spanning
 # nodes (off: the span pass reduces them) do the same arithmetic; launches of 32 staged rows
 # (chunk) split log_mass's lse into other slices; the tile kernel's line-aligned stores
-# (align: a warp per output row) write the same values
+# (align: a warp per output row, in blocks of 32 rows, so from B=32 on) write the same values
 CUDA_SWITCHES = {
     "pdl": ("GENLM_FAST_CUDA_PDL", (("sum", 1), ("sum", 32), ("log_mass", 1), ("log_mass", 64)),
             ()),
@@ -701,8 +701,9 @@ CUDA_SWITCHES = {
                                       ("log_mass", 8), ("log_mass", 64), ("log_mass", 128)), ()),
     "chunk": ("GENLM_FAST_CUDA_CHUNK", (("sum", 64), ("sum", 128), ("log_mass", 64),
                                         ("log_mass", 128)), ("log_mass",)),
-    "align": ("GENLM_FAST_CUDA_ALIGN", (("sum", 1), ("sum", 32), ("max", 32), ("log_mass", 8),
-                                        ("log_mass", 64), ("log_mass", 128)), ()),
+    "align": ("GENLM_FAST_CUDA_ALIGN", (("sum", 32), ("max", 32), ("sum", 64),
+                                        ("log_mass", 32), ("log_mass", 64), ("log_mass", 128)),
+              ()),
 }
 # the switches off unless set
 CUDA_SWITCHES_OFF_BY_DEFAULT = ("chunk", "align")

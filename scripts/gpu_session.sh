@@ -166,12 +166,14 @@ run_profile() {
     $PY -m bench.gpu_profile --op log_mass --batch 64 >"$OUT/ncu-stalls-log_mass-B64.txt" 2>&1
   echo "ncu stalls log_mass B=64: exit $? ($OUT/ncu-stalls-log_mass-B64.txt)"
   # The tile kernel's stores with GENLM_FAST_CUDA_ALIGN off and on (log_mass B=64, the third
-  # call): the memory tables' L1 and L2 requests and sectors per global store, and how often
-  # the schedulers issue. Last: a section this ncu lacks costs only these two reports.
+  # call): the memory tables' L1 and L2 requests and sectors per global store, how often the
+  # schedulers issue, and the instructions executed (the aligned stores look up each id's
+  # source once a store, not once a lane). Last: a section this ncu lacks costs only these
+  # two reports.
   for align in 0 1; do
     GENLM_FAST_CUDA_ALIGN=$align "$ncu" --kernel-name regex:tile_kernel --launch-skip 2 \
       --launch-count 1 --section MemoryWorkloadAnalysis_Tables --section SchedulerStats \
-      $PY -m bench.gpu_profile --op log_mass --batch 64 \
+      --section InstructionStats $PY -m bench.gpu_profile --op log_mass --batch 64 \
       >"$OUT/ncu-stores-align$align-log_mass-B64.txt" 2>&1
     echo "ncu stores (align=$align) log_mass B=64: exit $?"
   done

@@ -166,14 +166,18 @@ run_profile() {
     $PY -m bench.gpu_profile --op log_mass --batch 64 >"$OUT/ncu-stalls-log_mass-B64.txt" 2>&1
   echo "ncu stalls log_mass B=64: exit $? ($OUT/ncu-stalls-log_mass-B64.txt)"
   # The tile kernel's stores with GENLM_FAST_CUDA_ALIGN off and on (log_mass B=64, the third
-  # call): the memory tables' L1 and L2 requests and sectors per global store, how often the
-  # schedulers issue, and the instructions executed (the aligned stores look up each id's
-  # source once a store, not once a lane). Last: a section this ncu lacks costs only these
-  # two reports.
+  # call): the global stores' L1 requests and sectors, the L2's write requests and sectors
+  # (from the SMs), DRAM bytes, the instructions executed (the aligned stores look up each
+  # id's source once a store, not once a lane) and how often the schedulers issue. Last: a
+  # metric this ncu lacks costs only these two reports.
+  local stores=l1tex__t_requests_pipe_lsu_mem_global_op_st.sum
+  stores+=,l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum
+  stores+=,lts__t_requests_srcunit_tex_op_write.sum,lts__t_sectors_srcunit_tex_op_write.sum
+  stores+=,dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum
+  stores+=,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active
   for align in 0 1; do
     GENLM_FAST_CUDA_ALIGN=$align "$ncu" --kernel-name regex:tile_kernel --launch-skip 2 \
-      --launch-count 1 --section MemoryWorkloadAnalysis_Tables --section SchedulerStats \
-      --section InstructionStats $PY -m bench.gpu_profile --op log_mass --batch 64 \
+      --launch-count 1 --metrics "$stores" $PY -m bench.gpu_profile --op log_mass --batch 64 \
       >"$OUT/ncu-stores-align$align-log_mass-B64.txt" 2>&1
     echo "ncu stores (align=$align) log_mass B=64: exit $?"
   done

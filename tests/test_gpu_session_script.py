@@ -176,5 +176,6 @@ def test_profile_skips_two_calls_of_each_shape_and_keeps_the_caches_for_the_traf
         a = args(f"ncu-stores-align{align}-log_mass-B64.txt")
         assert a[a.index("--launch-skip") + 1] == "2" and a[a.index("--launch-count") + 1] == "1"
         assert a[a.index("--kernel-name") + 1] == "regex:tile_kernel"
-        assert "MemoryWorkloadAnalysis_Tables" in a and a[0] == f"align={align}"
+        assert "lts__t_requests_srcunit_tex_op_write.sum" in a[a.index("--metrics") + 1]
+        assert a[0] == f"align={align}"
         assert a[-4:] == ["--op", "log_mass", "--batch", "64"]

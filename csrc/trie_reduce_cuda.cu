@@ -999,7 +999,12 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     if (tid == 0) publish_tile(flags + t, flag_value);
     for (int k = wait_lo + lane; k < t; k += 32) wait_tile(flags + k, flag_value);
   }
-  // the node ids the tile owns, each row's block whole
+  // the node ids the tile owns, each row's block whole; id k's value for row j is
+  // val[source_at(k) + j] (its source code from shared memory for the first kSharedIds)
+  const auto source_at = [&](int k) {
+    const int code = k < kSharedIds ? id_src[k] : node_src[node_lo + k];
+    return source_row(code, tile) * kStride;
+  };
   if (ROWS == 32 && aligned_stores) {
     // a warp per row (rows warp, warp + kTileWarps, ...), its lanes walking the row's block
     // in windows of 32 ids that start on a multiple of 32 of the output's elements: each
@@ -1013,8 +1018,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
       V* const dst = out + row_at;
       for (int k = lane - static_cast<int>(row_at & 31); k < n_ids; k += 32) {
         if (k < 0) continue;
-        const int code = k < kSharedIds ? id_src[k] : node_src[node_lo + k];
-        store_out(dst + k, val[source_row(code, tile) * kStride + jj]);
+        store_out(dst + k, val[source_at(k) + jj]);
       }
     }
   } else {
@@ -1022,8 +1026,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     // but where the row's block starts on one), looping over the rows
     for (int k = warp * 32 + lane; k - lane < n_ids; k += kTileThreads) {
       if (k >= n_ids) continue;
-      const int code = k < kSharedIds ? id_src[k] : node_src[node_lo + k];
-      const V* src = val + source_row(code, tile) * kStride;
+      const V* src = val + source_at(k);
       V* dst = out + first_row * num_nodes + node_lo + k;
       if (rows == ROWS) {
 #pragma unroll

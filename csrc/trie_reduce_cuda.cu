@@ -731,6 +731,27 @@ __device__ __forceinline__ int source_row(int code, int tile) {
   return code - (2 * tile - 2) + kTotalRow;
 }
 
+// acc op x for x = col[a * kStride], col[(a + 1) * kStride], ..., col[(b - 1) * kStride] (a
+// row's values at positions [a, b), in that order), each through `value`. Runs are short
+// (Llama-3: 40% of 2 leaves, 83% of at most 8, 5.9 on average): four positions a trip
+// from one moving pointer, then up to three under predicates, where the compiler's own
+// unrolling (by 16, 8 and 4, each with its branches) spent ~40 instructions a run before
+// its first value.
+template <int kStride, class X, class Acc, class Value, class Op>
+__device__ __forceinline__ Acc fold_positions(const X* col, int a, int b, Acc acc, Value value,
+                                              Op op) {
+  const X* p = col + a * kStride;
+  int left = b - a;
+#pragma unroll 1
+  for (; left >= 4; left -= 4, p += 4 * kStride)
+    acc = op(op(op(op(acc, value(p[0])), value(p[kStride])), value(p[2 * kStride])),
+             value(p[3 * kStride]));
+  if (left > 0) acc = op(acc, value(p[0]));
+  if (left > 1) acc = op(acc, value(p[kStride]));
+  if (left > 2) acc = op(acc, value(p[2 * kStride]));
+  return acc;
+}
+
 // A run, positions [a, b) of the tile, for row j: sum (double), max, or log_mass: with the
 // tile's largest log-probability as the shift, shift + log(sum of exp(v - shift)). That is
 // exact to float rounding when the sum is >= kFastMinMass (1e-24): a term exp() flushed or
@@ -741,23 +762,23 @@ template <class V, int RED, int ROWS>
 __device__ __forceinline__ V reduce_run(const V* val, const float* lin, float shift, int a,
                                         int b, int j) {
   constexpr int kStride = ROWS + 1;
+  const auto same = [](auto x) { return x; };
+  const auto add = [](auto x, auto y) { return x + y; };
+  const auto larger = [](auto x, auto y) { return vmax(x, y); };
   if constexpr (RED == kSum) {
-    double acc = 0.0;
-    for (int p = a; p < b; ++p) acc += static_cast<double>(val[p * kStride + j]);
-    return static_cast<V>(acc);
-  } else if constexpr (RED == kMax) {
-    V m = val[a * kStride + j];  // runs are never empty
-    for (int p = a + 1; p < b; ++p) m = vmax(m, val[p * kStride + j]);
-    return m;
+    return static_cast<V>(fold_positions<kStride>(
+        val + j, a, b, 0.0, [](V x) { return static_cast<double>(x); }, add));
+  } else if constexpr (RED == kMax) {  // runs are never empty
+    return fold_positions<kStride>(val + j, a + 1, b, val[a * kStride + j], same, larger);
   } else {
-    float sum = 0.0f;  // at most 64 terms <= 1
-    for (int p = a; p < b; ++p) sum += lin[p * kStride + j];
+    // at most 64 terms <= 1
+    const float sum = fold_positions<kStride>(lin + j, a, b, 0.0f, same, add);
     if (sum >= kFastMinMass) return shift + fast_log(sum);
-    float m = static_cast<float>(neg_inf());
-    for (int p = a; p < b; ++p) m = vmax(m, val[p * kStride + j]);
+    const float m = fold_positions<kStride>(val + j, a, b, static_cast<float>(neg_inf()), same,
+                                            larger);
     if (m == static_cast<float>(neg_inf())) return m;
-    float z = 0.0f;
-    for (int p = a; p < b; ++p) z += fast_exp(val[p * kStride + j] - m);
+    const float z = fold_positions<kStride>(val + j, a, b, 0.0f,
+                                            [m](float x) { return fast_exp(x - m); }, add);
     return m + fast_log(z);
   }
 }

@@ -641,6 +641,32 @@ def test_log_mass_hundreds_of_nats_and_neg_inf(emulator, tmp_path):
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
+@pytest.mark.parametrize("B", [3, 40])
+def test_runs_of_every_length(emulator, tmp_path, reduction, B):
+    """The tile kernel reduces a run four positions a trip, then the last 1-3 under
+    predicates (fold_positions): one tile whose runs have every length from 2 to 62 (the
+    node a^k holds the tokens a^j b, j >= k), in blocks of 4 rows and, staged, of 32 + 8.
+    log_mass rows: the fast path (a sum of exps), the fallback of runs under 1e-24 of the
+    tile's mass (every leaf of the a-subtree 100 nats or more under the token b), and runs
+    of -inf only."""
+    words = [b"b"] + [b"a" * k + b"b" for k in range(1, 63)]
+    ml = make_trie(words).layout.modes["without_eos"]
+    bounds = ml.run_bounds.astype(np.int64)
+    assert len(ml.tile_run_ptr) == 2
+    assert sorted(((bounds >> 16) - (bounds & 0xFFFF)).tolist()) == list(range(2, 63))
+    rng = np.random.default_rng(7)
+    if reduction == "log_mass":
+        rows = rng.standard_normal((B, len(words))) * 3
+        rows[1] = -100.0 - 3.0 * np.arange(len(words))
+        rows[2] = -np.inf
+        rows[:, 0] = 0.0
+        x = torch.from_numpy(rows).float()
+    else:
+        x = make_values(rng, B, len(words), reduction, neg_inf=0.2)
+    check(emulator, tmp_path, words, reduction, rows=x)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_long_node_blocks_and_tiles_owning_none(emulator, tmp_path, reduction, dtype):
     """The tile kernel writes the block of node ids a tile owns, a warp per 32 ids: a

@@ -158,6 +158,9 @@ class CompiledTrie:
                 if r.dim() != 2 or r.shape[0] != 1:
                     raise ValueError(f"batch item {i} must be a 1-D weight vector, "
                                      f"got shape {tuple(r.shape[1:]) if r.dim() == 2 else tuple(r.shape)}")
+                if r.shape[1] != rows[0].shape[1]:
+                    raise ValueError(f"batch item {i} has length {r.shape[1]}, but item 0 has "
+                                     f"length {rows[0].shape[1]}")
             target = device if device is not None else rows[0].device
             return torch.cat([r.to(target) for r in rows], dim=0)
         else:
@@ -165,31 +168,22 @@ class CompiledTrie:
                             f"got {type(ws).__name__}")
         if batch.dim() == 1:
             batch = batch.unsqueeze(0)
-        if batch.dtype not in dispatch.FLOAT_DTYPES:
-            raise TypeError(f"expected floating-point weights, got {batch.dtype}")
         if device is not None:
             batch = batch.to(device)
         return batch
 
-    def _preprocess_ws(self, batch_ws) -> torch.Tensor:
-        """genlm's batch preprocessing: rows (lists, arrays, tensors) -> one float32
-        ``[B, V]`` tensor on the trie's device."""
-        batch = self._as_batch(batch_ws, self.device).to(torch.float32)
-        if batch.shape[-1] != self.vocab_size:
-            raise ValueError(f"expected weight rows of length {self.vocab_size}, "
-                             f"got {batch.shape[-1]}")
-        return batch
-
-    def _reduce(self, ws, reduction, mode="without_eos", device=None, dtype=None,
-                exact_width=True):
+    def _reduce(self, ws, reduction, mode="without_eos", device=None, dtype=None):
         batch = self._as_batch(ws, device)
+        if reduction != "log_mass":
+            batch = float_weights(batch)
         # dtype: the result's. float64 needs no float64 copy of the input: the dispatcher
         # gives float64 results of float32 values (the same numbers, the conversion being
         # exact). float32 rounds the values first, as genlm's float32 tries do.
         wide = dtype == torch.float64
         if dtype is not None and not wide:
             batch = batch.to(dtype)
-        width = self.vocab_size if exact_width else None
+        # weight rows are exactly one per token; logit rows may be wider (model padding)
+        width = None if reduction == "log_mass" else self.vocab_size
         out, used = dispatch.trie_reduce(batch, self._layout, reduction, mode=mode,
                                          backend=self.kernel_backend, exact_width=width,
                                          float64_result=wide)
@@ -211,13 +205,13 @@ class CompiledTrie:
         if _ndim(logits) != 2:
             raise ValueError(f"batch_log_mass expects [batch, vocab] logits, got "
                              f"{_describe(logits)}")
-        return self._reduce(logits, "log_mass", mode_name, exact_width=False)
+        return self._reduce(logits, "log_mass", mode_name)
 
     def log_mass(self, logits, mode=None) -> torch.Tensor:
         """``batch_log_mass`` for one ``[V']`` logit row; returns ``[N]``."""
         one_row(logits, "log_mass expects one [vocab] logit row",
                 "use batch_log_mass for a batch")
-        return self._reduce(logits, "log_mass", self._mode_name(mode), exact_width=False)[0]
+        return self._reduce(logits, "log_mass", self._mode_name(mode))[0]
 
     def _mode_name(self, mode) -> str:
         """The layout mode for ``mode``: a trie without an EOS node has only "without_eos"
@@ -276,6 +270,25 @@ def _gc_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+def float_weights(batch: torch.Tensor) -> torch.Tensor:
+    """Weights as floats: integer and bool weights (counts, masks) become float64, exactly,
+    as genlm takes them; float ones stay as they are; any other dtype is an error."""
+    if batch.dtype in dispatch.FLOAT_DTYPES:
+        return batch
+    if batch.dtype == torch.bool or not (batch.is_floating_point() or batch.is_complex()):
+        return batch.to(torch.float64)
+    raise TypeError(f"expected real (float, integer or bool) weights, got {batch.dtype}")
+
+
+def trie_device(device) -> str:
+    """A trie's device from its ``device`` argument: "cpu", "cuda" or None (cuda when
+    available)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if str(device) not in ("cpu", "cuda"):
+        raise ValueError(f"Invalid device: {device!r}. Must be 'cpu', 'cuda' or None")
+    return str(device)
 
 
 def _ndim(ws) -> int:

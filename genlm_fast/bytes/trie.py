@@ -10,7 +10,7 @@ import torch
 
 from genlm_fast.backend.tokenization import Token
 from genlm_fast.backend.trie.async_impl import AsyncTrieFrontEnd
-from genlm_fast.trie_core import CompiledTrie, is_leaf_key, one_row, token_fields
+from genlm_fast.trie_core import CompiledTrie, is_leaf_key, one_row, token_fields, trie_device
 
 EOS = 257  # the edge key of the EOS node under the root
 
@@ -54,7 +54,9 @@ class TokenByteTrie(CompiledTrie):
     Args:
         decode: ``Token`` objects (``decode_vocab``; genlm's ``Token`` too); plain bytes are
             accepted (deprecated).
-        device: "cpu", "cuda" or None (cuda when available); results live there.
+        device: "cpu", "cuda" or None (cuda when available): where the trie's arrays and
+            its weight_sum / weight_max results live (log_mass results stay on the logits'
+            device).
         atomic_byte_strings (alias ``atomic_tokens``): byte strings kept as one edge.
         eot_sentinel (alias ``eot_token``): first element of leaf edge keys in ``children``
             (any hashable object; the trie keeps the caller's own, never a copy).
@@ -88,12 +90,8 @@ class TokenByteTrie(CompiledTrie):
         except TypeError:
             raise TypeError(f"eot_sentinel keys the leaf edges, so it must be hashable; got a "
                             f"{type(eot_sentinel).__name__}") from None
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if str(device) not in ("cpu", "cuda"):
-            raise ValueError(f"Invalid device: {device!r}. Must be 'cpu', 'cuda' or None")
-
+        self.device = trie_device(device)
         self.decode = decode
-        self.device = str(device)
         self.max_batch_size = max_batch_size
         self.kernel_backend = kernel_backend
         self._byte_decode = [bs for bs, _ in fields]
@@ -131,10 +129,6 @@ class TokenByteTrie(CompiledTrie):
             [np.asarray(token_ids, dtype=np.int32), leaf_node.astype(np.int32)], axis=1)
         self.leaf2token_id = dict(zip(leaf_node.tolist(), token_ids))
         self.token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.decode)
 
     def _public_key(self, key):
         return (self.eot_sentinel, key[1]) if is_leaf_key(key) else key

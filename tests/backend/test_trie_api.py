@@ -315,6 +315,54 @@ def test_numpy_views_are_read_as_numpy_reads_them():
     torch.testing.assert_close(byte.log_mass(logits[::-1]), byte.log_mass(logits[::-1].copy()))
 
 
+def test_integer_and_bool_weights_are_taken_as_genlm_takes_them():
+    """Counts and masks as int/bool arrays, tensors and lists: the references sum and max
+    them as numbers; so do we, for every trie, one row or a batch (sync and async)."""
+    import asyncio
+
+    V = len(SMALL)
+    # non-negative: genlm's sequential weight_max floors every node at 0
+    # (test_weight_max_allows_negative_log_weights)
+    counts = np.arange(V, dtype=np.int64) * 7 % 11
+    mask = np.arange(V) % 3 == 0
+    forms = [counts, torch.from_numpy(counts), counts.tolist(), mask, torch.from_numpy(mask),
+             counts.astype(np.int16), torch.from_numpy(counts).to(torch.uint8)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        refs = [ref_trie.TokenCharacterTrie(theirs(SMALL)),
+                ref_trie.ParallelTokenCharacterTrie(theirs(SMALL), device="cpu")]
+    mine = [TokenCharacterTrie(ours(SMALL), cache=False),
+            ParallelTokenCharacterTrie(ours(SMALL), device="cpu", cache=False)]
+    ref_byte = ref_bytes.TokenByteTrie(theirs(SMALL), device="cpu")
+    byte = TokenByteTrie(ours(SMALL), device="cpu", cache=False)
+    for ws in forms:
+        floats = np.asarray(ws.numpy() if isinstance(ws, torch.Tensor) else ws, np.float64)
+        for trie, ref in zip(mine, refs):
+            for op in ("weight_sum", "weight_max"):
+                got = getattr(trie, op)(ws)
+                assert got.dtype == getattr(ref, op)(floats).dtype
+                np.testing.assert_allclose(got, getattr(ref, op)(ws), rtol=1e-6)
+            np.testing.assert_allclose(trie.batch_weight_sum([ws, ws]),
+                                       ref.batch_weight_sum([floats, floats]), rtol=1e-6)
+        for op in ("weight_sum", "weight_max"):
+            got = getattr(byte, op)(ws)
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, getattr(ref_byte, op)(floats).float())
+
+    async def run_async():
+        atrie = AsyncTokenByteTrie(byte)
+        try:
+            return await asyncio.gather(atrie.weight_sum(counts), atrie.weight_sum(counts * 0.5),
+                                        atrie.weight_max(torch.from_numpy(mask)))
+        finally:
+            await atrie.cleanup()
+
+    whole, half, most = asyncio.run(run_async())
+    torch.testing.assert_close(whole, ref_byte.weight_sum(counts.astype(np.float64)).float())
+    torch.testing.assert_close(half, ref_byte.weight_sum(counts * 0.5).float())
+    torch.testing.assert_close(most, ref_byte.weight_max(mask.astype(np.float64)).float())
+
+
 def test_log_mass_rejects_a_batch_in_any_form():
     trie = TokenByteTrie(ours([b"a", b"b"]), device="cpu", cache=False)
     two_rows = np.array([[0.0, 0.0], [5.0, -5.0]])
@@ -541,7 +589,8 @@ async def test_async_malformed_requests_fail_alone():
         (atrie.weight_max(torch.full((V,), float("nan"))), ValueError, "NaN"),
         (atrie.log_mass(torch.full((V,), float("nan"))), ValueError, "NaN"),
         (atrie.log_mass(torch.full((V,), float("inf"))), ValueError, r"\+inf"),
-        (atrie.weight_sum(torch.ones(V, dtype=torch.long)), TypeError, "floating"),
+        (atrie.weight_sum(torch.ones(V, dtype=torch.complex64)), TypeError, "real"),
+        (atrie.log_mass(torch.ones(V, dtype=torch.long)), TypeError, "floating"),
         (atrie.weight_sum(torch.ones(2, V)), ValueError, "one row"),
         (atrie.log_mass(torch.zeros(2, V)), ValueError, "one row"),
         (atrie.weight_sum(torch.ones(V + 1)), ValueError, "length"),
@@ -619,8 +668,12 @@ def test_bad_input_is_named():
     V = len(SMALL)
     with pytest.raises(ValueError, match="length"):
         trie.weight_sum(torch.ones(V + 1))
+    with pytest.raises(TypeError, match="real"):
+        trie.batch_weight_sum(torch.ones(2, V, dtype=torch.complex64))
     with pytest.raises(TypeError, match="floating"):
-        trie.batch_weight_sum(torch.ones(2, V, dtype=torch.int64))
+        trie.batch_log_mass(torch.ones(2, V, dtype=torch.int64))
+    with pytest.raises(ValueError, match="item 1 has length 3"):
+        trie.batch_weight_sum([np.ones(V), np.ones(3)])
     with pytest.raises(ValueError, match="NaN"):
         trie.batch_log_mass(torch.full((1, V), float("nan")))
     with pytest.raises(ValueError, match=r"\+inf"):

@@ -18,7 +18,7 @@ import torch
 
 from genlm_fast.backend.trie.base import ParallelTokenCharacterTrie, TokenCharacterTrie
 from genlm_fast.ops.dispatch import validate_values
-from genlm_fast.trie_core import one_row
+from genlm_fast.trie_core import float_weights, one_row
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +140,8 @@ class AsyncTrieFrontEnd:
             raise ValueError(f"Invalid trie operation: {op!r} (expected one of {OPS})")
         one_row(ws, "expected one row of shape [V]", "await one call per row")
         row = self.trie._as_batch(ws, None)[0]
+        if op != "log_mass":
+            row = float_weights(row)
         # the dispatcher's own checks (type, dtype, width), before the row joins a batch
         validate_values(row[None], self.trie.layout,
                         exact_width=None if op == "log_mass" else self.trie.vocab_size)

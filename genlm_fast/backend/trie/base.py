@@ -9,7 +9,7 @@ import weakref
 import numpy as np
 import torch
 
-from genlm_fast.trie_core import CompiledTrie, item_entry, one_row
+from genlm_fast.trie_core import CompiledTrie, item_entry, one_row, trie_device
 
 # GPU results reach the host through page-locked ("pinned") memory: torch's caching host
 # allocator hands the same block back call after call, so the copy runs at the link's speed
@@ -105,8 +105,8 @@ class TokenCharacterTrie(CompiledTrie):
         words, keys = [], []
         plain_bytes_seen = False
         all_bytes = True
-        self.word2leaf = {}
-        for idx, item in enumerate(decode):
+        seen = set()
+        for item in decode:
             word, key, plain = item_entry(item)
             if plain and not plain_bytes_seen:
                 plain_bytes_seen = True
@@ -114,9 +114,9 @@ class TokenCharacterTrie(CompiledTrie):
                               "Token objects from decode_vocab() instead.",
                               DeprecationWarning, stacklevel=2)
             all_bytes &= isinstance(item, bytes)
-            if key in self.word2leaf:
+            if key in seen:
                 raise ValueError(f"Duplicate word in vocabulary: {key!r}")
-            self.word2leaf[key] = idx  # replaced by the leaf id below
+            seen.add(key)
             words.append(word)
             keys.append(key)
         cache_key = None
@@ -129,12 +129,6 @@ class TokenCharacterTrie(CompiledTrie):
         self.word2leaf = {key: int(leaf_node[i]) for i, key in enumerate(keys)}
         self.idx_to_leaf = np.stack(
             [np.arange(len(words), dtype=np.int32), leaf_node.astype(np.int32)], axis=1)
-
-    def _preprocess_ws(self, ws):
-        """genlm's sequential-trie preprocessing: a tensor becomes a host numpy array."""
-        if isinstance(ws, torch.Tensor):
-            return ws.detach().cpu().numpy()
-        return ws
 
     def _host(self, result: torch.Tensor) -> np.ndarray:
         return to_host(result)
@@ -170,13 +164,9 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
     when available). Results are numpy float32 arrays, as in genlm."""
 
     _out_dtype = torch.float32
-    _preprocess_ws = CompiledTrie._preprocess_ws  # float32 rows on the device, as in genlm
 
     def __init__(self, decode, device=None, **kwargs):
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if str(device) not in ("cpu", "cuda"):
-            raise ValueError(f"Invalid device: {device!r}. Must be 'cpu', 'cuda' or None")
-        self.device = str(device)
+        self.device = trie_device(device)
         super().__init__(decode, **kwargs)
         self.positions = torch.as_tensor(self.idx_to_leaf[:, 0], dtype=torch.long,
                                          device=self.device)

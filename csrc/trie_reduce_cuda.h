@@ -39,7 +39,8 @@ struct TrieArgs {
   const int32_t* tile_run_ptr;  // [n_tiles + 1] CSR of the tiles' runs (layout.py)
   const int32_t* run_bounds;    // local positions a | b << 16 of each run
   const int32_t* node_src;      // [num_nodes] a node's source code in its owning tile: a
-                                // position < tile, tile + run, or 2 * tile - 1 (none)
+                                // position < tile, tile + run, 2 * tile - 2 (the whole
+                                // tile) or 2 * tile - 1 (none)
   const int32_t* tile_scratch_ptr;  // [n_tiles + 1] CSR of the tiles' scratch values
   const int32_t* scratch_src;       // their source codes
   const int32_t* scratch_slot;      // their scratch slots

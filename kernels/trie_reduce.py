@@ -220,10 +220,9 @@ def _tile_ranges_dense(x_ptr, C, L, leaf_token_ptr, range_ptr_ptr, range_start_p
         sp = tl.arange(0, SPLIT)
         pm = tl.load(pmax_ptr + row * SPLIT + sp).to(ACC)
         ps = tl.load(psum_ptr + row * SPLIT + sp).to(ACC)
-        big = tl.max(pm, axis=0)
+        big, total = lse_merge(pm, ps)
         big_safe = tl.where(big == float("-inf"), 0.0, big)
-        # lse = big + s, kept as the pair: _row_normaliser's merge, for one row
-        s = tl.log(tl.sum(ps * tl.exp(pm - big_safe), axis=0))
+        s = tl.log(total)  # lse = big_safe + s, kept as the pair (as _row_normaliser's)
         x = tl.load(x_row + tok, mask=pos_ok, other=float("-inf"),
                     eviction_policy="evict_last").to(ACC)
         v = ((x - big_safe) - s).to(tl.float32)
@@ -436,7 +435,7 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, unit_end_ptr
                     for c2 in range(u1, r1, SUB):
                         s_ok, st, en, de = _load_ranges(range_start_ptr, range_end_ptr,
                                                         range_dest_ptr, c2, r1, SUB)
-                        d_r = _dense_reduce(v_r, pos, st, en, 0)
+                        d_r = _dense_reduce(v_r, pos, st, en, REDUCE_SUM)
                         _store_ranges(out_ptr + row * N, scratch_ptr + row * NS, de,
                                       d_r.to(out_ptr.dtype.element_ty), s_ok)
 

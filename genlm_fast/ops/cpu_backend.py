@@ -15,7 +15,7 @@ import torch
 from genlm_fast.ops import extension
 
 # the kernel checks each row as it reads it and raises the dispatcher's error itself
-OWN_ROW_CHECK = ("sum", "max", "log_mass")
+CHECKS_ROWS = True
 
 
 def _node_depths(parent: torch.Tensor) -> torch.Tensor:
@@ -78,10 +78,8 @@ def cpu_arrays(arrays: dict) -> dict:
         parent = arrays["parent"].long()
         depth = _node_depths(parent)
         max_depth = int(depth.max()) if depth.numel() else 0
-        token = arrays["leaf_token"]
         cached = {
             "max_depth": max_depth,
-            "min_columns": int(token.max()) + 1 if token.numel() else 0,
             "node_of_leaf": node_of_leaf.contiguous(),
             "empty": empty.to(torch.int32).contiguous(),
             "checked": False,
@@ -102,9 +100,9 @@ def run_kernel(module, values: torch.Tensor, arrays: dict, reduction: str, *,
     check = not cpu["checked"] if check is None else check
     # the kernel gathers columns by leaf_token, bounds-checked only when check is true:
     # a row too narrow must not be read past its end, whoever calls this
-    if values.dim() == 2 and values.shape[1] < cpu["min_columns"]:
+    if values.dim() == 2 and values.shape[1] < arrays["num_columns"]:
         raise ValueError(f"rows have {values.shape[1]} entries but the vocabulary needs at "
-                         f"least {cpu['min_columns']}")
+                         f"least {arrays['num_columns']}")
     out, bad_row = module.trie_reduce_cpu(
         values, arrays["parent"], cpu["node_of_leaf"], arrays["leaf_token"], cpu["empty"],
         cpu["run_end"], cpu["run_depth"], cpu["run_child_slot"], cpu["run_join_slot"],

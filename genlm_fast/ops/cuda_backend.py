@@ -15,7 +15,7 @@ from genlm_fast.ops import extension
 # stage them for the gather, or for this alone) and leaves each row's check in the last
 # scratch column, NaN exactly for the bad rows: the dispatcher reads that instead of its own
 # pass over the values
-OWN_ROW_CHECK = ("sum", "max", "log_mass")
+CHECKS_ROWS = True
 
 
 def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
@@ -26,24 +26,25 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
     if float64_result:  # the kernels give float64 for float64 values
         values = values.double()
     # the kernels gather columns by leaf_token unchecked: never read past a narrow row's end
-    cached = arrays.get("_cuda")
-    if cached is None:  # one device sync per (layout, mode, device)
+    num_columns = arrays["num_columns"]
+    if values.shape[1] < num_columns:
+        raise ValueError(f"rows have {values.shape[1]} entries but the vocabulary needs at "
+                         f"least {num_columns}")
+    column_leaf = arrays.get("_column_leaf")
+    if column_leaf is None:  # once per (layout, mode, device)
+        # leaf_token's inverse, for staging the rows in leaf order: each column's leaf
+        # position (-1: a column no token reads)
         token = arrays["leaf_token"]
-        min_columns = int(token.max()) + 1 if token.numel() else 0
-        # its inverse, for staging the rows in leaf order: the leaf position of each column
-        column_leaf = torch.full((min_columns,), -1, dtype=torch.int32, device=token.device)
+        column_leaf = torch.full((num_columns,), -1, dtype=torch.int32, device=token.device)
         column_leaf[token.long()] = torch.arange(token.numel(), dtype=torch.int32,
                                                  device=token.device)
-        cached = arrays["_cuda"] = {"min_columns": min_columns, "column_leaf": column_leaf}
-    if values.shape[1] < cached["min_columns"]:
-        raise ValueError(f"rows have {values.shape[1]} entries but the vocabulary needs at "
-                         f"least {cached['min_columns']}")
+        arrays["_column_leaf"] = column_leaf
     # per-row workspace: tile totals and pieces, plus the row check in the last column (for
     # log_mass the row's log-sum-exp)
     scratch = torch.empty(values.shape[0], num_scratch + 1, dtype=torch.float64,
                           device=values.device)
     out = extension.load_module().trie_reduce_cuda(
-        values, arrays["leaf_token"], cached["column_leaf"], arrays["tile_node_lo"],
+        values, arrays["leaf_token"], column_leaf, arrays["tile_node_lo"],
         arrays["tile_run_ptr"], arrays["run_bounds"], arrays["node_src"],
         arrays["tile_scratch_ptr"], arrays["scratch_src"], arrays["scratch_slot"],
         arrays["tile_fold_ptr"], arrays["tile_fold_wait"], arrays["fold_bounds"],

@@ -9,7 +9,7 @@ implements the same function, on inputs this module has already checked::
 ``values``: [B, C] contiguous, B >= 1, float32/float64 (``sum``/``max``) or any float dtype
 (``log_mass``). Rows holding a NaN (and for ``log_mass`` a +inf, or no finite logit) are
 errors. The dispatcher finds them with one pass over the values before the backend runs
-(:func:`row_check`), except for the reductions in the backend module's ``OWN_ROW_CHECK``:
+(:func:`row_check`), unless the backend module's ``CHECKS_ROWS`` says it checks them itself:
 the ``cpu`` kernel checks each row as it reads it and raises, the ``cuda`` row pass returns
 a ``row_check`` of its own (the second item of the result; None elsewhere), each read on the
 host once the kernels are enqueued. ``arrays``: the mode's index
@@ -35,12 +35,11 @@ logger = logging.getLogger("genlm_fast.ops")
 
 BACKENDS = ("reference", "triton", "cuda", "cpu")
 REDUCTIONS = ("sum", "max", "log_mass")
-# "auto" on a GPU, fastest first, per reduction: H100, Llama-3 vocabulary, at 80569f1
+# "auto" on a GPU, fastest first, for every reduction: H100, Llama-3 vocabulary, at 80569f1
 # (bench/results/gpu-h100-2026-11-26-2.md), kernels alone: sum B=32 cuda 0.063 ms, triton
 # 0.143 ms; max B=64 cuda 0.130 ms, triton 0.222 ms; log_mass B=64 cuda 0.152 ms, triton
 # 0.296 ms (CUDA is ahead at every B from 1 to 128, for every op, as on the H200 at 5e66b7f).
-GPU_PREFERENCE = {"sum": ("cuda", "triton"), "max": ("cuda", "triton"),
-                  "log_mass": ("cuda", "triton")}
+GPU_PREFERENCE = ("cuda", "triton")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _warned = set()
 
@@ -87,19 +86,25 @@ def triton_usable(device: torch.device) -> bool:
     return not triton_unusable_reason(device)
 
 
+def require_triton(device: torch.device):
+    """Raise the error that says why the 'triton' backend cannot run on ``device``, if so."""
+    reason = triton_unusable_reason(device)
+    if reason:
+        raise RuntimeError(f"The 'triton' backend cannot run on this {torch.device(device).type} "
+                           f"tensor: {reason}.")
+
+
 def _extension_usable(kind: str, device: torch.device) -> bool:
     if device.type != kind:
         return False
-    try:
-        from genlm_fast.ops import extension
-    except ImportError:
-        return False
+    from genlm_fast.ops import extension  # never raises: a missing build is has() == False
+
     return extension.has(kind)
 
 
 def available_backends(device="cpu") -> list[str]:
-    """Backends that can run on ``device`` in this process (on a GPU, "auto" picks among
-    them per reduction by ``GPU_PREFERENCE``)."""
+    """Backends that can run on ``device`` in this process (on a GPU, "auto" picks the
+    first of ``GPU_PREFERENCE`` among them)."""
     device = torch.device(device)
     found = []
     if device.type == "cuda":
@@ -143,7 +148,7 @@ def resolve_backend(backend: str, device, reduction: str = "log_mass") -> str:
     if backend == "auto":
         if device.type == "cuda":
             available = available_backends(device)
-            choice = next((b for b in GPU_PREFERENCE[reduction] if b in available), "reference")
+            choice = next((b for b in GPU_PREFERENCE if b in available), "reference")
         else:
             # the Triton interpreter is a correctness tool, never the CPU fast path
             choice = "cpu" if _extension_usable("cpu", device) else "reference"
@@ -152,9 +157,8 @@ def resolve_backend(backend: str, device, reduction: str = "log_mass") -> str:
         return choice
     if backend not in BACKENDS:
         raise ValueError(f"Unknown trie backend {backend!r}; expected 'auto' or one of {BACKENDS}")
-    if backend == "triton" and not triton_usable(device):
-        raise RuntimeError(f"The 'triton' backend cannot run on this {device.type} tensor: "
-                           f"{triton_unusable_reason(device)}.")
+    if backend == "triton":
+        require_triton(device)
     if backend in ("cuda", "cpu"):
         if device.type != backend:
             raise ValueError(f"The {backend!r} backend needs a {backend} tensor, got one on {device}.")
@@ -249,8 +253,7 @@ def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
     # The verdict on the rows (see the module docstring) is read once the kernels are
     # enqueued: on a GPU they then run without waiting for the host to read it (a bad row's
     # results are computed, then dropped with the error).
-    own_check = reduction in _backend_module(chosen).OWN_ROW_CHECK
-    check = None if own_check else row_check(values)
+    check = None if _backend_module(chosen).CHECKS_ROWS else row_check(values)
     out, backend_check = run_backend(values, layout, reduction, mode, chosen, float64_result)
     raise_bad_rows(values, backend_check if backend_check is not None else check, reduction)
     logger.debug("trie_reduce %s %s B=%d N=%d on %s via %s", reduction, mode,

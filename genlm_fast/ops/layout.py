@@ -151,6 +151,7 @@ class TrieLayout:
                 )
             }
             cached["parent"] = torch.from_numpy(self.parent).to(device)
+            cached["num_columns"] = self.num_columns
             cached["span_narrow"] = span_class_end(ml, SPAN_NARROW_TILES)
             cached["span_warp"] = span_class_end(ml, SPAN_WARP_TILES)
             self._device_cache[key] = cached
@@ -331,13 +332,13 @@ def _creation_order_of_bytes(words, leaf_keys):
     return parent_old, depth_tmp[creation], edge_key_old, old_id[leaf_tmp]
 
 
-def _mode_layout(num_nodes, node_first, token_column, deposit_node, tile=None):
+def _mode_layout(num_nodes, node_first, token_column, deposit_node):
     """Leaf order, node ranges and tile decomposition for one mode (tiles of ``TILE``).
 
     ``deposit_node[i]`` is the node whose subtree receives vocabulary position i: its own
     leaf normally, the EOS node for EOS tokens under WITH_EOS.
     """
-    tile = TILE if tile is None else tile
+    tile = TILE
     order = np.argsort(deposit_node, kind="stable")
     sorted_keys = deposit_node[order]
     nodes = np.arange(num_nodes, dtype=np.int64)

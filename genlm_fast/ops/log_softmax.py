@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from genlm_fast.ops.dispatch import triton_unusable_reason, triton_usable
+from genlm_fast.ops.dispatch import require_triton, triton_usable
 
 BACKENDS = ("reference", "triton")
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
@@ -26,9 +26,8 @@ def resolve(backend: str, device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown log_softmax_rows backend {backend!r}; expected 'auto' or "
                          f"one of {BACKENDS}")
-    if backend == "triton" and not triton_usable(device):
-        raise RuntimeError(f"The 'triton' backend cannot run on this {device.type} tensor: "
-                           f"{triton_unusable_reason(device)}.")
+    if backend == "triton":
+        require_triton(device)
     return backend
 
 

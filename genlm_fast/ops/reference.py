@@ -12,7 +12,7 @@ import torch
 
 from genlm_fast.ops.dispatch import result_dtype
 
-OWN_ROW_CHECK = ()  # the dispatcher checks every row before this backend runs
+CHECKS_ROWS = False  # the dispatcher checks every row before this backend runs
 
 
 def _segments(arrays):

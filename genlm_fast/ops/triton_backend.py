@@ -30,7 +30,7 @@ from genlm_fast.kernels import trie_reduce as kernels
 from genlm_fast.ops.dispatch import result_dtype
 from genlm_fast.ops.layout import SPAN_NARROW_TILES
 
-OWN_ROW_CHECK = ()  # the dispatcher checks every row before this backend runs
+CHECKS_ROWS = False  # the dispatcher checks every row before this backend runs
 
 _CODES = {"sum": kernels.REDUCE_SUM.value, "max": kernels.REDUCE_MAX.value,
           "log_mass": kernels.REDUCE_LOG_MASS.value}

@@ -1182,7 +1182,7 @@ def test_dispatcher_names_bad_rows_from_the_cuda_row_pass(emulator, tmp_path, mo
     real_row_check = dispatch.row_check
     monkeypatch.setattr(dispatch, "row_check",
                         lambda values: passes.append(values.shape) or real_row_check(values))
-    assert set(cuda_backend.OWN_ROW_CHECK) == set(dispatch.REDUCTIONS)
+    assert cuda_backend.CHECKS_ROWS
 
     out, used = dispatch.trie_reduce(torch.from_numpy(rows).float(), layout, "log_mass")
     assert used == "cuda" and passes == []

@@ -141,6 +141,7 @@ class CompiledTrie:
     def _as_batch(self, ws, device) -> torch.Tensor:
         """A list / array / tensor of rows -> one ``[B, C]`` tensor (on ``device`` if given)."""
         if isinstance(ws, torch.Tensor):
+            dispatch.check_device(ws)  # before any copy to the trie's device
             batch = ws
         elif isinstance(ws, np.ndarray):
             if not ws.dtype.isnative:  # big-endian data: torch reads native order only
@@ -182,8 +183,8 @@ class CompiledTrie:
         wide = dtype == torch.float64
         if dtype is not None and not wide:
             batch = batch.to(dtype)
-        # weight rows are exactly one per token; logit rows may be wider (model padding)
-        width = None if reduction == "log_mass" else self.vocab_size
+        # weight rows hold one entry per token id, exactly; logit rows may be wider (padding)
+        width = None if reduction == "log_mass" else self._layout.num_columns
         out, used = dispatch.trie_reduce(batch, self._layout, reduction, mode=mode,
                                          backend=self.kernel_backend, exact_width=width,
                                          float64_result=wide)

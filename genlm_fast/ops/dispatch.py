@@ -188,11 +188,18 @@ def result_dtype(reduction: str, dtype: torch.dtype, float64_result: bool = Fals
     return torch.float64 if wide and reduction != "log_mass" else torch.float32
 
 
+def check_device(values: torch.Tensor):
+    """The kernels run on CPU and CUDA tensors only: name any other device (meta, mps ...)."""
+    if values.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"expected a tensor on cpu or cuda, got one on {values.device}")
+
+
 def validate_values(values, layout: TrieLayout, exact_width: int | None = None):
-    """Check a ``[B, C]`` value/logit tensor's type and shape; raise a clear error naming the
-    problem. Its entries are checked by :func:`row_check` (or by the backend itself)."""
+    """Check a ``[B, C]`` value/logit tensor's type, device and shape; raise a clear error
+    naming the problem. Its entries are checked by :func:`row_check` (or by the backend)."""
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor of values, got {type(values).__name__}")
+    check_device(values)
     if values.dim() != 2:
         raise ValueError(f"expected a 2-D [batch, vocab] tensor, got shape {tuple(values.shape)}")
     if values.dtype not in FLOAT_DTYPES:
@@ -200,7 +207,8 @@ def validate_values(values, layout: TrieLayout, exact_width: int | None = None):
                         f"got {values.dtype}")
     width = values.shape[1]
     if exact_width is not None and width != exact_width:
-        raise ValueError(f"expected rows of length {exact_width} (the vocabulary size), got {width}")
+        raise ValueError(f"expected rows of length {exact_width} (one entry per token id), "
+                         f"got {width}")
     if width < layout.num_columns:
         raise ValueError(f"rows have {width} entries but the vocabulary needs at least "
                          f"{layout.num_columns}")
@@ -233,6 +241,8 @@ def raise_bad_row(values: torch.Tensor, row: int, reduction: str):
         what = ("contains NaN" if v != v else "contains +inf" if v > 0
                 else "has no finite logit (all -inf)")
         raise ValueError(f"logit row {row} {what}: log-masses would be undefined")
+    if reduction == "sum" and not bool(values[row].isnan().any()):
+        raise ValueError(f"weight row {row} holds both +inf and -inf: their sum is undefined")
     raise ValueError(f"weight row {row} contains NaN")
 
 
@@ -255,7 +265,13 @@ def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
     # results are computed, then dropped with the error).
     check = None if _backend_module(chosen).CHECKS_ROWS else row_check(values)
     out, backend_check = run_backend(values, layout, reduction, mode, chosen, float64_result)
-    raise_bad_rows(values, backend_check if backend_check is not None else check, reduction)
+    check = backend_check if backend_check is not None else check
+    if reduction == "sum" and out.shape[0]:
+        # a row holding both +inf and -inf sums to NaN, at its root at least (which holds
+        # every leaf): read in the same copy as the row check
+        root = out[:, layout.root]
+        check = root if check is None else torch.where(torch.isnan(root), root, check)
+    raise_bad_rows(values, check, reduction)
     logger.debug("trie_reduce %s %s B=%d N=%d on %s via %s", reduction, mode,
                  values.shape[0], layout.num_nodes, values.device, chosen)
     return out, chosen

@@ -363,6 +363,24 @@ def test_integer_and_bool_weights_are_taken_as_genlm_takes_them():
     torch.testing.assert_close(most, ref_byte.weight_max(mask.astype(np.float64)).float())
 
 
+def test_token_ids_with_gaps_index_the_rows():
+    """Rows are indexed by token id: with ids 5, 2, 7 a weight row has 8 entries (genlm-bytes
+    raised IndexError; we asked for 3 entries and then for 8)."""
+    from tests import oracle
+
+    vocab = [Token(5, b"a"), Token(2, b"ab"), Token(7, b"b")]
+    trie = TokenByteTrie(vocab, device="cpu", cache=False)
+    rows = np.random.default_rng(0).random((2, 8))
+    members = oracle.members(trie)
+    for op, reduction in (("batch_weight_sum", "sum"), ("batch_weight_max", "max")):
+        want = oracle.reduce(members, trie.num_nodes, rows, reduction, columns=[5, 2, 7])
+        got = getattr(trie, op)(torch.from_numpy(rows).float())
+        oracle.assert_close(got.numpy(), want, reduction, op)
+    assert float(trie.weight_sum(np.arange(8.0))[trie.root]) == 5 + 2 + 7
+    with pytest.raises(ValueError, match=r"length 8 \(one entry per token id\), got 3"):
+        trie.weight_sum(torch.ones(3))
+
+
 def test_log_mass_rejects_a_batch_in_any_form():
     trie = TokenByteTrie(ours([b"a", b"b"]), device="cpu", cache=False)
     two_rows = np.array([[0.0, 0.0], [5.0, -5.0]])
@@ -660,6 +678,47 @@ async def test_async_request_during_cleanup_is_served_and_the_trie_keeps_working
     assert atrie._batcher._task is None
 
 
+def test_async_trie_across_event_loops():
+    """A trie left on a closed loop cleans up and serves the next loop; one still serving on
+    another thread's running loop refuses a second loop with a clear error (asyncio's queues
+    belong to one loop), and serves again once that loop is gone."""
+    import asyncio
+    import threading
+
+    V = len(SMALL)
+    atrie = AsyncTokenByteTrie.from_vocab(ours(SMALL), device="cpu", cache=False)
+    want = TokenByteTrie(ours(SMALL), device="cpu", cache=False).weight_sum(torch.ones(V))
+    loop = asyncio.new_event_loop()
+    torch.testing.assert_close(loop.run_until_complete(atrie.weight_sum(torch.ones(V))), want)
+    loop.close()
+    asyncio.run(atrie.cleanup())  # was: RuntimeError('Event loop is closed')
+    torch.testing.assert_close(asyncio.run(atrie.weight_sum(torch.ones(V))), want)
+
+    served, release = threading.Event(), threading.Event()
+    answers = []
+
+    def other_thread():
+        async def hold():
+            answers.append(await atrie.weight_sum(torch.ones(V)))
+            served.set()
+            await asyncio.get_running_loop().run_in_executor(None, release.wait, 30)
+
+        asyncio.run(hold())
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        assert served.wait(30)
+        with pytest.raises(RuntimeError, match="another event loop"):
+            asyncio.run(atrie.weight_sum(torch.ones(V)))
+    finally:
+        release.set()
+        thread.join(30)
+    torch.testing.assert_close(answers[0], want)
+    torch.testing.assert_close(asyncio.run(atrie.weight_sum(torch.ones(V))), want)
+    atrie.shutdown()
+
+
 # ------------------------------------------------------------------ bad input
 
 
@@ -674,6 +733,9 @@ def test_bad_input_is_named():
         trie.batch_log_mass(torch.ones(2, V, dtype=torch.int64))
     with pytest.raises(ValueError, match="item 1 has length 3"):
         trie.batch_weight_sum([np.ones(V), np.ones(3)])
+    for call in (trie.batch_weight_sum, trie.batch_weight_max, trie.batch_log_mass):
+        with pytest.raises(ValueError, match="cpu or cuda, got one on meta"):
+            call(torch.zeros(1, V, device="meta"))
     with pytest.raises(ValueError, match="NaN"):
         trie.batch_log_mass(torch.full((1, V), float("nan")))
     with pytest.raises(ValueError, match=r"\+inf"):

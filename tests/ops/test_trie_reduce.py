@@ -247,6 +247,7 @@ BAD_ROWS = [
     ("log_mass", "nan", "logit row 2 contains NaN"),
     ("log_mass", "inf", r"logit row 2 contains \+inf"),
     ("log_mass", "-inf", r"logit row 2 has no finite logit \(all -inf\)"),
+    ("sum", "inf-inf", r"weight row 2 holds both \+inf and -inf"),
 ]
 
 
@@ -257,7 +258,7 @@ def test_bad_rows_are_named(backend, reduction, value, message):
     them, the CUDA kernels' row pass too, the dispatcher checks them for the others),
     wherever the bad value sits: under a leaf, or in a padding column past the vocabulary
     (log_mass takes wider rows), in a batch of 4 rows or of 9 (CUDA stages those); and
-    +inf weights are no error for sum and max."""
+    +inf weights are no error for sum and max, but +inf and -inf in one sum are."""
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(40)]
     trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device=device_for(backend),
                          cache=False)
@@ -270,9 +271,12 @@ def test_bad_rows_are_named(backend, reduction, value, message):
             rows[1, 3] = np.inf
         if value == "-inf":
             rows[2] = -np.inf
+        elif value == "inf-inf":  # two leaves of one node
+            rows[2, [column, column - 3]] = [np.inf, -np.inf]
         else:
             rows[2, column] = float(value)
-        rows[3, 0] = np.nan  # a later bad row: the first one is named
+        if value != "inf-inf":  # (found in the sums: a NaN in any row is named first)
+            rows[3, 0] = np.nan  # a later bad row: the first one is named
         x = torch.from_numpy(rows).to(device_for(backend))
         with pytest.raises(ValueError, match=message):
             if reduction == "log_mass":

@@ -39,9 +39,19 @@ class AutoBatcher:
         self._task = None
 
     def start(self):
-        """Start the background task on the running event loop (if not already running)."""
+        """Start the background task on the running event loop (if not already running).
+        A task left on an event loop that no longer runs is replaced; one on a loop still
+        running (another thread's) is an error: asyncio's queues serve one loop."""
         loop = asyncio.get_running_loop()
-        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+        task = self._task
+        if task is not None and not task.done() and task.get_loop() is not loop:
+            if task.get_loop().is_running():
+                raise RuntimeError("this trie is serving requests on another event loop (in "
+                                   "another thread); use one event loop at a time")
+            task, queue = self._detach()
+            _stop(task)
+            _fail_pending(queue)
+        if self._task is None or self._task.done():
             self._queue = asyncio.Queue()
             self._task = loop.create_task(self._serve(self._queue))
 
@@ -94,23 +104,50 @@ class AutoBatcher:
         task, queue = self._detach()
         try:
             if task is not None and not task.done():
-                task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, RuntimeError):
-                    pass
+                if task.get_loop() is asyncio.get_running_loop():
+                    task.cancel()
+                    try:
+                        await task
+                    except (asyncio.CancelledError, RuntimeError):
+                        pass
+                else:  # left on a loop gone or no longer running: nothing to wait for
+                    _stop(task)
         finally:
             _fail_pending(queue)
 
     def shutdown(self):
         """Stop the background task without waiting (safe when the loop is gone)."""
         task, queue = self._detach()
-        if task is not None:
-            try:
-                task.cancel()
-            except RuntimeError:
-                pass
+        _stop(task)
         _fail_pending(queue)
+
+
+def _stop(task):
+    """Cancel ``task`` from any thread. On a closed loop (closed with the task pending) it
+    can only be closed: its ``await queue.get()`` then fails to reach that loop."""
+    if task is None or task.done():
+        return
+    loop = task.get_loop()
+    if loop.is_closed():
+        try:
+            task.get_coro().close()
+        except RuntimeError:  # 'Event loop is closed', from the queue's cleanup
+            pass
+        return
+    try:
+        if loop.is_running() and loop is not _running_loop():
+            loop.call_soon_threadsafe(task.cancel)  # another thread's loop
+        else:
+            task.cancel()
+    except RuntimeError:  # the loop closed in between
+        pass
+
+
+def _running_loop():
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _fail_pending(queue):
@@ -144,7 +181,7 @@ class AsyncTrieFrontEnd:
             row = float_weights(row)
         # the dispatcher's own checks (type, dtype, width), before the row joins a batch
         validate_values(row[None], self.trie.layout,
-                        exact_width=None if op == "log_mass" else self.trie.vocab_size)
+                        exact_width=None if op == "log_mass" else self.trie.layout.num_columns)
         return self._batcher.submit(op, mode, row)
 
     def start(self):

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Set up genlm_fast on a fresh Linux machine and run the main job.
 # WITH_VLLM=1 also builds the separate vLLM test environment (.venv-vllm, ~1 GB download).
-#   torch first, pinned (an unpinned torch would pull gigabytes of CUDA wheels),
-#   then the package in place, which builds the C++ (and, with CUDA, the CUDA) extension.
+#   torch first, pinned: 2.13.0 is the CPU wheel our machines and CI carry locally (an
+#   unpinned torch would pull gigabytes of CUDA wheels). Elsewhere, install the torch you
+#   want first (CPU: --index-url https://download.pytorch.org/whl/cpu) and set
+#   TORCH_VERSION to it: pip then keeps it. Then the package in place, which builds the C++
+#   (and, with CUDA, the CUDA) extension against that torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -552,6 +552,21 @@ async def test_bad_contexts(tokenizer, vocab_size):
             lm.next_token_logprobs_sync(bad)
     with pytest.raises(TypeError):
         await lm.next_token_logprobs(torch.tensor([1.0, 2.0]))
+    for bad in (None, 3, "hello"):  # batch calls: a list of contexts (None was an empty batch)
+        for call in (lm.batch_next_token_logprobs, lm.batch_next_token_logits):
+            with pytest.raises(TypeError, match="list of token_ids contexts"):
+                await call(bad)
+        with pytest.raises(TypeError, match="list of token_ids contexts"):
+            lm.batch_next_token_logprobs_sync(bad)
+        with pytest.raises(TypeError, match="list of token_ids contexts"):
+            await lm.batch_sample(bad, 2, [0])
+    for bad in (0, 0.0, -1.0, float("inf"), float("nan"), None, True, "1"):
+        # 0 divided by zero (torch's 'probability tensor contains inf'), -1 sampled from
+        # the inverted distribution
+        with pytest.raises(ValueError, match="temperature must be a positive"):
+            await lm.sample([1, 2], 3, [0], temperature=bad)
+        with pytest.raises(ValueError, match="temperature must be a positive"):
+            await lm.batch_sample([[1, 2]], 3, [0], temperature=bad)
     # integer arrays and tensors are fine, and equal to lists
     a = await lm.next_token_logprobs(np.array([4, 5], dtype=np.int64))
     b = await lm.next_token_logprobs(torch.tensor([4, 5]))

@@ -47,6 +47,27 @@ __all__ = [
 ]
 
 
+def context_list(token_ids_list, method: str) -> list:
+    """A batch call's contexts as a list (each one checked later, by ``check_token_ids``)."""
+    if token_ids_list is None or isinstance(token_ids_list, (str, bytes, bytearray)):
+        raise TypeError(f"{method} expects a list of token_ids contexts, got "
+                        f"{type(token_ids_list).__name__}")
+    try:
+        return list(token_ids_list)
+    except TypeError:
+        raise TypeError(f"{method} expects a list of token_ids contexts, got "
+                        f"{type(token_ids_list).__name__}") from None
+
+
+def check_temperature(temperature) -> float:
+    """A sampling temperature: a positive finite number (0 would divide by zero, a negative
+    one would invert the distribution)."""
+    if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)
+            or not 0 < float(temperature) < float("inf")):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    return float(temperature)
+
+
 class ModelClosedError(RuntimeError):
     """The model was used after `AsyncLM.cleanup` released it."""
 
@@ -191,15 +212,17 @@ class AsyncLM(ABC):
 
     async def batch_next_token_logprobs(self, token_ids_list, lora_name=None):
         """`next_token_logprobs` of several contexts, stacked into ``[B, V]``."""
+        contexts = context_list(token_ids_list, "batch_next_token_logprobs")
         rows = await asyncio.gather(
-            *(self.next_token_logprobs(ids, lora_name=lora_name) for ids in token_ids_list)
+            *(self.next_token_logprobs(ids, lora_name=lora_name) for ids in contexts)
         )
         return torch.stack(rows)
 
     def batch_next_token_logprobs_sync(self, token_ids_list, lora_name=None):
         """Blocking form of `batch_next_token_logprobs`."""
+        contexts = context_list(token_ids_list, "batch_next_token_logprobs_sync")
         return torch.stack(
-            [self.next_token_logprobs_sync(ids, lora_name=lora_name) for ids in token_ids_list]
+            [self.next_token_logprobs_sync(ids, lora_name=lora_name) for ids in contexts]
         )
 
     async def next_token_logits(self, token_ids, lora_name=None):
@@ -212,8 +235,9 @@ class AsyncLM(ABC):
 
     async def batch_next_token_logits(self, token_ids_list, lora_name=None):
         """`next_token_logits` of several contexts, stacked into ``[B, V]``."""
+        contexts = context_list(token_ids_list, "batch_next_token_logits")
         rows = await asyncio.gather(
-            *(self.next_token_logits(ids, lora_name=lora_name) for ids in token_ids_list)
+            *(self.next_token_logits(ids, lora_name=lora_name) for ids in contexts)
         )
         return torch.stack(rows)
 
@@ -255,6 +279,7 @@ class AsyncLM(ABC):
             (list[int]): The sampled token ids.
         """
         self._check_open()
+        temperature = check_temperature(temperature)
         generator = None
         if seed is not None:
             generator = torch.Generator()
@@ -286,6 +311,8 @@ class AsyncLM(ABC):
         lora_name=None,
     ):
         """`sample` for each prompt concurrently (each with the same ``seed``)."""
+        check_temperature(temperature)
+        prompt_token_ids_list = context_list(prompt_token_ids_list, "batch_sample")
         return list(
             await asyncio.gather(
                 *(
@@ -622,7 +649,8 @@ class BatchedAsyncLM(AsyncLM):
         """Log probabilities for several contexts, ``[B, V']``, in as few calls as possible."""
         self._check_open()
         lora = self._resolve_lora(lora_name)
-        all_ids = [self._check_context(t) for t in token_ids_list]
+        all_ids = [self._check_context(t)
+                   for t in context_list(token_ids_list, "batch_next_token_logprobs_sync")]
         found = {}
         todo = []
         for ids in all_ids:
@@ -645,6 +673,7 @@ class BatchedAsyncLM(AsyncLM):
     async def batch_next_token_logprobs(self, token_ids_list, lora_name=None):
         """Log probabilities for several contexts, ``[B, V']``, via the auto-batcher."""
         self._check_open()
+        token_ids_list = context_list(token_ids_list, "batch_next_token_logprobs")
         if not token_ids_list:
             return torch.empty((0, len(self.byte_vocab)))
         return await self._whole_batch(self.next_token_logprobs, token_ids_list, lora_name)
@@ -664,6 +693,7 @@ class BatchedAsyncLM(AsyncLM):
     async def batch_next_token_logits(self, token_ids_list, lora_name=None):
         """Unnormalized logits ``[B, V']`` on the model's device, via the auto-batcher."""
         self._check_open()
+        token_ids_list = context_list(token_ids_list, "batch_next_token_logits")
         if not token_ids_list:
             raise ValueError("batch_next_token_logits needs at least one context")
         return await self._whole_batch(self.next_token_logits, token_ids_list, lora_name)

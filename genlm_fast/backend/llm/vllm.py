@@ -83,6 +83,7 @@ HAS_VLLM = VLLM_MISSING is None  # genlm's public flag, for apps that check it
 from genlm_fast.backend.llm.base import (
     BatchedAsyncLM,
     check_token_ids,
+    context_list,
     unknown_lora,
 )
 from genlm_fast.ops.log_softmax import log_softmax_rows
@@ -468,7 +469,8 @@ class AsyncVirtualLM(BatchedAsyncLM):
         self._check_open()
         lora = self._resolve_lora(lora_name)
         prompts = [
-            check_token_ids(p, self._vocab_limit()) for p in prompt_token_ids_list
+            check_token_ids(p, self._vocab_limit())
+            for p in context_list(prompt_token_ids_list, "batch_sample")
         ]
         if not prompts:
             return []

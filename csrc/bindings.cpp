@@ -14,9 +14,10 @@
 //                    span_right, span_tile_lo, span_tile_hi, span_narrow, span_warp, scratch,
 //                    reduction, num_nodes, num_scratch, tile)
 //                    -> Tensor[B, num_nodes]   (only when built with -DWITH_CUDA; scratch is a
-//                    float64 [B, num_scratch + 1] workspace the caller allocates, its last
-//                    column each row's check, NaN exactly for a bad row (log_mass: else the
-//                    row's lse, sum/max: else 0); spanning nodes [0, span_narrow) are
+//                    float64 [B, num_scratch + 2] workspace the caller allocates, its last
+//                    column each row's check, NaN exactly for a bad row (log_mass: else
+//                    log(sum exp(x - m)) with the row max m in the column before, sum/max:
+//                    else 0); spanning nodes [0, span_narrow) are
 //                    reduced by the tile kernel (its folds), [span_narrow, span_warp) a warp
 //                    each, the rest a block each)
 //   empty_output_cache()  frees the cached blocks large CPU results reuse (OutputPool below)
@@ -424,8 +425,8 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
               ") must cover the ", n_tiles, " tile totals");
   TORCH_CHECK(scratch.device() == dev && scratch.scalar_type() == at::kDouble &&
                   scratch.is_contiguous() && scratch.dim() == 2 && scratch.size(0) >= B &&
-                  scratch.size(1) >= num_scratch + 1,
-              "trie_reduce_cuda: scratch must be a contiguous float64 [B, num_scratch + 1] tensor "
+                  scratch.size(1) >= num_scratch + 2,
+              "trie_reduce_cuda: scratch must be a contiguous float64 [B, num_scratch + 2] tensor "
               "on the values' device, got ", scratch.scalar_type(), " ", scratch.sizes(), " on ",
               scratch.device());
   const bool out_double = values.scalar_type() == at::kDouble && red != 2;

@@ -344,11 +344,13 @@ Work& thread_work() {
 
 // Exact log-space recomputation of the low nodes of one log_mass row, after the fast pass
 // wrote out[n] = log(v / total): the nodes with v < exp(kLowNode) relative to the row max m,
-// i.e. out[n] < m + kLowNode - lse. Their leaves are all far below the row max, or -inf; a low
-// node's children are low too (masses, and their rounded logs, only grow towards the root),
-// so pairs flow only between low nodes. out[n] is read before it is rewritten.
+// i.e. out[n] < kLowNode - log_total, log_total = log(total) = lse - m. Their leaves are all
+// far below the row max, or -inf; a low node's children are low too (masses, and their
+// rounded logs, only grow towards the root), so pairs flow only between low nodes. out[n] is
+// read before it is rewritten. Everything is taken relative to m, never through lse itself:
+// at |m| ~ 1e19 a double lse = m + log_total would round log_total away.
 template <class In>
-void exact_low_pass(const Args& A, const In* x, double m, double lse, float* out) {
+void exact_low_pass(const Args& A, const In* x, double m, double log_total, float* out) {
   Work& w = thread_work();
   const int64_t N = A.N;
   if (static_cast<int64_t>(w.pm.size()) < N + 1) {
@@ -357,7 +359,7 @@ void exact_low_pass(const Args& A, const In* x, double m, double lse, float* out
   }
   double* pm = w.pm.data() + 1;
   double* ps = w.ps.data() + 1;
-  const double thr = m + kLowNode - lse;
+  const double thr = kLowNode - log_total;
   auto low = [&](int32_t n) { return n >= 0 && out[n] < thr; };
   std::fill(w.pm.begin(), w.pm.begin() + N + 1, -kInf);
   std::fill(w.ps.begin(), w.ps.begin() + N + 1, 0.0);
@@ -379,7 +381,7 @@ void exact_low_pass(const Args& A, const In* x, double m, double lse, float* out
   for (int32_t n = 0; n < static_cast<int32_t>(N); ++n) {
     if (!low(n)) continue;
     out[n] = pm[n] == -kInf ? static_cast<float>(-kInf)
-                            : static_cast<float>((pm[n] - lse) + std::log(ps[n]));
+                            : static_cast<float>(((pm[n] - m) - log_total) + std::log(ps[n]));
     const int32_t p = A.parent[n];
     if (low(p)) add(p, pm[n], ps[n]);
   }
@@ -623,8 +625,7 @@ __attribute__((always_inline)) inline int run_rows_stacked_t(const Args& A, int6
     for (int r = 0; r < R; ++r) {
       if (!nlow[r]) continue;
       const In* x = static_cast<const In*>(A.values) + (r0 + r) * A.C;
-      exact_low_pass(A, x, shift[r], shift[r] - std::log(inv_total[r]),
-                     reinterpret_cast<float*>(o[r]));
+      exact_low_pass(A, x, shift[r], -std::log(inv_total[r]), reinterpret_cast<float*>(o[r]));
     }
   }
   return R;
@@ -775,7 +776,7 @@ bool run_row_chunked(const Args& A, int64_t r, int T) {
       const int64_t n0 = A.N * t / nt, n1 = A.N * (t + 1) / nt;
       log_ratio(acc + n0, reinterpret_cast<float*>(o) + n0, n1 - n0, 1.0 / total);
     }
-    if (nlow) exact_low_pass(A, x, m, m + std::log(total), reinterpret_cast<float*>(o));
+    if (nlow) exact_low_pass(A, x, m, std::log(total), reinterpret_cast<float*>(o));
   }
   return true;
 }

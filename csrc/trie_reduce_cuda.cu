@@ -27,10 +27,12 @@
 //        tile, not one 32-byte sector per (row, leaf).
 //      sum and max: a thread that reads a NaN writes NaN to the row's last scratch column,
 //      which launch() zeroes first; unstaged, (a1) runs for that check alone.
-//      (a2) row_lse_merge (log_mass): one warp per row merges the partials into lse = max +
-//      log(sum exp(x - max)) over all C columns, stored (double) in the row's last scratch
-//      column; NaN for a bad row (a NaN or +inf logit, or none finite), the row check
-//      cuda_backend hands the dispatcher. Splitting rows keeps the device busy at B = 1.
+//      (a2) row_lse_merge (log_mass): one warp per row merges the partials into the row's
+//      max m and log(sum exp(x - m)) over all C columns, stored (double) in the row's last
+//      two scratch columns, the pair, never their sum: lse = m + log(sum) in double would
+//      round the log away at |m| ~ 1e12 and beyond. The last is NaN for a bad row (a NaN or
+//      +inf logit, or none finite): the row check cuda_backend hands the dispatcher.
+//      Splitting rows keeps the device busy at B = 1.
 //  (b) tile: one block per (tile, block of ROWS rows, ROWS = 1..32), 256 threads, in four
 //      phases with a barrier between each. The layout has turned the tile's local ranges
 //      into *sources* (genlm_fast/ops/layout.py, _tile_sources): a node the tile owns (its
@@ -561,10 +563,10 @@ __global__ void __launch_bounds__(kRowPassThreads)
   }
 }
 
-// (a2) one warp per row merges the row's `splits` partials into lse = max + log(sum),
-// stored in the row's last scratch column: NaN for a bad row, one with a NaN or +inf logit
-// or no finite logit at all, and only then (cuda_backend reads this column as the row
-// check). Launched dependent on (a1) (enqueue).
+// (a2) one warp per row merges the row's `splits` partials into its max m and log(sum),
+// stored in the row's last two scratch columns (lse = m + log(sum)); the last is NaN for a
+// bad row, one with a NaN or +inf logit or no finite logit at all, and only then
+// (cuda_backend reads this column as the row check). Launched dependent on (a1) (enqueue).
 __global__ void __launch_bounds__(kSpanWarps * 32)
     row_lse_merge_kernel(int64_t rows, int64_t splits, double* __restrict__ scratch,
                          int64_t stride, int64_t row0) {
@@ -594,8 +596,10 @@ __global__ void __launch_bounds__(kSpanWarps * 32)
   }
   warp_lse_merge(m, z);
   bad = warp_max(bad ? 1.0 : 0.0) > 0.0;
-  if (lane == 0) sc[stride - 1] = bad || m == neg_inf() ? __longlong_as_double(kNaNBits)
-                                                        : m + log(z);
+  if (lane == 0) {
+    sc[stride - 2] = m;
+    sc[stride - 1] = bad || m == neg_inf() ? __longlong_as_double(kNaNBits) : log(z);
+  }
 }
 
 // ---------------------------------------------------------------------------- spanning nodes
@@ -815,8 +819,10 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   __shared__ int32_t id_src[kSharedIds];  // node_src of the tile's first kSharedIds node ids
   __shared__ int32_t q_src[kTileThreads];  // its first scratch values: source code,
   __shared__ int32_t q_slot[kTileThreads];  // and slot
-  __shared__ float lse_hi[ROWS];  // log_mass: each row's lse as hi + lo
-  __shared__ float lse_lo[ROWS];
+  // log_mass: each row's lse as hi + lo (float rows: floats; float64 rows: m and log(sum))
+  using LsePart = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  __shared__ LsePart lse_hi[ROWS];
+  __shared__ LsePart lse_lo[ROWS];
   __shared__ float part_max[kTileWarps][ROWS];  // log_mass: the warps' largest v per row
   // the warps' partial totals per row: sum, max, log_mass the sum of exp(v - shift)
   __shared__ double part_total[kTileWarps][ROWS];
@@ -899,11 +905,16 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   wait_for_previous_kernel();  // from here on: the rows' lse read, scratch written
   if constexpr (RED == kLogMass) {
     if (threadIdx.x < ROWS) {
-      const double lse = static_cast<int>(threadIdx.x) < rows
-                             ? scratch[(first_row + threadIdx.x) * stride + stride - 1] : 0.0;
-      const float hi = static_cast<float>(lse);
-      lse_hi[threadIdx.x] = hi;
-      lse_lo[threadIdx.x] = static_cast<float>(lse - static_cast<double>(hi));
+      const double* sc = scratch + (first_row + threadIdx.x) * stride;
+      const bool row_ok = static_cast<int>(threadIdx.x) < rows;
+      const double m = row_ok ? sc[stride - 2] : 0.0, log_sum = row_ok ? sc[stride - 1] : 0.0;
+      if constexpr (std::is_same_v<T, double>) {
+        lse_hi[threadIdx.x] = m, lse_lo[threadIdx.x] = log_sum;
+      } else {  // m is a float: hi = m + log_sum rounded, lo the rest, formed from the pair
+        const float hi = static_cast<float>(m + log_sum);
+        lse_hi[threadIdx.x] = hi;
+        lse_lo[threadIdx.x] = static_cast<float>((m - hi) + log_sum);
+      }
     }
     __syncthreads();
   }
@@ -913,7 +924,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   float m = static_cast<float>(neg_inf());  // log_mass: the largest v this thread saw
   // this thread's part of the tile's total: sum, max (log_mass: summed below, from lin)
   double total = identity<RED == kLogMass ? kSum : RED>();
-  float hi = 0.0f, lo = 0.0f;  // log_mass: the row's lse
+  LsePart hi = 0, lo = 0;  // log_mass: the row's lse
   if constexpr (RED == kLogMass) hi = lse_hi[j], lo = lse_lo[j];
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
@@ -921,7 +932,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     if constexpr (RED == kLogMass) {
       float lp;  // the log-probability; -inf stays -inf
       if constexpr (std::is_same_v<T, double>)
-        lp = static_cast<float>(x[u] - (static_cast<double>(hi) + lo));
+        lp = static_cast<float>((x[u] - hi) - lo);
       else
         lp = (to_arith(x[u]) - hi) - lo;
       v[u] = valid[u] ? lp : static_cast<float>(neg_inf());
@@ -1222,7 +1233,7 @@ cudaError_t launch_row_pass(const TrieArgs& A, const T* values, T* staged, int64
   const int64_t row_blocks = (rows + R - 1) / R;
   int64_t n = (row_pass_target_blocks<T, R, LSE>() + row_blocks - 1) / row_blocks;
   const int64_t by_width = (A.C * R + kRowPassMinValues - 1) / kRowPassMinValues;
-  const int64_t by_room = (A.scratch_stride - 1) / 2;
+  const int64_t by_room = (A.scratch_stride - 2) / 2;  // below the lse pair's columns
   if (n > by_width) n = by_width;
   if (n > by_room) n = by_room;
   if (n < 1) n = 1;
@@ -1359,7 +1370,7 @@ int64_t tile_flag_count(int64_t B, int64_t n_tiles) {
 
 cudaError_t trie_reduce(const TrieArgs& A, cudaStream_t stream) {
   if (A.B == 0 || A.num_nodes == 0) return cudaSuccess;
-  if (A.tile < 1 || A.tile > kMaxTile || A.n_tiles < 1 || A.scratch_stride < 1 ||
+  if (A.tile < 1 || A.tile > kMaxTile || A.n_tiles < 1 || A.scratch_stride < 2 ||
       A.span_narrow < 0 || A.span_narrow > A.span_warp || A.span_warp > A.S ||
       (A.span_narrow > 0 && A.tile_flags == nullptr) ||
       reinterpret_cast<uintptr_t>(A.fold_bounds) % alignof(int4) != 0)

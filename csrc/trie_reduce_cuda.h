@@ -61,10 +61,11 @@ struct TrieArgs {
   int64_t span_narrow;  // spans [0, span_narrow) are narrow: the tile kernel's folds,
   int64_t span_warp;    // [span_narrow, span_warp) a warp each, the rest a block each
   int64_t num_nodes;
-  double* scratch;  // [B, scratch_stride] workspace; scratch_stride >= num_scratch + 1, the
+  double* scratch;  // [B, scratch_stride] workspace; scratch_stride >= num_scratch + 2, the
                     // last column of each row holds the row check on return: NaN exactly
                     // for a bad row (a NaN value; log_mass: or a +inf logit, or no finite
-                    // one), else log_mass the row's log-sum-exp, sum and max 0
+                    // one), else log_mass log(sum exp(x - m)), sum and max 0; log_mass
+                    // leaves the row's max m in the column before it
   int64_t scratch_stride;
   int tile;                // leaf positions per tile, <= kMaxTile
   void* out;               // [B, num_nodes] float32, or float64 when out_double

@@ -68,8 +68,8 @@ def reduce(pairs, num_nodes, rows, reduction, columns=None):
         else:
             finite = row[np.isfinite(row)]
             top = finite.max()
-            lse = top + np.log(np.exp(row - top).sum())
-            logp = row - lse
+            # relative to the top logit: top + log(sum) would round the log away at |top| ~ 1e19
+            logp = (row - top) - np.log(np.exp(row - top).sum())
             vals = logp[cols]
             peak = np.full(num_nodes, -np.inf)
             np.maximum.at(peak, nodes, vals)

@@ -39,9 +39,9 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
         column_leaf[token.long()] = torch.arange(token.numel(), dtype=torch.int32,
                                                  device=token.device)
         arrays["_column_leaf"] = column_leaf
-    # per-row workspace: tile totals and pieces, plus the row check in the last column (for
-    # log_mass the row's log-sum-exp)
-    scratch = torch.empty(values.shape[0], num_scratch + 1, dtype=torch.float64,
+    # per-row workspace: tile totals and pieces, then two columns: log_mass's row max, and
+    # the row check (for log_mass log(sum exp(x - max)), NaN exactly for a bad row)
+    scratch = torch.empty(values.shape[0], num_scratch + 2, dtype=torch.float64,
                           device=values.device)
     out = extension.load_module().trie_reduce_cuda(
         values, arrays["leaf_token"], column_leaf, arrays["tile_node_lo"],

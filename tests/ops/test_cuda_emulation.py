@@ -424,7 +424,7 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
                  align: bool = False):
     """(launch status, emulator errors, launches, result, scratch): the CUDA kernels' result
     for ``values`` (what cuda_backend.trie_reduce would return) and their per-row scratch
-    (log_mass: the row's lse in its last column). Spanning nodes [0, ``span_narrow``) are
+    (log_mass: the row max and log(sum exp(x - max)) in its last two columns). Spanning nodes [0, ``span_narrow``) are
     the tile kernel's folds (its arrays built here for that split), [``span_narrow``,
     ``span_warp``) the span pass's warp-per-node path, the rest a block each (default: the
     layout's splits). The staging workspace is given as the binding gives it (B >= 8: a
@@ -446,7 +446,7 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
     values = values.contiguous()
     B, C = values.shape
     out_double = values.dtype == torch.float64 and reduction != "log_mass"
-    stride = ml.num_scratch + 1
+    stride = ml.num_scratch + 2
     out = np.full((B, layout.num_nodes), np.nan, dtype=np.float64 if out_double else np.float32)
     scratch = np.full((B, stride), np.nan)
     raw = values.view(torch.int16).numpy() if values.dtype in (torch.float16, torch.bfloat16) \
@@ -638,6 +638,32 @@ def test_log_mass_hundreds_of_nats_and_neg_inf(emulator, tmp_path):
     rows[1, 5] = 0.0
     rows[1, 40:150] = -np.inf  # whole tiles of -inf: -inf partials in the spanning merge
     check(emulator, tmp_path, words, "log_mass", rows=torch.from_numpy(rows).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("B", [5, 40])
+def test_log_mass_logits_far_from_zero(emulator, tmp_path, dtype, B):
+    """Rows around 1e12, 1e19, -1e30 and float32's largest values: the tile kernel forms its
+    lse from the (max, log-sum) pair (a2) leaves, so only differences of logits matter; a
+    double lse = max + log(sum) would round the log away (1e19: the top tokens' log-mass 0
+    instead of -log 2). Blocks of 4 + 1 rows, and staged blocks of 32 + 8."""
+    words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(150)]
+    V = len(words)
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((B, V)) * 4
+    rows[0, :] = -np.inf
+    rows[0, [3, 100]] = 1e19
+    rows[0, 20:40] = 0.0
+    rows[1, :] = -1e30
+    rows[2] = rng.uniform(-1.6e38, 1.6e38, V)
+    rows[3] += 1e12
+    x = torch.from_numpy(rows).to(dtype)
+    check(emulator, tmp_path, words, "log_mass", rows=x)
+    trie = make_trie(words)
+    _, _, _, got, _ = run_emulated(emulator, str(tmp_path), x, trie.layout, "log_mass")
+    leaves = [trie.word2leaf[(w, i)] for i, w in enumerate(words)]
+    np.testing.assert_allclose(got[0, [leaves[3], leaves[100]]], [-np.log(2)] * 2, rtol=1e-6)
+    np.testing.assert_allclose(got[1, leaves], -np.log(V), rtol=1e-6)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
@@ -985,7 +1011,7 @@ def test_row_pass_blocks_of_many_rounds(emulator, tmp_path, reduction, dtype, B,
     runs = staged_and_not(emulator, tmp_path, x, layout, reduction, f"{reduction}/{dtype}",
                           row_pass_blocks=row_pass_blocks)
     got = {stage: run[1] for stage, run in runs.items()}
-    lse = {stage: run[2][:, -1] for stage, run in runs.items()}
+    lse = {stage: run[2][:, -2] + run[2][:, -1] for stage, run in runs.items()}  # the pair
     if reduction == "log_mass":
         want_lse = torch.logsumexp(x.double(), dim=1).numpy()
         for stage in (True, False):
@@ -1058,8 +1084,9 @@ def test_bad_arguments_are_refused_before_any_launch(emulator, tmp_path):
 
 @pytest.mark.parametrize("stage", [True, False], ids=["staged", "unstaged"])
 def test_row_lse_flags_exactly_the_bad_rows(emulator, tmp_path, stage):
-    """(a1)/(a2) leave each row's lse in the last scratch column: NaN for a row with a NaN or
-    +inf logit or no finite one, finite otherwise, which cuda_backend reads as the row check
+    """(a1)/(a2) leave each row's lse as a pair in the last two scratch columns, the max and
+    log(sum exp(x - max)): the latter NaN for a row with a NaN or +inf logit or no finite one,
+    finite otherwise, which cuda_backend reads as the row check
     (no separate pass over the logits); 9 rows, so (a1) stages them (blocks of 8 rows and 1,
     threads sharing a row merging by shuffles) or, unstaged, takes a block per row slice
     (its warps merging through shared memory). Rows 30,000 wide take several slices: a NaN in one
@@ -1087,12 +1114,13 @@ def test_row_lse_flags_exactly_the_bad_rows(emulator, tmp_path, stage):
         status, errors, _, got, scratch = run_emulated(emulator, str(tmp_path), x, trie.layout,
                                                        "log_mass", stage=stage)
         assert status == 0 and errors == 0
-        lse = scratch[:, -1]
-        assert np.flatnonzero(~np.isfinite(lse)).tolist() == bad, (dtype, lse)
-        assert np.isnan(lse[bad]).all()
+        row_max, log_sum = scratch[:, -2], scratch[:, -1]
+        assert np.flatnonzero(~np.isfinite(log_sum)).tolist() == bad, (dtype, log_sum)
+        assert np.isnan(log_sum[bad]).all()
         good = [r for r in range(len(rows)) if r not in bad]
+        np.testing.assert_array_equal(row_max[good], x[good].double().amax(dim=1).numpy())
         want_lse = torch.logsumexp(x[good].double(), dim=1).numpy()
-        np.testing.assert_allclose(lse[good], want_lse, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(row_max[good] + log_sum[good], want_lse, rtol=0, atol=1e-6)
         assert_matches(got[good], reference(x[good], trie.layout, "log_mass"), "log_mass")
 
 

@@ -199,6 +199,37 @@ def test_log_mass_hundreds_of_nats(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_log_mass_logits_far_from_zero(backend, dtype):
+    """Only differences of logits matter: rows around 1e12, 1e19, -1e30 and float32's
+    largest values give the same log-masses as rows around 0. An lse formed as m + log(sum)
+    in double rounds log(sum) away there (the CPU kernel made two tokens of 1e19 each
+    probability 1)."""
+    rng = np.random.default_rng(11)
+    words = [bytes(rng.integers(97, 100, size=rng.integers(1, 5))) for _ in range(70)]
+    trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device=device_for(backend),
+                         cache=False)
+    V = len(words)
+    rows = np.zeros((5, V))
+    rows[0, :] = -np.inf
+    rows[0, [3, 17]] = 1e19  # two tokens, half the mass each
+    rows[0, 20:40] = 0.0  # 1e19 nats below: the exact path's -1e19 - log 2
+    rows[1, :] = -1e30  # all equal: uniform
+    rows[2] = rng.uniform(-1.6e38, 1.6e38, V)  # log-probs down to -3.2e38: still floats
+    rows[2, 5] = 1.7e38
+    rows[3] = 1e12 + rng.standard_normal(V) * 4  # float64: a spread the row keeps
+    rows[4] = rng.standard_normal(V) * 4  # the same spread around 0
+    x = torch.from_numpy(rows).to(dtype)
+    want = oracle.reduce(oracle.members(trie), trie.num_nodes, x.double().numpy(), "log_mass")
+    trie.kernel_backend = backend
+    got = trie.batch_log_mass(x.to(device_for(backend))).cpu().numpy()
+    oracle.assert_close(got, want, "log_mass", f"{backend}/{dtype}")
+    leaves = [trie.word2leaf[(w, i)] for i, w in enumerate(words)]
+    np.testing.assert_allclose(got[0, [leaves[3], leaves[17]]], [-np.log(2)] * 2, rtol=1e-6)
+    np.testing.assert_allclose(got[1, leaves], -np.log(V), rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_log_mass_low_precision_logits(backend, dtype):
     rng = np.random.default_rng(3)

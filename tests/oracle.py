@@ -102,3 +102,7 @@ def assert_close(got, want, reduction, label=""):
         keep = want >= -80
         err = np.abs(got[keep] - want[keep])
         assert err.size == 0 or err.max() <= 1e-4, f"{label}: max abs error {err.max():.3g}"
+        deep = np.isfinite(want) & ~keep  # far below the row's mass: relative error
+        rel = np.abs(got[deep] - want[deep]) / np.abs(want[deep])
+        assert rel.size == 0 or rel.max() <= 1e-5, (
+            f"{label}: max relative error {rel.max():.3g} below -80")

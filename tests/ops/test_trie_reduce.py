@@ -154,6 +154,11 @@ def test_float64_result_of_float32_values(backend, reduction):
         want_half, _ = dispatch.trie_reduce(x.half().double(), trie._layout, reduction,
                                             backend=backend)
         torch.testing.assert_close(half, want_half, rtol=0, atol=0)
+        # and the float64 results against the float64 oracle (to double rounding)
+        pairs = oracle.members(trie)
+        for result, values in ((got, rows), (half, x.half().double().cpu().numpy())):
+            want64 = oracle.reduce(pairs, trie.num_nodes, values, reduction)
+            np.testing.assert_allclose(result.cpu().numpy(), want64, rtol=1e-12, atol=0)
     check_trie(trie, rows, reduction, backend)  # the public trie, against the oracle
     with pytest.raises(ValueError, match="float64_result is for sum and max"):
         dispatch.trie_reduce(x, trie._layout, "log_mass", backend=backend, float64_result=True)

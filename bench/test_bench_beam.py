@@ -124,8 +124,9 @@ def fast_lm(model_dir):
 
 @pytest.fixture(scope="module")
 def ref_lm(model_dir):
-    llm = pytest.importorskip("genlm.backend.llm")
-    pytest.importorskip("genlm.bytes")
+    import genlm.backend.llm as llm  # the references, pinned bench dependencies
+    import genlm.bytes  # noqa: F401
+
     return _load(llm.AsyncTransformer, model_dir)
 
 

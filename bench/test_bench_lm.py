@@ -77,7 +77,7 @@ def ours(model_dir):
 
 @pytest.fixture(scope="module")
 def theirs(model_dir):
-    llm = pytest.importorskip("genlm.backend.llm")
+    import genlm.backend.llm as llm  # the reference, a pinned bench dependency
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # genlm-backend's from_name, spelled out for a local directory

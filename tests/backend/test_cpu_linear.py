@@ -16,9 +16,24 @@ from genlm_fast.backend.llm.cpu_linear import (
 from genlm_fast.ops import extension
 
 
+def _built():
+    """genlm_fast._C, which scripts/setup.sh builds: its absence fails a test, never skips
+    it."""
+    module = extension.load_module()
+    if module is None:
+        pytest.fail(f"genlm_fast._C is unavailable: {extension.why_missing('cpu')}")
+    return module
+
+
+def _cpu_has_avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 @pytest.fixture(params=cpu_linear.KERNELS)
 def kernel(request, monkeypatch):
     """Each packed kernel in turn, chosen through GENLM_FAST_CPU_LINEAR."""
+    if request.param == "avx512" and _cpu_has_avx512():
+        _built()  # the CPU runs it: a missing build is a failure
     if request.param not in available_kernels():
         pytest.skip(f"the {request.param} kernel does not run here (avx512: needs "
                     "genlm_fast._C and AVX-512F; onednn: needs torch's oneDNN packed linear)")
@@ -59,18 +74,16 @@ def test_matches_float64(shape, bias, kernel):
 
 def test_small_batch_kernel_is_chosen_where_it_runs(monkeypatch):
     monkeypatch.delenv(cpu_linear.ENV, raising=False)
-    module = extension.load_module()
-    runs = module is not None and module.linear_best_isa() == "avx512"
+    runs = _built().linear_best_isa() == "avx512"
+    assert runs == _cpu_has_avx512()  # the extension's CPU check agrees with torch's
     assert ("avx512" in available_kernels()) == runs
     if runs:
         assert cpu_linear._chosen_kernel() == "avx512"
 
 
 def _small_batch_isas():
-    module = extension.load_module()
-    if module is None:
-        return []
-    return ["baseline"] + (["avx512"] if module.linear_best_isa() == "avx512" else [])
+    """The ISAs to test: the plain loop everywhere, AVX-512 where the CPU has it."""
+    return ["baseline"] + (["avx512"] if _cpu_has_avx512() else [])
 
 
 # out features: 1, a panel less one, a panel, a panel and one, SmolLM2's k/v and up sizes;
@@ -82,7 +95,7 @@ def _small_batch_isas():
     (16, 1536, 576), (3, 5, 0), (0, 5, 7)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_small_batch_kernel_matches_float64(isa, rows, out_features, in_features, bias):
-    module = extension.load_module()
+    module = _built()
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=g)
     w = torch.randn(out_features, in_features, generator=g)
@@ -100,9 +113,9 @@ def test_small_batch_kernel_matches_float64(isa, rows, out_features, in_features
 def test_small_batch_kernel_isas_agree():
     """The AVX-512 kernel and the plain loop: the same sums in the same order of k (up to
     the rounding of fused multiply-adds)."""
-    module = extension.load_module()
-    if "avx512" not in _small_batch_isas():
+    if not _cpu_has_avx512():
         pytest.skip("this CPU has no AVX-512F")
+    module = _built()
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(20, 700, generator=g), torch.randn(100, 700, generator=g)
     panels = module.pack_linear_weight(w)
@@ -113,9 +126,7 @@ def test_small_batch_kernel_isas_agree():
 
 
 def test_small_batch_kernel_rejects_bad_input():
-    module = extension.load_module()
-    if module is None:
-        pytest.skip(f"genlm_fast._C is unavailable: {extension.why_missing('cpu')}")
+    module = _built()
     w = torch.randn(20, 8)
     panels = module.pack_linear_weight(w)
     x = torch.randn(3, 8)

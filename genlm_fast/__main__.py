@@ -173,7 +173,11 @@ def main(argv=None) -> int:
                    help="device of the model: cpu, cuda, ... (default: transformers' choice)")
     args = parser.parse_args(argv)
     if args.command == "info":
-        return info()
+        try:
+            return info()
+        except BrokenPipeError:  # `genlm-fast info | head -1`: the reader has gone
+            sys.stdout = None  # nothing left to flush at exit
+            return 0
     if args.command == "demo":
         return demo(args)
     return bench(args)

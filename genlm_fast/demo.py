@@ -136,7 +136,16 @@ def load_model(model=None, device=None, quiet=None):
     from genlm_fast.backend.llm import AsyncTransformer
     from genlm_fast.models import smollm2_path, transformers_progress
 
-    if device and str(device).startswith("cuda"):  # before a possibly slow conversion
+    if device and str(device) != "auto":  # before a possibly slow conversion
+        import torch
+
+        try:
+            kind = torch.device(device).type
+        except (RuntimeError, TypeError):
+            raise ValueError(f"unknown device {device!r}") from None
+        if kind not in ("cpu", "cuda"):  # meta holds no data; others have no kernels here
+            raise ValueError(f"device {device!r}: the model runs on cpu or cuda here")
+    if device and str(device).startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():

@@ -287,6 +287,25 @@ def test_cli_cuda_without_a_gpu(capsys):
     assert "no CUDA device" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("device,message", [("meta", "runs on cpu or cuda"),
+                                            ("mps", "runs on cpu or cuda"),
+                                            ("foo", "unknown device 'foo'")])
+def test_cli_devices_that_cannot_run_the_model(device, message, capsys):
+    """Checked before any model is loaded: meta loaded the model, then failed deep in the
+    beam with a 105-line traceback ('Tensor.item() cannot be called on meta tensors')."""
+    assert main(["demo", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_cli_info_into_a_closed_pipe():
+    """`genlm-fast info | head -1`: the reader leaves early; no BrokenPipeError traceback."""
+    proc = subprocess.run(f"{sys.executable} -m genlm_fast info | head -1", shell=True,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.startswith("genlm_fast ")
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("args", [["--beam", "0"], ["--particles", "-1"], ["--bytes", "x"]])
 def test_cli_bad_numbers(args, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -173,6 +173,15 @@ class CompiledTrie:
             batch = batch.to(device)
         return batch
 
+    def _preprocess_ws(self, batch_ws) -> torch.Tensor:
+        """genlm's batch preprocessing (its own test suites call it): rows (lists, arrays,
+        tensors) -> one float32 ``[B, V]`` tensor on the trie's device."""
+        batch = float_weights(self._as_batch(batch_ws, self.device)).to(torch.float32)
+        if batch.shape[-1] != self._layout.num_columns:
+            raise ValueError(f"expected weight rows of length {self._layout.num_columns}, "
+                             f"got {batch.shape[-1]}")
+        return batch
+
     def _reduce(self, ws, reduction, mode="without_eos", device=None, dtype=None):
         batch = self._as_batch(ws, device)
         if reduction != "log_mass":

@@ -315,6 +315,26 @@ def test_numpy_views_are_read_as_numpy_reads_them():
     torch.testing.assert_close(byte.log_mass(logits[::-1]), byte.log_mass(logits[::-1].copy()))
 
 
+def test_preprocess_ws_is_genlms():
+    """genlm's private batch preprocessing, which genlm's own test suites call."""
+    rows = [np.arange(len(SMALL), dtype=np.float64), torch.ones(len(SMALL))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pairs = [(TokenCharacterTrie(ours(SMALL), cache=False),
+                  ref_trie.TokenCharacterTrie(theirs(SMALL))),
+                 (ParallelTokenCharacterTrie(ours(SMALL), device="cpu", cache=False),
+                  ref_trie.ParallelTokenCharacterTrie(theirs(SMALL), device="cpu")),
+                 (TokenByteTrie(ours(SMALL), device="cpu", cache=False),
+                  ref_bytes.TokenByteTrie(theirs(SMALL), device="cpu"))]
+    for mine, ref in pairs:
+        for ws in (rows, torch.stack([torch.from_numpy(rows[0]), rows[1].double()])):
+            got, want = mine._preprocess_ws(ws), ref._preprocess_ws(ws)
+            assert type(got) is type(want), (type(mine).__name__, type(got), type(want))
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            if isinstance(want, torch.Tensor):
+                assert got.dtype == want.dtype and got.device == want.device
+
+
 def test_integer_and_bool_weights_are_taken_as_genlm_takes_them():
     """Counts and masks as int/bool arrays, tensors and lists: the references sum and max
     them as numbers; so do we, for every trie, one row or a batch (sync and async)."""

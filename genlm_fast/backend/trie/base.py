@@ -130,6 +130,13 @@ class TokenCharacterTrie(CompiledTrie):
         self.idx_to_leaf = np.stack(
             [np.arange(len(words), dtype=np.int32), leaf_node.astype(np.int32)], axis=1)
 
+    def _preprocess_ws(self, ws):
+        """genlm's sequential-trie preprocessing (its own test suites call it): a tensor
+        becomes a host numpy array."""
+        if isinstance(ws, torch.Tensor):
+            return ws.detach().cpu().numpy()
+        return ws
+
     def _host(self, result: torch.Tensor) -> np.ndarray:
         return to_host(result)
 
@@ -164,6 +171,7 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
     when available). Results are numpy float32 arrays, as in genlm."""
 
     _out_dtype = torch.float32
+    _preprocess_ws = CompiledTrie._preprocess_ws  # float32 rows on the device, as in genlm
 
     def __init__(self, decode, device=None, **kwargs):
         self.device = trie_device(device)

@@ -145,10 +145,7 @@ def load_model(model=None, device=None, quiet=None):
             raise ValueError(f"unknown device {device!r}") from None
         if kind not in ("cpu", "cuda"):  # meta holds no data; others have no kernels here
             raise ValueError(f"device {device!r}: the model runs on cpu or cuda here")
-    if device and str(device).startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
+        if kind == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} asked for, but torch {torch.__version__} sees "
                              "no CUDA device")
     shown = model

@@ -49,14 +49,13 @@ __all__ = [
 
 def context_list(token_ids_list, method: str) -> list:
     """A batch call's contexts as a list (each one checked later, by ``check_token_ids``)."""
-    if token_ids_list is None or isinstance(token_ids_list, (str, bytes, bytearray)):
-        raise TypeError(f"{method} expects a list of token_ids contexts, got "
-                        f"{type(token_ids_list).__name__}")
-    try:
-        return list(token_ids_list)
-    except TypeError:
-        raise TypeError(f"{method} expects a list of token_ids contexts, got "
-                        f"{type(token_ids_list).__name__}") from None
+    if token_ids_list is not None and not isinstance(token_ids_list, (str, bytes, bytearray)):
+        try:
+            return list(token_ids_list)
+        except TypeError:  # not iterable
+            pass
+    raise TypeError(f"{method} expects a list of token_ids contexts, got "
+                    f"{type(token_ids_list).__name__}")
 
 
 def check_temperature(temperature) -> float:

@@ -28,7 +28,7 @@ import shutil
 import sys
 import sysconfig
 import threading
-from unittest import mock
+from contextlib import contextmanager
 
 import genlm_fast
 from genlm_fast.ops import sources as csrc
@@ -211,7 +211,7 @@ def _jit_build(defines=()):
             cxx, _, note = (compiler, None, None) if fresh else csrc.choose_compilers(compiler)
             if note:
                 logger.warning("genlm_fast: %s", note)
-            with mock.patch.dict(os.environ, {"CXX": cxx} if cxx != compiler else {}):
+            with _environ_set("CXX", cxx if cxx != compiler else None):
                 module = cpp_extension.load(name=name, sources=sources, extra_cflags=cflags,
                                             extra_ldflags=["-fopenmp"],
                                             build_directory=build_dir, verbose=False)
@@ -223,6 +223,24 @@ def _jit_build(defines=()):
         _remove(failed)
         _write(built, fingerprint)
     return module, build_dir
+
+
+@contextmanager
+def _environ_set(name: str, value: str | None):
+    """``os.environ[name] = value`` for the block (nothing when value is None), then the
+    variable as it was: present with its old value, or absent."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def load_module():

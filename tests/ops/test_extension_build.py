@@ -666,6 +666,20 @@ def test_a_compiler_that_links_libstdcxx_statically_is_replaced(tmp_path):
     assert f"{static} links libstdc++ statically" in note and "building with /usr/bin/g++" in note
 
 
+def test_environ_set_restores_the_variable(monkeypatch):
+    """The JIT build's $CXX swap leaves $CXX as it found it: set, absent, or after an error."""
+    monkeypatch.delenv("GF_TEST_VAR", raising=False)
+    with extension._environ_set("GF_TEST_VAR", "inner"):
+        assert os.environ["GF_TEST_VAR"] == "inner"
+    assert "GF_TEST_VAR" not in os.environ
+    monkeypatch.setenv("GF_TEST_VAR", "outer")
+    with pytest.raises(KeyError), extension._environ_set("GF_TEST_VAR", "inner"):
+        raise KeyError("build failed")
+    assert os.environ["GF_TEST_VAR"] == "outer"
+    with extension._environ_set("GF_TEST_VAR", None):
+        assert os.environ["GF_TEST_VAR"] == "outer"
+
+
 def test_the_extension_shares_torchs_libstdcxx():
     """genlm_fast._C (or the JIT-built module) needs the shared libstdc++, like torch."""
     module = extension.load_module()
@@ -684,9 +698,11 @@ def test_baseline_build_matches_reference(tmp_path, monkeypatch, caplog):
     static = _static_libstdcxx_compiler(tmp_path)
     if static is not None and os.path.exists("/usr/bin/g++"):
         monkeypatch.setenv("CXX", static)
+    configured = os.environ.get("CXX")
     with caplog.at_level(logging.WARNING, logger="genlm_fast"):
         module, where = extension._jit_build(defines=("GF_BASELINE_ONLY",))
-    if os.environ.get("CXX") == static:
+    assert os.environ.get("CXX") == configured  # the replacement compiler was for the build only
+    if configured == static:
         assert sources.needs_shared_libstdcxx(module.__file__) is True
         assert f"{static} links libstdc++ statically" in caplog.text
     rng = np.random.default_rng(17)

@@ -71,6 +71,10 @@ class _NotProvidedLoader(importlib.abc.Loader):
 class GenlmAliasFinder(importlib.abc.MetaPathFinder):
     """Resolve genlm.backend / genlm.bytes (and their submodules) to genlm_fast."""
 
+    # how install() and uninstall() recognise a finder of this module: by this mark, not
+    # by isinstance, so that a finder from before an importlib.reload of it counts too
+    GENLM_FAST_ALIAS = True
+
     def find_spec(self, fullname, path=None, target=None):
         if fullname == "genlm":
             # genlm is a namespace package; provide an empty one if no genlm is installed
@@ -95,9 +99,13 @@ def _is_package(name: str) -> bool:
     return spec is not None and spec.submodule_search_locations is not None
 
 
+def _is_alias_finder(finder) -> bool:
+    return getattr(finder, "GENLM_FAST_ALIAS", False) is True
+
+
 def install() -> None:
     """Put the finder first on ``sys.meta_path`` and drop genlm modules already imported."""
-    if not any(isinstance(f, GenlmAliasFinder) for f in sys.meta_path):
+    if not any(map(_is_alias_finder, sys.meta_path)):
         sys.meta_path.insert(0, GenlmAliasFinder())
     real = [name for name in sys.modules
             if target_of(name) is not None
@@ -118,7 +126,9 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, GenlmAliasFinder)]
+    """Take the finder off ``sys.meta_path`` and forget the aliased modules, so that the
+    next import of genlm.backend / genlm.bytes finds genlm's own packages (when installed)."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not _is_alias_finder(f)]
     for name in list(sys.modules):
         if target_of(name) is not None:
             del sys.modules[name]

@@ -50,6 +50,27 @@ def test_other_genlm_packages_are_untouched_and_missing_modules_fail_cleanly():
         """)
 
 
+def test_uninstall_gives_genlm_back_also_after_a_reload():
+    """One finder however often the module is reloaded, and uninstall() removes it: the
+    next imports are genlm-backend's and genlm-bytes' own (installed as test extras)."""
+    run("""
+        import importlib, sys
+        import genlm_fast.dropin as dropin
+        import genlm.bytes
+        assert genlm.bytes.__spec__.name == "genlm_fast.bytes"
+        dropin = importlib.reload(dropin)
+        importlib.reload(dropin)
+        finders = [f for f in sys.meta_path if type(f).__name__ == "GenlmAliasFinder"]
+        assert len(finders) == 1, finders
+        dropin.uninstall()
+        assert not [f for f in sys.meta_path if type(f).__name__ == "GenlmAliasFinder"]
+        import genlm.bytes, genlm.backend.trie
+        assert "genlm_fast" not in genlm.bytes.__file__, genlm.bytes.__file__
+        assert "genlm_fast" not in genlm.backend.trie.__file__, genlm.backend.trie.__file__
+        assert genlm.bytes.TokenByteTrie.__module__.startswith("genlm.bytes")
+        """)
+
+
 def test_pytest_plugin_form(tmp_path):
     (tmp_path / "test_x.py").write_text(textwrap.dedent("""
         def test_alias():

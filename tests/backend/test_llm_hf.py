@@ -7,7 +7,9 @@ against peft's own forward.
 """
 
 import asyncio
+import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -363,7 +365,7 @@ async def test_lora_adapter(model_dir, lora_setup):
 
 
 @pytest.mark.asyncio
-async def test_bad_input_and_faults(lm, prompts, monkeypatch, tmp_path):
+async def test_bad_input_and_faults(lm, prompts, model_dir, monkeypatch, tmp_path):
     V = lm.model.get_input_embeddings().num_embeddings
     with pytest.raises(ValueError, match="empty"):
         await lm.next_token_logprobs([])
@@ -381,6 +383,13 @@ async def test_bad_input_and_faults(lm, prompts, monkeypatch, tmp_path):
         AsyncTransformer.from_name(str(tmp_path / "no-such-model"))
     with pytest.raises(FileNotFoundError):
         load_model_by_name("genlm-fast-tests/definitely-not-a-model", backend="hf")
+    # a model folder saved without its tokenizer: named, not transformers' advice to
+    # install sentencepiece
+    weights_only = tmp_path / "weights-only"
+    weights_only.mkdir()
+    shutil.copy(os.path.join(model_dir, "config.json"), weights_only)
+    with pytest.raises(FileNotFoundError, match="has no tokenizer"):
+        AsyncTransformer.from_name(str(weights_only))
 
     # an exception inside a batch reaches every caller waiting on it
     broken = sharing(lm, timeout=0.01)

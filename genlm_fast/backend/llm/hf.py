@@ -104,6 +104,12 @@ class AsyncTransformer(BatchedAsyncLM):
             tokenizer = AutoTokenizer.from_pretrained(model_id)
         except (OSError, ValueError) as exc:
             if isinstance(model_id, str) and os.path.isdir(model_id):
+                if not any(os.path.exists(os.path.join(model_id, name))
+                           for name in _TOKENIZER_FILES):
+                    raise FileNotFoundError(
+                        f"model directory {model_id!r} has no tokenizer (none of "
+                        f"{', '.join(_TOKENIZER_FILES)}): save the tokenizer beside the "
+                        "model, e.g. tokenizer.save_pretrained(path)") from exc
                 raise  # found, but unreadable: transformers' own message says why
             offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False")
             where = " (HF_HUB_OFFLINE is set, so only local files are used)" if offline else ""
@@ -517,6 +523,12 @@ def _buffer_cache(kv, filled):
     cache = DynamicCache()
     cache.layers = [layer(kv[i, 0], kv[i, 1], filled) for i in range(kv.shape[0])]
     return cache
+
+
+# the files a saved tokenizer consists of, one at least (fast, slow BPE, SentencePiece,
+# WordPiece, tiktoken)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                    "tokenizer.model", "spiece.model", "vocab.txt", "tokenizer.tiktoken")
 
 
 def _is_missing_path(model_id):

@@ -10,7 +10,8 @@
 # The subset (bench/conftest.py, --bench-regress): trie kernels (smollm2 and llama3
 # vocabularies, B in {1, 32}, sum / max / log_mass, the three genlm_fast tries), the
 # SMC-shaped AsyncTransformer workload and the byte-level beam on SmolLM2; no reference
-# package is timed (genlm-backend's numba trie is built once, untimed, as the oracle).
+# package is timed (genlm-backend's numba trie is built once, untimed, as the oracle; the
+# beam's result is checked against one untimed genlm-bytes run, ~15 s more).
 # About 3 minutes on a 2-core CPU (2.5-3.5 min measured under load).
 #
 # Baselines live in bench/results/baselines/<machine key>/<pytest-benchmark machine id>/,

@@ -7,6 +7,7 @@ implementation in genlm-backend 0.3.1.
 
 import copy
 import json
+import operator
 import os
 import pickle
 
@@ -281,6 +282,28 @@ def test_token_type_errors(args):
         ref.Token(*args)
     with pytest.raises(TypeError, match="token_id|byte_string"):
         Token(*args)
+
+
+class _IdBytes(bytes):
+    """A bytes subclass with a token_id attribute: bytes, not a Token, for genlm."""
+
+    def __new__(cls, data, token_id):
+        self = super().__new__(cls, data)
+        self.token_id = token_id
+        return self
+
+
+@pytest.mark.parametrize("other", [_IdBytes(b"a", 2), _IdBytes(b"b", 1), _IdBytes(b"a", True)])
+def test_token_against_bytes_with_a_token_id_attribute(other):
+    """Compared, hashed and converted as genlm's Token does: by content, both ways round."""
+    ours, theirs = Token(1, b"a"), ref.Token(1, b"a")
+    for x, y in ((ours, other), (other, ours)):
+        for op in (operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
+                   operator.ge):
+            expected = op(theirs, other) if x is ours else op(other, theirs)
+            assert op(x, y) == expected == op(bytes(x), bytes(y)), (op, x, y)
+    assert Token.is_plain_bytes(other) == ref.Token.is_plain_bytes(other) is True
+    assert Token.as_bytes(other) is ref.Token.as_bytes(other) is other
 
 
 def test_token_accepts_what_reference_accepts():

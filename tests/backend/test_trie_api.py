@@ -136,7 +136,7 @@ def test_eot_sentinel_is_the_callers_own_object_and_is_never_pickled(tmp_path):
 
 
 class _IdBytes(bytes):
-    """A bytes subclass carrying a token id, as other libraries' tokens do."""
+    """A bytes subclass that carries a token id but is no Token."""
 
     def __new__(cls, token_id, data):
         self = super().__new__(cls, data)
@@ -144,9 +144,13 @@ class _IdBytes(bytes):
         return self
 
 
-@pytest.mark.parametrize("token_type", [RefToken, _IdBytes])
-def test_foreign_tokens_are_tokens(token_type):
-    """genlm's own ``Token`` (or any bytes with an int ``token_id``) keeps its id."""
+class _GenlmTokenSubclass(RefToken):
+    pass
+
+
+@pytest.mark.parametrize("token_type", [RefToken, _GenlmTokenSubclass])
+def test_genlm_tokens_are_tokens(token_type):
+    """genlm's own ``Token`` (and subclasses) keep their ids."""
     words = [b"b", b"a", b"ab", b"a"]
     ids = [3, 0, 2, 1]  # ids are not list positions
     vocab = [token_type(i, w) for i, w in zip(ids, words)]
@@ -163,6 +167,25 @@ def test_foreign_tokens_are_tokens(token_type):
     w = torch.tensor([0.1, 0.2, 0.3, 0.4])  # indexed by token id
     torch.testing.assert_close(byte.weight_sum(w), ref_byte.weight_sum(w))
     np.testing.assert_allclose(char.weight_sum(w), ref_char.weight_sum(w.numpy()))
+
+
+def test_bytes_with_a_token_id_attribute_are_bytes_as_in_genlm():
+    """Only Tokens carry ids: other bytes, whatever their attributes, are numbered by
+    position (with genlm's deprecation warning), and duplicates are duplicates."""
+    vocab = [_IdBytes(i, w) for i, w in zip([3, 0, 2, 1], [b"b", b"a", b"ab", b"a"])]
+    with pytest.warns(DeprecationWarning):
+        byte = TokenByteTrie(vocab, device="cpu", cache=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref_byte = ref_bytes.TokenByteTrie(vocab, device="cpu")
+    for attr in ("children", "lookup", "word2leaf", "leaf2token_id"):
+        assert getattr(byte, attr) == getattr(ref_byte, attr), attr
+    w = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    torch.testing.assert_close(byte.weight_sum(w), ref_byte.weight_sum(w))
+    with pytest.raises(ValueError, match="Duplicate"):
+        ref_trie.TokenCharacterTrie(vocab)
+    with pytest.raises(ValueError, match="Duplicate"):
+        TokenCharacterTrie(vocab, cache=False)
 
 
 # ------------------------------------------------------------------ values and types

@@ -2,18 +2,20 @@
 
 import operator
 
+# genlm-backend's own Token, known by where it is defined: a vocabulary built by genlm
+# itself, or by genlm modules imported before genlm_fast.dropin
+_GENLM_TOKEN = ("genlm.backend.tokenization.token", "Token")
+
 
 def is_token(x) -> bool:
-    """A token is ``bytes`` carrying an int ``token_id``: this module's Token, or
-    another implementation's, such as genlm.backend's ``Token`` (a vocabulary built
-    by genlm itself, or genlm modules imported before ``genlm_fast.dropin``)."""
-    if isinstance(x, Token):
-        return True
-    return (  # plain bytes first: the common case, kept cheap
-        type(x) is not bytes
-        and isinstance(x, bytes)
-        and isinstance(getattr(x, "token_id", None), int)
-    )
+    """Whether ``x`` is a Token: this module's, or genlm-backend's (or a subclass of
+    either). Tokens compare, hash and sort by id among themselves. Anything else, a bytes
+    subclass that happens to carry a ``token_id`` included, is bytes, as it is for genlm."""
+    cls = type(x)
+    if cls is bytes:  # the common case, kept cheap
+        return False
+    return isinstance(x, Token) or any(
+        (c.__module__, c.__qualname__) == _GENLM_TOKEN for c in cls.__mro__)
 
 
 def _by_id(op):

@@ -367,8 +367,12 @@ async def test_lora_adapter(model_dir, lora_setup):
 @pytest.mark.asyncio
 async def test_bad_input_and_faults(lm, prompts, model_dir, monkeypatch, tmp_path):
     V = lm.model.get_input_embeddings().num_embeddings
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="empty"):  # as genlm's AsyncTransformer
         await lm.next_token_logprobs([])
+    # a 0-d tensor item (ctx + [logps.argmax()]) is its int, as genlm has it
+    argmax = (await lm.next_token_logprobs(prompts[0])).argmax()
+    torch.testing.assert_close(await lm.next_token_logprobs(prompts[0] + [argmax]),
+                               await lm.next_token_logprobs(prompts[0] + [int(argmax)]))
     with pytest.raises(ValueError, match="vocabulary"):
         await lm.next_token_logprobs(prompts[0] + [V])
     with pytest.raises(ValueError, match="vocabulary"):

@@ -91,10 +91,24 @@ def test_matches_genlm_mock(tokenizer, vocab_size):
     assert len(ours.byte_vocab) == len(theirs.byte_vocab)
     assert ours.str_vocab == theirs.str_vocab
     assert [bytes(t) for t in ours.byte_vocab] == [bytes(t) for t in theirs.byte_vocab]
-    for ctx in ([1], [5, 6, 7], [50000, 3, 17, 256]):
+    for ctx in ([], [1], [5, 6, 7], [50000, 3, 17, 256]):  # genlm's mock answers [] too
         a = ours.next_token_logprobs_sync(ctx)
         assert a.dtype == torch.float32 and a.shape == (vocab_size,)
         torch.testing.assert_close(a, theirs.next_token_logprobs_sync(ctx), rtol=0, atol=1e-6)
+
+
+@pytest.mark.asyncio
+async def test_genlm_control_over_the_mock(tokenizer):
+    """genlm-control's PromptedLLM starts from an empty prompt: over our mock it gives
+    what it gives over genlm's."""
+    import genlm.backend.llm as genlm_llm
+    from genlm.control import PromptedLLM
+
+    ours, theirs = PromptedLLM(make(tokenizer)), PromptedLLM(genlm_llm.MockAsyncLM(tokenizer))
+    context = [ours.vocab[100], ours.vocab[200]]
+    assert await ours.prefix(context) == pytest.approx(await theirs.prefix(context), abs=1e-5)
+    a, b = await ours.logw_next([]), await theirs.logw_next([])
+    np.testing.assert_allclose(a.weights, b.weights, rtol=0, atol=1e-5)
 
 
 @pytest.mark.asyncio
@@ -535,17 +549,15 @@ def test_cleanup_from_another_thread_wakes_the_waiters(tokenizer):
 @pytest.mark.asyncio
 async def test_bad_contexts(tokenizer, vocab_size):
     lm = make(tokenizer)
-    with pytest.raises(ValueError, match="empty"):
-        await lm.next_token_logprobs([])
-    with pytest.raises(ValueError, match="empty"):
-        lm.next_token_logprobs_sync([])
     with pytest.raises(ValueError, match="vocabulary"):
         await lm.next_token_logprobs([1, vocab_size])
     with pytest.raises(ValueError, match="vocabulary"):
         lm.next_token_logprobs_sync([-1])
     with pytest.raises(ValueError, match="vocabulary"):
         await lm.batch_next_token_logprobs([[1], [vocab_size + 5]])
-    for bad in ("hello", [1.5, 2], [[1, 2]], [True, 1], None, 3, [1, "2"]):
+    for bad in ("hello", [1.5, 2], [[1, 2]], [True, 1], None, 3, [1, "2"],
+                [torch.tensor(1.0)], [torch.tensor(True)], [torch.tensor([1])],
+                [np.array(2.0)], [np.bool_(True)]):
         with pytest.raises(TypeError, match="token_ids"):
             await lm.next_token_logprobs(bad)
         with pytest.raises(TypeError, match="token_ids"):
@@ -571,7 +583,10 @@ async def test_bad_contexts(tokenizer, vocab_size):
     a = await lm.next_token_logprobs(np.array([4, 5], dtype=np.int64))
     b = await lm.next_token_logprobs(torch.tensor([4, 5]))
     c = await lm.next_token_logprobs((np.int32(4), 5))
-    for r in (a, b, c):
+    # items that are 0-d integer tensors or arrays, as ctx + [logps.argmax()] makes them
+    d = await lm.next_token_logprobs([torch.tensor(4), torch.tensor(5, dtype=torch.int32)])
+    e = lm.next_token_logprobs_sync([np.array(4), 5])
+    for r in (a, b, c, d, e):
         torch.testing.assert_close(r, expected([4, 5], vocab_size))
     with pytest.raises(UnknownLoraError):
         await lm.next_token_logprobs([1], lora_name="nope")

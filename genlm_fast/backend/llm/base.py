@@ -85,14 +85,23 @@ def unknown_lora(name):
     )
 
 
-def check_token_ids(token_ids, vocab_size=None):
+def _is_integer_dtype(dtype) -> bool:
+    """An integer dtype of torch or numpy (bool is not one)."""
+    if isinstance(dtype, torch.dtype):
+        return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+    return np.issubdtype(dtype, np.integer)
+
+
+def check_token_ids(token_ids, vocab_size=None, allow_empty=False):
     """Validate a context and return it as a tuple of Python ints.
 
-    Accepts any 1-D sequence of integers (list, tuple, numpy array, integer tensor).
+    Accepts any 1-D sequence of integers (list, tuple, numpy array, integer tensor), whose
+    items may also be numpy integers or 0-d integer tensors (``ctx + [logps.argmax()]``).
 
     Raises:
         TypeError: ``token_ids`` is not a sequence of integers.
-        ValueError: it is empty, or holds an id outside ``[0, vocab_size)``.
+        ValueError: it is empty (unless ``allow_empty``), or holds an id outside
+            ``[0, vocab_size)``.
     """
     if isinstance(token_ids, (str, bytes, bytearray)):
         raise TypeError(
@@ -104,13 +113,7 @@ def check_token_ids(token_ids, vocab_size=None):
             raise TypeError(
                 f"token_ids must be one-dimensional, got shape {tuple(token_ids.shape)}"
             )
-        is_int = (
-            not token_ids.dtype.is_floating_point and not token_ids.dtype.is_complex
-            and token_ids.dtype != torch.bool
-            if isinstance(token_ids, torch.Tensor)
-            else np.issubdtype(token_ids.dtype, np.integer)
-        )
-        if not is_int:
+        if not _is_integer_dtype(token_ids.dtype):
             raise TypeError(f"token_ids must hold integers, got dtype {token_ids.dtype}")
         ids = tuple(int(t) for t in token_ids.tolist())
     else:
@@ -123,15 +126,18 @@ def check_token_ids(token_ids, vocab_size=None):
         for t in items:
             if type(t) is int:
                 continue
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise TypeError(
-                    f"token_ids must be a sequence of ints; found {t!r} "
-                    f"({type(t).__name__})"
-                )
+            if isinstance(t, (torch.Tensor, np.ndarray)):
+                if t.ndim == 0 and _is_integer_dtype(t.dtype):
+                    continue
+            elif not isinstance(t, bool) and isinstance(t, numbers.Integral):
+                continue
+            raise TypeError(
+                f"token_ids must be a sequence of ints; found {t!r} ({type(t).__name__})"
+            )
         ids = tuple(int(t) for t in items)
-    if not ids:
+    if not ids and not allow_empty:
         raise ValueError("Token ids must not be empty")
-    if vocab_size is not None:
+    if vocab_size is not None and ids:
         lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi
@@ -763,6 +769,11 @@ class MockAsyncLM(BatchedAsyncLM):
     def context_seed(token_ids):
         """The RandomState seed of a context (reduced mod 2**32 when it is larger)."""
         return sum((i + 1) * t for i, t in enumerate(token_ids)) % (2**32)
+
+    def _check_context(self, token_ids):
+        """As the real backends, but the empty context is one too (genlm's mock answers
+        it: genlm-control's PromptedLLM starts from an empty prompt)."""
+        return check_token_ids(token_ids, self._vocab_limit(), allow_empty=True)
 
     def _scores(self, token_ids):
         rng = np.random.RandomState(self.context_seed(token_ids))

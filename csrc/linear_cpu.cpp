@@ -15,8 +15,14 @@
 // 512-bit register per row), and each 16-float load of W feeds one FMA per row with x[m, k]
 // broadcast. The first group reads the chunk from memory (prefetched 4 KB ahead); the other
 // groups find it in L1, so W leaves memory once whatever M is. Partial sums cross chunks
-// through a small per-thread buffer. Exact as a BLAS is: float32 products summed in float32,
-// in order of k.
+// through a small per-thread buffer.
+//
+// Numerics: float32 products summed in float32, in blocks of kSumBlock values of k; each
+// block starts from zero and its sum is added to the buffer. One running sum over all of K
+// gathers rounding error in proportion to K (SmolLM2's MLP: K = 1536): on contexts of its
+// special tokens, whose activations are large and cancel, the log-probabilities were 2.4x
+// further from float64 than with torch's own layers. Blocks bring that to K / kSumBlock +
+// kSumBlock additions per output, at one load, add and store per row and block.
 //
 // ISAs: AVX-512F (R = 24: 24 accumulators, W and a broadcast in 32 registers) and a plain loop
 // (any CPU; the layout's reference, for tests: AVX2 versions of this kernel were no faster
@@ -52,23 +58,32 @@ namespace {
 constexpr int64_t kPanel = 16;   // output features per panel
 constexpr int64_t kChunk = 256;  // values of k per chunk: 16 KB of a panel, kept in L1
 constexpr int64_t kPrefetch = 64;  // prefetch distance, in values of k (4 KB)
+constexpr int64_t kSumBlock = 64;  // values of k summed from zero before joining the buffer
+static_assert(kChunk % kSumBlock == 0, "a chunk holds whole summation blocks");
 
-// acc[r][0..16) = (first ? 0 : acc[r]) + sum_{k in [k0, k1)} x[r, k] * panel[k][0..16)
+// acc[r][0..16) = (first ? 0 : acc[r]) + sum over the blocks of kSumBlock values of k in
+// [k0, k1) of (sum_{k in block} x[r, k] * panel[k][0..16)), the blocks' sums added in order
 #if GF_X86_KERNELS
 template <int R>
 __attribute__((target("avx512f"))) void group_avx512(const float* x, int64_t ldx, const float* panel,
                                                      int64_t k0, int64_t k1, bool first, float* acc) {
   __m512 a[R];
+  for (int64_t b0 = k0; b0 < k1; b0 += kSumBlock) {
+    const int64_t b1 = std::min(k1, b0 + kSumBlock);
 #pragma GCC unroll 24
-  for (int r = 0; r < R; ++r) a[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * kPanel);
-  for (int64_t k = k0; k < k1; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetch) * kPanel), _MM_HINT_T0);
-    const __m512 w = _mm512_loadu_ps(panel + k * kPanel);
+    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+    for (int64_t k = b0; k < b1; ++k) {
+      _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetch) * kPanel), _MM_HINT_T0);
+      const __m512 w = _mm512_loadu_ps(panel + k * kPanel);
 #pragma GCC unroll 24
-    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, a[r]);
+      for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, a[r]);
+    }
+    const bool fresh = first && b0 == k0;
+#pragma GCC unroll 24
+    for (int r = 0; r < R; ++r)
+      _mm512_storeu_ps(acc + r * kPanel,
+                       fresh ? a[r] : _mm512_add_ps(_mm512_loadu_ps(acc + r * kPanel), a[r]));
   }
-#pragma GCC unroll 24
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * kPanel, a[r]);
 }
 
 #endif
@@ -77,9 +92,14 @@ void group_baseline(int rows, const float* x, int64_t ldx, const float* panel, i
                     int64_t k1, bool first, float* acc) {
   if (first) std::fill(acc, acc + rows * kPanel, 0.0f);
   for (int r = 0; r < rows; ++r)
-    for (int64_t k = k0; k < k1; ++k) {
-      const float xv = x[r * ldx + k];
-      for (int64_t j = 0; j < kPanel; ++j) acc[r * kPanel + j] += xv * panel[k * kPanel + j];
+    for (int64_t b0 = k0; b0 < k1; b0 += kSumBlock) {
+      const int64_t b1 = std::min(k1, b0 + kSumBlock);
+      float block[kPanel] = {};
+      for (int64_t k = b0; k < b1; ++k) {
+        const float xv = x[r * ldx + k];
+        for (int64_t j = 0; j < kPanel; ++j) block[j] += xv * panel[k * kPanel + j];
+      }
+      for (int64_t j = 0; j < kPanel; ++j) acc[r * kPanel + j] += block[j];
     }
 }
 

@@ -110,6 +110,25 @@ def test_small_batch_kernel_matches_float64(isa, rows, out_features, in_features
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=tol)
 
 
+@pytest.mark.parametrize("isa", _small_batch_isas())
+@pytest.mark.parametrize("rows", [1, 24, 25])
+def test_small_batch_kernel_sums_in_blocks(isa, rows):
+    """One product of 1, then 1535 products of 2**-25 (a quarter ulp of 1): a single running
+    float32 sum rounds every one of them away (an error of 4.6e-5); summed in blocks of 64,
+    only the first block's 63 are lost (1.9e-6). The same error, in large activations that
+    cancel, made SmolLM2's log-probabilities on its special tokens 2.4x further from
+    float64 than torch's layers; now closer than torch's."""
+    module = _built()
+    K = 1536  # SmolLM2's down projection
+    x = torch.full((rows, K), 2.0**-13)
+    x[:, 0] = 1.0
+    w = torch.full((20, K), 2.0**-12)
+    w[:, 0] = 1.0
+    got = module.linear_small_batch(x, module.pack_linear_weight(w), None, 20, isa)
+    want = 1 + (K - 1) * 2.0**-25
+    assert float((got.double() - want).abs().max()) <= 63 * 2.0**-25 + 1e-9
+
+
 def test_small_batch_kernel_isas_agree():
     """The AVX-512 kernel and the plain loop: the same sums in the same order of k (up to
     the rounding of fused multiply-adds)."""

@@ -3,7 +3,9 @@
 ``AsyncTransformer`` (Hugging Face transformers) and ``MockAsyncLM`` are available
 everywhere. ``AsyncVirtualLM`` (vLLM) is imported on first use; without vLLM installed it
 still imports and raises ImportError when built. MLX and SGLang backends are not offered:
-``AsyncMlxLM`` and ``AsyncSGLTransformer`` are stand-ins that raise NotImplementedError.
+``AsyncMlxLM`` and ``AsyncSGLTransformer`` are stand-ins that raise `BackendNotProvidedError`
+(an ImportError, as genlm raises where MLX or SGLang is not installed, and a
+NotImplementedError).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "AsyncSGLTransformer",
     "AsyncTransformer",
     "AsyncVirtualLM",
+    "BackendNotProvidedError",
     "BatchedAsyncLM",
     "MockAsyncLM",
     "ModelClosedError",
@@ -37,17 +40,23 @@ __all__ = [
 _UNSUPPORTED = {"mlx": "MLX (AsyncMlxLM)", "sgl": "SGLang (AsyncSGLTransformer)"}
 
 
+class BackendNotProvidedError(ImportError, NotImplementedError):
+    """A genlm backend that genlm_fast does not offer (MLX, SGLang). An ImportError, as
+    genlm's own stand-ins raise where the backend's package is missing, so that an app's
+    ``except ImportError`` fallback still runs."""
+
+
 def _vllm_installed():
     return importlib.util.find_spec("vllm") is not None
 
 
 def _not_supported(name, reason):
     """A class named ``name`` whose construction (or ``from_name``) raises
-    NotImplementedError(reason): imports of genlm's backend names keep working (genlm-control
-    imports AsyncMlxLM), using one says why it cannot be used."""
+    BackendNotProvidedError(reason): imports of genlm's backend names keep working
+    (genlm-control imports AsyncMlxLM), using one says why it cannot be used."""
 
     def refuse(*args, **kwargs):
-        raise NotImplementedError(reason)
+        raise BackendNotProvidedError(reason)
 
     return type(name, (), {"__init__": refuse, "from_name": classmethod(refuse),
                            "__doc__": f"Stand-in: {reason}", "__module__": __name__})
@@ -88,7 +97,8 @@ def load_model_by_name(name, backend=None, llm_opts=None):
 
     Raises:
         ValueError: Unknown backend.
-        NotImplementedError: ``"mlx"`` or ``"sgl"``, which genlm_fast does not support.
+        BackendNotProvidedError: ``"mlx"`` or ``"sgl"``, which genlm_fast does not
+            support (an ImportError and a NotImplementedError).
     """
     if backend is None:
         import torch
@@ -102,7 +112,7 @@ def load_model_by_name(name, backend=None, llm_opts=None):
     if backend == "mock":
         return MockAsyncLM.from_name(name, **opts)
     if backend in _UNSUPPORTED:
-        raise NotImplementedError(
+        raise BackendNotProvidedError(
             f"genlm_fast does not support the {_UNSUPPORTED[backend]} backend; use "
             "backend='hf' or 'vllm', or genlm.backend for this one"
         )

@@ -154,6 +154,8 @@ class CompiledTrie:
                 raise ValueError("empty batch: expected at least one weight row")
             if isinstance(ws[0], numbers.Real):  # one row of plain Python numbers
                 return self._as_batch(np.asarray(ws, dtype=np.float64), device)
+            if all(getattr(w, "ndim", None) == 0 for w in ws):  # one row of 0-d tensors
+                return self._as_batch(torch.stack([torch.as_tensor(w) for w in ws]), device)
             rows = [self._as_batch(w, device) for w in ws]
             for i, r in enumerate(rows):
                 if r.dim() != 2 or r.shape[0] != 1:

@@ -28,11 +28,14 @@ class TrieOp(Enum):
 
 
 def as_mode(mode) -> TrieMode:
-    """``None`` -> WITHOUT_EOS; accepts the enum or its string value."""
+    """``None`` -> WITHOUT_EOS; accepts the enum, its string value, or genlm.bytes' own
+    TrieMode (genlm modules imported before genlm_fast.dropin)."""
     if mode is None:
         return TrieMode.WITHOUT_EOS
     if isinstance(mode, TrieMode):
         return mode
+    if isinstance(mode, Enum):
+        mode = mode.value
     try:
         return TrieMode(mode)
     except ValueError:

@@ -212,7 +212,10 @@ def test_gpt2_values_match_genlm(gpt2, gpt2_reference_tries):
     np.testing.assert_allclose(char.weight_max(probs[0]), ref_char.weight_max(probs[0]), rtol=1e-6)
 
     p32 = torch.tensor(probs, dtype=torch.float32)
+    # the mode as our enum, its string, or genlm.bytes' enum (genlm modules imported before
+    # the drop-in)
     for ours_mode, ref_mode in [(TrieMode.WITH_EOS, ref_bytes.TrieMode.WITH_EOS),
+                                (ref_bytes.TrieMode.WITH_EOS, ref_bytes.TrieMode.WITH_EOS),
                                 ("without_eos", ref_bytes.TrieMode.WITHOUT_EOS)]:
         got_b = byte.batch_weight_sum(p32, mode=ours_mode)
         assert isinstance(got_b, torch.Tensor) and got_b.device.type == "cpu"
@@ -336,6 +339,28 @@ def test_numpy_views_are_read_as_numpy_reads_them():
                                ref_byte.batch_weight_sum(np.ascontiguousarray(rows)))
     logits = np.array([0.5, -1.0, 2.0, 0.0])
     torch.testing.assert_close(byte.log_mass(logits[::-1]), byte.log_mass(logits[::-1].copy()))
+
+
+def test_a_row_of_0d_tensors_is_one_row_as_in_genlm():
+    """[w.sum(), ...] or list(tensor) (0-d tensors, or 0-d arrays) is one weight row, as
+    genlm reads it; a list of such rows is a batch."""
+    words = [b"a", b"ab", b"b"]
+    row = [torch.tensor(0.25), torch.tensor(0.5, dtype=torch.float64), np.array(0.25)]
+    plain = [0.25, 0.5, 0.25]
+    par = ParallelTokenCharacterTrie(ours(words), device="cpu", cache=False)
+    ref_par = ref_trie.ParallelTokenCharacterTrie(theirs(words), device="cpu")
+    byte = TokenByteTrie(ours(words), device="cpu", cache=False)
+    ref_byte = ref_bytes.TokenByteTrie(theirs(words), device="cpu")
+    np.testing.assert_allclose(par.weight_sum(row), ref_par.weight_sum(list(torch.tensor(plain))))
+    np.testing.assert_allclose(par.weight_sum(row), par.weight_sum(plain))
+    torch.testing.assert_close(byte.weight_max(list(torch.tensor(plain))),
+                               ref_byte.weight_max(list(torch.tensor(plain))))
+    torch.testing.assert_close(byte.batch_weight_sum([row, plain]),
+                               byte.batch_weight_sum([plain, plain]))
+    char = TokenCharacterTrie(ours(words), cache=False)
+    np.testing.assert_allclose(char.weight_sum(row), char.weight_sum(plain))
+    with pytest.raises(ValueError, match="batch item 0 must be a 1-D"):  # not all 0-d: rows
+        byte.batch_weight_sum([torch.tensor(0.25), torch.tensor([0.5])])
 
 
 def test_preprocess_ws_is_genlms():

@@ -225,6 +225,11 @@ async def test_mock_healing_options_agree(mock, ref_mock, ref_tries, options):
     assert ours.logZ == pytest.approx(ref.logZ, abs=1e-3)
     if len(ours):
         assert [s.lm_state.context for s in ours] == [s.lm_state.context for s in ref]
+    # reading on, from a beam that may be empty (heal=False): the same beam, logZ -inf
+    # where genlm-bytes' is
+    ours, ref = await ours.prefill(b"yz"), await ref.prefill(b"yz")
+    assert len(ours) == len(ref)
+    assert ours.logZ == pytest.approx(ref.logZ, abs=1e-3)
 
 
 @pytest.mark.asyncio
@@ -510,8 +515,10 @@ async def test_empty_beam(mock):
     assert len(done) == 1 and done.states[0].terminated
     empty = await (done.prune() << ord("a"))  # nothing follows EOS: probability zero
     assert len(empty) == 0 and empty.logZ == -np.inf
-    with pytest.raises(EmptyBeamError, match="empty beam"):
-        await (empty << ord("b"))
+    # reading on stays empty, as in genlm-bytes (text of probability zero scores -inf);
+    # reading the next-byte distribution of an empty beam raises
+    for later in (await (empty << ord("b")), await empty.prefill(b"bc")):
+        assert len(later) == 0 and later.logZ == -np.inf
     with pytest.raises(EmptyBeamError, match="empty beam"):
         await empty.logp_next()
     with pytest.raises(EmptyBeamError):
@@ -534,6 +541,10 @@ def test_bad_params():
         BeamParams(K=2, prune_threshold=-0.1)
     with pytest.raises(ValueError):
         BeamParams(K=2, prune_threshold=float("nan"))
+    for bad in ("0.1", b"0.1", None):  # genlm-bytes raises TypeError for these too
+        with pytest.raises(TypeError, match="prune_threshold must be a number"):
+            BeamParams(K=2, prune_threshold=bad)
+    assert BeamParams(K=2, prune_threshold=np.float32(0.25)).prune_threshold == 0.25
     with pytest.raises(TypeError, match="collection of byte strings"):
         BeamParams(K=2, eos_byte_strings=b"<|endoftext|>")
     with pytest.raises(TypeError, match="bytes"):
@@ -567,7 +578,12 @@ async def test_bad_prefill(mock):
     with pytest.raises(ValueError, match="0..255"):
         await beam.prefill([257])
     ok = await beam.prefill(bytearray(b"Hi"))
-    assert (await beam.prefill([72, 105])).logZ == pytest.approx(ok.logZ)
+    # any iterable of ints 0..255, as genlm-bytes reads it
+    for same in ([72, 105], np.array([72, 105]), np.frombuffer(b"Hi", dtype=np.uint8),
+                 (b for b in b"Hi"), torch.tensor([72, 105])):
+        assert (await beam.prefill(same)).logZ == pytest.approx(ok.logZ)
+    with pytest.raises(TypeError, match="prefill expects bytes"):
+        await beam.prefill(np.array([72.0, 105.0]))
     with pytest.raises(TypeError, match="BeamParams"):
         await ByteBeamState.initial(mock, {"K": 2})
     with pytest.raises(ValueError, match="not in vocabulary"):
@@ -862,7 +878,7 @@ def hypotheses(beam):
 async def agree_on_tiny_vocab(ours, ref, text, what):
     """Read ``text`` into both beams (prune, then read): after each byte the same hypotheses,
     weights and next-byte distribution. Returns the number of bytes read before a beam
-    emptied (genlm-bytes' beam; ours raises on reading into an empty beam)."""
+    emptied (both beams empty there)."""
     for i, b in enumerate(text):
         ours, ref = ours.prune(), ref.prune()
         assert hypotheses(ours) == hypotheses(ref), f"{what}: pruned before byte {i}"

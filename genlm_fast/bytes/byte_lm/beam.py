@@ -33,7 +33,6 @@ from genlm_fast.bytes.util import (
     NUM_SYMBOLS,
     LazyByteProbs,
     as_index,
-    format_byte,
     logsumexp,
     logsumexp_columns,
 )
@@ -44,7 +43,9 @@ NEG_INF = -math.inf
 
 
 class EmptyBeamError(ValueError, AssertionError):
-    """The beam holds no hypothesis: the bytes read so far have probability zero.
+    """The next-byte distribution of a beam that holds no hypothesis was asked for: the
+    bytes read so far have probability zero (reading more bytes into such a beam gives an
+    empty beam, logZ -inf, as in genlm-bytes).
 
     Also an ``AssertionError``, which is what genlm-bytes raises there ("Beam is empty"):
     callers may catch either."""
@@ -92,6 +93,8 @@ class BeamParams:
         if self.K < 1:
             raise ValueError(f"K (the beam width) must be at least 1, got {self.K}")
         try:
+            if isinstance(self.prune_threshold, (str, bytes, bytearray)):
+                raise TypeError  # float("0.1") would read it, and keep the field a str
             threshold = float(self.prune_threshold)
         except (TypeError, ValueError):
             raise TypeError(f"prune_threshold must be a number, got "
@@ -123,6 +126,7 @@ class BeamParams:
         self.eos_byte_strings = checked
         self.heal_max_backoff = _optional_count(self.heal_max_backoff, "heal_max_backoff")
         self.heal_max_splits = _optional_count(self.heal_max_splits, "heal_max_splits")
+        self.prune_threshold = threshold
         self.log_prune_threshold = math.log(threshold) if threshold > 0 else NEG_INF
 
 
@@ -185,12 +189,6 @@ class ByteBeamState(StatefulByteLM):
         (``-inf`` for an empty beam)."""
         return logsumexp([s.weight for s in self.states])
 
-    def _check_not_empty(self, what):
-        if not self.states:
-            raise EmptyBeamError(
-                f"cannot {what} an empty beam: the bytes read so far have probability zero "
-                "under the model (every hypothesis was dropped)")
-
     # ---------------------------------------------------------------- one step
 
     async def _ready(self, next_byte=None):
@@ -249,9 +247,12 @@ class ByteBeamState(StatefulByteLM):
         return out
 
     async def __lshift__(self, a):
-        """The beam after reading byte ``a`` (0..255, or 257 for EOS)."""
+        """The beam after reading byte ``a`` (0..255, or 257 for EOS). From an empty beam,
+        an empty beam (as genlm-bytes has it): its ``logZ`` is -inf, and reading its
+        next-byte distribution raises EmptyBeamError."""
         a = check_byte(a)
-        self._check_not_empty("step")
+        if not self.states:
+            return ByteBeamState([], self.params)
         await self._ready(next_byte=a)
         new_states = []
         for state in self.states:
@@ -278,7 +279,10 @@ class ByteBeamState(StatefulByteLM):
     async def logp_next(self):
         """``LazyByteProbs`` of the next byte (and EOS), summed over the hypotheses and the
         tokens they can commit here."""
-        self._check_not_empty("read the next-byte distribution of")
+        if not self.states:
+            raise EmptyBeamError(
+                "cannot read the next-byte distribution of an empty beam: the bytes read so "
+                "far have probability zero under the model (every hypothesis was dropped)")
         await self._ready()
         rows = []
         for state in self.states:
@@ -332,17 +336,18 @@ class ByteBeamState(StatefulByteLM):
     async def prefill(self, bs):
         """The beam after the bytes ``bs``, read with EOS tokens counted as ordinary tokens.
 
+        Bytes of probability zero under the model give an empty beam, whose ``logZ`` is
+        -inf (as genlm-bytes has it; reading its next-byte distribution raises
+        EmptyBeamError).
+
         Args:
-            bs (bytes | bytearray | list[int]): the bytes (0..255 each).
+            bs (bytes | bytearray | iterable of int): the bytes (0..255 each).
         """
         data = _as_byte_list(bs)
         beam = self.with_mode(TrieMode.WITHOUT_EOS)
-        for i, b in enumerate(data):
+        for b in data:
             if not beam.states:
-                raise EmptyBeamError(
-                    f"prefill: the beam became empty at byte {i - 1} "
-                    f"({format_byte(data[i - 1])}) of {len(data)}: those bytes have "
-                    "probability zero under the model")
+                break
             beam = await (beam.prune() << b)
         return beam.with_mode(TrieMode.WITH_EOS)
 
@@ -376,18 +381,22 @@ class ByteBeamState(StatefulByteLM):
 
 
 def _as_byte_list(bs):
+    """The bytes to prefill as a list of ints: bytes-like, or any iterable of ints 0..255
+    (a list, a numpy array, a range, a generator), as genlm-bytes reads them."""
     if isinstance(bs, str):
         raise TypeError("prefill expects bytes, got a str: encode it first, e.g. "
                         "text.encode('utf-8')")
     if isinstance(bs, (bytes, bytearray, memoryview)):
         return list(bytes(bs))
-    if isinstance(bs, (list, tuple)):
-        out = []
-        for b in bs:
-            v = as_index(b, "prefill expects bytes (or a list of ints 0..255)")
-            if not 0 <= v <= 255:
-                raise ValueError(f"prefill expects bytes 0..255, found {v}")
-            out.append(v)
-        return out
-    raise TypeError(f"prefill expects bytes (or a list of ints 0..255), got "
-                    f"{type(bs).__name__}")
+    try:
+        items = list(bs)
+    except TypeError:
+        raise TypeError(f"prefill expects bytes (or an iterable of ints 0..255), got "
+                        f"{type(bs).__name__}") from None
+    out = []
+    for b in items:
+        v = as_index(b, "prefill expects bytes (or an iterable of ints 0..255)")
+        if not 0 <= v <= 255:
+            raise ValueError(f"prefill expects bytes 0..255, found {v}")
+        out.append(v)
+    return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import numbers
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from functools import cached_property
 
@@ -140,6 +140,8 @@ class CompiledTrie:
 
     def _as_batch(self, ws, device) -> torch.Tensor:
         """A list / array / tensor of rows -> one ``[B, C]`` tensor (on ``device`` if given)."""
+        if not isinstance(ws, (torch.Tensor, np.ndarray, list, tuple)):
+            ws = _as_sequence(ws)
         if isinstance(ws, torch.Tensor):
             dispatch.check_device(ws)  # before any copy to the trie's device
             batch = ws
@@ -152,10 +154,17 @@ class CompiledTrie:
         elif isinstance(ws, (list, tuple)):
             if len(ws) == 0:
                 raise ValueError("empty batch: expected at least one weight row")
-            if isinstance(ws[0], numbers.Real):  # one row of plain Python numbers
-                return self._as_batch(np.asarray(ws, dtype=np.float64), device)
-            if all(getattr(w, "ndim", None) == 0 for w in ws):  # one row of 0-d tensors
-                return self._as_batch(torch.stack([torch.as_tensor(w) for w in ws]), device)
+            if isinstance(ws[0], numbers.Real):  # one row of numbers
+                try:
+                    row = np.asarray(ws, dtype=np.float64)
+                except TypeError:  # among them a 0-d tensor numpy cannot read (bfloat16)
+                    row = np.asarray([float(w) for w in ws], dtype=np.float64)
+                return self._as_batch(row, device)
+            if all(getattr(w, "ndim", None) == 0 or isinstance(w, numbers.Real) for w in ws):
+                # one row of 0-d tensors or arrays (list(tensor)), maybe among numbers
+                if all(isinstance(w, torch.Tensor) for w in ws):  # in their own dtype
+                    return self._as_batch(torch.stack(list(ws)), device)
+                return self._as_batch(np.asarray([float(w) for w in ws]), device)
             rows = [self._as_batch(w, device) for w in ws]
             for i, r in enumerate(rows):
                 if r.dim() != 2 or r.shape[0] != 1:
@@ -166,9 +175,6 @@ class CompiledTrie:
                                      f"length {rows[0].shape[1]}")
             target = device if device is not None else rows[0].device
             return torch.cat([r.to(target) for r in rows], dim=0)
-        else:
-            raise TypeError(f"expected a torch.Tensor, numpy array or list of them, "
-                            f"got {type(ws).__name__}")
         if batch.dim() == 1:
             batch = batch.unsqueeze(0)
         if device is not None:
@@ -184,10 +190,23 @@ class CompiledTrie:
                              f"got {batch.shape[-1]}")
         return batch
 
+    # genlm's sequential trie reads the first V entries of a longer weight row; its other
+    # tries (matrix products) take exactly V
+    _reads_first_columns = False
+
+    def _weight_rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """Weight rows as floats, cut to the vocabulary's width where the trie reads only
+        its first columns (a row too short or too wide is left for the width check)."""
+        batch = float_weights(batch)
+        width = self._layout.num_columns
+        if self._reads_first_columns and batch.dim() == 2 and batch.shape[1] > width:
+            batch = batch[:, :width]
+        return batch
+
     def _reduce(self, ws, reduction, mode="without_eos", device=None, dtype=None):
         batch = self._as_batch(ws, device)
         if reduction != "log_mass":
-            batch = float_weights(batch)
+            batch = self._weight_rows(batch)
         # dtype: the result's. float64 needs no float64 copy of the input: the dispatcher
         # gives float64 results of float32 values (the same numbers, the conversion being
         # exact). float32 rounds the values first, as genlm's float32 tries do.
@@ -270,6 +289,29 @@ class CompiledTrie:
         return dot
 
 
+def as_vocabulary(decode):
+    """A trie's vocabulary as a sequence: a generator or any other one-pass iterable of
+    tokens is read into a list once (the trie reads it more than once); None, a sequence
+    or an array stays as it is."""
+    if decode is None or isinstance(decode, (Sequence, np.ndarray)):
+        return decode
+    if isinstance(decode, Iterable) and not isinstance(decode, (str, bytes)):
+        return list(decode)
+    raise TypeError(f"decode must be a list of tokens, got {type(decode).__name__}")
+
+
+def _as_sequence(ws):
+    """Weights given as anything but a tensor, an array, a list or a tuple: an object numpy
+    can read (``__array__``) as an array, any other iterable of rows (a generator, a deque,
+    ``dict.values()``; genlm loops over the batch) as a list."""
+    if hasattr(ws, "__array__"):
+        return np.asarray(ws)
+    if isinstance(ws, Iterable) and not isinstance(ws, (str, bytes, bytearray, dict)):
+        return list(ws)
+    raise TypeError(f"expected weights as a torch.Tensor, a numpy array or a list of "
+                    f"rows, got {type(ws).__name__}")
+
+
 @contextmanager
 def _gc_paused():
     """Pause the cyclic garbage collector while hundreds of thousands of small containers
@@ -285,11 +327,14 @@ def _gc_paused():
 
 
 def float_weights(batch: torch.Tensor) -> torch.Tensor:
-    """Weights as floats: integer and bool weights (counts, masks) become float64, exactly,
-    as genlm takes them; float ones stay as they are; any other dtype is an error."""
+    """Weights as floats: integer and bool weights (counts, masks) become float64 and the
+    8-bit floats float32, exactly, as genlm takes them; the kernels' float dtypes stay as
+    they are; complex weights are an error."""
     if batch.dtype in dispatch.FLOAT_DTYPES:
         return batch
-    if batch.dtype == torch.bool or not (batch.is_floating_point() or batch.is_complex()):
+    if batch.is_floating_point():
+        return batch.to(torch.float32)
+    if not batch.is_complex():
         return batch.to(torch.float64)
     raise TypeError(f"expected real (float, integer or bool) weights, got {batch.dtype}")
 

@@ -10,7 +10,8 @@ import torch
 
 from genlm_fast.backend.tokenization import Token
 from genlm_fast.backend.trie.async_impl import AsyncTrieFrontEnd
-from genlm_fast.trie_core import CompiledTrie, is_leaf_key, one_row, token_fields, trie_device
+from genlm_fast.trie_core import (CompiledTrie, as_vocabulary, is_leaf_key, one_row, token_fields,
+                                  trie_device)
 
 EOS = 257  # the edge key of the EOS node under the root
 
@@ -77,6 +78,7 @@ class TokenByteTrie(CompiledTrie):
                                        "atomic_byte_strings", "atomic_tokens")
         eot_sentinel = _renamed(eot_sentinel, eot_token, "eot_sentinel", "eot_token")
         eos_byte_strings = _renamed(eos_byte_strings, eos_tokens, "eos_byte_strings", "eos_tokens")
+        decode = as_vocabulary(decode)
         if decode is None or len(decode) == 0:
             raise ValueError("decode cannot be empty: a trie needs at least one token")
         if isinstance(decode[0], bytes) and token_fields(decode[0]) is None:
@@ -111,8 +113,15 @@ class TokenByteTrie(CompiledTrie):
         token_ids = [tid for _, tid in fields]
         self.eos_token_ids = [tid for bs, tid in fields if bs in self.eos_byte_strings]
 
-        if len(set(token_ids)) != len(token_ids):
-            raise ValueError("decode contains two Tokens with the same token_id")
+        first_of = {}
+        for i, tid in enumerate(token_ids):
+            if tid < 0:
+                raise ValueError(f"decode item {i} ({decode[i]!r}) has a negative token_id "
+                                 f"{tid}: token ids index the weight rows")
+            if tid in first_of:
+                raise ValueError(f"decode items {first_of[tid]} and {i} are two Tokens with "
+                                 f"the same token_id {tid}")
+            first_of[tid] = i
         words = [[bs] if bs in atomic else bs for bs in self._byte_decode]
         # the layout keys leaf edges (None, token_id), whatever the sentinel: it is neither
         # pickled into the disk cache nor read back from it (``children`` puts it in)

@@ -242,7 +242,12 @@ def raise_bad_row(values: torch.Tensor, row: int, reduction: str):
                 else "has no finite logit (all -inf)")
         raise ValueError(f"logit row {row} {what}: log-masses would be undefined")
     if reduction == "sum" and not bool(values[row].isnan().any()):
-        raise ValueError(f"weight row {row} holds both +inf and -inf: their sum is undefined")
+        if bool(values[row].isposinf().any()) and bool(values[row].isneginf().any()):
+            raise ValueError(f"weight row {row} holds both +inf and -inf: their sum is "
+                             "undefined")
+        raise ValueError(f"weight row {row}: its finite weights sum past the float range to "
+                         f"both +inf and -inf, whose sum is undefined (largest magnitude "
+                         f"{float(values[row].abs().max()):.3g})")
     raise ValueError(f"weight row {row} contains NaN")
 
 

@@ -3,6 +3,8 @@ structure (numbering, children, prefixes, leaves), return types, values, bad inp
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import pickle
 import re
 import warnings
@@ -361,6 +363,84 @@ def test_a_row_of_0d_tensors_is_one_row_as_in_genlm():
     np.testing.assert_allclose(char.weight_sum(row), char.weight_sum(plain))
     with pytest.raises(ValueError, match="batch item 0 must be a 1-D"):  # not all 0-d: rows
         byte.batch_weight_sum([torch.tensor(0.25), torch.tensor([0.5])])
+
+
+def test_a_batch_is_any_iterable_of_rows_as_genlm_loops_over_it():
+    """genlm loops over a batch: a generator, a map, a deque or dict.values() of rows is a
+    batch; a row may mix 0-d tensors (bfloat16 too) and plain numbers."""
+    from collections import deque
+
+    V = len(SMALL)
+    rows = np.random.default_rng(3).random((3, V)).round(3)  # bfloat16-exact below
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pairs = [(TokenCharacterTrie(ours(SMALL), cache=False),
+                  ref_trie.TokenCharacterTrie(theirs(SMALL))),
+                 (ParallelTokenCharacterTrie(ours(SMALL), device="cpu", cache=False),
+                  ref_trie.ParallelTokenCharacterTrie(theirs(SMALL), device="cpu")),
+                 (TokenByteTrie(ours(SMALL), device="cpu", cache=False),
+                  ref_bytes.TokenByteTrie(theirs(SMALL), device="cpu"))]
+    for mine, ref in pairs:
+        want = np.asarray(ref.batch_weight_sum([r for r in rows]), dtype=np.float64)
+        for batch in (map(np.asarray, rows), (r for r in rows), deque(rows),
+                      dict(enumerate(rows)).values()):
+            got = mine.batch_weight_sum(batch)
+            np.testing.assert_allclose(np.asarray(got, dtype=np.float64), want, rtol=1e-6)
+        mixed = [torch.tensor(0.5, dtype=torch.bfloat16)] + rows[0, 1:].tolist()
+        plain = [0.5] + rows[0, 1:].tolist()
+        np.testing.assert_allclose(np.asarray(mine.weight_sum(mixed), dtype=np.float64),
+                                   np.asarray(ref.weight_sum(plain), dtype=np.float64),
+                                   rtol=1e-6)
+        eight = torch.from_numpy(rows[0]).to(torch.float8_e5m2)  # read as float32, exactly
+        np.testing.assert_allclose(np.asarray(mine.weight_sum(eight), dtype=np.float64),
+                                   np.asarray(ref.weight_sum(eight.float()), dtype=np.float64),
+                                   rtol=1e-6)
+        for bad in ("abc", 3.0, {0: rows[0]}):
+            with pytest.raises(TypeError, match=f"got {type(bad).__name__}"):
+                mine.batch_weight_sum(bad)
+
+
+def test_the_sequential_trie_reads_the_first_V_weights_as_genlm():
+    """genlm's TokenCharacterTrie reads entries 0..V-1 of a longer weight row (model
+    padding); its parallel and byte tries take exactly V, and so do ours."""
+    import asyncio
+
+    V = len(SMALL)
+    wide = np.random.default_rng(4).random((2, V + 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = ref_trie.TokenCharacterTrie(theirs(SMALL))
+    mine = TokenCharacterTrie(ours(SMALL), cache=False)
+    np.testing.assert_allclose(mine.weight_sum(wide[0]), ref.weight_sum(wide[0]))
+    np.testing.assert_allclose(mine.weight_max(wide[1]), ref.weight_max(wide[1]))
+    np.testing.assert_allclose(mine.batch_weight_sum(wide), ref.batch_weight_sum(wide))
+
+    async def run_async():
+        atrie = AsyncTokenCharacterTrie(mine)
+        try:
+            return await asyncio.gather(atrie.weight_sum(wide[0]), atrie.weight_sum(wide[1, :V]))
+        finally:
+            await atrie.cleanup()
+
+    for got, row in zip(asyncio.run(run_async()), wide):
+        np.testing.assert_allclose(got, ref.weight_sum(row[:V]))
+    for strict in (ParallelTokenCharacterTrie(ours(SMALL), device="cpu", cache=False),
+                   TokenByteTrie(ours(SMALL), device="cpu", cache=False)):
+        with pytest.raises(ValueError, match=rf"length {V} \(one entry per token id\)"):
+            strict.weight_sum(wide[0])
+    with pytest.raises(ValueError, match="length 10 .*got 9"):  # shorter: genlm reads past its end
+        mine.weight_sum(wide[0, :V - 1])
+
+
+def test_a_vocabulary_may_be_any_iterable_of_tokens():
+    words = [b"a", b"ab", b"b", b"ba"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref_char = ref_trie.TokenCharacterTrie(theirs(words))
+    char = TokenCharacterTrie((t for t in ours(words)), cache=False)
+    assert char.children == ref_char.children and len(char.decode) == len(words)
+    byte = TokenByteTrie(iter(ours(words)), device="cpu", cache=False)
+    assert byte.children == ref_bytes.TokenByteTrie(theirs(words), device="cpu").children
 
 
 def test_preprocess_ws_is_genlms():
@@ -746,6 +826,36 @@ async def test_async_request_during_cleanup_is_served_and_the_trie_keeps_working
     assert atrie._batcher._task is None
 
 
+@pytest.mark.asyncio
+async def test_async_batch_interrupted_by_a_base_exception_fails_its_waiters():
+    """A batch that raises what is not an Exception (KeyboardInterrupt, here a stand-in)
+    ends the serving task: every request it had taken fails with a clear error instead of
+    waiting forever, and the next request is served by a fresh task."""
+    import asyncio
+
+    class Interrupt(BaseException):
+        pass
+
+    atrie = AsyncTokenByteTrie.from_vocab(ours(SMALL), device="cpu", cache=False)
+    serve = atrie._batcher._run_batch
+
+    def interrupted(op, mode, rows):
+        atrie._batcher._run_batch = serve  # once
+        raise Interrupt()
+
+    atrie._batcher._run_batch = interrupted
+    V = len(SMALL)
+    rows = [torch.rand(V) for _ in range(4)]
+    got = await asyncio.wait_for(asyncio.gather(
+        *(atrie.weight_sum(r) for r in rows[:3]), atrie.weight_max(rows[3]),
+        return_exceptions=True), 10)
+    for error in got:
+        assert isinstance(error, RuntimeError) and "interrupted (Interrupt)" in str(error)
+    want = TokenByteTrie(ours(SMALL), device="cpu", cache=False).weight_sum(rows[0])
+    torch.testing.assert_close(await asyncio.wait_for(atrie.weight_sum(rows[0]), 10), want)
+    await atrie.cleanup()
+
+
 def test_async_trie_across_event_loops():
     """A trie left on a closed loop cleans up and serves the next loop; one still serving on
     another thread's running loop refuses a second loop with a clear error (asyncio's queues
@@ -759,7 +869,10 @@ def test_async_trie_across_event_loops():
     loop = asyncio.new_event_loop()
     torch.testing.assert_close(loop.run_until_complete(atrie.weight_sum(torch.ones(V))), want)
     loop.close()
-    asyncio.run(atrie.cleanup())  # was: RuntimeError('Event loop is closed')
+    with _asyncio_errors() as logged:
+        asyncio.run(atrie.cleanup())  # was: RuntimeError('Event loop is closed')
+        gc.collect()
+    assert not logged, logged  # was: "Task was destroyed but it is pending!"
     torch.testing.assert_close(asyncio.run(atrie.weight_sum(torch.ones(V))), want)
 
     served, release = threading.Event(), threading.Event()
@@ -785,6 +898,22 @@ def test_async_trie_across_event_loops():
     torch.testing.assert_close(answers[0], want)
     torch.testing.assert_close(asyncio.run(atrie.weight_sum(torch.ones(V))), want)
     atrie.shutdown()
+
+
+@contextlib.contextmanager
+def _asyncio_errors():
+    """The messages asyncio's logger reports at ERROR while the block runs."""
+    import logging
+
+    messages = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    log = logging.getLogger("asyncio")
+    log.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        log.removeHandler(handler)
 
 
 # ------------------------------------------------------------------ bad input
@@ -826,6 +955,17 @@ def test_bad_input_is_named():
         TokenCharacterTrie([b"a", 3])
     with pytest.raises(ValueError, match="Duplicate"):
         TokenCharacterTrie([b"a", b"a"])
+    with pytest.raises(ValueError, match=r"item 1 \(.*b'b'.*\) has a negative token_id -1"):
+        TokenByteTrie([Token(0, b"a"), Token(-1, b"b")])
+    with pytest.raises(ValueError, match="items 0 and 2 are two Tokens with the same token_id 4"):
+        TokenByteTrie([Token(4, b"a"), Token(1, b"b"), Token(4, b"c")])
+    with pytest.raises(ValueError, match=r"sum past the float range.*magnitude 1\.7e\+308"):
+        # no inf given: the subtrees' sums overflow, "a" to +inf, "b" to -inf
+        TokenCharacterTrie(ours([b"a", b"ab", b"b", b"ba"]), cache=False).weight_sum(
+            np.array([1.7e308, 1.7e308, -1.7e308, -1.7e308]))
+    with pytest.raises(ValueError, match=r"both \+inf and -inf"):
+        TokenCharacterTrie(ours([b"a", b"b"]), cache=False).weight_sum(
+            np.array([np.inf, -np.inf]))
     with pytest.raises(ValueError, match="not in vocabulary"):
         TokenByteTrie(ours(SMALL), eos_byte_strings=[b"nope"])
     with pytest.raises(ValueError, match="Invalid device"):

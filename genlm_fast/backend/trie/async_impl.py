@@ -18,7 +18,7 @@ import torch
 
 from genlm_fast.backend.trie.base import ParallelTokenCharacterTrie, TokenCharacterTrie
 from genlm_fast.ops.dispatch import validate_values
-from genlm_fast.trie_core import float_weights, one_row
+from genlm_fast.trie_core import one_row
 
 logger = logging.getLogger(__name__)
 
@@ -62,25 +62,41 @@ class AutoBatcher:
         return future
 
     async def _serve(self, queue):
-        while True:
-            groups = defaultdict(list)
-            op, mode, row, future = await queue.get()
-            groups[(op, mode)].append((row, future))
-            while not queue.empty():
-                op, mode, row, future = queue.get_nowait()
+        groups = {}
+        try:
+            while True:
+                groups = defaultdict(list)
+                op, mode, row, future = await queue.get()
                 groups[(op, mode)].append((row, future))
-            for (op, mode), group in groups.items():
-                live = [(row, fut) for row, fut in group if not fut.done()]  # skip cancelled
-                if live:
-                    logger.debug("trie batch: %d %s request(s), mode %s", len(live), op, mode)
-                    self._answer(op, mode, live)
+                while not queue.empty():
+                    op, mode, row, future = queue.get_nowait()
+                    groups[(op, mode)].append((row, future))
+                for (op, mode), group in groups.items():
+                    live = [(row, fut) for row, fut in group if not fut.done()]  # cancelled
+                    if live:
+                        logger.debug("trie batch: %d %s request(s), mode %s", len(live), op,
+                                     mode)
+                        self._answer(op, mode, live)
+        except (asyncio.CancelledError, GeneratorExit):
+            raise  # stopped by cleanup() / shutdown(), which fail what is still queued
+        except BaseException as stop:
+            # a batch raised what is not an Exception (a KeyboardInterrupt) and ends this
+            # task: no request it has taken, or left queued, may wait forever (the next
+            # request starts a fresh queue and task)
+            error = RuntimeError(f"the trie's batch was interrupted ({type(stop).__name__})")
+            for group in groups.values():
+                for _, fut in group:
+                    if not fut.done():
+                        fut.set_exception(error)
+            _fail_pending(queue)
+            raise
 
     def _answer(self, op, mode, requests):
         """Answer ``(row, future)`` requests with one batched call; if it fails, answer
         each request alone, so that a bad row fails only its own caller."""
         try:
             results = self._run_batch(op, mode, [row for row, _ in requests])
-        except Exception as error:
+        except Exception as error:  # (anything else ends the task: see _serve)
             if len(requests) > 1:
                 logger.debug("trie batch failed (%s); running its %d requests one by one",
                              error, len(requests))
@@ -133,6 +149,9 @@ def _stop(task):
             task.get_coro().close()
         except RuntimeError:  # 'Event loop is closed', from the queue's cleanup
             pass
+        # the task can never finish now: without this asyncio logs "Task was destroyed but
+        # it is pending!" when it is collected
+        task._log_destroy_pending = False
         return
     try:
         if loop.is_running() and loop is not _running_loop():
@@ -178,7 +197,7 @@ class AsyncTrieFrontEnd:
         one_row(ws, "expected one row of shape [V]", "await one call per row")
         row = self.trie._as_batch(ws, None)[0]
         if op != "log_mass":
-            row = float_weights(row)
+            row = self.trie._weight_rows(row[None])[0]
         # the dispatcher's own checks (type, dtype, width), before the row joins a batch
         validate_values(row[None], self.trie.layout,
                         exact_width=None if op == "log_mass" else self.trie.layout.num_columns)

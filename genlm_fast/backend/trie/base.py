@@ -9,7 +9,7 @@ import weakref
 import numpy as np
 import torch
 
-from genlm_fast.trie_core import CompiledTrie, item_entry, one_row, trie_device
+from genlm_fast.trie_core import CompiledTrie, as_vocabulary, item_entry, one_row, trie_device
 
 # GPU results reach the host through page-locked ("pinned") memory: torch's caching host
 # allocator hands the same block back call after call, so the copy runs at the link's speed
@@ -96,8 +96,10 @@ class TokenCharacterTrie(CompiledTrie):
 
     device = "cpu"
     _out_dtype = torch.float64
+    _reads_first_columns = True  # as genlm's sequential trie: a longer row's tail is ignored
 
     def __init__(self, decode, kernel_backend="auto", cache=True, cache_dir=None):
+        decode = as_vocabulary(decode)
         if decode is None or len(decode) == 0:
             raise ValueError("cannot build a trie over an empty vocabulary")
         self.decode = decode
@@ -171,6 +173,7 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
     when available). Results are numpy float32 arrays, as in genlm."""
 
     _out_dtype = torch.float32
+    _reads_first_columns = False  # as genlm's: exactly one weight per token
     _preprocess_ws = CompiledTrie._preprocess_ws  # float32 rows on the device, as in genlm
 
     def __init__(self, decode, device=None, **kwargs):

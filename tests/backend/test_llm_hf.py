@@ -426,6 +426,34 @@ async def test_bad_input_and_faults(lm, prompts, model_dir, monkeypatch, tmp_pat
     assert lm.model is not None  # the shared weights are still usable by others
 
 
+def test_a_shared_model_is_unpacked_only_when_its_last_lm_closes(model_dir):
+    """Two AsyncTransformers over one model: closing one leaves the other on the packed CPU
+    linear kernels (it used to unpack them under it); closing the last gives the caller's
+    model its own layers back."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from genlm_fast.backend.llm.cpu_linear import available_kernels
+
+    if not available_kernels():
+        pytest.skip("no packed CPU linear kernel runs on this machine")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+    def packed():
+        return sum("forward" in m.__dict__ for m in linears)
+
+    first, second = AsyncTransformer(model, tokenizer), AsyncTransformer(model, tokenizer)
+    assert packed() == len(linears) == first._packed_linears
+    ctx = tokenizer.encode("The capital of France is")
+    want = second.next_token_logprobs_uncached(ctx)
+    first.cleanup()
+    assert packed() == len(linears)
+    torch.testing.assert_close(second.next_token_logprobs_uncached(ctx), want, rtol=0, atol=0)
+    second.cleanup()
+    assert packed() == 0
+
+
 def test_padding_aware_split():
     """Short rows share one forward; a long prefill does not pad a batch of decodes."""
 

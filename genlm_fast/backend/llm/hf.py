@@ -13,6 +13,7 @@ import inspect
 import math
 import os
 import warnings
+import weakref
 
 import torch
 
@@ -21,6 +22,10 @@ from genlm_fast.backend.llm.base import BatchedAsyncLM, unknown_lora
 from genlm_fast.backend.llm.cpu_linear import pack_linear_layers, unpack_linear_layers
 
 __all__ = ["AsyncTransformer"]
+
+# how many open AsyncTransformers packed each model's linear layers: the last one to close
+# gives the model its own layers back (one closing must not unpack another's model)
+_packers = weakref.WeakKeyDictionary()
 
 
 def _require_peft():
@@ -133,6 +138,8 @@ class AsyncTransformer(BatchedAsyncLM):
         self.model = hf_model
         self.model.eval()
         self._packed_linears = pack_linear_layers(hf_model)
+        if self._packed_linears:
+            _packers[hf_model] = _packers.get(hf_model, 0) + 1
         super().__init__(
             hf_tokenizer, batch_size=batch_size, timeout=timeout, cache_size=cache_size,
             flush_when_idle=flush_when_idle,
@@ -165,7 +172,10 @@ class AsyncTransformer(BatchedAsyncLM):
         self._kv_buffer = None
         model, self.model = self.model, None
         if self._packed_linears:
-            unpack_linear_layers(model)  # the caller's model gets its own layers back
+            _packers[model] = left = _packers.get(model, 1) - 1
+            if left == 0:  # the caller's model gets its own layers back
+                del _packers[model]
+                unpack_linear_layers(model)
         del model
         import gc
 

@@ -261,6 +261,39 @@ async def test_cancelling_one_of_two_identical_waiters(tokenizer, vocab_size):
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("call", ["batch_next_token_logprobs", "batch_next_token_logits"])
+async def test_a_batch_call_cancelled_at_once_leaves_nothing_running(tokenizer, vocab_size,
+                                                                     call):
+    """Cancelled before its first step ends (its contexts queued, not yet gathered), a batch
+    call takes its queries with it: no forward runs for it later and no task is left
+    behind (they used to run on, and a bad context's error was logged as never retrieved)."""
+    lm = make(tokenizer, batch_size=100, timeout=0.2, flush_when_idle=False)
+    before = {t for t in asyncio.all_tasks()}
+    task = asyncio.create_task(getattr(lm, call)([[1], [2], [3, 4]]))
+    await asyncio.sleep(0)  # the call has queued its contexts and yields
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.3)  # past the timer
+    assert lm.stats["batches"] == 0 and lm.stats["rows"] == 0
+    assert {t for t in asyncio.all_tasks() if not t.done()} <= before | {asyncio.current_task()}
+    torch.testing.assert_close(await lm.next_token_logprobs([1]), expected([1], vocab_size))
+
+
+@pytest.mark.asyncio
+async def test_a_bad_context_fails_its_batch_call_before_any_forward(tokenizer, vocab_size):
+    """As the blocking form does: every context is checked before any is evaluated."""
+    lm = make(tokenizer, batch_size=100, timeout=0.01)
+    for call in (lm.batch_next_token_logprobs, lm.batch_next_token_logits):
+        with pytest.raises(ValueError, match="vocabulary"):
+            await call([[1], [2], [vocab_size + 7]])
+    with pytest.raises(ValueError, match="vocabulary"):
+        lm.batch_next_token_logprobs_sync([[1], [vocab_size + 7]])
+    await asyncio.sleep(0.05)
+    assert lm.stats["rows"] == 0 and not lm._pending
+
+
+@pytest.mark.asyncio
 async def test_exception_reaches_every_waiter(tokenizer, vocab_size, monkeypatch):
     lm = make(tokenizer, batch_size=10, timeout=0.001)
     calls = []
@@ -564,6 +597,12 @@ async def test_bad_contexts(tokenizer, vocab_size):
             lm.next_token_logprobs_sync(bad)
     with pytest.raises(TypeError):
         await lm.next_token_logprobs(torch.tensor([1.0, 2.0]))
+    for call in (lm.batch_next_token_logprobs, lm.batch_next_token_logits):
+        # no contexts, no rows to stack (genlm: torch's "stack expects a non-empty TensorList")
+        with pytest.raises(ValueError, match=f"{call.__name__} needs at least one context"):
+            await call([])
+    with pytest.raises(ValueError, match="needs at least one context"):
+        lm.batch_next_token_logprobs_sync(iter([]))
     for bad in (None, 3, "hello"):  # batch calls: a list of contexts (None was an empty batch)
         for call in (lm.batch_next_token_logprobs, lm.batch_next_token_logits):
             with pytest.raises(TypeError, match="list of token_ids contexts"):

@@ -47,13 +47,18 @@ __all__ = [
 ]
 
 
-def context_list(token_ids_list, method: str) -> list:
-    """A batch call's contexts as a list (each one checked later, by ``check_token_ids``)."""
+def context_list(token_ids_list, method: str, allow_empty: bool = True) -> list:
+    """A batch call's contexts as a list (each one checked later, by ``check_token_ids``);
+    ``allow_empty=False`` for the calls that stack one row per context (no rows, no width)."""
     if token_ids_list is not None and not isinstance(token_ids_list, (str, bytes, bytearray)):
         try:
-            return list(token_ids_list)
+            contexts = list(token_ids_list)
         except TypeError:  # not iterable
             pass
+        else:
+            if not contexts and not allow_empty:
+                raise ValueError(f"{method} needs at least one context, got an empty list")
+            return contexts
     raise TypeError(f"{method} expects a list of token_ids contexts, got "
                     f"{type(token_ids_list).__name__}")
 
@@ -217,7 +222,8 @@ class AsyncLM(ABC):
 
     async def batch_next_token_logprobs(self, token_ids_list, lora_name=None):
         """`next_token_logprobs` of several contexts, stacked into ``[B, V]``."""
-        contexts = context_list(token_ids_list, "batch_next_token_logprobs")
+        contexts = context_list(token_ids_list, "batch_next_token_logprobs",
+                                allow_empty=False)
         rows = await asyncio.gather(
             *(self.next_token_logprobs(ids, lora_name=lora_name) for ids in contexts)
         )
@@ -225,7 +231,8 @@ class AsyncLM(ABC):
 
     def batch_next_token_logprobs_sync(self, token_ids_list, lora_name=None):
         """Blocking form of `batch_next_token_logprobs`."""
-        contexts = context_list(token_ids_list, "batch_next_token_logprobs_sync")
+        contexts = context_list(token_ids_list, "batch_next_token_logprobs_sync",
+                                allow_empty=False)
         return torch.stack(
             [self.next_token_logprobs_sync(ids, lora_name=lora_name) for ids in contexts]
         )
@@ -240,7 +247,8 @@ class AsyncLM(ABC):
 
     async def batch_next_token_logits(self, token_ids_list, lora_name=None):
         """`next_token_logits` of several contexts, stacked into ``[B, V]``."""
-        contexts = context_list(token_ids_list, "batch_next_token_logits")
+        contexts = context_list(token_ids_list, "batch_next_token_logits",
+                                allow_empty=False)
         rows = await asyncio.gather(
             *(self.next_token_logits(ids, lora_name=lora_name) for ids in contexts)
         )
@@ -655,7 +663,8 @@ class BatchedAsyncLM(AsyncLM):
         self._check_open()
         lora = self._resolve_lora(lora_name)
         all_ids = [self._check_context(t)
-                   for t in context_list(token_ids_list, "batch_next_token_logprobs_sync")]
+                   for t in context_list(token_ids_list, "batch_next_token_logprobs_sync",
+                                         allow_empty=False)]
         found = {}
         todo = []
         for ids in all_ids:
@@ -671,16 +680,13 @@ class BatchedAsyncLM(AsyncLM):
             _, logprobs = self._evaluate(lora, todo)
             for ids, row in zip(todo, logprobs):
                 found[ids] = row
-        if not all_ids:
-            return torch.empty((0, len(self.byte_vocab)))
         return torch.stack([found[ids] for ids in all_ids])
 
     async def batch_next_token_logprobs(self, token_ids_list, lora_name=None):
         """Log probabilities for several contexts, ``[B, V']``, via the auto-batcher."""
         self._check_open()
-        token_ids_list = context_list(token_ids_list, "batch_next_token_logprobs")
-        if not token_ids_list:
-            return torch.empty((0, len(self.byte_vocab)))
+        token_ids_list = context_list(token_ids_list, "batch_next_token_logprobs",
+                                      allow_empty=False)
         return await self._whole_batch(self.next_token_logprobs, token_ids_list, lora_name)
 
     async def next_token_logits(self, token_ids, lora_name=None):
@@ -698,19 +704,29 @@ class BatchedAsyncLM(AsyncLM):
     async def batch_next_token_logits(self, token_ids_list, lora_name=None):
         """Unnormalized logits ``[B, V']`` on the model's device, via the auto-batcher."""
         self._check_open()
-        token_ids_list = context_list(token_ids_list, "batch_next_token_logits")
-        if not token_ids_list:
-            raise ValueError("batch_next_token_logits needs at least one context")
+        token_ids_list = context_list(token_ids_list, "batch_next_token_logits",
+                                      allow_empty=False)
         return await self._whole_batch(self.next_token_logits, token_ids_list, lora_name)
 
     async def _whole_batch(self, method, token_ids_list, lora_name):
         """A batch call hands over all its contexts at once: queue them, then evaluate
-        right away (with whatever else is queued) instead of waiting for the timer."""
-        tasks = [asyncio.ensure_future(method(ids, lora_name=lora_name)) for ids in token_ids_list]
-        await asyncio.sleep(0)  # every task runs up to its queued future
-        if self._pending:
-            self._flush()
-        return torch.stack(await asyncio.gather(*tasks))
+        right away (with whatever else is queued) instead of waiting for the timer. Every
+        context is checked first, so a bad one fails the call before any forward runs; a
+        call cancelled (or failed) before its rows are back takes its queries with it."""
+        contexts = [self._prepare(ids, lora_name)[1] for ids in token_ids_list]
+        tasks = [asyncio.ensure_future(method(ids, lora_name=lora_name)) for ids in contexts]
+        try:
+            await asyncio.sleep(0)  # every task runs up to its queued future
+            if self._pending:
+                self._flush()
+            return torch.stack(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+                elif not task.cancelled():
+                    task.exception()  # retrieved: not logged as "never retrieved"
+            raise
 
     def clear_cache(self):
         """Forget cached log probabilities."""

@@ -52,14 +52,16 @@ class LazyByteProbs:
         self.log_space = log_space
 
     def __getitem__(self, b):
-        """Value of byte ``b`` (0..255), ``None`` (EOT) or 257 (EOS)."""
+        """Value of byte ``b`` (0..255), ``None`` (EOT) or 257 (EOS); a negative ``b``
+        counts from the end of ``ps``, as genlm-bytes reads it (-1 is EOS, -2 EOT)."""
         if b is None:
             return self.ps[EOT_INDEX]
         if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
             raise TypeError(f"index with a byte (int 0..255), None for EOT or 257 for EOS; "
                             f"got {type(b).__name__}: {b!r}")
-        if not 0 <= b <= EOS_INDEX:
-            raise ValueError(f"Invalid index: {b}. Must be between 0 and 257, or None for EOT.")
+        if not -NUM_SYMBOLS <= b <= EOS_INDEX:
+            raise ValueError(f"Invalid index: {b}. Must be between 0 and 257 (or -258 and -1 "
+                             f"from the end), or None for EOT.")
         return self.ps[int(b)]
 
     def materialize(self):

@@ -267,6 +267,16 @@ async def test_state_level_api_agrees(mock, ref_mock, ref_tries):
     assert full.shape == (len(rstate.mass),)
     finite = np.isfinite(rstate.mass) & (rstate.mass > -60)
     np.testing.assert_allclose(full[finite], rstate.mass[finite], atol=1e-4)
+    # apps use genlm's mass as the float32 array it is: so can they ours (on a host copy)
+    mass = state.mass
+    assert (mass.dtype, mass.ndim, mass.shape) == (rstate.mass.dtype, 1, rstate.mass.shape)
+    assert mass.max() == pytest.approx(float(rstate.mass.max()), abs=1e-4)
+    for got, want in ((mass - 1, rstate.mass - 1), (2 * mass, 2 * rstate.mass),
+                      (np.asarray(mass.tolist()), rstate.mass), (mass.astype(np.float64),
+                                                                 rstate.mass)):
+        np.testing.assert_allclose(np.asarray(got)[finite], want[finite], atol=2e-4)
+    with pytest.raises(AttributeError, match="no attribute 'pool_size'"):
+        mass.pool_size
     s, r = state << ord("H"), rstate << ord("H")
     assert s.node == r.node and s.partial == r.partial == [ord("H")]
     assert abs(s.weight - r.weight) < 1e-4
@@ -599,8 +609,13 @@ def test_lazy_byte_probs_and_chart():
     assert q[65] == ps[65] and q[None] == ps[256] and q[257] == ps[257]
     with pytest.raises(ValueError):
         LazyByteProbs(ps[:10])
-    with pytest.raises(ValueError):
-        q[-1]
+    from genlm.bytes.util import LazyByteProbs as RefLazyByteProbs
+
+    ref_q = RefLazyByteProbs(ps)
+    for b in (-1, -2, -3, -258):  # counted from the end, as genlm-bytes does: -1 is EOS
+        assert q[b] == ref_q[b] == ps[b]
+    with pytest.raises(ValueError, match="Invalid index"):
+        q[-259]
     chart = q.materialize()
     assert isinstance(chart, Chart) and chart.argmax() == 65 and chart[1000] == -np.inf
     assert q.pretty()[b"A"] == ps[65] and q.pretty()["EOS"] == ps[257]

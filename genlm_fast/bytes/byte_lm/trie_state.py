@@ -239,11 +239,13 @@ class _MassPool:
             self.free = []
 
 
-class _Row:
+class _Row(np.lib.mixins.NDArrayOperatorsMixin):
     """One pool row (the log-masses of one materialized state) and the values read so far.
 
-    Indexing with a node id returns that node's log-mass (fetched if not read yet);
-    ``np.asarray(row)`` copies the whole row to the host (explicitly requested only).
+    Indexing with a node id returns that node's log-mass (fetched if not read yet). Used as
+    the float32 array genlm-bytes keeps (``np.asarray(row)``, ``row - 1``, ``np.exp(row)``,
+    ``row.max()``, ``row.tolist()``, ...), it copies the whole row to the host first: only
+    when asked for.
     """
 
     __slots__ = ("__weakref__", "model", "pool", "slot", "values")
@@ -281,6 +283,20 @@ class _Row:
     def __array__(self, dtype=None, copy=None):
         out = self.numpy()
         return out if dtype is None else out.astype(dtype)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        inputs = tuple(x.numpy() if isinstance(x, _Row) else x for x in inputs)
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+    def __getattr__(self, name):
+        # what a numpy array has and this row does not (max, sum, tolist, astype, ...): the
+        # array's, on a host copy
+        if name.startswith("_") or not hasattr(np.ndarray, name):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.numpy(), name)
+
+    dtype = np.dtype(np.float32)
+    ndim = 1
 
     def __len__(self):
         return self.pool.num_nodes

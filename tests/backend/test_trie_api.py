@@ -171,6 +171,23 @@ def test_genlm_tokens_are_tokens(token_type):
     np.testing.assert_allclose(char.weight_sum(w), ref_char.weight_sum(w.numpy()))
 
 
+def test_eos_mass_comes_from_the_eos_tokens_whatever_their_ids():
+    """WITH_EOS moves the EOS tokens' weight (indexed by their ids) to the EOS node.
+    genlm-bytes 0.2.0 finds EOS tokens as ``decode[token_id]``, so with ids that are not
+    list positions it moves another token's weight: we keep the meaning (checked by hand)."""
+    vocab = [Token(1, b"a"), Token(0, b"b"), Token(2, b"ab")]
+    w = torch.tensor([0.25, 0.5, 0.125])  # by id: b"b" 0.25, b"a" 0.5, b"ab" 0.125
+    trie = TokenByteTrie(vocab, device="cpu", eos_byte_strings=[b"a"], cache=False)
+    for mode in (TrieMode.WITH_EOS, "with_eos"):  # the string is the mode too
+        got = trie.weight_sum(w, mode=mode)
+        assert float(got[trie.eos_node]) == 0.5
+        assert float(got[trie.children[trie.root][ord("a")]]) == 0.125  # b"ab" only
+        assert float(got[trie.root]) == 0.875
+    plain = trie.weight_sum(w, mode=TrieMode.WITHOUT_EOS)
+    assert float(plain[trie.eos_node]) == 0 and float(plain[trie.root]) == 0.875
+    assert float(plain[trie.children[trie.root][ord("a")]]) == 0.625
+
+
 def test_bytes_with_a_token_id_attribute_are_bytes_as_in_genlm():
     """Only Tokens carry ids: other bytes, whatever their attributes, are numbered by
     position (with genlm's deprecation warning), and duplicates are duplicates."""

@@ -523,6 +523,8 @@ async def test_empty_beam(mock):
     beam = await ByteBeamState.initial(mock, BeamParams(K=2, eos_byte_strings=[GPT2_EOS]))
     done = await (beam << EOS)  # reading EOS ends every hypothesis
     assert len(done) == 1 and done.states[0].terminated
+    # nothing can follow EOS: every next byte has log-probability -inf (genlm-bytes: NaN)
+    assert np.isneginf(np.asarray((await done.logp_next()).ps)).all()
     empty = await (done.prune() << ord("a"))  # nothing follows EOS: probability zero
     assert len(empty) == 0 and empty.logZ == -np.inf
     # reading on stays empty, as in genlm-bytes (text of probability zero scores -inf);

@@ -34,6 +34,18 @@ def theirs(words):
     return [RefToken(i, w) for i, w in enumerate(words)]
 
 
+def trie_pairs(words):
+    """(ours, genlm's) for each of the three tries over ``words``, on the CPU."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [(TokenCharacterTrie(ours(words), cache=False),
+                 ref_trie.TokenCharacterTrie(theirs(words))),
+                (ParallelTokenCharacterTrie(ours(words), device="cpu", cache=False),
+                 ref_trie.ParallelTokenCharacterTrie(theirs(words), device="cpu")),
+                (TokenByteTrie(ours(words), device="cpu", cache=False),
+                 ref_bytes.TokenByteTrie(theirs(words), device="cpu"))]
+
+
 @pytest.fixture(scope="module")
 def gpt2():
     return byte_vocab("gpt2")
@@ -389,14 +401,7 @@ def test_a_batch_is_any_iterable_of_rows_as_genlm_loops_over_it():
 
     V = len(SMALL)
     rows = np.random.default_rng(3).random((3, V)).round(3)  # bfloat16-exact below
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pairs = [(TokenCharacterTrie(ours(SMALL), cache=False),
-                  ref_trie.TokenCharacterTrie(theirs(SMALL))),
-                 (ParallelTokenCharacterTrie(ours(SMALL), device="cpu", cache=False),
-                  ref_trie.ParallelTokenCharacterTrie(theirs(SMALL), device="cpu")),
-                 (TokenByteTrie(ours(SMALL), device="cpu", cache=False),
-                  ref_bytes.TokenByteTrie(theirs(SMALL), device="cpu"))]
+    pairs = trie_pairs(SMALL)
     for mine, ref in pairs:
         want = np.asarray(ref.batch_weight_sum([r for r in rows]), dtype=np.float64)
         for batch in (map(np.asarray, rows), (r for r in rows), deque(rows),
@@ -463,14 +468,7 @@ def test_a_vocabulary_may_be_any_iterable_of_tokens():
 def test_preprocess_ws_is_genlms():
     """genlm's private batch preprocessing, which genlm's own test suites call."""
     rows = [np.arange(len(SMALL), dtype=np.float64), torch.ones(len(SMALL))]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pairs = [(TokenCharacterTrie(ours(SMALL), cache=False),
-                  ref_trie.TokenCharacterTrie(theirs(SMALL))),
-                 (ParallelTokenCharacterTrie(ours(SMALL), device="cpu", cache=False),
-                  ref_trie.ParallelTokenCharacterTrie(theirs(SMALL), device="cpu")),
-                 (TokenByteTrie(ours(SMALL), device="cpu", cache=False),
-                  ref_bytes.TokenByteTrie(theirs(SMALL), device="cpu"))]
+    pairs = trie_pairs(SMALL)
     for mine, ref in pairs:
         for ws in (rows, torch.stack([torch.from_numpy(rows[0]), rows[1].double()])):
             got, want = mine._preprocess_ws(ws), ref._preprocess_ws(ws)

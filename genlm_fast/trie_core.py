@@ -140,8 +140,7 @@ class CompiledTrie:
 
     def _as_batch(self, ws, device) -> torch.Tensor:
         """A list / array / tensor of rows -> one ``[B, C]`` tensor (on ``device`` if given)."""
-        if not isinstance(ws, (torch.Tensor, np.ndarray, list, tuple)):
-            ws = _as_sequence(ws)
+        ws = _as_sequence(ws)
         if isinstance(ws, torch.Tensor):
             dispatch.check_device(ws)  # before any copy to the trie's device
             batch = ws
@@ -233,6 +232,7 @@ class CompiledTrie:
         float32 on the logits' device.
         """
         mode_name = self._mode_name(mode)
+        logits = _as_sequence(logits)
         if _ndim(logits) != 2:
             raise ValueError(f"batch_log_mass expects [batch, vocab] logits, got "
                              f"{_describe(logits)}")
@@ -240,8 +240,8 @@ class CompiledTrie:
 
     def log_mass(self, logits, mode=None) -> torch.Tensor:
         """``batch_log_mass`` for one ``[V']`` logit row; returns ``[N]``."""
-        one_row(logits, "log_mass expects one [vocab] logit row",
-                "use batch_log_mass for a batch")
+        logits = one_row(logits, "log_mass expects one [vocab] logit row",
+                         "use batch_log_mass for a batch")
         return self._reduce(logits, "log_mass", self._mode_name(mode))[0]
 
     def _mode_name(self, mode) -> str:
@@ -301,9 +301,11 @@ def as_vocabulary(decode):
 
 
 def _as_sequence(ws):
-    """Weights given as anything but a tensor, an array, a list or a tuple: an object numpy
-    can read (``__array__``) as an array, any other iterable of rows (a generator, a deque,
-    ``dict.values()``; genlm loops over the batch) as a list."""
+    """Weights as a tensor, an array, a list or a tuple (those stay as they are): an object
+    numpy can read (``__array__``) becomes an array, any other iterable of rows (a
+    generator, a deque, ``dict.values()``; genlm loops over the batch) a list."""
+    if isinstance(ws, (torch.Tensor, np.ndarray, list, tuple)):
+        return ws
     if hasattr(ws, "__array__"):
         return np.asarray(ws)
     if isinstance(ws, Iterable) and not isinstance(ws, (str, bytes, bytearray, dict)):
@@ -367,7 +369,9 @@ def _describe(ws) -> str:
 
 def one_row(ws, expected="expected one weight vector of shape [V]",
             hint="use the batch_ methods for a batch"):
-    """Reject anything but one row (``[V]``): a batch, a scalar or a nested list."""
+    """Reject anything but one row (``[V]``): a batch, a scalar or a nested list. Returns
+    the row (a one-pass iterable read into a list, so that a batch in that form is seen)."""
+    ws = _as_sequence(ws)
     if _ndim(ws) != 1:
         raise ValueError(f"{expected}, got {_describe(ws)}; {hint}")
     return ws

@@ -194,7 +194,7 @@ class AsyncTrieFrontEnd:
         op = getattr(op, "value", op)
         if not isinstance(op, str) or op not in OPS:
             raise ValueError(f"Invalid trie operation: {op!r} (expected one of {OPS})")
-        one_row(ws, "expected one row of shape [V]", "await one call per row")
+        ws = one_row(ws, "expected one row of shape [V]", "await one call per row")
         row = self.trie._as_batch(ws, None)[0]
         if op != "log_mass":
             row = self.trie._weight_rows(row[None])[0]

@@ -644,7 +644,10 @@ class BatchedAsyncLM(AsyncLM):
         Returns:
             (torch.Tensor): float32 log probabilities on the CPU, shape ``[V']``.
         """
-        lora, ids = self._prepare(token_ids, lora_name)
+        return await self._logprobs_of(*self._prepare(token_ids, lora_name))
+
+    async def _logprobs_of(self, lora, ids):
+        """`next_token_logprobs` of a checked context (``_prepare``'s pair)."""
         hit = self._cached(lora, ids)
         if hit is not None:
             return hit.clone()
@@ -687,7 +690,7 @@ class BatchedAsyncLM(AsyncLM):
         self._check_open()
         token_ids_list = context_list(token_ids_list, "batch_next_token_logprobs",
                                       allow_empty=False)
-        return await self._whole_batch(self.next_token_logprobs, token_ids_list, lora_name)
+        return await self._whole_batch(self._logprobs_of, token_ids_list, lora_name)
 
     async def next_token_logits(self, token_ids, lora_name=None):
         """Unnormalized next-token logits ``[V']`` on the model's device (no host copy).
@@ -695,7 +698,10 @@ class BatchedAsyncLM(AsyncLM):
         A cached context answers with its log probabilities moved to the device, which
         differ from the logits by a constant only.
         """
-        lora, ids = self._prepare(token_ids, lora_name)
+        return await self._logits_of(*self._prepare(token_ids, lora_name))
+
+    async def _logits_of(self, lora, ids):
+        """`next_token_logits` of a checked context (``_prepare``'s pair)."""
         hit = self._cached(lora, ids)
         if hit is not None:
             return hit.to(self.device, non_blocking=True, copy=True)
@@ -706,15 +712,15 @@ class BatchedAsyncLM(AsyncLM):
         self._check_open()
         token_ids_list = context_list(token_ids_list, "batch_next_token_logits",
                                       allow_empty=False)
-        return await self._whole_batch(self.next_token_logits, token_ids_list, lora_name)
+        return await self._whole_batch(self._logits_of, token_ids_list, lora_name)
 
-    async def _whole_batch(self, method, token_ids_list, lora_name):
+    async def _whole_batch(self, answer, token_ids_list, lora_name):
         """A batch call hands over all its contexts at once: queue them, then evaluate
         right away (with whatever else is queued) instead of waiting for the timer. Every
         context is checked first, so a bad one fails the call before any forward runs; a
         call cancelled (or failed) before its rows are back takes its queries with it."""
-        contexts = [self._prepare(ids, lora_name)[1] for ids in token_ids_list]
-        tasks = [asyncio.ensure_future(method(ids, lora_name=lora_name)) for ids in contexts]
+        prepared = [self._prepare(ids, lora_name) for ids in token_ids_list]
+        tasks = [asyncio.ensure_future(answer(lora, ids)) for lora, ids in prepared]
         try:
             await asyncio.sleep(0)  # every task runs up to its queued future
             if self._pending:

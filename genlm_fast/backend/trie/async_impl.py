@@ -195,13 +195,13 @@ class AsyncTrieFrontEnd:
         if not isinstance(op, str) or op not in OPS:
             raise ValueError(f"Invalid trie operation: {op!r} (expected one of {OPS})")
         ws = one_row(ws, "expected one row of shape [V]", "await one call per row")
-        row = self.trie._as_batch(ws, None)[0]
+        batch = self.trie._as_batch(ws, None)  # [1, V]
         if op != "log_mass":
-            row = self.trie._weight_rows(row[None])[0]
+            batch = self.trie._weight_rows(batch)
         # the dispatcher's own checks (type, dtype, width), before the row joins a batch
-        validate_values(row[None], self.trie.layout,
+        validate_values(batch, self.trie.layout,
                         exact_width=None if op == "log_mass" else self.trie.layout.num_columns)
-        return self._batcher.submit(op, mode, row)
+        return self._batcher.submit(op, mode, batch[0])
 
     def start(self):
         self._batcher.start()

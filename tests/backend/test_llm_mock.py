@@ -120,9 +120,10 @@ async def test_sample_matches_genlm(tokenizer):
     a = await ours.batch_sample(prompts, max_tokens=6, eos_token_ids=[50256], seed=3)
     b = await theirs.batch_sample(prompts, max_tokens=6, eos_token_ids=[50256], seed=3)
     assert a == b
-    assert await ours.sample([10, 20, 30], 6, [50256], temperature=0.5, seed=9) == (
-        await theirs.sample([10, 20, 30], 6, [50256], temperature=0.5, seed=9)
-    )
+    want = await theirs.sample([10, 20, 30], 6, [50256], temperature=0.5, seed=9)
+    # genlm takes any number torch can divide by, a zero-dimensional tensor included
+    for t in (0.5, np.float64(0.5), torch.tensor(0.5), np.array(0.5)):
+        assert await ours.sample([10, 20, 30], 6, [50256], temperature=t, seed=9) == want
     # an EOS draw stops sampling and is not returned
     first = a[0][0]
     assert await ours.sample([10, 20, 30], 6, [first], seed=3) == []
@@ -157,6 +158,25 @@ async def test_logits_hook(tokenizer, vocab_size):
     await lm.next_token_logprobs([9, 9])
     row = await lm.next_token_logits([9, 9])
     torch.testing.assert_close(torch.log_softmax(row, -1), expected([9, 9], vocab_size))
+    assert lm.stats["rows"] == 3
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("cache_size", [0, 16])
+async def test_logits_calls_fill_the_output_cache(tokenizer, vocab_size, cache_size):
+    """A context first asked for its logits is not run again when asked again, through
+    either method (unless the cache is off)."""
+    lm = make(tokenizer, cache_size=cache_size)
+    for ctx in ([4, 5], [6]):
+        first = await lm.next_token_logits(ctx)
+        again = await lm.next_token_logits(ctx)
+        logprobs = await lm.next_token_logprobs(ctx)
+        torch.testing.assert_close(torch.log_softmax(first, -1), expected(ctx, vocab_size))
+        torch.testing.assert_close(torch.log_softmax(again, -1), expected(ctx, vocab_size))
+        torch.testing.assert_close(logprobs, expected(ctx, vocab_size))
+    sync = lm.batch_next_token_logprobs_sync([[4, 5], [6]])
+    torch.testing.assert_close(sync[1], expected([6], vocab_size))
+    assert lm.stats["rows"] == (2 if cache_size else 8)
 
 
 @pytest.mark.asyncio
@@ -576,6 +596,60 @@ def test_cleanup_from_another_thread_wakes_the_waiters(tokenizer):
     assert outcome["after_s"] < 10
 
 
+def test_threads_each_with_its_own_loop_share_one_model(tokenizer, vocab_size):
+    """Several threads, each running its own event loop, query one model at once. One loop
+    may have queries waiting at a time: another loop's call then either gets its row or the
+    clear "another event loop" error, and is retried. No query may be lost or answered
+    without waking its loop: that caller would sit until its next timer (here the 5 s
+    deadline), so every call must come back well before it."""
+    import sys
+    import threading
+
+    lm = make(tokenizer, batch_size=3, timeout=0.0005, flush_when_idle=False)
+    errors, latencies = [], []
+
+    def worker(seed):
+        rng = random.Random(seed)
+
+        async def one(ctx):
+            while True:
+                try:
+                    start = time.perf_counter()
+                    row = await asyncio.wait_for(lm.next_token_logprobs(ctx), 5)
+                    latencies.append(time.perf_counter() - start)
+                    return row
+                except RuntimeError as exc:
+                    if "another event loop" not in str(exc):
+                        raise
+                    await asyncio.sleep(rng.random() * 1e-4)
+
+        async def run():
+            for _ in range(100):
+                ctxs = [[rng.randrange(vocab_size) for _ in range(rng.randrange(1, 4))]
+                        for _ in range(2)]
+                for ctx, row in zip(ctxs, await asyncio.gather(*map(one, ctxs))):
+                    torch.testing.assert_close(row, expected(ctx, vocab_size))
+
+        try:
+            asyncio.run(run())
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: the races show up within a second
+    try:
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(t.is_alive() for t in threads), "a thread is still waiting"
+    assert not errors, errors
+    assert len(latencies) == 8 * 100 * 2 and max(latencies) < 2.0, max(latencies)
+
+
 # ---------------------------------------------------------------------------- errors
 
 
@@ -611,7 +685,8 @@ async def test_bad_contexts(tokenizer, vocab_size):
             lm.batch_next_token_logprobs_sync(bad)
         with pytest.raises(TypeError, match="list of token_ids contexts"):
             await lm.batch_sample(bad, 2, [0])
-    for bad in (0, 0.0, -1.0, float("inf"), float("nan"), None, True, "1"):
+    for bad in (0, 0.0, -1.0, float("inf"), float("nan"), None, True, "1",
+                torch.tensor([0.5, 0.5]), torch.tensor(float("nan"))):
         # 0 divided by zero (torch's 'probability tensor contains inf'), -1 sampled from
         # the inverted distribution
         with pytest.raises(ValueError, match="temperature must be a positive"):
@@ -671,11 +746,28 @@ async def test_context_managers(tokenizer):
         await lm2.next_token_logprobs([1])
 
 
-def test_constructor_checks(tokenizer):
-    with pytest.raises(ValueError):
-        MockAsyncLM(tokenizer, batch_size=0)
-    with pytest.raises(ValueError):
-        MockAsyncLM(tokenizer, timeout=-1)
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch_size": 0}, "batch_size must be a positive integer"),
+    ({"batch_size": 2.5}, "batch_size must be a positive integer"),
+    ({"batch_size": "3"}, "batch_size must be a positive integer"),
+    ({"batch_size": True}, "batch_size must be a positive integer"),
+    ({"timeout": -1}, "timeout must be a finite non-negative"),
+    ({"timeout": float("nan")}, "timeout must be a finite non-negative"),
+    ({"timeout": float("inf")}, "timeout must be a finite non-negative"),
+    ({"timeout": None}, "timeout must be a finite non-negative"),
+    ({"timeout": "0.1"}, "timeout must be a finite non-negative"),
+    ({"cache_size": 1.5}, "cache_size must be an integer"),
+])
+def test_constructor_checks(tokenizer, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MockAsyncLM(tokenizer, **kwargs)
+
+
+def test_constructor_accepts_numpy_numbers(tokenizer, vocab_size):
+    lm = MockAsyncLM(tokenizer, batch_size=np.int64(4), timeout=np.float32(0.01),
+                     cache_size=np.int32(8))
+    assert (lm.batch_size, lm.timeout, lm.cache_size) == (4, pytest.approx(0.01), 8)
+    torch.testing.assert_close(lm.next_token_logprobs_sync([3]), expected([3], vocab_size))
 
 
 def test_load_model_by_name(tokenizer, tmp_path):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import numbers
+import threading
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -65,7 +66,9 @@ def context_list(token_ids_list, method: str, allow_empty: bool = True) -> list:
 
 def check_temperature(temperature) -> float:
     """A sampling temperature: a positive finite number (0 would divide by zero, a negative
-    one would invert the distribution)."""
+    one would invert the distribution). A zero-dimensional tensor or array counts as its number."""
+    if isinstance(temperature, (torch.Tensor, np.ndarray)) and temperature.ndim == 0:
+        temperature = temperature.item()
     if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)
             or not 0 < float(temperature) < float("inf")):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
@@ -371,9 +374,34 @@ def _is_idle_probe(handle):
     )
 
 
-def _fail_if_pending(fut, exc):
+def _settle_if_pending(fut, value, is_error):
     if not fut.done():
-        fut.set_exception(exc)
+        if is_error:
+            fut.set_exception(value)
+        else:
+            fut.set_result(value)
+
+
+def _settle(fut, value, is_error=False, here=None):
+    """Set a waiter's result (or exception) from any thread.
+
+    A future of a loop running in another thread must be settled through that loop:
+    set directly, it would not wake the loop, and its caller would wait forever.
+    """
+    loop = fut.get_loop()
+    if fut.done() or loop.is_closed():
+        return
+    if loop is not here and loop.is_running():
+        loop.call_soon_threadsafe(_settle_if_pending, fut, value, is_error)
+    else:
+        _settle_if_pending(fut, value, is_error)
+
+
+def _running_loop():
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class BatchedAsyncLM(AsyncLM):
@@ -399,10 +427,17 @@ class BatchedAsyncLM(AsyncLM):
     def __init__(self, tokenizer, batch_size=20, timeout=0.02, cache_size=1024,
                  flush_when_idle=True):
         super().__init__(tokenizer)
-        if int(batch_size) < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        if timeout < 0:
-            raise ValueError(f"timeout must be non-negative, got {timeout}")
+        if (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
+                or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                or not 0 <= float(timeout) < float("inf")):
+            # NaN would never fire the timer: a batch that does not fill would hang
+            raise ValueError(
+                f"timeout must be a finite non-negative number of seconds, got {timeout!r}"
+            )
+        if isinstance(cache_size, bool) or not isinstance(cache_size, numbers.Integral):
+            raise ValueError(f"cache_size must be an integer, got {cache_size!r}")
         self.batch_size = int(batch_size)
         self.timeout = float(timeout)
         self.cache_size = int(cache_size)
@@ -413,6 +448,10 @@ class BatchedAsyncLM(AsyncLM):
         self._timer = None
         self._idle_probe = None  # a loop.call_soon handle of _on_idle_probe, while one is due
         self._loop = None
+        # Guards the queue (_pending, _queued, _loop, the wakeups) and the output cache:
+        # several threads, each running its own event loop, may share one model.
+        self._lock = threading.RLock()
+        self._forward_lock = threading.Lock()  # one forward at a time (KV caches are shared)
         self._default_lora = None
         self.stats = {"batches": 0, "rows": 0, "cache_hits": 0}
 
@@ -470,12 +509,15 @@ class BatchedAsyncLM(AsyncLM):
 
         Returns the logits ``[n, V']`` and, if ``want_logprobs``, a list of the n float32
         CPU log-probability rows (each one its own tensor, also stored in the output cache:
-        hand out copies, see `_cached`).
+        hand out copies, see `_cached`). The rows are cached even when only logits are
+        wanted, so that a context asked for again (a beam re-scored, a prefix shared by
+        particles) costs no forward whichever method asks.
         """
         parts = []
         for i in range(0, len(rows), self.batch_size):
             chunk = rows[i : i + self.batch_size]
-            logits = self._forward(lora, chunk)
+            with self._forward_lock:
+                logits = self._forward(lora, chunk)
             if logits.shape[0] != len(chunk):
                 raise RuntimeError(
                     f"backend returned {logits.shape[0]} rows for {len(chunk)} contexts"
@@ -484,61 +526,68 @@ class BatchedAsyncLM(AsyncLM):
             self.stats["batches"] += 1
             self.stats["rows"] += len(chunk)
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if not want_logprobs:
+        if not want_logprobs and self.cache_size <= 0:
             return logits, None
         batch = torch.log_softmax(logits.float(), dim=-1).cpu()
         if self.cache_size <= 0:
             return logits, list(batch)
         # Separate tensors, so that evicting one row frees its memory.
         logprobs = [row.clone() for row in batch]
-        for ids, row in zip(rows, logprobs):
-            self._outputs[(lora, ids)] = row
+        with self._lock:
+            for ids, row in zip(rows, logprobs):
+                self._outputs[(lora, ids)] = row
         return logits, logprobs
 
     def _cached(self, lora, ids):
         """The cached row of a context itself, or None. What hands a row out copies it (as
         `_flush` does): every caller gets a tensor of its own, so that editing a result in
         place (``logps[mask] = -inf``) changes neither the cache nor another caller's row."""
-        hit = self._outputs.get((lora, ids))
-        if hit is not None:
-            self.stats["cache_hits"] += 1
+        with self._lock:
+            hit = self._outputs.get((lora, ids))
+            if hit is not None:
+                self.stats["cache_hits"] += 1
         return hit
 
     # ---- the auto-batcher ----------------------------------------------------------
 
     def _enqueue(self, lora, ids, wants_logprobs):
         loop = asyncio.get_running_loop()
-        if self._pending and self._loop is not loop:
-            if (self._loop is not None and not self._loop.is_closed()
-                    and any(row.live() for row in self._pending.values())):
-                raise RuntimeError(
-                    f"this {type(self).__name__} has queries pending on another event "
-                    "loop; use one event loop at a time"
-                )
-            # Left over from a closed loop, or every caller there gave up: nobody is
-            # waiting for those any more.
-            self._cancel_wakeups()
-            self._pending = {}
-            self._queued = 0
-        self._loop = loop
-        fut = loop.create_future()
-        key = (lora, ids)
-        row = self._pending.get(key)
-        if row is None:
-            row = self._pending[key] = _Row(lora, ids)
-        row.waiters.append((fut, wants_logprobs))
-        self._queued += 1
-        if self._queued >= self.batch_size:
+        with self._lock:
+            if self._pending and self._loop is not loop:
+                if (self._loop is not None and not self._loop.is_closed()
+                        and any(row.live() for row in self._pending.values())):
+                    raise RuntimeError(
+                        f"this {type(self).__name__} has queries pending on another "
+                        "event loop; use one event loop at a time"
+                    )
+                # Left over from a closed loop, or every caller there gave up: nobody is
+                # waiting for those any more.
+                self._cancel_wakeups()
+                self._pending = {}
+                self._queued = 0
+            self._loop = loop
+            fut = loop.create_future()
+            key = (lora, ids)
+            row = self._pending.get(key)
+            if row is None:
+                row = self._pending[key] = _Row(lora, ids)
+            row.waiters.append((fut, wants_logprobs))
+            self._queued += 1
+            full = self._queued >= self.batch_size
+            if not full:
+                if self._timer is None:
+                    self._timer = loop.call_later(self.timeout, self._on_timer)
+                if self.flush_when_idle and self._idle_probe is None:
+                    self._idle_probe = loop.call_soon(self._on_idle_probe)
+        if full:
             self._flush()
-            return fut
-        if self._timer is None:
-            self._timer = loop.call_later(self.timeout, self._on_timer)
-        if self.flush_when_idle and self._idle_probe is None:
-            self._idle_probe = loop.call_soon(self._on_idle_probe)
         return fut
 
     def _on_timer(self):
-        self._timer = None
+        with self._lock:
+            if self._loop is not _running_loop():
+                return  # a stale wakeup: another loop's queries replaced this one's
+            self._timer = None
         self._flush()
 
     def _on_idle_probe(self):
@@ -549,17 +598,21 @@ class BatchedAsyncLM(AsyncLM):
         So when this probe finds ``_ready`` empty, or holding only other models' probes,
         no coroutine can run before the loop blocks on timers and I/O.
         """
-        self._idle_probe = None
-        if not self._pending or not self.flush_when_idle:
-            return
-        ready = getattr(self._loop, "_ready", None)  # asyncio's deque of ready handles
-        if ready is None:
-            return  # another loop implementation: the timer decides
-        if len(ready) > _IDLE_SCAN_LIMIT or not all(
-            handle.cancelled() or _is_idle_probe(handle) for handle in ready
-        ):
-            self._idle_probe = self._loop.call_soon(self._on_idle_probe)
-            return
+        loop = _running_loop()
+        with self._lock:
+            if self._loop is not loop:
+                return  # a stale wakeup: another loop's queries replaced this one's
+            self._idle_probe = None
+            if not self._pending or not self.flush_when_idle:
+                return
+            ready = getattr(loop, "_ready", None)  # asyncio's deque of ready handles
+            if ready is None:
+                return  # another loop implementation: the timer decides
+            if len(ready) > _IDLE_SCAN_LIMIT or not all(
+                handle.cancelled() or _is_idle_probe(handle) for handle in ready
+            ):
+                self._idle_probe = loop.call_soon(self._on_idle_probe)
+                return
         self._flush()
 
     def _cancel_wakeups(self):
@@ -570,8 +623,10 @@ class BatchedAsyncLM(AsyncLM):
 
     def _flush(self):
         """Evaluate everything waiting, one model call per adapter (per chunk)."""
-        self._cancel_wakeups()
-        rows, self._pending, self._queued = self._pending, {}, 0
+        with self._lock:
+            self._cancel_wakeups()
+            rows, self._pending, self._queued = self._pending, {}, 0
+        here = _running_loop()
         groups = {}
         for row in rows.values():
             if row.live():  # rows whose callers all gave up are skipped
@@ -589,13 +644,13 @@ class BatchedAsyncLM(AsyncLM):
                     fatal = exc
                 for r in group:
                     for fut, _ in r.waiters:
-                        if not fut.done():
-                            fut.set_exception(err)
+                        _settle(fut, err, True, here)
                 continue
             for i, r in enumerate(group):
                 for fut, wants_lp in r.waiters:
                     if not fut.done():
-                        fut.set_result((logprobs[i] if wants_lp else logits[i]).clone())
+                        answer = (logprobs[i] if wants_lp else logits[i]).clone()
+                        _settle(fut, answer, False, here)
         if fatal is not None:
             raise fatal
 
@@ -605,23 +660,13 @@ class BatchedAsyncLM(AsyncLM):
         self._flush()
 
     def _fail_pending(self, exc):
-        self._cancel_wakeups()
-        rows, self._pending, self._queued = self._pending, {}, 0
-        try:
-            here = asyncio.get_running_loop()
-        except RuntimeError:
-            here = None
+        with self._lock:
+            self._cancel_wakeups()
+            rows, self._pending, self._queued = self._pending, {}, 0
+        here = _running_loop()
         for row in rows.values():
             for fut, _ in row.waiters:
-                loop = fut.get_loop()
-                if fut.done() or loop.is_closed():
-                    continue
-                if loop.is_running() and loop is not here:
-                    # a loop running in another thread (cleanup() from a foreign thread):
-                    # only a thread-safe call wakes it
-                    loop.call_soon_threadsafe(_fail_if_pending, fut, exc)
-                else:
-                    fut.set_exception(exc)
+                _settle(fut, exc, True, here)
 
     def reset_async_queries(self):
         """Drop every waiting query; its caller gets `QueriesResetError`.
@@ -736,7 +781,8 @@ class BatchedAsyncLM(AsyncLM):
 
     def clear_cache(self):
         """Forget cached log probabilities."""
-        self._outputs.clear()
+        with self._lock:
+            self._outputs.clear()
         self.state_epoch += 1
 
     def cleanup(self):
@@ -747,7 +793,8 @@ class BatchedAsyncLM(AsyncLM):
             QueriesResetError("query dropped because the model was cleaned up")
         )
         self._closed = True
-        self._outputs.clear()
+        with self._lock:
+            self._outputs.clear()
         self._release()
 
     def __del__(self):

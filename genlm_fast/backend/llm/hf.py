@@ -267,7 +267,8 @@ class AsyncTransformer(BatchedAsyncLM):
         trie = self._kv_tries.pop(lora_name, None)
         if trie is not None:
             trie.clear()
-        self._outputs.discard_where(lambda key: key[0] == lora_name)
+        with self._lock:
+            self._outputs.discard_where(lambda key: key[0] == lora_name)
 
     def _activate(self, lora):
         # Set on every batch, never remembered: the model may be shared with another

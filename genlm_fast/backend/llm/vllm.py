@@ -414,15 +414,17 @@ class AsyncVirtualLM(BatchedAsyncLM):
         parts = []
         for i in range(0, len(rows), self.batch_size):
             chunk = rows[i : i + self.batch_size]
-            parts.append(self._capture(lora, chunk, "logprobs"))
+            with self._forward_lock:
+                parts.append(self._capture(lora, chunk, "logprobs"))
             self.stats["batches"] += 1
             self.stats["rows"] += len(chunk)
         batch = parts[0] if len(parts) == 1 else torch.cat(parts)
         logprobs = list(batch.unbind(0)) if len(parts) > 0 else []
         if self.cache_size > 0:
             logprobs = [row.clone() for row in logprobs]
-            for ids, row in zip(rows, logprobs):
-                self._outputs[(lora, ids)] = row
+            with self._lock:
+                for ids, row in zip(rows, logprobs):
+                    self._outputs[(lora, ids)] = row
         return batch, logprobs
 
     async def release_all(self):
@@ -551,7 +553,8 @@ class AsyncVirtualLM(BatchedAsyncLM):
         req = self._lora_requests.pop(lora_name, None)
         if req is None:
             raise unknown_lora(lora_name)
-        self._outputs.discard_where(lambda key: key[0] == lora_name)
+        with self._lock:
+            self._outputs.discard_where(lambda key: key[0] == lora_name)
         if self._active_lora == lora_name:
             self._active_lora = None
         with self._engine_lock:

@@ -693,6 +693,26 @@ async def test_bad_contexts(tokenizer, vocab_size):
             await lm.sample([1, 2], 3, [0], temperature=bad)
         with pytest.raises(ValueError, match="temperature must be a positive"):
             await lm.batch_sample([[1, 2]], 3, [0], temperature=bad)
+    for kwargs, error, message in [
+        ({"max_tokens": 2.5}, TypeError, "max_tokens must be an int"),
+        ({"max_tokens": "3"}, TypeError, "max_tokens must be an int"),
+        ({"eos_token_ids": None}, TypeError, "eos_token_ids must be a collection"),
+        ({"eos_token_ids": 5}, TypeError, "eos_token_ids must be a collection"),
+        ({"eos_token_ids": [1.5]}, TypeError, "eos_token_ids must hold ints"),
+        ({"seed": 1.5}, TypeError, "seed must be an int"),
+        ({"seed": "7"}, TypeError, "seed must be an int"),
+        ({"seed": 2**70}, ValueError, "seed must lie in"),
+    ]:
+        args = {"max_tokens": 3, "eos_token_ids": [0], **kwargs}
+        with pytest.raises(error, match=message):
+            await lm.sample([1, 2], **args)
+        with pytest.raises(error, match=message):
+            await lm.batch_sample([[1, 2]], **args)
+    # numpy integers, tensors and one-pass iterables are fine, and mean what lists do
+    want = await lm.sample([1, 2], 4, [7, 9], seed=5)
+    assert await lm.sample([1, 2], np.int64(4), np.array([7, 9]), seed=np.int64(5)) == want
+    assert await lm.batch_sample([[1, 2], [1, 2]], 4, iter([7, 9]), seed=5) == [want] * 2
+    assert await lm.sample([1, 2], 4, torch.tensor([7, 9]), seed=5) == want
     # integer arrays and tensors are fine, and equal to lists
     a = await lm.next_token_logprobs(np.array([4, 5], dtype=np.int64))
     b = await lm.next_token_logprobs(torch.tensor([4, 5]))

@@ -31,6 +31,7 @@ import asyncio
 import numbers
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -73,6 +74,30 @@ def check_temperature(temperature) -> float:
             or not 0 < float(temperature) < float("inf")):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     return float(temperature)
+
+
+def check_sampling(max_tokens, eos_token_ids, seed):
+    """`sample`'s other arguments, checked: (max_tokens as an int, the EOS ids as a set,
+    seed as an int or None), or a clear error naming the argument."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral):
+        raise TypeError(f"max_tokens must be an int, got {max_tokens!r}")
+    if isinstance(eos_token_ids, (str, bytes)) or not isinstance(
+            eos_token_ids, (Iterable, torch.Tensor, np.ndarray)):
+        raise TypeError("eos_token_ids must be a collection of token ids (possibly empty), "
+                        f"got {eos_token_ids!r}")
+    eos = set()
+    for t in (eos_token_ids.tolist() if isinstance(eos_token_ids, (torch.Tensor, np.ndarray))
+              else eos_token_ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"eos_token_ids must hold ints, found {t!r}")
+        eos.add(int(t))
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
+        if not -(2**63) <= int(seed) < 2**64:
+            raise ValueError(f"seed must lie in [-2**63, 2**64), got {seed}")
+        seed = int(seed)
+    return int(max_tokens), eos, seed
 
 
 class ModelClosedError(RuntimeError):
@@ -296,11 +321,11 @@ class AsyncLM(ABC):
         """
         self._check_open()
         temperature = check_temperature(temperature)
+        max_tokens, eos, seed = check_sampling(max_tokens, eos_token_ids, seed)
         generator = None
         if seed is not None:
             generator = torch.Generator()
             generator.manual_seed(seed)
-        eos = {int(t) for t in eos_token_ids}
         if isinstance(prompt_token_ids, (torch.Tensor, np.ndarray)):
             context = prompt_token_ids.tolist()  # ints, as next_token_logprobs accepts it
         else:
@@ -328,6 +353,8 @@ class AsyncLM(ABC):
     ):
         """`sample` for each prompt concurrently (each with the same ``seed``)."""
         check_temperature(temperature)
+        # read once: eos_token_ids may be a one-pass iterable
+        max_tokens, eos_token_ids, seed = check_sampling(max_tokens, eos_token_ids, seed)
         prompt_token_ids_list = context_list(prompt_token_ids_list, "batch_sample")
         return list(
             await asyncio.gather(

@@ -82,6 +82,7 @@ HAS_VLLM = VLLM_MISSING is None  # genlm's public flag, for apps that check it
 
 from genlm_fast.backend.llm.base import (
     BatchedAsyncLM,
+    check_sampling,
     check_token_ids,
     context_list,
     unknown_lora,
@@ -474,11 +475,12 @@ class AsyncVirtualLM(BatchedAsyncLM):
             check_token_ids(p, self._vocab_limit())
             for p in context_list(prompt_token_ids_list, "batch_sample")
         ]
+        max_tokens, eos, seed = check_sampling(max_tokens, eos_token_ids, seed)
         if not prompts:
             return []
-        if int(max_tokens) < 1:
+        if max_tokens < 1:
             return [[] for _ in prompts]
-        eos = sorted({int(t) for t in eos_token_ids})
+        eos = sorted(eos)
         params = SamplingParams(
             max_tokens=int(max_tokens),
             temperature=float(temperature),

@@ -244,6 +244,22 @@ async def test_runs_on_a_genlm_backend_model(mock, ref_mock):
 
 
 @pytest.mark.asyncio
+async def test_takes_genlm_bytes_beam_params(mock):
+    # parameters an app built with genlm.bytes (imported before the drop-in) mean the same
+    options = {"K": 2, "prune_threshold": 0.01, "eos_byte_strings": [GPT2_EOS],
+               "heal_max_backoff": 3}
+    ours, _ = await trajectory(await ByteBeamState.initial(mock, BeamParams(**options)),
+                               b"The c", b"at")
+    theirs_params = ref_bytes.BeamParams(**options)
+    via_genlm, _ = await trajectory(await ByteBeamState.initial(mock, theirs_params),
+                                    b"The c", b"at")
+    compare(via_genlm, ours, tol=0, logz_tol=0, what="genlm.bytes BeamParams")
+    for bad in ({"K": 2}, 2, None):
+        with pytest.raises(TypeError, match="params must be a BeamParams"):
+            await ByteBeamState.initial(mock, bad)
+
+
+@pytest.mark.asyncio
 async def test_mock_greedy_and_sample_agree(mock, ref_mock, ref_tries):
     params = {"K": 4, "eos_byte_strings": [GPT2_EOS]}
     ours = await (await ByteBeamState.initial(mock, BeamParams(**params))).greedy(b"Once", 8)

@@ -130,6 +130,26 @@ class BeamParams:
         self.log_prune_threshold = math.log(threshold) if threshold > 0 else NEG_INF
 
 
+# genlm-bytes' own BeamParams, known by where it is defined (an app that builds its
+# parameters with genlm.bytes imported before genlm_fast.dropin)
+_GENLM_BEAM_PARAMS = ("genlm.bytes.byte_lm.beam", "BeamParams")
+
+
+def as_beam_params(params) -> BeamParams:
+    """``params`` as our `BeamParams`: ours as is, genlm-bytes' copied field by field
+    (checked as ours are), anything else a TypeError."""
+    if isinstance(params, BeamParams):
+        return params
+    cls = type(params)
+    if (cls.__module__, cls.__qualname__) == _GENLM_BEAM_PARAMS:
+        return BeamParams(
+            K=params.K, prune_threshold=params.prune_threshold, verbose=params.verbose,
+            eos_byte_strings=params.eos_byte_strings, heal=params.heal,
+            heal_max_backoff=params.heal_max_backoff, heal_max_splits=params.heal_max_splits,
+        )
+    raise TypeError(f"params must be a BeamParams, got {cls.__name__}")
+
+
 # tries built by ByteBeamState.initial, per model and options (building one takes a while)
 _TRIES = weakref.WeakKeyDictionary()
 
@@ -171,8 +191,7 @@ class ByteBeamState(StatefulByteLM):
             trie_opts (dict, optional): more ``AsyncTokenByteTrie.from_vocab`` arguments.
                 The trie is built once per model and options and reused.
         """
-        if not isinstance(params, BeamParams):
-            raise TypeError(f"params must be a BeamParams, got {type(params).__name__}")
+        params = as_beam_params(params)
         trie = _trie_for(llm, params.eos_byte_strings, trie_opts)
         state = LazyTrieState.initial(llm, trie, mode=TrieMode.WITH_EOS)
         return cls([await state.materialize()], params)

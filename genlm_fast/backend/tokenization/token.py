@@ -12,10 +12,11 @@ def is_token(x) -> bool:
     either). Tokens compare, hash and sort by id among themselves. Anything else, a bytes
     subclass that happens to carry a ``token_id`` included, is bytes, as it is for genlm."""
     cls = type(x)
-    if cls is bytes:  # the common case, kept cheap
-        return False
-    return isinstance(x, Token) or any(
-        (c.__module__, c.__qualname__) == _GENLM_TOKEN for c in cls.__mro__)
+    verdict = _IS_TOKEN_CLASS.get(cls)
+    if verdict is None:  # a class met for the first time: walk its bases once
+        verdict = _IS_TOKEN_CLASS[cls] = issubclass(cls, Token) or any(
+            (c.__module__, c.__qualname__) == _GENLM_TOKEN for c in cls.__mro__)
+    return verdict
 
 
 def _by_id(op):
@@ -82,3 +83,9 @@ class Token(bytes):
     def is_plain_bytes(x) -> bool:
         """True for a ``bytes`` object that is not a Token."""
         return isinstance(x, bytes) and not is_token(x)
+
+
+# type -> whether its instances are Tokens (see `is_token`), filled as classes are met;
+# the usual other operands are answered from the start
+_IS_TOKEN_CLASS = {bytes: False, str: False, type(None): False, Token: True}
+

@@ -824,6 +824,15 @@ class BatchedAsyncLM(AsyncLM):
             self._outputs.clear()
         self._release()
 
+    def __reduce_ex__(self, protocol):
+        # pickle and copy.deepcopy would otherwise walk into the event loop, the locks and
+        # the model, and fail on whichever comes first with a message naming none of them
+        raise TypeError(
+            f"a {type(self).__name__} cannot be pickled or deep-copied: it holds the model, "
+            "its caches and its event-loop state. Share one model, and copy contexts "
+            "(token ids) rather than the objects that hold it."
+        )
+
     def __del__(self):
         try:
             self._cancel_wakeups()

@@ -650,6 +650,38 @@ def test_threads_each_with_its_own_loop_share_one_model(tokenizer, vocab_size):
     assert len(latencies) == 8 * 100 * 2 and max(latencies) < 2.0, max(latencies)
 
 
+def test_cleanup_waits_for_a_forward_running_in_another_thread(tokenizer, vocab_size):
+    """cleanup() from one thread while another thread's forward runs: the model is released
+    after that forward (whose caller gets its row), not under it; rows taken before the
+    cleanup but not yet run get ModelClosedError instead of a released model."""
+    import threading
+
+    events, started, result = [], threading.Event(), {}
+
+    class SlowMock(MockAsyncLM):
+        def _forward(self, lora_name, rows):
+            started.set()
+            time.sleep(0.3)
+            events.append("forward done")
+            return super()._forward(lora_name, rows)
+
+        def _release(self):
+            events.append("released")
+
+    lm = SlowMock(tokenizer)
+    worker = threading.Thread(
+        target=lambda: result.setdefault("row", lm.next_token_logprobs_sync([3, 4])),
+        daemon=True)
+    worker.start()
+    assert started.wait(10)
+    lm.cleanup()
+    worker.join(10)
+    assert events == ["forward done", "released"]
+    torch.testing.assert_close(result["row"], expected([3, 4], vocab_size))
+    with pytest.raises(ModelClosedError):
+        lm._evaluate(None, [(5,)])  # what a flush that took its rows before cleanup runs
+
+
 # ---------------------------------------------------------------------------- errors
 
 

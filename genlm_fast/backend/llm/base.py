@@ -544,6 +544,7 @@ class BatchedAsyncLM(AsyncLM):
         for i in range(0, len(rows), self.batch_size):
             chunk = rows[i : i + self.batch_size]
             with self._forward_lock:
+                self._check_open()  # cleanup() may have run since the rows were taken
                 logits = self._forward(lora, chunk)
             if logits.shape[0] != len(chunk):
                 raise RuntimeError(
@@ -822,7 +823,8 @@ class BatchedAsyncLM(AsyncLM):
         self._closed = True
         with self._lock:
             self._outputs.clear()
-        self._release()
+        with self._forward_lock:  # a forward running in another thread finishes first
+            self._release()
 
     def __reduce_ex__(self, protocol):
         # pickle and copy.deepcopy would otherwise walk into the event loop, the locks and

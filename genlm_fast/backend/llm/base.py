@@ -67,7 +67,8 @@ def context_list(token_ids_list, method: str, allow_empty: bool = True) -> list:
 
 def check_temperature(temperature) -> float:
     """A sampling temperature: a positive finite number (0 would divide by zero, a negative
-    one would invert the distribution). A zero-dimensional tensor or array counts as its number."""
+    one would invert the distribution). A zero-dimensional tensor or array counts as its
+    number."""
     if isinstance(temperature, (torch.Tensor, np.ndarray)) and temperature.ndim == 0:
         temperature = temperature.item()
     if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)
@@ -828,9 +829,10 @@ class BatchedAsyncLM(AsyncLM):
 
     def __reduce_ex__(self, protocol):
         # pickle and copy.deepcopy would otherwise walk into the event loop, the locks and
-        # the model, and fail on whichever comes first with a message naming none of them
+        # the model, and fail on whichever comes first with a message naming none of them;
+        # copy.copy would make a second model sharing this one's queue
         raise TypeError(
-            f"a {type(self).__name__} cannot be pickled or deep-copied: it holds the model, "
+            f"a {type(self).__name__} cannot be pickled or copied: it holds the model, "
             "its caches and its event-loop state. Share one model, and copy contexts "
             "(token ids) rather than the objects that hold it."
         )

@@ -22,7 +22,10 @@ Batching rules (those of genlm.backend, except for when the clock starts, and th
 * identical requests (same context, same adapter) share one row of the batch;
 * a caller cancelled while waiting only loses its own answer;
 * an exception raised while evaluating a batch is set on every caller waiting on it;
-* `reset_async_queries` fails every waiting caller with `QueriesResetError`.
+* `reset_async_queries` fails every waiting caller with `QueriesResetError`;
+* the batch belongs to one event loop at a time: threads, each running its own loop, may
+  share a model, and a query from another loop while the batch has waiters raises
+  `RuntimeError` (retry it). Each waiter is answered through its own loop.
 """
 
 from __future__ import annotations
@@ -767,10 +770,11 @@ class BatchedAsyncLM(AsyncLM):
         return await self._whole_batch(self._logprobs_of, token_ids_list, lora_name)
 
     async def next_token_logits(self, token_ids, lora_name=None):
-        """Unnormalized next-token logits ``[V']`` on the model's device (no host copy).
+        """Unnormalized next-token logits ``[V']`` on the model's device.
 
-        A cached context answers with its log probabilities moved to the device, which
-        differ from the logits by a constant only.
+        The batch's log probabilities also go to the output cache (on the CPU, as those of
+        `next_token_logprobs`), and a cached context answers with them moved to the
+        device: they differ from the logits by a constant only.
         """
         return await self._logits_of(*self._prepare(token_ids, lora_name))
 

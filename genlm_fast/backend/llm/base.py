@@ -544,31 +544,40 @@ class BatchedAsyncLM(AsyncLM):
         wanted, so that a context asked for again (a beam re-scored, a prefix shared by
         particles) costs no forward whichever method asks.
         """
+        logits = self._forward_in_chunks(lora, rows, self._forward)
+        if not want_logprobs and self.cache_size <= 0:
+            return logits, None
+        return logits, self._keep_rows(lora, rows, torch.log_softmax(logits.float(), -1).cpu())
+
+    def _forward_in_chunks(self, lora, rows, forward):
+        """``forward(lora, chunk)`` on ``rows`` in chunks of ``batch_size``, one forward of
+        this model at a time; the ``[n, V']`` rows, concatenated."""
         parts = []
         for i in range(0, len(rows), self.batch_size):
             chunk = rows[i : i + self.batch_size]
             with self._forward_lock:
                 self._check_open()  # cleanup() may have run since the rows were taken
-                logits = self._forward(lora, chunk)
-            if logits.shape[0] != len(chunk):
+                out = forward(lora, chunk)
+            if out.shape[0] != len(chunk):
                 raise RuntimeError(
-                    f"backend returned {logits.shape[0]} rows for {len(chunk)} contexts"
+                    f"backend returned {out.shape[0]} rows for {len(chunk)} contexts"
                 )
-            parts.append(logits)
+            parts.append(out)
             self.stats["batches"] += 1
             self.stats["rows"] += len(chunk)
-        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if not want_logprobs and self.cache_size <= 0:
-            return logits, None
-        batch = torch.log_softmax(logits.float(), dim=-1).cpu()
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _keep_rows(self, lora, rows, logprobs):
+        """Store the log-probability rows of ``rows`` in the output cache (when it is on),
+        each as a tensor of its own, so that evicting one frees its memory; returns the
+        list of rows."""
         if self.cache_size <= 0:
-            return logits, list(batch)
-        # Separate tensors, so that evicting one row frees its memory.
-        logprobs = [row.clone() for row in batch]
+            return list(logprobs)
+        kept = [row.clone() for row in logprobs]
         with self._lock:
-            for ids, row in zip(rows, logprobs):
+            for ids, row in zip(rows, kept):
                 self._outputs[(lora, ids)] = row
-        return logits, logprobs
+        return kept
 
     def _cached(self, lora, ids):
         """The cached row of a context itself, or None. What hands a row out copies it (as

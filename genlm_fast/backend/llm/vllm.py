@@ -412,21 +412,9 @@ class AsyncVirtualLM(BatchedAsyncLM):
         """
         if not want_logprobs:
             return super()._evaluate(lora, rows, want_logprobs=False)
-        parts = []
-        for i in range(0, len(rows), self.batch_size):
-            chunk = rows[i : i + self.batch_size]
-            with self._forward_lock:
-                parts.append(self._capture(lora, chunk, "logprobs"))
-            self.stats["batches"] += 1
-            self.stats["rows"] += len(chunk)
-        batch = parts[0] if len(parts) == 1 else torch.cat(parts)
-        logprobs = list(batch.unbind(0)) if len(parts) > 0 else []
-        if self.cache_size > 0:
-            logprobs = [row.clone() for row in logprobs]
-            with self._lock:
-                for ids, row in zip(rows, logprobs):
-                    self._outputs[(lora, ids)] = row
-        return batch, logprobs
+        batch = self._forward_in_chunks(
+            lora, rows, lambda lora, chunk: self._capture(lora, chunk, "logprobs"))
+        return batch, self._keep_rows(lora, rows, batch)
 
     async def release_all(self):
         """genlm.backend API: evict idle engine requests. Each batch here is a finished
@@ -482,7 +470,7 @@ class AsyncVirtualLM(BatchedAsyncLM):
             return [[] for _ in prompts]
         eos = sorted(eos)
         params = SamplingParams(
-            max_tokens=int(max_tokens),
+            max_tokens=max_tokens,
             temperature=float(temperature),
             seed=seed,
             stop_token_ids=eos,

@@ -88,4 +88,3 @@ class Token(bytes):
 # type -> whether its instances are Tokens (see `is_token`), filled as classes are met;
 # the usual other operands are answered from the start
 _IS_TOKEN_CLASS = {bytes: False, str: False, type(None): False, Token: True}
-

@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import importlib.util
 
-from genlm_fast.backend.llm.base import (
-    AsyncLM,
-    BatchedAsyncLM,
-    MockAsyncLM,
-    ModelClosedError,
-    QueriesResetError,
-    UnknownLoraError,
-)
+from genlm_fast.backend.llm.base import AsyncLM
+from genlm_fast.backend.llm.batched import BatchedAsyncLM
+from genlm_fast.backend.llm.checks import ModelClosedError, QueriesResetError, UnknownLoraError
+from genlm_fast.backend.llm.mock import MockAsyncLM
 from genlm_fast.backend.llm.hf import AsyncTransformer
 
 __all__ = [

@@ -18,7 +18,8 @@ import weakref
 import torch
 
 from genlm_fast.backend.cache import KVTrie
-from genlm_fast.backend.llm.base import BatchedAsyncLM, unknown_lora
+from genlm_fast.backend.llm.batched import BatchedAsyncLM
+from genlm_fast.backend.llm.checks import unknown_lora
 from genlm_fast.backend.llm.cpu_linear import pack_linear_layers, unpack_linear_layers
 
 __all__ = ["AsyncTransformer"]

@@ -80,8 +80,8 @@ else:
     VLLM_MISSING = None
 HAS_VLLM = VLLM_MISSING is None  # genlm's public flag, for apps that check it
 
-from genlm_fast.backend.llm.base import (
-    BatchedAsyncLM,
+from genlm_fast.backend.llm.batched import BatchedAsyncLM
+from genlm_fast.backend.llm.checks import (
     check_sampling,
     check_token_ids,
     context_list,

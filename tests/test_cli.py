@@ -4,7 +4,8 @@ The demo's numbers are checked against computations that do not go through genlm
 
 * the next-byte distribution after the prompt, and the greedy and seeded sampled
   continuations, against genlm-bytes 0.2.0's beam on genlm-backend 0.3.1's AsyncTransformer
-  (same model directory, same K and EOS);
+  (same model directory, same K and EOS; the sampled one drawn by genlm-bytes' own sampler,
+  arsenal's inverse-CDF ``sample_dict``, from the same uniform draws);
 * with an empty prompt, the first-byte distribution against a brute-force sum over the
   vocabulary of a float64 forward pass: P(first byte = b) = sum of p(token) over the tokens
   whose bytes start with b (the end-of-sequence token counting as EOS instead);
@@ -32,7 +33,6 @@ import pytest
 import torch
 
 from genlm_fast.__main__ import main
-from genlm_fast.bytes.util import sample_dict
 from genlm_fast.bytes.util import EOS_INDEX
 from genlm_fast.demo import demo
 
@@ -98,6 +98,7 @@ def result(ours):
 def reference(ref_lm, result):
     """genlm-bytes on genlm-backend: the same four byte-level computations as the demo."""
     import genlm.bytes as ref_bytes
+    from arsenal.maths import sample_dict  # genlm-bytes' own sampler (its default draw)
 
     eos = [bytes(ref_lm.byte_vocab[ref_lm.tokenizer.eos_token_id])]
     prompt, string = PROMPT.encode(), STRING.encode()

@@ -17,6 +17,7 @@ import torch
 from genlm_fast.backend.llm import (
     AsyncTransformer,
     ModelClosedError,
+    QueriesResetError,
     UnknownLoraError,
     load_model_by_name,
 )
@@ -413,7 +414,7 @@ async def test_bad_input_and_faults(lm, prompts, model_dir, monkeypatch, tmp_pat
     waiting = asyncio.create_task(doomed.next_token_logprobs(prompts[0]))
     await asyncio.sleep(0)
     doomed.cleanup()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(QueriesResetError):
         await asyncio.wait_for(waiting, 5)
     with pytest.raises(ModelClosedError):
         await doomed.next_token_logprobs(prompts[0])

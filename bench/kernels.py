@@ -20,7 +20,7 @@ recorded in the header only.
 
 Importable: ``run(quick) -> rows``, ``table(rows) -> markdown``, ``plot(rows, path)``.
 The vocabulary / reference / oracle helpers here are shared with ``bench/conftest.py`` and
-``bench/gpu.py``.
+``tools/gpu/bench.py``.
 """
 
 from __future__ import annotations

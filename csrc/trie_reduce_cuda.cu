@@ -75,7 +75,7 @@
 //         no tile waits on a waiting tile ("decoupled look-back"). The flags are zeroed
 //         once per call, and each launch of rows sets them to its own value. With
 //         GENLM_FAST_CUDA_FOLD=0 (c) reduces these nodes instead, a thread per (node, row),
-//         with the same arithmetic (bench/gpu.py times both ways).
+//         with the same arithmetic (tools/gpu/bench.py times both ways).
 //  (c) span: the spanning nodes wider than that (at most SPAN_WARP_TILES tiles, Llama-3: 31
 //      nodes of 17 to 95) one warp per (node, row), its lanes striding over the tiles; the
 //      widest (the root and a few more: 2 on Llama-3, the root's ~2,000 tiles took a warp
@@ -1091,8 +1091,8 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
 // kernel of a call, (a1), is an ordinary launch: it runs after whatever came before it (the
 // memsets of launch() included). Dependent launches need the waits compiled in (ptxVersion
 // >= 90; below that wait_for_previous_kernel is empty) and are off with
-// GENLM_FAST_CUDA_PDL=0, read at each call (bench/gpu.py times both ways).
-// The switches bench/gpu.py times both ways, read at each call: dependent launches (below)
+// GENLM_FAST_CUDA_PDL=0, read at each call (tools/gpu/bench.py times both ways).
+// The switches tools/gpu/bench.py times both ways, read at each call: dependent launches (below)
 // are on unless GENLM_FAST_CUDA_PDL=0, staging in (a1) unless GENLM_FAST_CUDA_STAGE=0, the
 // tile kernel folds the narrow spanning nodes unless GENLM_FAST_CUDA_FOLD=0 (then (c)
 // reduces them, a thread each), staged batches go in launches of kChunkRows rows with

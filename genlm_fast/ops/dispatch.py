@@ -286,7 +286,7 @@ def run_backend(values: torch.Tensor, layout: TrieLayout, reduction: str, mode: 
                 backend: str, float64_result: bool = False):
     """Run one concrete backend on values :func:`trie_reduce` has validated (and checked
     row by row, unless the backend does that itself): (result, row_check or None), the
-    backend contract's pair. ``bench.gpu`` times this directly."""
+    backend contract's pair. ``tools.gpu.bench`` times this directly."""
     if reduction != "log_mass" and values.dtype in (torch.float16, torch.bfloat16):
         values = values.float()
     # Node values are not differentiable: every backend gets a plain tensor (the reference

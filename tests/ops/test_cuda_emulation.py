@@ -842,7 +842,7 @@ def test_folds_wait_for_the_tiles_before_them(emulator, tmp_path, monkeypatch, r
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
 def test_folds_give_what_the_span_pass_gives(emulator, tmp_path, monkeypatch, reduction):
-    """GENLM_FAST_CUDA_FOLD=0 (the switch bench/gpu.py times): the span pass reduces the
+    """GENLM_FAST_CUDA_FOLD=0 (the switch tools/gpu/bench.py times): the span pass reduces the
     narrow spanning nodes, a thread per (node, row), as before the tile kernel folded them;
     the same arithmetic over the same scratch values, so the two results agree bit for bit,
     and both with the reference, unstaged (3 rows) and staged (8). Without folds the launch
@@ -912,7 +912,7 @@ def test_row_blocks_give_each_row_its_own_result(emulator, tmp_path, reduction, 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
 def test_line_aligned_stores_give_what_the_id_warps_give(emulator, tmp_path, reduction):
-    """GENLM_FAST_CUDA_ALIGN=1 (the switch bench/gpu.py times): in blocks of 32 rows (B >=
+    """GENLM_FAST_CUDA_ALIGN=1 (the switch tools/gpu/bench.py times): in blocks of 32 rows (B >=
     32), the tile kernel writes each row's block of ids a warp per row, in windows that start
     on a multiple of 32 of the output's elements, instead of a warp per 32 ids over all rows.
     Both write every id once with the same value: bit for bit the same result, and the

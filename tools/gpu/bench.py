@@ -1,10 +1,10 @@
 """GPU benchmark of the fused trie kernels: time, bytes moved, bandwidth, speedup vs genlm.
 
-    python -m bench.gpu [--out PATH.md] [--vocab llama3 | --vocab-file vocab.pkl]
+    python -m tools.gpu.bench [--out PATH.md] [--vocab llama3 | --vocab-file vocab.pkl]
                         [--batch-sizes 1 8 32 64 128] [--backends triton cuda] [--peak-gbs 3350]
-    python -m bench.gpu --dump-vocab vocab.pkl   # (on a machine with quicktok) for --vocab-file
-    python -m bench.gpu --dry-run-cpu            # the same code path on CPU, tiny vocabulary
-    python -m bench.gpu --sweep                  # also: the Triton kernels' launch configurations
+    python -m tools.gpu.bench --dump-vocab vocab.pkl   # (on a machine with quicktok) for --vocab-file
+    python -m tools.gpu.bench --dry-run-cpu            # the same code path on CPU, tiny vocabulary
+    python -m tools.gpu.bench --sweep                  # also: the Triton kernels' launch configurations
 
 For every available GPU backend (``triton``, ``cuda``), batch size and op it
 1. checks the result against a float64 oracle computed with the reference's own ancestor
@@ -25,7 +25,7 @@ For every available GPU backend (``triton``, ``cuda``), batch size and op it
    writing the output once, reading the input once, copying it, and gathering it into
    [B, N], for the fraction of peak that moving that traffic alone gets on the device; then
    the same bytes moved in the CUDA tile kernel's pattern, with no reduction
-   (bench/tile_floors.py), for what that pattern alone costs;
+   (tools/gpu/tile_floors.py), for what that pattern alone costs;
 6. with ``--sweep``, times the Triton tile kernels in each launch configuration of
    ``TRITON_SWEEP`` (rows per program, warps, chunk sizes), to choose the defaults from.
 The reference is genlm.backend's ``ParallelTokenCharacterTrie(device="cuda")`` when
@@ -53,7 +53,7 @@ import time
 import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -162,7 +162,7 @@ def load_vocab(name: str, vocab_file: str | None, limit: int | None = None):
         except Exception as e:
             if limit is None:
                 raise SystemExit(f"cannot load vocabulary {name!r} ({type(e).__name__}: {e}); "
-                                 "create a file elsewhere with `python -m bench.gpu --dump-vocab "
+                                 "create a file elsewhere with `python -m tools.gpu.bench --dump-vocab "
                                  "PATH` and pass --vocab-file PATH") from e
             pairs, label = _synthetic_pairs(limit), "synthetic"
     if limit is not None and len(pairs) > limit:
@@ -793,11 +793,11 @@ def memory_floors(context) -> list[dict]:
 
 
 def _tile_pattern_cases(result, tile_node_lo, tile: int, L: int, out_bytes: int) -> list:
-    """The floors in the CUDA tile kernel's own pattern (bench/tile_floors.py), each checked
+    """The floors in the CUDA tile kernel's own pattern (tools/gpu/tile_floors.py), each checked
     once against plain torch first."""
     import torch
 
-    from bench import tile_floors
+    from tools.gpu import tile_floors
 
     B, N = result.shape
     staged = torch.rand(B * L, generator=torch.Generator().manual_seed(0)).to(result.device)
@@ -873,7 +873,7 @@ def table(rows, info, command: str, sweep_rows=(), switch_rows=(), floor_rows=()
     if floor_rows:
         lines += ["", "Memory floors at the goals' shapes (torch's own kernels, then Triton "
                   "kernels moving the same bytes in the CUDA tile kernel's pattern with no "
-                  "reduction, bench/tile_floors.py; same timer; `memory_floors`): what the "
+                  "reduction, tools/gpu/tile_floors.py; same timer; `memory_floors`): what the "
                   "memory system gives a kernel of that traffic:", "",
                   "| op | B | floor | MB moved | ms | GB/s | % of peak |",
                   "|---|---:|---|---:|---:|---:|---:|"]
@@ -962,7 +962,7 @@ def goals(rows) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.gpu", description="Time the fused trie kernels on a GPU "
+        prog="python -m tools.gpu.bench", description="Time the fused trie kernels on a GPU "
         "(bytes moved, bandwidth, speedup vs genlm.backend's ParallelTokenCharacterTrie).")
     parser.add_argument("--out", default=None,
                         help="markdown output (default bench/results/gpu-<device>-<date>.md)")
@@ -1000,7 +1000,7 @@ def main(argv=None) -> int:
         if args.batch_sizes == list(DEFAULT_BATCHES):
             args.batch_sizes = list(DRY_RUN_BATCHES)
     rows, info, context = run(args)
-    command = "python -m bench.gpu " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m tools.gpu.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.out:
         out = Path(args.out)
     else:

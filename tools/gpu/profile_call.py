@@ -3,14 +3,14 @@
     ncu --kernel-name regex:'row_pass|tile_kernel|span_kernel' --launch-skip 6 \\
         --launch-count 3 --section SpeedOfLight --section MemoryWorkloadAnalysis \\
         --section Occupancy --section WarpStateStats \\
-        python -m bench.gpu_profile --op log_mass --batch 64
+        python -m tools.gpu.profile_call --op log_mass --batch 64
 
-Builds the vocabulary's trie (Llama-3 by default, as ``bench.gpu``), then runs the backend's
+Builds the vocabulary's trie (Llama-3 by default, as ``tools.gpu.bench``), then runs the backend's
 kernels alone (``dispatch.run_backend``) ``--calls`` times (default 3) on random logits (sum
 and max: their softmax): with the selection above, ncu skips the first two calls' row pass,
 tile and span kernels and profiles the third's (the row pass: log_mass always, sum and max
 from B=8 on, where it stages the rows; below that sum and max have none: skip 4, count 2).
-``scripts/gpu_session.sh profile`` runs it so.
+``tools/gpu/session.sh profile`` runs it so.
 ``--dry-run-cpu`` runs the same on a few hundred tokens on the CPU (Triton interpreter): CI
 checks the script that way.
 """
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     import torch
 
     from bench import kernels as K
-    from bench.gpu import DRY_RUN_TOKENS, kernel_call, load_vocab
+    from tools.gpu.bench import DRY_RUN_TOKENS, kernel_call, load_vocab
     from genlm_fast.bytes import TokenByteTrie
 
     device = "cpu" if args.dry_run_cpu else "cuda"

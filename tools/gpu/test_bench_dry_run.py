@@ -1,4 +1,4 @@
-"""``python -m bench.gpu --dry-run-cpu``: the GPU benchmark's whole code path, on CPU.
+"""``python -m tools.gpu.bench --dry-run-cpu``: the GPU benchmark's whole code path, on CPU.
 
 GPU sessions are rare and short; the script must not fail there for a reason a CPU run
 could have shown. The dry run goes through vocabulary loading, trie and reference
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench import gpu
+from tools.gpu import bench as gpu
 from bench import kernels as K
 
 
@@ -219,10 +219,10 @@ def test_goals_verdicts():
 
 
 def test_profile_script_dry_run(capsys):
-    """bench/gpu_profile.py, which scripts/gpu_session.sh runs under ncu on the GPU, runs
+    """tools/gpu/profile_call.py, which tools/gpu/session.sh runs under ncu on the GPU, runs
     its calls end to end on the CPU (Triton interpreter; the kernels' results are tested
     elsewhere)."""
-    from bench import gpu_profile
+    from tools.gpu import profile_call as gpu_profile
 
     assert gpu_profile.main(["--dry-run-cpu", "--op", "sum", "--batch", "2", "--calls", "1"]) == 0
     out = capsys.readouterr().out

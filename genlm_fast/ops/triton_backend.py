@@ -13,16 +13,12 @@ Paths (see the kernel module's docstring for the algorithm):
   per range).
 * float64 ``sum``: ``_tile_ranges_dense``.
 * then ``_spanning_nodes`` when the trie has nodes crossing tile boundaries.
-
-``GENLM_FAST_TRITON_DENSE=1`` in the environment sends every reduction through the dense
-tile kernel (for comparisons and as an escape hatch).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 
@@ -81,10 +77,7 @@ def _num_sms(device: torch.device) -> int:
 
 def tile_kernel(reduction: str, dtype: torch.dtype) -> str:
     """Which tile kernel runs for inputs of ``dtype`` (the dispatcher hands sum/max float32
-    or float64): "dot", "max" or "dense" (also for everything with
-    GENLM_FAST_TRITON_DENSE=1)."""
-    if os.environ.get("GENLM_FAST_TRITON_DENSE") == "1":
-        return "dense"
+    or float64): "dot", "max" or "dense"."""
     if reduction == "max":
         return "max"
     return "dot" if reduction == "log_mass" or dtype == torch.float32 else "dense"

@@ -9,16 +9,18 @@ import pickle
 import re
 import warnings
 
+import genlm.backend.trie as ref_trie
+import genlm.bytes.trie as ref_bytes
 import numpy as np
 import pytest
 import torch
-
-import genlm.backend.trie as ref_trie
-import genlm.bytes.trie as ref_bytes
 from genlm.backend.tokenization import Token as RefToken
+
 from genlm_fast.backend.tokenization import Token
 from genlm_fast.backend.trie import (
-    AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie,
+    AsyncTokenCharacterTrie,
+    ParallelTokenCharacterTrie,
+    TokenCharacterTrie,
 )
 from genlm_fast.bytes import EOS, AsyncTokenByteTrie, TokenByteTrie, TrieMode
 from genlm_fast.ops import extension
@@ -638,8 +640,9 @@ def test_layout_cache_tells_vocabularies_apart(tmp_path, variant):
 
 
 def _foreign_pickle_with_a_valid_checksum(data):
-    from genlm_fast.ops import layout as layout_mod
     import hashlib
+
+    from genlm_fast.ops import layout as layout_mod
     payload = pickle.dumps({"root": 0})
     return layout_mod._CACHE_MAGIC + hashlib.sha256(payload).digest() + payload
 

@@ -92,7 +92,7 @@ def random_values(rng, layout, B, reduction, dtype=torch.float32, extra_columns=
 
 def raw_cpu(layout, mode="without_eos"):
     """The raw extension entry point and the arrays it takes."""
-    arrays = layout.device_arrays(mode, "cpu")
+    arrays = layout.device_arrays(mode, "cpu", "cpu")
     cpu = cpu_backend.cpu_arrays(arrays)
     module = extension.load_module()
     return module, arrays, cpu
@@ -621,7 +621,7 @@ def test_backend_rejects_narrow_rows_after_checking_once():
     """Called directly (not through the dispatcher), after its first call has checked the
     indices, the backend must still not read a row too narrow past its end."""
     layout = layout_named("permuted")
-    arrays = layout.device_arrays("without_eos", "cpu")
+    arrays = layout.device_arrays("without_eos", "cpu", "cpu")
     wide = torch.rand(1, layout.num_columns)
     cpu_backend.trie_reduce(wide, arrays, "sum", num_nodes=layout.num_nodes)
     assert cpu_backend.cpu_arrays(arrays)["checked"]
@@ -709,7 +709,7 @@ def test_baseline_build_matches_reference(tmp_path, monkeypatch, caplog):
     for name in ("random", "big"):
         layout = layout_named(name)
         for mode in MODES:
-            arrays = layout.device_arrays(mode, "cpu")
+            arrays = layout.device_arrays(mode, "cpu", "cpu")
             for reduction in REDUCTIONS:
                 for dtype in (torch.float32, torch.float64):
                     x = random_values(rng, layout, 15, reduction, dtype, extra_columns=2)

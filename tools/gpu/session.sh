@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (the device tool; README "GPU sessions"):
 #     bash tools/gpu/session.sh tests    # build with the CUDA kernels, run the GPU tests
-#     bash tools/gpu/session.sh bench    # python -m tools.gpu.bench --switches pdl stage fold chunk
-#                                          #   align --sweep (Llama-3)
+#     bash tools/gpu/session.sh bench    # python -m tools.gpu.bench --variants fold row_check
+#                                          #   --sweep (Llama-3)
 #     bash tools/gpu/session.sh profile  # ncu on the CUDA kernels (and their DRAM traffic
 #                                          # with the caches as the pipeline leaves them,
 #                                          # and what the tile and span kernels wait on)
@@ -18,7 +18,7 @@
 # 30 s after a call, so two calls usually mean two builds; `all` bounds the benchmark and the
 # tests with timeouts that share what the build leaves of TOTAL_S = 585 s (BENCH_S and
 # TESTS_S override them), to fit the 10-minute limit; PYTEST_ARGS adds pytest arguments,
-# BENCH_ARGS replaces the benchmark's --switches pdl stage fold chunk align --sweep). What
+# BENCH_ARGS replaces the benchmark's --variants fold row_check --sweep). What
 # comes back: the benchmark table, the test log, env.txt and, if a test crashed the
 # interpreter, its C stack (crash.txt); the rest (build log, test reports, the sm_90 compile
 # table, the ncu reports ncu-*.txt) in logs.tar.gz, as the tool brings back 8 files. Commit
@@ -165,27 +165,26 @@ run_profile() {
     --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$' \
     $PY -m tools.gpu.profile_call --op log_mass --batch 64 >"$OUT/ncu-stalls-log_mass-B64.txt" 2>&1
   echo "ncu stalls log_mass B=64: exit $? ($OUT/ncu-stalls-log_mass-B64.txt)"
-  # The tile kernel's stores with GENLM_FAST_CUDA_ALIGN off and on (log_mass B=64, the third
-  # call): the global stores' L1 requests and sectors, the L2's write requests and sectors
-  # (from the SMs), DRAM bytes, the instructions executed (the aligned stores look up each
-  # id's source once a store, not once a lane) and how often the schedulers issue. Last: a
-  # metric this ncu lacks costs only these two reports.
-  local stores=l1tex__t_requests_pipe_lsu_mem_global_op_st.sum
-  stores+=,l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum
-  stores+=,lts__t_requests_srcunit_tex_op_write.sum,lts__t_sectors_srcunit_tex_op_write.sum
-  stores+=,dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum
-  stores+=,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active
-  for align in 0 1; do
-    GENLM_FAST_CUDA_ALIGN=$align "$ncu" --kernel-name regex:tile_kernel --launch-skip 2 \
-      --launch-count 1 --metrics "$stores" $PY -m tools.gpu.profile_call --op log_mass --batch 64 \
-      >"$OUT/ncu-stores-align$align-log_mass-B64.txt" 2>&1
-    echo "ncu stores (align=$align) log_mass B=64: exit $?"
-  done
+  # The same two with the fold variant (CudaOptions.fold: the tile kernel reduces the narrow
+  # spanning nodes, the span pass only the widest): each kernel's DRAM traffic as the
+  # pipeline leaves the caches, and what the tile and span kernels wait on (the look-back's
+  # polls show as waits in the tile kernel)
+  "$ncu" --cache-control none --kernel-name regex:'row_pass|row_lse_merge|tile_kernel|span_kernel' \
+    --launch-skip 8 --launch-count 4 \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+    $PY -m tools.gpu.profile_call --op log_mass --batch 64 --fold \
+    >"$OUT/ncu-pipeline-fold-log_mass-B64.txt" 2>&1
+  echo "ncu (caches kept, fold) log_mass B=64: exit $?"
+  "$ncu" --kernel-name regex:'tile_kernel|span_kernel' --launch-skip 4 --launch-count 2 \
+    --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$' \
+    $PY -m tools.gpu.profile_call --op log_mass --batch 64 --fold \
+    >"$OUT/ncu-stalls-fold-log_mass-B64.txt" 2>&1
+  echo "ncu stalls (fold) log_mass B=64: exit $?"
 }
 
 run_bench() {
   # --sweep: after the main table (written first), the Triton kernels' launch configurations
-  $PY -m tools.gpu.bench ${BENCH_ARGS---switches pdl stage fold chunk align --sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
+  $PY -m tools.gpu.bench ${BENCH_ARGS---variants fold row_check --sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
   return "${PIPESTATUS[0]}"
 }
 

@@ -13,7 +13,7 @@ runs its prompts in full) serves both sides, call after call, on the same distin
 * ``API``: ``batch_next_token_logprobs_sync`` with the output cache cleared before each
   call (batching, bookkeeping and validation on top of ``capture``).
 
-Overhead = median(side) / median(generate) - 1; the issue's goal is <= 10% for ``capture``.
+Overhead = median(side) / median(generate) - 1; the goal is <= 10% for ``capture``.
 Runs in the vLLM environment only (``bash scripts/setup_vllm.sh``).
 """
 

@@ -1,4 +1,5 @@
-"""Real vocabularies, offline (DESIGN.md section 6), cached per test session."""
+"""Real vocabularies, offline (from the PyPI packages of the test extra), cached per test
+session."""
 
 from __future__ import annotations
 

@@ -429,8 +429,8 @@ async def test_bad_input_and_faults(lm, prompts, model_dir, monkeypatch, tmp_pat
 
 def test_a_shared_model_is_unpacked_only_when_its_last_lm_closes(model_dir):
     """Two AsyncTransformers over one model: closing one leaves the other on the packed CPU
-    linear kernels (it used to unpack them under it); closing the last gives the caller's
-    model its own layers back."""
+    linear kernels (not unpacked from under it); closing the last gives the caller's model
+    its own layers back."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from genlm_fast.backend.llm.cpu_linear import available_kernels

@@ -425,7 +425,7 @@ def test_a_batch_is_any_iterable_of_rows_as_genlm_loops_over_it():
         for bad in ("abc", 3.0, {0: rows[0]}):
             with pytest.raises(TypeError, match=f"got {type(bad).__name__}"):
                 mine.batch_weight_sum(bad)
-        # a batch in that form is still no row (it used to answer for its first row alone)
+        # a batch in that form is still no row (not its first row alone)
         with pytest.raises(ValueError, match="one weight vector"):
             mine.weight_sum(r for r in rows)
         with pytest.raises(ValueError, match=r"one \[vocab\] logit row"):

@@ -477,7 +477,7 @@ class LogpOnlyState:
 @pytest.mark.asyncio
 async def test_beam_over_logp_only_lm_states(mock, ref_mock, ref_tries):
     # states whose LM state only offers logp_next() are materialized on their own; reading
-    # a byte used to crash looking ahead (``lm_state.model``)
+    # a byte must not look ahead through ``lm_state.model``, which they lack
     bos = [mock.tokenizer.bos_token_id]
     trie = (await ByteBeamState.initial(mock, BeamParams(K=3))).states[0].trie
     state = LazyTrieState(LogpOnlyState(mock, bos), trie, trie.trie.root, 0.0)

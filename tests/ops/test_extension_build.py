@@ -273,7 +273,7 @@ def test_fallback_warning_says_why_and_how(monkeypatch):
 @pytest.mark.parametrize("built", [("triton", "cuda"), ("triton",), ("cuda",), ()])
 def test_auto_on_a_gpu_picks_the_first_available(monkeypatch, built):
     """On a CUDA device "auto" takes, for every reduction, the first of GPU_PREFERENCE that
-    is available (CUDA, fastest for every op since the H200 run of 05587ba), the other one
+    is available (CUDA, the faster for every op on the H100 and the H200), the other one
     when only it is, and the reference (with a warning) when neither is."""
     from genlm_fast.ops import dispatch
 
@@ -634,7 +634,7 @@ def test_backend_rejects_narrow_rows_after_checking_once():
 
 
 def _static_libstdcxx_compiler(tmp_path):
-    """A g++ that links libstdc++ statically (as /opt/gcc on the lent H200 did), or None
+    """A g++ that links libstdc++ statically (as /opt/gcc on an H200 machine did), or None
     where this machine cannot make one (no g++, no libstdc++.a, no readelf)."""
     gxx = shutil.which("g++")
     if gxx is None or shutil.which("readelf") is None:

@@ -1,4 +1,4 @@
-"""DESIGN.md section 3, on every backend: one test body, parametrized over backends.
+"""The trie reductions on every backend: one test body, parametrized over backends.
 
 Each backend runs through the public tries and the one dispatcher, and is compared with the
 float64 brute-force oracle in tests/oracle.py (which never looks at the kernel layout).
@@ -186,7 +186,7 @@ def test_inference_mode_then_grad_tracking_rows(backend, reduction):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_log_mass_hundreds_of_nats(backend):
-    """The reference underflows to -inf here (genlm-bytes issue #15); we must not."""
+    """genlm-bytes 0.2.0 underflows to -inf here (it exponentiates first); we must not."""
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(90)]
     trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device=device_for(backend),
                          cache=False)

@@ -88,7 +88,7 @@ INDEX_ARRAYS = {
 PEAKS = ((r"GH200.*(144|HBM3e)", 4900.0), (r"GH200", 4000.0), (r"H200", 4800.0),
          (r"H100.*(PCIe|PCI-E)", 2000.0), (r"H100.*NVL", 3900.0), (r"H100", 3350.0), (r"A100.*80", 2039.0), (r"A100", 1555.0),
          (r"L40S", 864.0), (r"A10G?\b", 600.0), (r"L4\b", 300.0))
-# the issue's GPU goals (Llama-3): kernels' share of peak HBM bandwidth for batch_log_mass at
+# the project's GPU goals (Llama-3): kernels' share of peak HBM bandwidth for batch_log_mass at
 # B=64, and the speedup over the reference's batch_weight_sum device time at B=32
 GOAL_PEAK_OP, GOAL_PEAK_B, GOAL_PEAK_FRAC = "log_mass", 64, 0.70
 GOAL_SPEEDUP = 10.0
@@ -875,7 +875,7 @@ def table(rows, info, command: str, sweep_rows=(), variant_rows=(), floor_rows=(
         for r in broken_down:
             for name, ms in r["breakdown"][:6]:
                 lines.append(f"| {r['backend']} | {r['op']} | `{name}` | {ms:.4f} |")
-    lines += ["", "Goals (the issue's, Llama-3 vocabulary):", "",
+    lines += ["", "Goals (Llama-3 vocabulary):", "",
               "| goal | backend | measured | met |", "|---|---|---:|---|"]
     for r in goals(rows):
         lines.append(f"| {r['goal']} | {r['backend']} | {r['measured']} | {r['met']} |")
@@ -949,7 +949,7 @@ def variant_goal(variant_row, rows) -> str:
 
 
 def goals(rows) -> list[dict]:
-    """The issue's two GPU goals for every backend: kernels at >= 70% of peak HBM bandwidth
+    """The two GPU goals for every backend: kernels at >= 70% of peak HBM bandwidth
     for batch_log_mass at B=64, and >= 10x the reference's batch_weight_sum device time at
     B=32 ("-": not measured, or no peak known)."""
     out = []

@@ -1,4 +1,4 @@
-/* The native stack of a crash, for machines without gdb (the lent GPU machine has none).
+/* The native stack of a crash, for machines without gdb (the H100 and H200 machines had none).
  *
  *   cc -shared -fPIC -O1 -o /tmp/segv_stack.so tools/gpu/segv_stack.c
  *   LD_PRELOAD=/tmp/segv_stack.so python -m pytest ...

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# On a lent GPU machine (the device tool; README "GPU sessions"):
+# On a GPU machine reached through a remote runner (tools/gpu/README.md):
 #     bash tools/gpu/session.sh tests    # build with the CUDA kernels, run the GPU tests
 #     bash tools/gpu/session.sh bench    # python -m tools.gpu.bench --variants fold row_check
 #                                          #   --sweep (Llama-3)
 #     bash tools/gpu/session.sh profile  # ncu on the CUDA kernels (and their DRAM traffic
 #                                          # with the caches as the pipeline leaves them,
 #                                          # and what the tile and span kernels wait on)
-#     bash tools/gpu/session.sh all      # all three in one device call: build, bench,
+#     bash tools/gpu/session.sh all      # all three in one remote call: build, bench,
 #                                          # profile (at most PROFILE_S = 80 s), tests
 # Each step installs what it needs first (once per machine): the wheels that
 # tools/gpu/prepare.sh put in .whl/ (carried), and genlm_fast with its CUDA extension.
-# Logs and results go to $OUT, which the device tool sends back.
+# Logs and results go to $OUT, which the runner sends back.
 #
-# The lent machine (H100/H200, Python 3.12, torch with CUDA, Triton, nvcc) has no internet and
+# The GPU machine (H100/H200, Python 3.12, torch with CUDA, Triton, nvcc) has no internet and
 # lacks a few packages: first, here, `bash tools/gpu/prepare.sh` puts their wheels in .whl/
-# (~5 MB); then run `all` as one device-tool command carrying [".whl"] (a machine goes back
+# (~5 MB); then run `all` as one remote command carrying [".whl"] (a machine goes back
 # 30 s after a call, so two calls usually mean two builds; `all` bounds the benchmark and the
 # tests with timeouts that share what the build leaves of TOTAL_S = 585 s (BENCH_S and
 # TESTS_S override them), to fit the 10-minute limit; PYTEST_ARGS adds pytest arguments,
@@ -188,7 +188,7 @@ run_bench() {
   return "${PIPESTATUS[0]}"
 }
 
-# The device tool brings back at most 8 files: the table, the test log, the environment and
+# The runner brings back at most 8 files: the table, the test log, the environment and
 # a crash report stay as they are, everything else goes into $OUT/logs.tar.gz.
 bundle_outputs() {
   local rest
@@ -206,7 +206,7 @@ case "${1:-}" in
     setup
     export -f run_bench run_profile run_tests native_stack
     export OUT PY GPU_TESTS
-    # what the build left of TOTAL_S (the device tool's 600 s, less a margin for the
+    # what the build left of TOTAL_S (the runner's 600 s, less a margin for the
     # transfers): 53% to the benchmark, the rest to the tests, unless BENCH_S/TESTS_S say
     left=$(( ${TOTAL_S:-585} - SECONDS )); [ "$left" -ge 120 ] || left=120
     timeout "${BENCH_S:-$(( left * 53 / 100 ))}" bash -c run_bench; bench_rc=$?

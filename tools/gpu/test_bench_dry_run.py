@@ -47,7 +47,7 @@ def test_dry_run_verifies_times_and_writes_the_table(tmp_path):
     for backend in ("reference", "cpu", "triton"):
         for op in gpu.OPS:
             assert f"| {backend} | {op} | `" in where, (backend, op)
-    assert "Goals (the issue's" in text
+    assert "Goals (Llama-3 vocabulary)" in text
     # the memory floors: each goal shape's seven, with the bytes they move (the tile
     # pattern's were checked against plain torch before they were timed)
     floors = text.split("Memory floors")[1].split("\n\n")[1].splitlines()[2:]

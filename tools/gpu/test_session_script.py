@@ -84,7 +84,7 @@ def test_a_crash_costs_only_the_tests_not_yet_run(tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="bash script, Linux signals")
 def test_without_gdb_the_crash_report_has_the_native_stack(tmp_path):
-    """The lent GPU machine has no gdb: tools/gpu/segv_stack.c (built with cc, preloaded)
+    """The GPU machine may have no gdb: tools/gpu/segv_stack.c (built with cc, preloaded)
     puts the C stack of the crashing test into crash.txt, after the Python one."""
     script = (REPO / "tools" / "gpu" / "session.sh").read_text()
     native_stack = script[script.index("native_stack() {"):script.index("\nrun_tests() {")]
@@ -104,7 +104,7 @@ def test_without_gdb_the_crash_report_has_the_native_stack(tmp_path):
 
 
 def test_outputs_come_back_as_at_most_8_files(tmp_path):
-    """The device tool brings back 8 files: the session leaves the table, the test log,
+    """The runner brings back 8 files: the session leaves the table, the test log,
     env.txt and crash.txt as they are and packs the rest (a dozen files after `all`) into
     logs.tar.gz, their contents intact."""
     import tarfile

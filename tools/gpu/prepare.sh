@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Before a GPU session (README "GPU sessions"), on this machine: download, as wheels for the
+# Before a GPU session (tools/gpu/README.md), on this machine: download, as wheels for the
 # GPU machine's Python 3.12, the few packages its image lacks and the GPU tests and
 # benchmark use (the vocabularies' data, genlm-backend as the benchmark's reference,
 # pytest-asyncio for pytest.ini), and ninja, so that the extension's sources compile in

@@ -122,7 +122,7 @@ def ref_log_mass(trie, logits):
 
 
 def op_fn(trie, op: str, reference: bool):
-    """A one-argument callable running ``op`` on ``trie`` (inputs: probs, or logits for log_mass)."""
+    """A one-argument callable running ``op`` on ``trie`` (its input: probs; log_mass: logits)."""
     if op == "log_mass" and reference:
         return functools.partial(ref_log_mass, trie)
     return getattr(trie, OP_METHOD[op])
@@ -416,9 +416,9 @@ def run(quick: bool = False, vocabs=None, batch_sizes=None, ops=OPS, target_s=No
                                 "numba": numba_build, "sparse": sparse_build},
                 }
                 rows.append(row)
-                log(f"[{label}] {op:8s} B={B:<4d} genlm_fast {fast_ms:9.3f} ms  f64 {fast64_ms:9.3f}"
-                    f"  numba {numba_ms:9.3f}  sparse {sparse_ms:9.3f}  -> {row['speedup']:6.1f}x "
-                    f"({backend})")
+                log(f"[{label}] {op:8s} B={B:<4d} genlm_fast {fast_ms:9.3f} ms"
+                    f"  f64 {fast64_ms:9.3f}  numba {numba_ms:9.3f}  sparse {sparse_ms:9.3f}"
+                    f"  -> {row['speedup']:6.1f}x ({backend})")
         del numba_trie, sparse_trie, fast, fast64, oracle
         gc.collect()
     return rows

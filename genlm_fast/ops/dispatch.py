@@ -15,10 +15,11 @@ a ``row_check`` of its own (the second item of the result; None elsewhere), each
 host once the kernels are enqueued. ``arrays``: the index tensors the backend reads, for
 the mode, on the values' device (``TrieLayout.device_arrays``); a backend may cache what it
 derives from them there under a ``_<name>`` key. The ``cuda`` backend also takes
-``options`` (``cuda_backend.CudaOptions``: the variants of its launch). ``num_scratch`` and ``tile`` come from
-the mode's ``ModeLayout``. The result dtype is :func:`result_dtype`: ``float64_result`` asks
-for float64 sum/max of float32 values, the same numbers as on ``values.double()`` (the
-conversion is exact) without that [B, C] copy where the backend can read float32.
+``options`` (``cuda_backend.CudaOptions``: the variants of its launch). ``num_scratch``
+and ``tile`` come from the mode's ``ModeLayout``. The result dtype is
+:func:`result_dtype`: ``float64_result`` asks for float64 sum/max of float32 values, the
+same numbers as on ``values.double()`` (the conversion is exact) without that [B, C] copy
+where the backend can read float32.
 """
 
 from __future__ import annotations

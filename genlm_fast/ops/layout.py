@@ -424,7 +424,9 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node):
     sources = _tile_sources(num_nodes, tile, n_tiles, r_start, r_end, r_dest, r_tile,
                             tot_end - tot_start)
 
-    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)
+    def i32(a):
+        return np.ascontiguousarray(a, dtype=np.int32)
+
     # spanning nodes sorted by how many whole tiles they sum, so a block of them loops alike
     span_order = np.argsort(hi_tile - lo_tile, kind="stable")
     folds = tile_folds(n_tiles, span[span_order], lo_tile[span_order], hi_tile[span_order],

@@ -199,7 +199,7 @@ async def test_random_smc_workloads_match_no_kv_reuse(lm, prompts):
                          batch_size=rng.choice([4, 20]))
         particles = [list(rng.choice(prompts)[: rng.randint(2, 12)])
                      for _ in range(rng.randint(1, 9))]
-        for step in range(4):
+        for _ in range(4):
             rows = await asyncio.gather(*(cached.next_token_logprobs(p) for p in particles))
             want = plain.batch_next_token_logprobs_sync(particles)
             for p, row, ref in zip(particles, rows, want):

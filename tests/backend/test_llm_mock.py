@@ -288,7 +288,7 @@ async def test_a_batch_call_cancelled_at_once_leaves_nothing_running(tokenizer, 
     call takes its queries with it: no forward runs for it later and no task is left
     behind (a query left running would log a bad context's error as never retrieved)."""
     lm = make(tokenizer, batch_size=100, timeout=0.2, flush_when_idle=False)
-    before = {t for t in asyncio.all_tasks()}
+    before = set(asyncio.all_tasks())
     task = asyncio.create_task(getattr(lm, call)([[1], [2], [3, 4]]))
     await asyncio.sleep(0)  # the call has queued its contexts and yields
     task.cancel()

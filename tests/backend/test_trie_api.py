@@ -408,7 +408,7 @@ def test_a_batch_is_any_iterable_of_rows_as_genlm_loops_over_it():
     rows = np.random.default_rng(3).random((3, V)).round(3)  # bfloat16-exact below
     pairs = trie_pairs(SMALL)
     for mine, ref in pairs:
-        want = np.asarray(ref.batch_weight_sum([r for r in rows]), dtype=np.float64)
+        want = np.asarray(ref.batch_weight_sum(list(rows)), dtype=np.float64)
         for batch in (map(np.asarray, rows), (r for r in rows), deque(rows),
                       dict(enumerate(rows)).values()):
             got = mine.batch_weight_sum(batch)

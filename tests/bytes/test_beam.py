@@ -292,7 +292,7 @@ async def test_state_level_api_agrees(mock, ref_mock, ref_tries):
                                                                  rstate.mass)):
         np.testing.assert_allclose(np.asarray(got)[finite], want[finite], atol=2e-4)
     with pytest.raises(AttributeError, match="no attribute 'pool_size'"):
-        mass.pool_size
+        _ = mass.pool_size
     s, r = state << ord("H"), rstate << ord("H")
     assert s.node == r.node and s.partial == r.partial == [ord("H")]
     assert abs(s.weight - r.weight) < 1e-4

@@ -426,8 +426,9 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
                  stats: dict | None = None, fold: bool = False, row_check: bool = False):
     """(launch status, emulator errors, launches, result, scratch): the CUDA kernels' result
     for ``values`` (what cuda_backend.trie_reduce would return) and their per-row scratch
-    (log_mass: the row max and log(sum exp(x - max)) in its last two columns). Spanning nodes [0, ``span_narrow``) are
-    the tile kernel's folds (its arrays built here for that split), [``span_narrow``,
+    (log_mass: the row max and log(sum exp(x - max)) in its last two columns). Spanning
+    nodes [0, ``span_narrow``) are narrow (a thread each in the span pass, or with ``fold``
+    the tile kernel's folds, their arrays built here for that split), [``span_narrow``,
     ``span_warp``) the span pass's warp-per-node path, the rest a block each (default: the
     layout's splits). The staging workspace is given as the binding gives it (B >= 8: a
     NaN-filled copy's worth), unless ``stage`` is False (the kernels then gather from the

@@ -97,7 +97,7 @@ def test_random_byte_tries(backend, reduction, words, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     vocab = [Token(i, w) for i, w in enumerate(words)]
     n_eos = data.draw(st.integers(0, min(3, len(words))))
-    eos = sorted({w for w in words[:n_eos]})
+    eos = sorted(set(words[:n_eos]))
     trie = TokenByteTrie(vocab, device=device_for(backend), eos_byte_strings=eos, cache=False)
     eos_positions = [i for i, w in enumerate(words) if w in set(eos)]
     B = data.draw(st.sampled_from([1, 2, 3]))

@@ -2,9 +2,9 @@
 
     python -m tools.gpu.bench [--out PATH.md] [--vocab llama3 | --vocab-file vocab.pkl]
                         [--batch-sizes 1 8 32 64 128] [--backends triton cuda] [--peak-gbs 3350]
-    python -m tools.gpu.bench --dump-vocab vocab.pkl   # (on a machine with quicktok) for --vocab-file
+    python -m tools.gpu.bench --dump-vocab vocab.pkl   # (where quicktok is) for --vocab-file
     python -m tools.gpu.bench --dry-run-cpu            # the same code path on CPU, tiny vocabulary
-    python -m tools.gpu.bench --sweep                  # also: the Triton kernels' launch configurations
+    python -m tools.gpu.bench --sweep                  # also: the Triton launch configurations
     python -m tools.gpu.bench --variants fold row_check  # also: the CUDA launch's variants
 
 For every available GPU backend (``triton``, ``cuda``), batch size and op it
@@ -782,11 +782,13 @@ def memory_floors(context) -> list[dict]:
         copy = torch.empty_like(x)
         in_bytes, out_bytes = x.numel() * x.element_size(), result.numel() * 4
         cases = [
-            ("write [B, N] once (fill_)", out_bytes, lambda: result.fill_(1.0)),
-            ("read [B, V'] once (amax per row)", in_bytes, lambda: torch.amax(x, dim=1)),
-            ("read and write [B, V'] (copy_)", 2 * in_bytes, lambda: copy.copy_(x)),
+            # (each timed in this round of the loop: its tensors bound now)
+            ("write [B, N] once (fill_)", out_bytes, lambda result=result: result.fill_(1.0)),
+            ("read [B, V'] once (amax per row)", in_bytes, lambda x=x: torch.amax(x, dim=1)),
+            ("read and write [B, V'] (copy_)", 2 * in_bytes,
+             lambda x=x, copy=copy: copy.copy_(x)),
             ("gather [B, V'] into [B, N] (index_select)", in_bytes + out_bytes,
-             lambda: torch.index_select(x, 1, node_column, out=result)),
+             lambda x=x, result=result: torch.index_select(x, 1, node_column, out=result)),
         ]
         try:  # a Triton problem here must not cost the session torch's floors
             cases += _tile_pattern_cases(result, tile_node_lo, ml.tile, L, out_bytes)

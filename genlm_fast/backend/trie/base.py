@@ -1,4 +1,4 @@
-"""genlm.backend's ``TokenCharacterTrie`` and ``ParallelTokenCharacterTrie`` on the fused kernels."""
+"""genlm.backend's ``TokenCharacterTrie`` and ``ParallelTokenCharacterTrie`` on our kernels."""
 
 from __future__ import annotations
 

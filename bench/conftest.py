@@ -3,7 +3,7 @@ the regression subset, and what every saved result records about the machine.
 
     python -m pytest bench -q --benchmark-only                # default: smollm2 + llama3, B <= 32
     python -m pytest bench -q --benchmark-only --bench-full   # + o200k_base, + references at B=128
-    python -m pytest bench -q --benchmark-only --bench-regress  # genlm_fast only (scripts/bench_regress.sh)
+    python -m pytest bench -q --benchmark-only --bench-regress  # genlm_fast only (bench_regress.sh)
 
 Tests marked ``full`` are skipped unless ``--bench-full`` is given. ``--bench-regress``
 keeps only `REGRESS_SUBSET`: genlm_fast's own timings, no reference package.

@@ -20,7 +20,7 @@ recorded in the header only.
 
 Importable: ``run(quick) -> rows``, ``table(rows) -> markdown``, ``plot(rows, path)``.
 The vocabulary / reference / oracle helpers here are shared with ``bench/conftest.py`` and
-``bench/gpu.py``.
+``tools/gpu/bench.py``.
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ if str(REPO) not in sys.path:  # `tests.vocabs` lives at the repository root
 
 OPS = ("sum", "max", "log_mass")
 OP_METHOD = {"sum": "batch_weight_sum", "max": "batch_weight_max", "log_mass": "batch_log_mass"}
-# the issue's targets, all on the Llama-3 vocabulary: (op, B or None = every B, min speedup)
+# the project's targets, all on the Llama-3 vocabulary: (op, B or None = every B, min speedup)
 TARGETS = (("sum", 1, 10.0), ("sum", 32, 15.0), ("max", None, 5.0))
 TARGET_VOCAB = "llama3"
 BUILD_TARGET_S = 1.5  # construction of the trie and its kernel layout, no cache
-REL_TOL = 1e-5  # DESIGN.md section 3: relative error of linear masses
+REL_TOL = 1e-5  # the bound every backend meets: relative error of linear masses
 MIN_MASS = 1e-30
 LOGIT_SCALE = 3.0  # logits ~ N(0, 3^2): probabilities spread over ~30 nats, like an LM's
 
@@ -122,7 +122,7 @@ def ref_log_mass(trie, logits):
 
 
 def op_fn(trie, op: str, reference: bool):
-    """A one-argument callable running ``op`` on ``trie`` (inputs: probs, or logits for log_mass)."""
+    """A one-argument callable running ``op`` on ``trie`` (its input: probs; log_mass: logits)."""
     if op == "log_mass" and reference:
         return functools.partial(ref_log_mass, trie)
     return getattr(trie, OP_METHOD[op])
@@ -416,16 +416,16 @@ def run(quick: bool = False, vocabs=None, batch_sizes=None, ops=OPS, target_s=No
                                 "numba": numba_build, "sparse": sparse_build},
                 }
                 rows.append(row)
-                log(f"[{label}] {op:8s} B={B:<4d} genlm_fast {fast_ms:9.3f} ms  f64 {fast64_ms:9.3f}"
-                    f"  numba {numba_ms:9.3f}  sparse {sparse_ms:9.3f}  -> {row['speedup']:6.1f}x "
-                    f"({backend})")
+                log(f"[{label}] {op:8s} B={B:<4d} genlm_fast {fast_ms:9.3f} ms"
+                    f"  f64 {fast64_ms:9.3f}  numba {numba_ms:9.3f}  sparse {sparse_ms:9.3f}"
+                    f"  -> {row['speedup']:6.1f}x ({backend})")
         del numba_trie, sparse_trie, fast, fast64, oracle
         gc.collect()
     return rows
 
 
 def targets(rows) -> list[dict]:
-    """The issue's targets (Llama-3) against the measured rows."""
+    """The project's targets (Llama-3) against the measured rows."""
     out = []
     for op, B, need in TARGETS:
         hits = [r for r in rows if r["vocab"] == TARGET_VOCAB and r["op"] == op
@@ -487,7 +487,7 @@ def table(rows, info: dict | None = None, command: str | None = None) -> str:
         lines.append(f"| {vocab} | {V} | {N} | {b['genlm_fast']:.2f} | "
                      f"{'-' if full is None else f'{full:.2f}'} | {b['numba']:.2f} | "
                      f"{b['sparse']:.2f} |")
-    lines += ["", "Targets (the issue's, on Llama-3):", "",
+    lines += ["", "Targets (Llama-3):", "",
               "| target | measured | met | genlm_fast ms | ms needed |", "|---|---:|---|---:|---:|"]
     for t in targets(rows):
         if t["speedup"] is None:

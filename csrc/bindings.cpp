@@ -12,14 +12,15 @@
 //                    node_src, tile_scratch_ptr, scratch_src, scratch_slot, tile_fold_ptr,
 //                    tile_fold_wait, fold_bounds, fold_node, span_node, span_left,
 //                    span_right, span_tile_lo, span_tile_hi, span_narrow, span_warp, scratch,
-//                    reduction, num_nodes, num_scratch, tile)
+//                    reduction, num_nodes, num_scratch, tile, fold=False, row_check=False)
 //                    -> Tensor[B, num_nodes]   (only when built with -DWITH_CUDA; scratch is a
 //                    float64 [B, num_scratch + 2] workspace the caller allocates, its last
 //                    column each row's check, NaN exactly for a bad row (log_mass: else
-//                    log(sum exp(x - m)) with the row max m in the column before, sum/max:
-//                    else 0); spanning nodes [0, span_narrow) are
-//                    reduced by the tile kernel (its folds), [span_narrow, span_warp) a warp
-//                    each, the rest a block each)
+//                    log(sum exp(x - m)) with the row max m in the column before; sum/max
+//                    with row_check: else 0); spanning nodes [0, span_narrow) are narrow
+//                    (a thread each, or with fold the tile kernel's folds), [span_narrow,
+//                    span_warp) a warp each, the rest a block each; fold and row_check are
+//                    the LaunchOptions of trie_reduce_cuda.h, off by default)
 //   empty_output_cache()  frees the cached blocks large CPU results reuse (OutputPool below)
 //   output_cache_sizes()  the bytes of each cached block, least recently returned first
 //   pack_linear_weight(weight) -> panels;  linear_small_batch(x, panels, bias, out_features,
@@ -363,7 +364,7 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
                             int64_t span_narrow, int64_t span_warp,
                             const at::Tensor& scratch,
                             const std::string& reduction, int64_t num_nodes,
-                            int64_t num_scratch, int64_t tile) {
+                            int64_t num_scratch, int64_t tile, bool fold, bool row_check) {
   const int red = parse_reduction(reduction);
   TORCH_CHECK(values.is_cuda(), "trie_reduce_cuda: values must be a CUDA tensor, got one on ",
               values.device());
@@ -460,9 +461,12 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   A.tile_fold_wait = tile_fold_wait.data_ptr<int32_t>();
   A.fold_bounds = fold_bounds.data_ptr<int32_t>();
   A.fold_node = fold_node.data_ptr<int32_t>();
+  genlm_fast::cuda::LaunchOptions options;
+  options.fold = fold;
+  options.row_check = row_check;
   // the tile kernel's look-back flags (zeroed by the launch itself)
   at::Tensor tile_flags;
-  if (span_narrow > 0)
+  if (fold && span_narrow > 0)
     tile_flags = at::empty({genlm_fast::cuda::tile_flag_count(B, n_tiles)},
                            values.options().dtype(at::kInt));
   A.tile_flags = tile_flags.defined() ? tile_flags.data_ptr<int32_t>() : nullptr;
@@ -481,7 +485,8 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   A.out = out.data_ptr();
   A.out_double = out_double;
   A.reduction = red;
-  const cudaError_t err = genlm_fast::cuda::trie_reduce(A, c10::cuda::getCurrentCUDAStream(dev.index()).stream());
+  const cudaError_t err = genlm_fast::cuda::trie_reduce(
+      A, options, c10::cuda::getCurrentCUDAStream(dev.index()).stream());
   TORCH_CHECK(err == cudaSuccess, "trie_reduce_cuda: kernel launch failed: ",
               cudaGetErrorString(err));
   return out;
@@ -524,8 +529,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("span_node"), pybind11::arg("span_left"), pybind11::arg("span_right"),
         pybind11::arg("span_tile_lo"), pybind11::arg("span_tile_hi"),
         pybind11::arg("span_narrow"), pybind11::arg("span_warp"), pybind11::arg("scratch"),
-        pybind11::arg("reduction"),
-        pybind11::arg("num_nodes"), pybind11::arg("num_scratch"), pybind11::arg("tile"));
+        pybind11::arg("reduction"), pybind11::arg("num_nodes"), pybind11::arg("num_scratch"),
+        pybind11::arg("tile"), pybind11::arg("fold") = false, pybind11::arg("row_check") = false);
   m.attr("has_cuda") = true;
 #else
   m.attr("has_cuda") = false;

@@ -11,12 +11,12 @@
 //
 // Kernels, enqueued in order on one stream, each after the first launched dependent on the
 // one before (programmatic dependent launch, sm_90+: it starts while that one ends, and
-// waits for it before touching its results; see enqueue):
+// waits for it before touching its results; see enqueue). LaunchOptions (the header) picks
+// among the variants: each is off by default until a GPU has checked and timed it.
 //  (a) the row pass, the row check and the row lse.
 //      (a1) row_pass: grid (splits, blocks of R rows), one wave of blocks, each reading one
 //      slice of its rows once, in rounds of kLseUnroll loads in flight per thread, a round's
-//      loads issued before the round before is staged. It checks the rows (the check every
-//      call gets: no other pass over the values) and does one or both of:
+//      loads issued before the round before is staged. It does one or more of:
 //      - lse (log_mass): a (max, sum-exp) pair per thread: per round one max, fast exps
 //        summed pairwise in float, the sum in double; the slice's partial (max, sum) of
 //        each row goes to two scratch slots the tile kernel only fills later. A NaN or +inf
@@ -25,16 +25,18 @@
 //        workspace where a block's rows sit side by side and the columns in leaf order
 //        (column_leaf), so that the tile kernel's gather reads one contiguous stretch per
 //        tile, not one 32-byte sector per (row, leaf).
-//      sum and max: a thread that reads a NaN writes NaN to the row's last scratch column,
-//      which launch() zeroes first; unstaged, (a1) runs for that check alone.
+//      - the row check of sum and max (options.row_check): a thread that reads a NaN writes
+//        NaN to the row's last scratch column, which launch() zeroes first; unstaged, (a1)
+//        runs for that check alone. Without it the dispatcher checks the rows itself, and
+//        sum and max launch (a1) only to stage.
 //      (a2) row_lse_merge (log_mass): one warp per row merges the partials into the row's
 //      max m and log(sum exp(x - m)) over all C columns, stored (double) in the row's last
 //      two scratch columns, the pair, never their sum: lse = m + log(sum) in double would
 //      round the log away at |m| ~ 1e12 and beyond. The last is NaN for a bad row (a NaN or
 //      +inf logit, or none finite): the row check cuda_backend hands the dispatcher.
 //      Splitting rows keeps the device busy at B = 1.
-//  (b) tile: one block per (tile, block of ROWS rows, ROWS = 1..32), 256 threads, in four
-//      phases with a barrier between each. The layout has turned the tile's local ranges
+//  (b) tile: one block per (tile, block of ROWS rows, ROWS = 1..32), 256 threads, in three
+//      phases with a barrier between each (four with the folds). The layout has turned the tile's local ranges
 //      into *sources* (genlm_fast/ops/layout.py, _tile_sources): a node the tile owns (its
 //      last leaf is here: one block of ids, tile_node_lo) takes its value from a leaf
 //      position (a one-leaf node: ~80% on real vocabularies), from the whole tile (its
@@ -57,13 +59,13 @@
 //         exact to float rounding when that sum is >= kFastMinMass (1e-24; see reduce_run);
 //         a run under that is redone by its own max. (The tile's total is always exact:
 //         its sum of exps holds exp(shift - shift) = 1.)
-//      3. out: the tile total and pieces to the row's scratch (double), and the tile's flag
-//         set (publish_tile: its scratch values are there); then the node ids the tile
-//         owns, a warp per 32 consecutive ids, each lane copying its id's source for every
-//         row: coalesced, 128 bytes a store over two lines of the output row, once. (With
-//         GENLM_FAST_CUDA_ALIGN=1, in blocks of 32 rows: a warp per row, each store one
-//         line of it.)
-//      4. folds: a spanning node combines its left piece, the totals of its whole tiles and
+//      3. out: the tile total and pieces to the row's scratch (double), and with the folds
+//         the tile's flag set (publish_tile: its scratch values are there); then the node
+//         ids the tile owns, a warp per 32 consecutive ids, each lane copying its id's
+//         source for every row: coalesced, 128 bytes a store over two lines of the output
+//         row, once.
+//      4. folds (options.fold): a spanning node combines its left piece, the totals of its
+//         whole tiles and
 //         its right piece, all in the row's scratch. Most have a few whole tiles (Llama-3:
 //         5,138 of 5,171 have at most SPAN_NARROW_TILES = 16, ~1.3 tiles each), and the
 //         tile that owns one (its last leaf is here) reduces it, a thread per (node, row),
@@ -73,14 +75,15 @@
 //         just wrote (in L2 still), over the empty value 3. wrote there. A tile waits only
 //         for tiles before it (lower block index), and sets its own flag before it waits:
 //         no tile waits on a waiting tile ("decoupled look-back"). The flags are zeroed
-//         once per call, and each launch of rows sets them to its own value. With
-//         GENLM_FAST_CUDA_FOLD=0 (c) reduces these nodes instead, a thread per (node, row),
-//         with the same arithmetic (bench/gpu.py times both ways).
-//  (c) span: the spanning nodes wider than that (at most SPAN_WARP_TILES tiles, Llama-3: 31
-//      nodes of 17 to 95) one warp per (node, row), its lanes striding over the tiles; the
-//      widest (the root and a few more: 2 on Llama-3, the root's ~2,000 tiles took a warp
-//      ~5 us) one block per (node, row). One launch: blocks of kSpanWarps warp nodes, then
-//      the block nodes (folds off: first, blocks of a thread per narrow node). Each thread
+//         once per call, and each launch of rows sets them to its own value. Without the
+//         folds (c) reduces these nodes instead, a thread per (node, row), with the same
+//         arithmetic (tools/gpu/bench.py times both ways).
+//  (c) span: the narrow spanning nodes (unless folded) one thread per (node, row),
+//      consecutive threads at consecutive nodes; the wider ones (at most SPAN_WARP_TILES
+//      tiles, Llama-3: 31 nodes of 17 to 95) one warp per (node, row), its lanes striding
+//      over the tiles; the widest (the root and a few more: 2 on Llama-3, the root's ~2,000
+//      tiles took a warp ~5 us) one block per (node, row). One launch: blocks of a thread per
+//      narrow node, then blocks of kSpanWarps warp nodes, then the block nodes. Each thread
 //      (here and in 4.) issues its elements' loads a chunk at
 //      a time (one round trip for ~95% of the folds, the warp nodes and the root). Sums in
 //      double; log_mass as (max, double sum of exp(v - max)) pairs, merged.
@@ -104,7 +107,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #if !defined(__CUDACC__)
@@ -137,13 +139,6 @@ constexpr int kMergeChunk = 8;       // (a2): partials a lane loads at once
 constexpr int kSpanThreads = kSpanWarps * 32;  // (c)'s blocks
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int64_t kMaxGridY = 65535;
-// Rows per launch of (a1)..(c) for a staged batch with GENLM_FAST_CUDA_CHUNK=1 (a tile
-// block's 32): (a1) then stages 32 rows (16 MB of float logits on Llama-3) and the tile
-// kernel reads them right after, while they are still in L2 (and drops them there,
-// discard_l2_line), instead of the whole batch's staged before any is read back (33 MB at
-// B = 64, written first and so the first evicted). Otherwise a launch takes up to kMaxGridY
-// rows (gridDim.y's limit).
-constexpr int64_t kChunkRows = 32;
 constexpr long long kNaNBits = 0x7ff8000000000000LL;  // a quiet NaN (double)
 
 __device__ __forceinline__ double neg_inf() { return -__longlong_as_double(0x7ff0000000000000LL); }
@@ -322,14 +317,11 @@ __device__ __forceinline__ void discard_l2_line(const void*) {}
 template <class V>
 __device__ __forceinline__ V vmax(V a, V b) { return b > a ? b : a; }
 
-// (m, s) represents m + log(s); merges (m2, s2) into it. m == -inf means "no mass" (s is
-// then 0: the first pair with mass is taken as it is, no exp needed).
+// (m, s) represents m + log(s); merges (m2, s2) into it. m == -inf means "no mass".
 __device__ __forceinline__ void lse_merge(double& m, double& s, double m2, double s2) {
   if (m2 == neg_inf()) return;
-  if (m == neg_inf()) {
-    m = m2, s = s2;
-  } else if (m2 > m) {
-    s = s * exp(m - m2) + s2;
+  if (m2 > m) {
+    s = s * exp(m - m2) + s2;  // exp(-inf) = 0 while m is still -inf
     m = m2;
   } else {
     s += s2 * exp(m2 - m);
@@ -390,8 +382,9 @@ __device__ __forceinline__ void warp_lse_merge(double& m, double& z) {
 //    which runs after (a2), writes its totals there. A NaN or +inf logit marks the row bad:
 //    the partial's sum is NaN, whatever the rest (masks of -inf around a NaN would
 //    otherwise leave the sum at 0 and the NaN unseen).
-//  - sum and max (no lse): a NaN read marks the row bad: NaN to the row's last scratch
-//    column (0 until then: launch() zeroes it), by every thread that reads one.
+//  - CHECK (sum and max, options.row_check): a NaN read marks the row bad: NaN to the
+//    row's last scratch column (0 until then: launch() zeroes it), by every thread that
+//    reads one.
 //  - staging (R > 1): the round's [R][window] values go through shared memory (two buffers,
 //    one barrier a round) to `staged`,
 //    where the block's nr rows (R, fewer in a batch's last block) are interleaved and the
@@ -402,13 +395,15 @@ __device__ __forceinline__ void warp_lse_merge(double& m, double& z) {
 //    over the rows: 8.2M sectors of L2 traffic at B=64 on Llama-3 become 1.0M, for one
 //    more write and read of the logits, in L2. The values are then read only here: loaded
 //    evict-first.
-template <class T, int R, bool LSE>
+template <class T, int R, bool LSE, bool CHECK>
 __global__ void __launch_bounds__(kRowPassThreads)
     row_pass_kernel(const T* __restrict__ values, int64_t C, int64_t chunk,
                     const int32_t* __restrict__ column_leaf, int64_t n_column_leaf,
                     T* __restrict__ staged, double* __restrict__ scratch, int64_t stride,
                     int64_t row0, int64_t row_end) {
   static_assert(R == 1 || (R >= kStageMinRows && R <= 32), "staged blocks take 8 to 32 rows");
+  static_assert(!(LSE && CHECK), "log_mass's row check is its lse");
+  static_assert(R > 1 || LSE || CHECK, "a pass of one row a block stages nothing");
   using A = decltype(to_arith(T()));
   constexpr bool kStage = R > 1;
   constexpr int kPerRow = kRowPassThreads / R;  // threads per row
@@ -504,7 +499,7 @@ __global__ void __launch_bounds__(kRowPassThreads)
         s += static_cast<double>(term[0]);
       }
     }
-    if constexpr (!LSE) {
+    if constexpr (CHECK) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) bad |= to_arith(raw[u]) != to_arith(raw[u]);  // NaN
     }
@@ -524,7 +519,7 @@ __global__ void __launch_bounds__(kRowPassThreads)
       }
     }
   }
-  if constexpr (!LSE) {
+  if constexpr (CHECK) {
     if (bad) scratch[(first_row + j) * stride + stride - 1] = __longlong_as_double(kNaNBits);
   }
   if constexpr (LSE) {
@@ -608,12 +603,15 @@ __global__ void __launch_bounds__(kSpanWarps * 32)
 // by the tile kernel for the narrow ones (its folds), by the span pass for the rest.
 
 // Element k of spanning node s: whole tile t0 + k for k < n, then its left and right
-// pieces; none (slot -1, or k past them) is the reduction's identity.
-template <int RED>
+// pieces; none (slot -1, or k past them) is the reduction's identity. kWritten: the values
+// were written by other blocks of the running kernel (the folds), so they are read through
+// L2 (load_once); (c) reads what the kernel before it wrote, with plain loads.
+template <int RED, bool kWritten>
 __device__ __forceinline__ double span_element(const double* sc, int32_t t0, int32_t n,
                                                int32_t left, int32_t right, int32_t k) {
   const int32_t slot = k < n ? t0 + k : k == n ? left : k == n + 1 ? right : -1;
-  return slot >= 0 ? load_once(sc + slot) : identity<RED>();
+  if constexpr (kWritten) return slot >= 0 ? load_once(sc + slot) : identity<RED>();
+  return slot >= 0 ? sc[slot] : identity<RED>();
 }
 
 // Who reduces one spanning node: a thread (narrow nodes: (b)'s folds), a warp (wider ones,
@@ -659,7 +657,7 @@ struct BlockGroup {
 // m their max and z the sum of exp(element - m): each member keeps its own (m, z), a chunk
 // at a time (its max, then its float exps summed in double, merged by lse_merge), and the
 // group sums the members' z scaled to the group's m. Every member returns the value.
-template <int RED, class Group>
+template <int RED, class Group, bool kWritten = false>
 __device__ __forceinline__ double span_reduce(const double* sc, int32_t t0, int32_t n,
                                               int32_t left, int32_t right) {
   constexpr int kChunk = Group::kChunk;
@@ -669,7 +667,7 @@ __device__ __forceinline__ double span_reduce(const double* sc, int32_t t0, int3
     double v[kChunk];
 #pragma unroll
     for (int u = 0; u < kChunk; ++u)
-      v[u] = span_element<RED>(sc, t0, n, left, right, k0 + u * Group::kSize);
+      v[u] = span_element<RED, kWritten>(sc, t0, n, left, right, k0 + u * Group::kSize);
     if constexpr (RED == kLogMass) {
       double chunk_max = v[0];
 #pragma unroll
@@ -693,9 +691,7 @@ __device__ __forceinline__ double span_reduce(const double* sc, int32_t t0, int3
   } else {
     const double m = Group::max(acc);
     if (m == neg_inf()) return m;  // no mass beneath the node (the whole group agrees)
-    // >= 1; a thread alone has m = acc (no rescale)
-    const double total = Group::kSize == 1 ? z
-                                           : Group::sum(acc == neg_inf() ? 0.0 : z * exp(acc - m));
+    const double total = Group::sum(acc == neg_inf() ? 0.0 : z * exp(acc - m));  // >= 1
     return m + static_cast<double>(fast_log(static_cast<float>(total)));
   }
 }
@@ -735,27 +731,6 @@ __device__ __forceinline__ int source_row(int code, int tile) {
   return code - (2 * tile - 2) + kTotalRow;
 }
 
-// acc op x for x = col[a * kStride], col[(a + 1) * kStride], ..., col[(b - 1) * kStride] (a
-// row's values at positions [a, b), in that order), each through `value`. Runs are short
-// (Llama-3: 40% of 2 leaves, 83% of at most 8, 5.9 on average): four positions a trip
-// from one moving pointer, then up to three under predicates, where the compiler's own
-// unrolling (by 16, 8 and 4, each with its branches) spent ~40 instructions a run before
-// its first value.
-template <int kStride, class X, class Acc, class Value, class Op>
-__device__ __forceinline__ Acc fold_positions(const X* col, int a, int b, Acc acc, Value value,
-                                              Op op) {
-  const X* p = col + a * kStride;
-  int left = b - a;
-#pragma unroll 1
-  for (; left >= 4; left -= 4, p += 4 * kStride)
-    acc = op(op(op(op(acc, value(p[0])), value(p[kStride])), value(p[2 * kStride])),
-             value(p[3 * kStride]));
-  if (left > 0) acc = op(acc, value(p[0]));
-  if (left > 1) acc = op(acc, value(p[kStride]));
-  if (left > 2) acc = op(acc, value(p[2 * kStride]));
-  return acc;
-}
-
 // A run, positions [a, b) of the tile, for row j: sum (double), max, or log_mass: with the
 // tile's largest log-probability as the shift, shift + log(sum of exp(v - shift)). That is
 // exact to float rounding when the sum is >= kFastMinMass (1e-24): a term exp() flushed or
@@ -766,23 +741,23 @@ template <class V, int RED, int ROWS>
 __device__ __forceinline__ V reduce_run(const V* val, const float* lin, float shift, int a,
                                         int b, int j) {
   constexpr int kStride = ROWS + 1;
-  const auto same = [](auto x) { return x; };
-  const auto add = [](auto x, auto y) { return x + y; };
-  const auto larger = [](auto x, auto y) { return vmax(x, y); };
   if constexpr (RED == kSum) {
-    return static_cast<V>(fold_positions<kStride>(
-        val + j, a, b, 0.0, [](V x) { return static_cast<double>(x); }, add));
-  } else if constexpr (RED == kMax) {  // runs are never empty
-    return fold_positions<kStride>(val + j, a + 1, b, val[a * kStride + j], same, larger);
+    double acc = 0.0;
+    for (int p = a; p < b; ++p) acc += static_cast<double>(val[p * kStride + j]);
+    return static_cast<V>(acc);
+  } else if constexpr (RED == kMax) {
+    V m = val[a * kStride + j];  // runs are never empty
+    for (int p = a + 1; p < b; ++p) m = vmax(m, val[p * kStride + j]);
+    return m;
   } else {
-    // at most 64 terms <= 1
-    const float sum = fold_positions<kStride>(lin + j, a, b, 0.0f, same, add);
+    float sum = 0.0f;  // at most 64 terms <= 1
+    for (int p = a; p < b; ++p) sum += lin[p * kStride + j];
     if (sum >= kFastMinMass) return shift + fast_log(sum);
-    const float m = fold_positions<kStride>(val + j, a, b, static_cast<float>(neg_inf()), same,
-                                            larger);
+    float m = static_cast<float>(neg_inf());
+    for (int p = a; p < b; ++p) m = vmax(m, val[p * kStride + j]);
     if (m == static_cast<float>(neg_inf())) return m;
-    const float z = fold_positions<kStride>(val + j, a, b, 0.0f,
-                                            [m](float x) { return fast_exp(x - m); }, add);
+    float z = 0.0f;
+    for (int p = a; p < b; ++p) z += fast_exp(val[p * kStride + j] - m);
     return m + fast_log(z);
   }
 }
@@ -791,7 +766,9 @@ __device__ __forceinline__ V reduce_run(const V* val, const float* lin, float sh
 template <class Out>
 __device__ __forceinline__ void store_out(Out* p, Out v) { __stcs(p, v); }
 
-template <class T, int RED, int ROWS>
+// FOLD: the tile kernel reduces the narrow spanning nodes it owns (4., options.fold);
+// without, it is the three phases a GPU has checked, and (c) reduces those nodes.
+template <class T, int RED, int ROWS, bool FOLD>
 __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     tile_kernel(const T* __restrict__ values, const T* __restrict__ staged, int64_t C,
                 const int32_t* __restrict__ leaf_token,
@@ -805,7 +782,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
                 const int32_t* __restrict__ fold_node, int32_t* __restrict__ tile_flags,
                 int32_t flag_value, double* __restrict__ scratch, int64_t stride,
                 TileValue<T, RED>* __restrict__ out, int64_t num_nodes, int tile, int64_t row0,
-                int64_t row_end, bool aligned_stores) {
+                int64_t row_end) {
   using V = TileValue<T, RED>;
   constexpr int kStride = ROWS + 1;  // odd: lanes at consecutive rows hit different banks
   constexpr int kGroups = kTileThreads / ROWS;  // thread groups; a group's lanes = rows
@@ -826,7 +803,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   __shared__ float part_max[kTileWarps][ROWS];  // log_mass: the warps' largest v per row
   // the warps' partial totals per row: sum, max, log_mass the sum of exp(v - shift)
   __shared__ double part_total[kTileWarps][ROWS];
-  __shared__ int4 fold_info[kTileThreads];  // the bounds of the tile's first folds
+  __shared__ int4 fold_info[FOLD ? kTileThreads : 1];  // the bounds of the tile's first folds
   const int t = blockIdx.x;
   const int64_t first_row = row0 + static_cast<int64_t>(blockIdx.y) * ROWS;
   const int rows = row_end - first_row < ROWS ? static_cast<int>(row_end - first_row) : ROWS;
@@ -983,12 +960,14 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
 
   // the tile's folds: their bounds (in flight while the runs are reduced), and the first
   // tile they read, for the last warp (it polls those tiles' flags)
-  // (tile_flags null: no folds here, (c) reduces those nodes)
-  const int fold0 = tile_flags != nullptr ? tile_fold_ptr[t] : 0;
-  const int n_fold = tile_flags != nullptr ? tile_fold_ptr[t + 1] - fold0 : 0;
+  int fold0 = 0, n_fold = 0, wait_lo = t;
   int4 my_fold = {0, 0, 0, 0};
-  if (tid < n_fold) my_fold = fold_bounds[fold0 + tid];
-  const int wait_lo = warp == kTileWarps - 1 && n_fold > 0 ? tile_fold_wait[t] : t;
+  if constexpr (FOLD) {
+    fold0 = tile_fold_ptr[t];
+    n_fold = tile_fold_ptr[t + 1] - fold0;
+    if (tid < n_fold) my_fold = fold_bounds[fold0 + tid];
+    if (warp == kTileWarps - 1 && n_fold > 0) wait_lo = tile_fold_wait[t];
+  }
 
   // runs, longest first, dealt round-robin to the groups; the last group (the fewest
   // runs) also combines the warps' partial totals (a tile of 2 leaves or more)
@@ -1010,7 +989,9 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
       val[kTotalRow * kStride + j] = tile_total;
     }
   }
-  if (tid < n_fold) fold_info[tid] = my_fold;
+  if constexpr (FOLD) {
+    if (tid < n_fold) fold_info[tid] = my_fold;
+  }
   __syncthreads();
 
   // the tile's total and pieces to scratch (double)
@@ -1025,62 +1006,42 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   // published, for the folds of the tiles after this one; this tile's folds wait for the
   // tiles before it: the last warp polls their flags (one lane a tile) before its share of
   // the ids below, which keep the other warps busy meanwhile
-  if (tile_flags != nullptr) {
+  if constexpr (FOLD) {
     int32_t* const flags = tile_flags + static_cast<int64_t>(blockIdx.y) * gridDim.x;
     __syncthreads();  // the block's scratch values are written
     if (tid == 0) publish_tile(flags + t, flag_value);
     for (int k = wait_lo + lane; k < t; k += 32) wait_tile(flags + k, flag_value);
   }
-  // the node ids the tile owns, each row's block whole; id k's value for row j is
-  // val[source_at(k) + j] (its source code from shared memory for the first kSharedIds)
-  const auto source_at = [&](int k) {
+  // the node ids the tile owns, each row's block whole: a warp per 32 consecutive ids, its
+  // lanes at consecutive ids (128 bytes, over two lines but where the row's block starts on
+  // one), looping over the rows
+  for (int k = warp * 32 + lane; k - lane < n_ids; k += kTileThreads) {
+    if (k >= n_ids) continue;
     const int code = k < kSharedIds ? id_src[k] : node_src[node_lo + k];
-    return source_row(code, tile) * kStride;
-  };
-  if (ROWS == 32 && aligned_stores) {
-    // a warp per row (rows warp, warp + kTileWarps, ...), its lanes walking the row's block
-    // in windows of 32 ids that start on a multiple of 32 of the output's elements: each
-    // store is one whole line (floats; doubles: two), but for the block's two ends. The
-    // rows start at different offsets in a line (N is rarely a multiple of 32), so each row
-    // has its own windows, and each store looks up its own id's source. Blocks of 32 rows
-    // only (B >= 32): compiled into the smaller ones, it costs them registers (48-56 -> 64
-    // for float sum and max), i.e. blocks an SM, whether it is used or not.
-    for (int jj = warp; jj < rows; jj += kTileWarps) {
-      const int64_t row_at = (first_row + jj) * num_nodes + node_lo;
-      V* const dst = out + row_at;
-      for (int k = lane - static_cast<int>(row_at & 31); k < n_ids; k += 32) {
-        if (k < 0) continue;
-        store_out(dst + k, val[source_at(k) + jj]);
-      }
-    }
-  } else {
-    // a warp per 32 consecutive ids, its lanes at consecutive ids (128 bytes, over two lines
-    // but where the row's block starts on one), looping over the rows
-    for (int k = warp * 32 + lane; k - lane < n_ids; k += kTileThreads) {
-      if (k >= n_ids) continue;
-      const V* src = val + source_at(k);
-      V* dst = out + first_row * num_nodes + node_lo + k;
-      if (rows == ROWS) {
+    const V* src = val + source_row(code, tile) * kStride;
+    V* dst = out + first_row * num_nodes + node_lo + k;
+    if (rows == ROWS) {
 #pragma unroll
-        for (int jj = 0; jj < ROWS; ++jj) store_out(dst + jj * num_nodes, src[jj]);
-      } else {
-        for (int jj = 0; jj < rows; ++jj) store_out(dst + jj * num_nodes, src[jj]);
-      }
+      for (int jj = 0; jj < ROWS; ++jj) store_out(dst + jj * num_nodes, src[jj]);
+    } else {
+      for (int jj = 0; jj < rows; ++jj) store_out(dst + jj * num_nodes, src[jj]);
     }
   }
   // the folds, over the scratch values of the tiles waited for and this one's: a thread per
   // (fold, row), consecutive threads at consecutive folds of a row (their whole tiles are
   // neighbours in scratch). Their ids were written the empty value above: the barrier
   // orders these stores after those.
-  if (n_fold > 0) {  // the same for the whole block
-    __syncthreads();  // the flags polled, the ids written
-    for (int e = tid; e < n_fold * rows; e += kTileThreads) {
-      const int f = e % n_fold, jj = e / n_fold;
-      const int4 b = f < kTileThreads ? fold_info[f] : fold_bounds[fold0 + f];
-      const int32_t node = fold_node[fold0 + f];
-      const double res = span_reduce<RED, ThreadGroup>(scratch + (first_row + jj) * stride,
-                                                       b.x, b.y - b.x, b.z, b.w);
-      store_out(out + (first_row + jj) * num_nodes + node, static_cast<V>(res));
+  if constexpr (FOLD) {
+    if (n_fold > 0) {  // the same for the whole block
+      __syncthreads();  // the flags polled, the ids written
+      for (int e = tid; e < n_fold * rows; e += kTileThreads) {
+        const int f = e % n_fold, jj = e / n_fold;
+        const int4 b = f < kTileThreads ? fold_info[f] : fold_bounds[fold0 + f];
+        const int32_t node = fold_node[fold0 + f];
+        const double res = span_reduce<RED, ThreadGroup, /*kWritten=*/true>(
+            scratch + (first_row + jj) * stride, b.x, b.y - b.x, b.z, b.w);
+        store_out(out + (first_row + jj) * num_nodes + node, static_cast<V>(res));
+      }
     }
   }
 }
@@ -1090,18 +1051,9 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
 // arrays, and wait for it (wait_for_previous_kernel) before touching its results. The first
 // kernel of a call, (a1), is an ordinary launch: it runs after whatever came before it (the
 // memsets of launch() included). Dependent launches need the waits compiled in (ptxVersion
-// >= 90; below that wait_for_previous_kernel is empty) and are off with
-// GENLM_FAST_CUDA_PDL=0, read at each call (bench/gpu.py times both ways).
-// The switches bench/gpu.py times both ways, read at each call: dependent launches (below)
-// are on unless GENLM_FAST_CUDA_PDL=0, staging in (a1) unless GENLM_FAST_CUDA_STAGE=0, the
-// tile kernel folds the narrow spanning nodes unless GENLM_FAST_CUDA_FOLD=0 (then (c)
-// reduces them, a thread each), staged batches go in launches of kChunkRows rows with
-// GENLM_FAST_CUDA_CHUNK=1, and the tile kernel stores whole lines of the output with
-// GENLM_FAST_CUDA_ALIGN=1 (both off by default: not yet timed).
-bool switch_on(const char* name, bool by_default = true) {
-  const char* env = std::getenv(name);
-  return env == nullptr ? by_default : env[0] != '0';
-}
+// >= 90; below that wait_for_previous_kernel is empty); the kernels are then launched the
+// ordinary way (on the H100 dependent launches were 1.03-1.17x faster at every shape
+// timed: bench/results/gpu-h100-2026-11-26.md).
 
 #ifdef __CUDACC__
 constexpr int kMaxDevices = 64;
@@ -1124,7 +1076,6 @@ int per_device(std::atomic<int> (&known)[kMaxDevices], int fallback, Ask ask) {
 }
 
 bool dependent_launches_on() {
-  if (!switch_on("GENLM_FAST_CUDA_PDL")) return false;
   static std::atomic<int> compiled_for[kMaxDevices];  // 1 sm_90+, -1 not
   return per_device(compiled_for, -1, [](int) {
            cudaFuncAttributes attributes;
@@ -1163,22 +1114,23 @@ cudaError_t enqueue(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shm
 
 // ---------------------------------------------------------------------------- (c) spanning nodes
 
-// The spanning nodes [first, S): a thread each up to `narrow` (none when the tile kernel
-// folds those: first = narrow), then a warp each up to warp_end, then a block each.
+// The spanning nodes: a thread each up to `narrow` (in narrow_blocks blocks: none when the
+// tile kernel folds those), then a warp each up to warp_end, then a block each.
 template <class Out, int RED>
 __global__ void __launch_bounds__(kSpanThreads)
     span_kernel(const int32_t* __restrict__ span_node, const int32_t* __restrict__ span_left,
                 const int32_t* __restrict__ span_right, const int32_t* __restrict__ span_tile_lo,
-                const int32_t* __restrict__ span_tile_hi, int64_t first, int64_t narrow,
+                const int32_t* __restrict__ span_tile_hi, int64_t S, int64_t narrow,
                 int64_t narrow_blocks, int64_t warp_end, int64_t warp_blocks,
                 const double* __restrict__ scratch, int64_t stride, Out* __restrict__ out,
                 int64_t num_nodes, int64_t row0) {
   const int64_t row = row0 + blockIdx.y;
   const double* sc = scratch + row * stride;
   const int64_t bx = blockIdx.x;
+  // the node: a thread per narrow one, a warp per wider one, a block per widest one
   const int kind = bx < narrow_blocks ? 0 : bx < narrow_blocks + warp_blocks ? 1 : 2;
   const int64_t s =
-      kind == 0 ? first + bx * kSpanThreads + threadIdx.x
+      kind == 0 ? bx * kSpanThreads + threadIdx.x
       : kind == 1 ? narrow + (bx - narrow_blocks) * kSpanWarps + (threadIdx.x >> 5)
                   : warp_end + bx - narrow_blocks - warp_blocks;
   if ((kind == 0 && s >= narrow) || (kind == 1 && s >= warp_end)) return;  // whole warps in 1
@@ -1204,14 +1156,14 @@ __global__ void __launch_bounds__(kSpanThreads)
 // How many (a1) blocks the device holds at once (asked once per device and kernel): the
 // launch aims at one wave of them, so that each block reads several rounds, each round's
 // loads in flight while the round before is staged, and no second wave starts late.
-template <class T, int R, bool LSE>
+template <class T, int R, bool LSE, bool CHECK>
 int64_t row_pass_target_blocks() {
 #ifdef __CUDACC__
   static std::atomic<int> resident[kMaxDevices];
   return per_device(resident, static_cast<int>(kRowPassTargetBlocks), [](int device) {
     int sms = 0, per_sm = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, row_pass_kernel<T, R, LSE>,
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, row_pass_kernel<T, R, LSE, CHECK>,
                                                       kRowPassThreads, 0) != cudaSuccess) {
       cudaGetLastError();  // not sticky: the launch below reports its own
       return 0;
@@ -1227,11 +1179,11 @@ int64_t row_pass_target_blocks() {
 // columns, one wave of blocks (row_pass_target_blocks) to fill the device even at B = 1,
 // but at least kRowPassMinValues values each, whole 32-column stretches, and (lse) two
 // scratch slots per slice's partial. The slice count goes to *splits for (a2).
-template <class T, int R, bool LSE>
+template <class T, int R, bool LSE, bool CHECK>
 cudaError_t launch_row_pass(const TrieArgs& A, const T* values, T* staged, int64_t row0,
                             int64_t rows, int64_t* splits, cudaStream_t stream) {
   const int64_t row_blocks = (rows + R - 1) / R;
-  int64_t n = (row_pass_target_blocks<T, R, LSE>() + row_blocks - 1) / row_blocks;
+  int64_t n = (row_pass_target_blocks<T, R, LSE, CHECK>() + row_blocks - 1) / row_blocks;
   const int64_t by_width = (A.C * R + kRowPassMinValues - 1) / kRowPassMinValues;
   const int64_t by_room = (A.scratch_stride - 2) / 2;  // below the lse pair's columns
   if (n > by_width) n = by_width;
@@ -1240,27 +1192,33 @@ cudaError_t launch_row_pass(const TrieArgs& A, const T* values, T* staged, int64
   const int64_t chunk = ((A.C + n - 1) / n + 31) / 32 * 32;
   *splits = (A.C + chunk - 1) / chunk;  // no empty slice (C >= 1)
   const dim3 grid(static_cast<unsigned>(*splits), static_cast<unsigned>(row_blocks));
-  return enqueue(row_pass_kernel<T, R, LSE>, grid, kRowPassThreads, 0, stream,
+  return enqueue(row_pass_kernel<T, R, LSE, CHECK>, grid, kRowPassThreads, 0, stream,
                  /*dependent=*/false, values, A.C, chunk, A.column_leaf, A.n_column_leaf,
                  staged, A.scratch, A.scratch_stride, row0, row0 + rows);
 }
 
 // The kernels for rows [row0, row0 + rows), ROWS rows per tile block, `staged` null or the
-// workspace (ROWS >= kStageMinRows): (a1) and (a2) for log_mass, (a1) alone for sum and max
-// (the row check, and staging), then (b) and (c).
+// workspace (ROWS >= kStageMinRows): (a1) and (a2) for log_mass; for sum and max (a1) to
+// stage, or (options.row_check) for the row check, staged or not; then (b) and (c).
 template <class T, class Out, int RED, int ROWS>
 cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out, int64_t row0,
-                        int64_t rows, bool fold, bool aligned, int32_t flag_value,
+                        int64_t rows, const LaunchOptions& options, int32_t flag_value,
                         cudaStream_t stream) {
   constexpr bool kLse = RED == kLogMass;
+  const bool check = !kLse && options.row_check;
+  const bool fold = options.fold && A.span_narrow > 0;
   int64_t splits = 0;
   cudaError_t err = cudaSuccess;
   if constexpr (ROWS >= kStageMinRows) {
-    if (staged != nullptr)
-      err = launch_row_pass<T, ROWS, kLse>(A, values, staged, row0, rows, &splits, stream);
+    if (staged != nullptr) {
+      err = check ? launch_row_pass<T, ROWS, kLse, !kLse>(A, values, staged, row0, rows,
+                                                         &splits, stream)
+                  : launch_row_pass<T, ROWS, kLse, false>(A, values, staged, row0, rows,
+                                                          &splits, stream);
+    }
   }
-  if (staged == nullptr)
-    err = launch_row_pass<T, 1, kLse>(A, values, nullptr, row0, rows, &splits, stream);
+  if (staged == nullptr && (kLse || check))
+    err = launch_row_pass<T, 1, kLse, !kLse>(A, values, nullptr, row0, rows, &splits, stream);
   if constexpr (kLse) {
     if (err == cudaSuccess)
       err = enqueue(row_lse_merge_kernel,
@@ -1271,31 +1229,30 @@ cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out,
   if (err != cudaSuccess) return err;
   const dim3 tgrid(static_cast<unsigned>(A.n_tiles),
                    static_cast<unsigned>((rows + ROWS - 1) / ROWS));
-  err = enqueue(tile_kernel<T, RED, ROWS>, tgrid, kTileThreads,
-                tile_shared_bytes<Out, RED, ROWS>(), stream,
-                /*dependent=*/true, values,
-                static_cast<const T*>(staged), A.C, A.leaf_token, A.L, A.tile_run_ptr,
-                A.run_bounds, A.tile_node_lo, A.node_src, A.tile_scratch_ptr, A.scratch_src,
-                A.scratch_slot, A.tile_fold_ptr, A.tile_fold_wait,
-                reinterpret_cast<const int4*>(A.fold_bounds), A.fold_node,
-                fold ? A.tile_flags : nullptr, flag_value, A.scratch, A.scratch_stride, out,
-                A.num_nodes, A.tile, row0, row0 + rows, aligned);
-  const int64_t first = fold ? A.span_narrow : 0;  // (c)'s first spanning node
-  if (err != cudaSuccess || first == A.S) return err;
-  const int64_t narrow_blocks = (A.span_narrow - first + kSpanThreads - 1) / kSpanThreads;
+  // after (a1) and (a2), when there are: the first kernel of the call otherwise
+  const bool dependent = kLse || staged != nullptr || check;
+  const auto tile_launch = [&](auto kernel) {
+    return enqueue(kernel, tgrid, kTileThreads, tile_shared_bytes<Out, RED, ROWS>(), stream,
+                   dependent, values, static_cast<const T*>(staged), A.C, A.leaf_token, A.L,
+                   A.tile_run_ptr, A.run_bounds, A.tile_node_lo, A.node_src,
+                   A.tile_scratch_ptr, A.scratch_src, A.scratch_slot, A.tile_fold_ptr,
+                   A.tile_fold_wait, reinterpret_cast<const int4*>(A.fold_bounds), A.fold_node,
+                   fold ? A.tile_flags : nullptr, flag_value, A.scratch, A.scratch_stride,
+                   out, A.num_nodes, A.tile, row0, row0 + rows);
+  };
+  err = fold ? tile_launch(tile_kernel<T, RED, ROWS, true>)
+             : tile_launch(tile_kernel<T, RED, ROWS, false>);
+  if (err != cudaSuccess || A.S == 0 || (fold && A.span_narrow == A.S)) return err;
+  // the narrow nodes, unless the tile kernel folded them
+  const int64_t narrow_blocks = fold ? 0 : (A.span_narrow + kSpanThreads - 1) / kSpanThreads;
   const int64_t warp_blocks = (A.span_warp - A.span_narrow + kSpanWarps - 1) / kSpanWarps;
   const int64_t block_nodes = A.S - A.span_warp;
   const dim3 sgrid(static_cast<unsigned>(narrow_blocks + warp_blocks + block_nodes),
                    static_cast<unsigned>(rows));
   return enqueue(span_kernel<Out, RED>, sgrid, kSpanThreads, 0, stream, true, A.span_node,
-                 A.span_left, A.span_right, A.span_tile_lo, A.span_tile_hi, first, A.span_narrow,
+                 A.span_left, A.span_right, A.span_tile_lo, A.span_tile_hi, A.S, A.span_narrow,
                  narrow_blocks, A.span_warp, warp_blocks, A.scratch, A.scratch_stride, out,
                  A.num_nodes, row0);
-}
-
-// The most rows a launch of (a1)..(c) takes (kChunkRows in chunks).
-int64_t rows_per_launch(bool chunks) {
-  return chunks && kChunkRows < kMaxGridY ? kChunkRows : kMaxGridY;
 }
 
 // Rows per tile block for a launch of `rows` rows: the largest of 32, 16, ..., 1 it fills.
@@ -1304,35 +1261,30 @@ int rows_per_block(int64_t rows) {
 }
 
 template <class T, class Out, int RED>
-cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
+cudaError_t launch(const TrieArgs& A, const LaunchOptions& options, cudaStream_t stream) {
   static_assert(std::is_same_v<Out, TileValue<T, RED>>, "the tile kernel writes its values");
   const T* values = static_cast<const T*>(A.values);
   Out* out = static_cast<Out*>(A.out);
-  const bool stage = A.staged != nullptr && switch_on("GENLM_FAST_CUDA_STAGE");
-  const bool fold = A.span_narrow > 0 && switch_on("GENLM_FAST_CUDA_FOLD");
-  const bool aligned = switch_on("GENLM_FAST_CUDA_ALIGN", /*by_default=*/false);
   // sum and max: the row check's column, 0 until (a1) reads a NaN in the row
-  if (RED != kLogMass) {
+  if (RED != kLogMass && options.row_check) {
     const cudaError_t err =
         cudaMemset2DAsync(A.scratch + A.scratch_stride - 1, sizeof(double) * A.scratch_stride,
                           0, sizeof(double), A.B, stream);
     if (err != cudaSuccess) return err;
   }
   // the look-back flags, all 0: a launch of rows [row0, ...) sets its flags to its own value
-  if (fold) {
+  if (options.fold && A.span_narrow > 0) {
     const cudaError_t err = cudaMemsetAsync(
         A.tile_flags, 0, sizeof(int32_t) * tile_flag_count(A.B, A.n_tiles), stream);
     if (err != cudaSuccess) return err;
   }
-  const int64_t per_launch =
-      rows_per_launch(stage && switch_on("GENLM_FAST_CUDA_CHUNK", /*by_default=*/false));
-  for (int64_t row0 = 0; row0 < A.B; row0 += per_launch) {
-    const int64_t rows = A.B - row0 < per_launch ? A.B - row0 : per_launch;
-    const int32_t flag_value = static_cast<int32_t>(row0 / per_launch + 1);
-    T* staged = stage && rows >= kStageMinRows ? static_cast<T*>(A.staged) : nullptr;
+  for (int64_t row0 = 0; row0 < A.B; row0 += kMaxGridY) {
+    const int64_t rows = A.B - row0 < kMaxGridY ? A.B - row0 : kMaxGridY;
+    const int32_t flag_value = static_cast<int32_t>(row0 / kMaxGridY + 1);
+    T* staged = rows >= kStageMinRows ? static_cast<T*>(A.staged) : nullptr;
     const auto with_rows = [&](auto per_block) {  // a std::integral_constant
       return launch_rows<T, Out, RED, decltype(per_block)::value>(A, values, staged, out, row0,
-                                                                  rows, fold, aligned, flag_value,
+                                                                  rows, options, flag_value,
                                                                   stream);
     };
     cudaError_t err;
@@ -1352,28 +1304,24 @@ cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
 }  // namespace
 
 int64_t tile_flag_count(int64_t B, int64_t n_tiles) {
-  // the launches of rows: all of rows_per_launch rows but the last (fewer rows, but maybe
-  // more blocks of fewer rows each), in chunks or not (whichever launch() then takes)
+  // the launches of rows: all of kMaxGridY rows but the last (fewer rows, but maybe more
+  // blocks of fewer rows each)
   const auto blocks = [](int64_t rows) {
     const int per_block = rows_per_block(rows);
     return (rows + per_block - 1) / per_block;
   };
-  int64_t most = 0;
-  for (const bool chunks : {false, true}) {
-    const int64_t per = rows_per_launch(chunks);
-    const int64_t first = blocks(B < per ? B : per);
-    const int64_t last = blocks(B % per == 0 ? per : B % per);
-    most = std::max({most, first, last});
-  }
-  return n_tiles * most;
+  const int64_t first = blocks(B < kMaxGridY ? B : kMaxGridY);
+  const int64_t last = blocks(B % kMaxGridY == 0 ? kMaxGridY : B % kMaxGridY);
+  return n_tiles * std::max(first, last);
 }
 
-cudaError_t trie_reduce(const TrieArgs& A, cudaStream_t stream) {
+cudaError_t trie_reduce(const TrieArgs& A, const LaunchOptions& options, cudaStream_t stream) {
   if (A.B == 0 || A.num_nodes == 0) return cudaSuccess;
+  const bool fold = options.fold && A.span_narrow > 0;
   if (A.tile < 1 || A.tile > kMaxTile || A.n_tiles < 1 || A.scratch_stride < 2 ||
       A.span_narrow < 0 || A.span_narrow > A.span_warp || A.span_warp > A.S ||
-      (A.span_narrow > 0 && A.tile_flags == nullptr) ||
-      reinterpret_cast<uintptr_t>(A.fold_bounds) % alignof(int4) != 0)
+      (fold && (A.tile_flags == nullptr ||
+                reinterpret_cast<uintptr_t>(A.fold_bounds) % alignof(int4) != 0)))
     return cudaErrorInvalidValue;
   if (A.staged != nullptr &&
       (A.column_leaf == nullptr || A.n_column_leaf > A.C || A.L > A.C))
@@ -1381,19 +1329,19 @@ cudaError_t trie_reduce(const TrieArgs& A, cudaStream_t stream) {
   if (A.reduction == kLogMass) {
     if (A.C < 1) return cudaErrorInvalidValue;  // no logits: no log-sum-exp
     switch (A.dtype) {
-      case kF32: return launch<float, float, kLogMass>(A, stream);
-      case kF64: return launch<double, float, kLogMass>(A, stream);
-      case kF16: return launch<__half, float, kLogMass>(A, stream);
-      case kBF16: return launch<__nv_bfloat16, float, kLogMass>(A, stream);
+      case kF32: return launch<float, float, kLogMass>(A, options, stream);
+      case kF64: return launch<double, float, kLogMass>(A, options, stream);
+      case kF16: return launch<__half, float, kLogMass>(A, options, stream);
+      case kBF16: return launch<__nv_bfloat16, float, kLogMass>(A, options, stream);
       default: return cudaErrorInvalidValue;
     }
   }
   if (A.reduction == kSum) {
-    if (A.dtype == kF32 && !A.out_double) return launch<float, float, kSum>(A, stream);
-    if (A.dtype == kF64 && A.out_double) return launch<double, double, kSum>(A, stream);
+    if (A.dtype == kF32 && !A.out_double) return launch<float, float, kSum>(A, options, stream);
+    if (A.dtype == kF64 && A.out_double) return launch<double, double, kSum>(A, options, stream);
   } else if (A.reduction == kMax) {
-    if (A.dtype == kF32 && !A.out_double) return launch<float, float, kMax>(A, stream);
-    if (A.dtype == kF64 && A.out_double) return launch<double, double, kMax>(A, stream);
+    if (A.dtype == kF32 && !A.out_double) return launch<float, float, kMax>(A, options, stream);
+    if (A.dtype == kF64 && A.out_double) return launch<double, double, kMax>(A, options, stream);
   }
   return cudaErrorInvalidValue;
 }

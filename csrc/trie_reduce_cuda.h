@@ -51,7 +51,7 @@ struct TrieArgs {
                                   // and right piece slots (-1: none); 16-byte aligned
   const int32_t* fold_node;       // [span_narrow] their ids
   int32_t* tile_flags;  // workspace of tile_flag_count(B, n_tiles) int32 (contents unspecified
-                        // on entry and on return), or null when span_narrow is 0
+                        // on entry and on return) with LaunchOptions::fold, else unused
   const int32_t* span_node;   // [S] spanning nodes
   const int32_t* span_left;   // scratch slot of the left piece or -1
   const int32_t* span_right;  // scratch slot of the right piece or -1
@@ -64,8 +64,9 @@ struct TrieArgs {
   double* scratch;  // [B, scratch_stride] workspace; scratch_stride >= num_scratch + 2, the
                     // last column of each row holds the row check on return: NaN exactly
                     // for a bad row (a NaN value; log_mass: or a +inf logit, or no finite
-                    // one), else log_mass log(sum exp(x - m)), sum and max 0; log_mass
-                    // leaves the row's max m in the column before it
+                    // one), else log_mass log(sum exp(x - m)), sum and max 0 (sum and max
+                    // only with LaunchOptions::row_check); log_mass leaves the row's max m
+                    // in the column before it
   int64_t scratch_stride;
   int tile;                // leaf positions per tile, <= kMaxTile
   void* out;               // [B, num_nodes] float32, or float64 when out_double
@@ -73,8 +74,21 @@ struct TrieArgs {
   int reduction;           // Reduction
 };
 
+// Variants of the launch, chosen per call (genlm_fast/ops/cuda_backend.py: CudaOptions).
+// The defaults are the kernels a GPU last checked and timed (docs/gpu.md); a variant is off
+// by default until a GPU run has checked and timed it.
+struct LaunchOptions {
+  // the tile kernel reduces the narrow spanning nodes it owns, after a look-back on the
+  // flags of the tiles before it (TrieArgs::tile_flags); else the span pass does
+  bool fold = false;
+  // sum and max: the row pass checks the rows for NaN (the last scratch column), so that
+  // the caller makes no pass of its own over the values
+  bool row_check = false;
+};
+
 // Enqueues the kernels on `stream`; returns the launch status (cudaGetLastError()).
-cudaError_t trie_reduce(const TrieArgs& args, cudaStream_t stream);
+cudaError_t trie_reduce(const TrieArgs& args, const LaunchOptions& options,
+                        cudaStream_t stream);
 
 // The int32 entries TrieArgs::tile_flags needs for B rows and n_tiles tiles: one flag per
 // (tile, block of rows) of the largest launch.

@@ -90,7 +90,7 @@ def symbol_label(symbol: int) -> str:
 
 
 def show_bytes(data: bytes) -> str:
-    """Bytes as text for display (invalid UTF-8, e.g. a cut multi-byte character, shown as \\x..)."""
+    """Bytes as text for display (invalid UTF-8, e.g. a cut multi-byte character, as \\x..)."""
     return repr(data.decode("utf-8", errors="backslashreplace"))
 
 

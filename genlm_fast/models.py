@@ -370,7 +370,7 @@ def _convert(folder, gguf_file, work, bar, steps, show):
 
 
 def resolve_model_name(name):
-    """Map the short names in `SMOLLM2_NAMES` to the local SmolLM2 directory; others pass through."""
+    """Map the short names in `SMOLLM2_NAMES` to the local SmolLM2 directory; others unchanged."""
     if isinstance(name, str) and name.lower() in SMOLLM2_NAMES:
         return smollm2_path()
     return name

@@ -83,7 +83,7 @@ def reduce(pairs, num_nodes, rows, reduction, columns=None):
 
 
 def assert_close(got, want, reduction, label=""):
-    """DESIGN.md section 3: the tolerances every backend must meet."""
+    """The tolerances every backend must meet."""
     got = np.asarray(got, dtype=np.float64)
     assert got.shape == want.shape, (label, got.shape, want.shape)
     assert not np.isnan(got).any(), f"{label}: NaN in result"

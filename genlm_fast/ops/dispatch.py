@@ -9,15 +9,17 @@ implements the same function, on inputs this module has already checked::
 ``values``: [B, C] contiguous, B >= 1, float32/float64 (``sum``/``max``) or any float dtype
 (``log_mass``). Rows holding a NaN (and for ``log_mass`` a +inf, or no finite logit) are
 errors. The dispatcher finds them with one pass over the values before the backend runs
-(:func:`row_check`), unless the backend module's ``CHECKS_ROWS`` says it checks them itself:
+(:func:`row_check`), unless the backend checks them itself (:func:`backend_checks_rows`):
 the ``cpu`` kernel checks each row as it reads it and raises, the ``cuda`` row pass returns
 a ``row_check`` of its own (the second item of the result; None elsewhere), each read on the
-host once the kernels are enqueued. ``arrays``: the mode's index
-tensors on the values' device (``TrieLayout.device_arrays``); a backend may cache what it
-derives from them there under a ``_<backend>`` key. ``num_scratch`` and ``tile`` come from
-the mode's ``ModeLayout``. The result dtype is :func:`result_dtype`: ``float64_result`` asks
-for float64 sum/max of float32 values, the same numbers as on ``values.double()`` (the
-conversion is exact) without that [B, C] copy where the backend can read float32.
+host once the kernels are enqueued. ``arrays``: the index tensors the backend reads, for
+the mode, on the values' device (``TrieLayout.device_arrays``); a backend may cache what it
+derives from them there under a ``_<name>`` key. The ``cuda`` backend also takes
+``options`` (``cuda_backend.CudaOptions``: the variants of its launch). ``num_scratch``
+and ``tile`` come from the mode's ``ModeLayout``. The result dtype is
+:func:`result_dtype`: ``float64_result`` asks for float64 sum/max of float32 values, the
+same numbers as on ``values.double()`` (the conversion is exact) without that [B, C] copy
+where the backend can read float32.
 """
 
 from __future__ import annotations
@@ -35,10 +37,10 @@ logger = logging.getLogger("genlm_fast.ops")
 
 BACKENDS = ("reference", "triton", "cuda", "cpu")
 REDUCTIONS = ("sum", "max", "log_mass")
-# "auto" on a GPU, fastest first, for every reduction: H100, Llama-3 vocabulary, at 80569f1
-# (bench/results/gpu-h100-2026-11-26-2.md), kernels alone: sum B=32 cuda 0.063 ms, triton
-# 0.143 ms; max B=64 cuda 0.130 ms, triton 0.222 ms; log_mass B=64 cuda 0.152 ms, triton
-# 0.296 ms (CUDA is ahead at every B from 1 to 128, for every op, as on the H200 at 5e66b7f).
+# "auto" on a GPU, fastest first, for every reduction: on the H100 with the Llama-3
+# vocabulary, kernels alone, CUDA was ahead at every B from 1 to 128 for every op
+# (bench/results/gpu-h100-2026-11-27.md: sum B=32 cuda 0.062 ms, triton 0.144 ms; max
+# B=64 0.128 against 0.223 ms; log_mass B=64 0.140 against 0.299 ms), as on the H200.
 GPU_PREFERENCE = ("cuda", "triton")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _warned = set()
@@ -251,12 +253,22 @@ def raise_bad_row(values: torch.Tensor, row: int, reduction: str):
     raise ValueError(f"weight row {row} contains NaN")
 
 
+def backend_checks_rows(backend: str, reduction: str, cuda_options=None) -> bool:
+    """Whether ``backend`` checks the rows itself (the dispatcher then makes no pass)."""
+    module = _backend_module(backend)
+    if backend == "cuda":
+        return module.checks_rows(reduction, cuda_options)
+    return module.CHECKS_ROWS
+
+
 def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
                 mode: str = "without_eos", backend: str = "auto",
                 exact_width: int | None = None,
-                float64_result: bool = False) -> tuple[torch.Tensor, str]:
+                float64_result: bool = False, cuda_options=None) -> tuple[torch.Tensor, str]:
     """Per-node values ``[B, N]`` on ``values.device``; returns (result, backend used).
-    ``float64_result``: float64 sum/max whatever the values' float dtype."""
+    ``float64_result``: float64 sum/max whatever the values' float dtype. ``cuda_options``
+    (a ``cuda_backend.CudaOptions``): the variants of the CUDA launch, when the CUDA
+    backend runs (default: the kernels a GPU last checked)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; expected one of {REDUCTIONS}")
     if float64_result and reduction == "log_mass":
@@ -268,8 +280,10 @@ def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
     # The verdict on the rows (see the module docstring) is read once the kernels are
     # enqueued: on a GPU they then run without waiting for the host to read it (a bad row's
     # results are computed, then dropped with the error).
-    check = None if _backend_module(chosen).CHECKS_ROWS else row_check(values)
-    out, backend_check = run_backend(values, layout, reduction, mode, chosen, float64_result)
+    own = backend_checks_rows(chosen, reduction, cuda_options)
+    check = None if own else row_check(values)
+    out, backend_check = run_backend(values, layout, reduction, mode, chosen, float64_result,
+                                     cuda_options)
     check = backend_check if backend_check is not None else check
     if reduction == "sum" and out.shape[0]:
         # a row holding both +inf and -inf sums to NaN, at its root at least (which holds
@@ -283,10 +297,10 @@ def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
 
 
 def run_backend(values: torch.Tensor, layout: TrieLayout, reduction: str, mode: str,
-                backend: str, float64_result: bool = False):
+                backend: str, float64_result: bool = False, cuda_options=None):
     """Run one concrete backend on values :func:`trie_reduce` has validated (and checked
     row by row, unless the backend does that itself): (result, row_check or None), the
-    backend contract's pair. ``bench.gpu`` times this directly."""
+    backend contract's pair. ``tools.gpu.bench`` times this directly."""
     if reduction != "log_mass" and values.dtype in (torch.float16, torch.bfloat16):
         values = values.float()
     # Node values are not differentiable: every backend gets a plain tensor (the reference
@@ -298,7 +312,8 @@ def run_backend(values: torch.Tensor, layout: TrieLayout, reduction: str, mode: 
                            dtype=result_dtype(reduction, values.dtype, float64_result),
                            device=values.device), None
     ml = layout.modes[mode]
+    extra = {"options": cuda_options} if backend == "cuda" else {}
     return _backend_module(backend).trie_reduce(
-        values, layout.device_arrays(mode, values.device), reduction,
+        values, layout.device_arrays(mode, values.device, backend), reduction,
         num_nodes=layout.num_nodes, num_scratch=ml.num_scratch, tile=ml.tile,
-        float64_result=float64_result)
+        float64_result=float64_result, **extra)

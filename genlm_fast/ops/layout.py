@@ -41,11 +41,26 @@ TILE = 64  # leaf positions per tile; a power of two (Triton block shapes)
 # (Triton), the wider ones (the top levels of the trie) with a warp (CUDA, up to
 # SPAN_WARP_TILES tiles), a block (CUDA, wider still: the root and a few more; Llama-3: 2
 # of 5,171) or a program (Triton) each. Spanning nodes are sorted by
-# tile count, so each class is a slice: narrow [0, device_arrays(...)["span_narrow"]), then
-# CUDA's warp class up to device_arrays(...)["span_warp"].
+# tile count, so each class is a slice: narrow [0, span_class_end(ml, SPAN_NARROW_TILES)),
+# then CUDA's warp class up to span_class_end(ml, SPAN_WARP_TILES).
 SPAN_NARROW_TILES = 16
 SPAN_WARP_TILES = 256
 LAYOUT_VERSION = 7  # bump when the pickled layout changes (the disk cache key has it)
+
+# The index arrays each backend reads (TrieLayout.device_arrays hands it these alone): the
+# reference and the CPU kernel walk nodes by their leaf ranges, the Triton kernels read the
+# tiles' local ranges, the CUDA kernels their sources, runs and folds; both GPU backends the
+# spanning nodes.
+_SPANNING = ("span_node", "span_left", "span_right", "span_tile_lo", "span_tile_hi")
+BACKEND_ARRAYS = {
+    "reference": ("leaf_token", "leaf_start", "leaf_end"),
+    "cpu": ("leaf_token", "leaf_start", "leaf_end", "parent"),
+    "triton": ("leaf_token", "tile_range_ptr", "tile_unit_end", "range_start", "range_end",
+               "range_dest", *_SPANNING),
+    "cuda": ("leaf_token", "tile_node_lo", "tile_run_ptr", "run_bounds", "node_src",
+             "tile_scratch_ptr", "scratch_src", "scratch_slot", "tile_fold_ptr",
+             "tile_fold_wait", "fold_bounds", "fold_node", *_SPANNING),
+}
 
 
 @dataclass
@@ -132,30 +147,37 @@ class TrieLayout:
         """Smallest width a weight/logit row must have."""
         return int(self.token_column.max()) + 1 if len(self.token_column) else 0
 
-    def device_arrays(self, mode: str, device) -> dict:
-        """The mode's index arrays as int32 tensors on ``device`` (built once, cached)."""
+    def device_arrays(self, mode: str, device, backend: str) -> dict:
+        """The index arrays ``backend`` reads (``BACKEND_ARRAYS``) for ``mode``, as int32
+        tensors on ``device``, with ``num_columns`` and the spanning nodes' class bounds
+        (``span_narrow``, ``span_warp``). Built once per (mode, device, backend), each tensor
+        copied to the device once whichever backends read it; the backend may cache what it
+        derives from them in the dict, under a key of its own."""
+        if backend not in BACKEND_ARRAYS:
+            raise ValueError(f"unknown backend {backend!r}; expected one of "
+                             f"{tuple(BACKEND_ARRAYS)}")
         device = torch.device(device)
-        key = (mode, str(device))
+        key = (mode, str(device), backend)
         cached = self._device_cache.get(key)
         if cached is None:
             ml = self.modes[mode]
-            cached = {
-                name: torch.from_numpy(np.ascontiguousarray(getattr(ml, name))).to(device)
-                for name in (
-                    "leaf_token", "tile_range_ptr", "tile_unit_end", "tile_node_lo", "range_start",
-                    "range_end", "range_dest",
-                    "span_node", "span_left", "span_right", "span_tile_lo", "span_tile_hi",
-                    "leaf_start", "leaf_end", "tile_run_ptr", "run_bounds", "node_src",
-                    "tile_scratch_ptr", "scratch_src", "scratch_slot", "tile_fold_ptr",
-                    "tile_fold_wait", "fold_bounds", "fold_node",
-                )
-            }
-            cached["parent"] = torch.from_numpy(self.parent).to(device)
+            cached = {name: self._device_array(mode, device, name)
+                      for name in BACKEND_ARRAYS[backend]}
             cached["num_columns"] = self.num_columns
             cached["span_narrow"] = span_class_end(ml, SPAN_NARROW_TILES)
             cached["span_warp"] = span_class_end(ml, SPAN_WARP_TILES)
             self._device_cache[key] = cached
         return cached
+
+    def _device_array(self, mode: str, device: torch.device, name: str) -> torch.Tensor:
+        """One index array on ``device`` (the trie's ``parent``, else the mode's), cached."""
+        key = ("array", mode, str(device), name)
+        tensor = self._device_cache.get(key)
+        if tensor is None:
+            array = self.parent if name == "parent" else getattr(self.modes[mode], name)
+            tensor = torch.from_numpy(np.ascontiguousarray(array)).to(device)
+            self._device_cache[key] = tensor
+        return tensor
 
 
 def span_class_end(ml: ModeLayout, max_tiles: int) -> int:
@@ -402,7 +424,9 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node):
     sources = _tile_sources(num_nodes, tile, n_tiles, r_start, r_end, r_dest, r_tile,
                             tot_end - tot_start)
 
-    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)
+    def i32(a):
+        return np.ascontiguousarray(a, dtype=np.int32)
+
     # spanning nodes sorted by how many whole tiles they sum, so a block of them loops alike
     span_order = np.argsort(hi_tile - lo_tile, kind="stable")
     folds = tile_folds(n_tiles, span[span_order], lo_tile[span_order], hi_tile[span_order],

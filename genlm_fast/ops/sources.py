@@ -75,7 +75,7 @@ def links_shared_libstdcxx(compiler: str) -> bool | None:
     cannot be told (no readelf, the probe does not build).
 
     A compiler that copies a static libstdc++ into the extension instead (seen: /opt/gcc on
-    a lent H200 machine) gives it a second C++ runtime with its own locale, beside torch's:
+    an H200 machine we ran on) gives it a second C++ runtime with its own locale, beside torch's:
     the extension's error messages (TORCH_CHECK) then crash the process when they format a
     number."""
     if shutil.which("readelf") is None:

@@ -13,16 +13,12 @@ Paths (see the kernel module's docstring for the algorithm):
   per range).
 * float64 ``sum``: ``_tile_ranges_dense``.
 * then ``_spanning_nodes`` when the trie has nodes crossing tile boundaries.
-
-``GENLM_FAST_TRITON_DENSE=1`` in the environment sends every reduction through the dense
-tile kernel (for comparisons and as an escape hatch).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 
@@ -42,7 +38,7 @@ DOT_RB = 64  # ranges per chunk (the N side of the mask product) in the dot tile
 DOT_UB = 64  # unit ranges per chunk (one gather from the registers) in the dot tile kernel
 DOT_SUB = 16  # ranges per step of the dot kernel's dense rewrite (sum with inf weights)
 # Rows per dot-kernel program (the M side of the product; >= 16 for tl.dot) and its warps,
-# and the max kernel's rows: the fastest of `python -m bench.gpu --sweep` on the H200
+# and the max kernel's rows: the fastest of `python -m tools.gpu.bench --sweep` on the H200
 # (bench/results/gpu-h200-2026-11-26-2.md, Llama-3): log_mass B=64 16 x 4 warps 0.278 ms
 # (16 x 8: 0.356, 32 rows: 0.50); sum B=32 16 x 4 0.126 ms (16 x 8: 0.133); max B=64
 # 8 rows 0.201 ms (16: 0.245). Taller blocks need more registers than an SM can give
@@ -81,10 +77,7 @@ def _num_sms(device: torch.device) -> int:
 
 def tile_kernel(reduction: str, dtype: torch.dtype) -> str:
     """Which tile kernel runs for inputs of ``dtype`` (the dispatcher hands sum/max float32
-    or float64): "dot", "max" or "dense" (also for everything with
-    GENLM_FAST_TRITON_DENSE=1)."""
-    if os.environ.get("GENLM_FAST_TRITON_DENSE") == "1":
-        return "dense"
+    or float64): "dot", "max" or "dense"."""
     if reduction == "max":
         return "max"
     return "dot" if reduction == "log_mass" or dtype == torch.float32 else "dense"

@@ -17,6 +17,7 @@ import torch
 from genlm_fast.backend.llm import (
     AsyncTransformer,
     ModelClosedError,
+    QueriesResetError,
     UnknownLoraError,
     load_model_by_name,
 )
@@ -198,7 +199,7 @@ async def test_random_smc_workloads_match_no_kv_reuse(lm, prompts):
                          batch_size=rng.choice([4, 20]))
         particles = [list(rng.choice(prompts)[: rng.randint(2, 12)])
                      for _ in range(rng.randint(1, 9))]
-        for step in range(4):
+        for _ in range(4):
             rows = await asyncio.gather(*(cached.next_token_logprobs(p) for p in particles))
             want = plain.batch_next_token_logprobs_sync(particles)
             for p, row, ref in zip(particles, rows, want):
@@ -413,7 +414,7 @@ async def test_bad_input_and_faults(lm, prompts, model_dir, monkeypatch, tmp_pat
     waiting = asyncio.create_task(doomed.next_token_logprobs(prompts[0]))
     await asyncio.sleep(0)
     doomed.cleanup()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(QueriesResetError):
         await asyncio.wait_for(waiting, 5)
     with pytest.raises(ModelClosedError):
         await doomed.next_token_logprobs(prompts[0])
@@ -428,8 +429,8 @@ async def test_bad_input_and_faults(lm, prompts, model_dir, monkeypatch, tmp_pat
 
 def test_a_shared_model_is_unpacked_only_when_its_last_lm_closes(model_dir):
     """Two AsyncTransformers over one model: closing one leaves the other on the packed CPU
-    linear kernels (it used to unpack them under it); closing the last gives the caller's
-    model its own layers back."""
+    linear kernels (not unpacked from under it); closing the last gives the caller's model
+    its own layers back."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from genlm_fast.backend.llm.cpu_linear import available_kernels

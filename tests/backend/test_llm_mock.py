@@ -132,7 +132,7 @@ async def test_sample_matches_genlm(tokenizer):
 @pytest.mark.asyncio
 async def test_sample_accepts_every_context_form(tokenizer):
     """next_token_logprobs accepts a context as a torch tensor or numpy array; so do sample
-    and batch_sample (a tensor used to be split into 0-d tensors and rejected). The draws
+    and batch_sample (a tensor is one context, not a list of 0-d tensors). The draws
     are genlm's on the same context as a list."""
     import genlm.backend.llm as genlm_llm
     theirs = genlm_llm.MockAsyncLM(tokenizer)
@@ -286,9 +286,9 @@ async def test_a_batch_call_cancelled_at_once_leaves_nothing_running(tokenizer, 
                                                                      call):
     """Cancelled before its first step ends (its contexts queued, not yet gathered), a batch
     call takes its queries with it: no forward runs for it later and no task is left
-    behind (they used to run on, and a bad context's error was logged as never retrieved)."""
+    behind (a query left running would log a bad context's error as never retrieved)."""
     lm = make(tokenizer, batch_size=100, timeout=0.2, flush_when_idle=False)
-    before = {t for t in asyncio.all_tasks()}
+    before = set(asyncio.all_tasks())
     task = asyncio.create_task(getattr(lm, call)([[1], [2], [3, 4]]))
     await asyncio.sleep(0)  # the call has queued its contexts and yields
     task.cancel()

@@ -9,18 +9,21 @@ import pickle
 import re
 import warnings
 
+import genlm.backend.trie as ref_trie
+import genlm.bytes.trie as ref_bytes
 import numpy as np
 import pytest
 import torch
-
-import genlm.backend.trie as ref_trie
-import genlm.bytes.trie as ref_bytes
 from genlm.backend.tokenization import Token as RefToken
+
 from genlm_fast.backend.tokenization import Token
 from genlm_fast.backend.trie import (
-    AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie,
+    AsyncTokenCharacterTrie,
+    ParallelTokenCharacterTrie,
+    TokenCharacterTrie,
 )
 from genlm_fast.bytes import EOS, AsyncTokenByteTrie, TokenByteTrie, TrieMode
+from genlm_fast.ops import extension
 from tests.vocabs import byte_vocab
 
 SMALL = [b"a", b"ab", b"abc", b"b", b"ab", b"", b"<eos>", b"ba", b"\xff\x00", b"abd"]
@@ -290,7 +293,9 @@ def test_log_mass_single_row_and_devices():
     # the root holds the mass of the vocabulary's columns, not of the padding columns
     want_root = torch.logsumexp(logits[: len(SMALL)], 0) - torch.logsumexp(logits, 0)
     assert abs(float(one[trie.root]) - float(want_root)) < 1e-5
-    assert trie.last_kernel_backend in ("cpu", "reference", "triton", "cuda")
+    # "auto" on a CPU tensor: the C++ kernels where they are built, else the reference
+    built = extension.has("cpu")
+    assert trie.last_kernel_backend == ("cpu" if built else "reference")
 
 
 def test_gpu_results_reach_the_host_through_a_bounded_pinned_pool(monkeypatch):
@@ -403,7 +408,7 @@ def test_a_batch_is_any_iterable_of_rows_as_genlm_loops_over_it():
     rows = np.random.default_rng(3).random((3, V)).round(3)  # bfloat16-exact below
     pairs = trie_pairs(SMALL)
     for mine, ref in pairs:
-        want = np.asarray(ref.batch_weight_sum([r for r in rows]), dtype=np.float64)
+        want = np.asarray(ref.batch_weight_sum(list(rows)), dtype=np.float64)
         for batch in (map(np.asarray, rows), (r for r in rows), deque(rows),
                       dict(enumerate(rows)).values()):
             got = mine.batch_weight_sum(batch)
@@ -420,7 +425,7 @@ def test_a_batch_is_any_iterable_of_rows_as_genlm_loops_over_it():
         for bad in ("abc", 3.0, {0: rows[0]}):
             with pytest.raises(TypeError, match=f"got {type(bad).__name__}"):
                 mine.batch_weight_sum(bad)
-        # a batch in that form is still no row (it used to answer for its first row alone)
+        # a batch in that form is still no row (not its first row alone)
         with pytest.raises(ValueError, match="one weight vector"):
             mine.weight_sum(r for r in rows)
         with pytest.raises(ValueError, match=r"one \[vocab\] logit row"):
@@ -635,8 +640,9 @@ def test_layout_cache_tells_vocabularies_apart(tmp_path, variant):
 
 
 def _foreign_pickle_with_a_valid_checksum(data):
-    from genlm_fast.ops import layout as layout_mod
     import hashlib
+
+    from genlm_fast.ops import layout as layout_mod
     payload = pickle.dumps({"root": 0})
     return layout_mod._CACHE_MAGIC + hashlib.sha256(payload).digest() + payload
 

@@ -246,8 +246,8 @@ static void* read_array(FILE* f, int64_t* nbytes) {
 int main(int argc, char** argv) {
   if (argc != 3) return 2;
   FILE* f = std::fopen(argv[1], "rb");
-  int64_t h[13];
-  if (std::fread(h, 8, 13, f) != 13) return 3;
+  int64_t h[15];
+  if (std::fread(h, 8, 15, f) != 15) return 3;
   genlm_fast::cuda::TrieArgs A{};
   A.dtype = static_cast<int>(h[0]);
   A.B = h[1];
@@ -262,6 +262,9 @@ int main(int argc, char** argv) {
   A.span_narrow = h[10];
   A.span_warp = h[11];
   emu::resident_blocks = h[12];
+  genlm_fast::cuda::LaunchOptions options;
+  options.fold = h[13] != 0;
+  options.row_check = h[14] != 0;
   int64_t n;
   A.values = read_array(f, &n);
   void* staged = read_array(f, &n);  // empty: none
@@ -290,11 +293,11 @@ int main(int argc, char** argv) {
   std::fclose(f);
   // the look-back flags as the binding gives them: uninitialized (here: garbage)
   std::vector<int32_t> flags;
-  if (A.span_narrow > 0) {
+  if (options.fold && A.span_narrow > 0) {
     flags.assign(genlm_fast::cuda::tile_flag_count(A.B, A.n_tiles), 0x5a5a5a5a);
     A.tile_flags = flags.data();
   }
-  const cudaError_t status = genlm_fast::cuda::trie_reduce(A, nullptr);
+  const cudaError_t status = genlm_fast::cuda::trie_reduce(A, options, nullptr);
   FILE* o = std::fopen(argv[2], "wb");
   const int64_t head[4] = {static_cast<int64_t>(status), emu::errors.load(), emu::launches.load(),
                            emu::spins.load()};
@@ -386,7 +389,7 @@ def _cuda_include_dirs():
     return [d for d in dirs if os.path.exists(os.path.join(d, "cuda_fp16.h"))] or None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def build_emulator(build_dir: str) -> str:
     cxx = shutil.which("g++") or shutil.which("c++")
     includes = _cuda_include_dirs()
@@ -420,23 +423,23 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
                  span_narrow: int | None = None, span_warp: int | None = None,
                  stage: bool = True, column_leaf: np.ndarray | None = None,
                  row_pass_blocks: int = 0, resident_blocks: int = 1,
-                 stats: dict | None = None, fold: bool = True, chunk: bool = False,
-                 align: bool = False):
+                 stats: dict | None = None, fold: bool = False, row_check: bool = False):
     """(launch status, emulator errors, launches, result, scratch): the CUDA kernels' result
     for ``values`` (what cuda_backend.trie_reduce would return) and their per-row scratch
-    (log_mass: the row max and log(sum exp(x - max)) in its last two columns). Spanning nodes [0, ``span_narrow``) are
-    the tile kernel's folds (its arrays built here for that split), [``span_narrow``,
+    (log_mass: the row max and log(sum exp(x - max)) in its last two columns). Spanning
+    nodes [0, ``span_narrow``) are narrow (a thread each in the span pass, or with ``fold``
+    the tile kernel's folds, their arrays built here for that split), [``span_narrow``,
     ``span_warp``) the span pass's warp-per-node path, the rest a block each (default: the
     layout's splits). The staging workspace is given as the binding gives it (B >= 8: a
-    NaN-filled copy's worth), and used unless ``stage`` is False (GENLM_FAST_CUDA_STAGE=0);
+    NaN-filled copy's worth), unless ``stage`` is False (the kernels then gather from the
+    input rows, as below 8 rows);
     ``column_leaf`` (each column's leaf position, -1 for none) is built here from the
     layout unless given. ``row_pass_blocks`` (> 0) is the number of blocks the row pass aims
     at (on a GPU: one wave of them; here 1024 by default); ``resident_blocks`` how many
     blocks run at once. ``stats`` (a dict) gets ``spins``: the look-back's polls that found
-    a flag unset. ``fold`` False: GENLM_FAST_CUDA_FOLD=0, the span pass reduces the narrow
-    spanning nodes too, a thread each. ``chunk``: GENLM_FAST_CUDA_CHUNK=1, a staged batch in
-    launches of 32 rows. ``align``: GENLM_FAST_CUDA_ALIGN=1, the tile kernel's line-aligned
-    stores (a warp per row)."""
+    a flag unset. ``fold`` and ``row_check``: the LaunchOptions (off by default, as on a
+    GPU: the span pass reduces the narrow spanning nodes, a thread each, and sum and max
+    leave their rows' check to the caller)."""
     ml = layout.modes[mode]
     tile = ml.tile if tile is None else tile
     span_narrow = span_class_end(ml, SPAN_NARROW_TILES) if span_narrow is None else span_narrow
@@ -452,10 +455,11 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
     raw = values.view(torch.int16).numpy() if values.dtype in (torch.float16, torch.bfloat16) \
         else values.numpy()
     staged = np.full(raw.shape, np.nan if raw.dtype.kind == "f" else -1, dtype=raw.dtype) \
-        if B >= STAGE_MIN_ROWS else raw[:0]  # int16 -1: a NaN in float16 and bfloat16
+        if B >= STAGE_MIN_ROWS and stage else raw[:0]  # int16 -1: a NaN in float16, bfloat16
     header = np.array([DTYPES[values.dtype], B, C, layout.num_nodes, stride, tile,
                        int(out_double), REDUCTION[reduction], row_pass_blocks, max_grid_y,
-                       span_narrow, span_warp, resident_blocks], dtype=np.int64)
+                       span_narrow, span_warp, resident_blocks, int(fold), int(row_check)],
+                      dtype=np.int64)
     if column_leaf is None:
         column_leaf = np.full(layout.num_columns, -1, dtype=np.int32)
         column_leaf[ml.leaf_token] = np.arange(len(ml.leaf_token), dtype=np.int32)
@@ -475,10 +479,7 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
             f.write(np.int64(len(b)).tobytes())
             f.write(b)
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0",
-               UBSAN_OPTIONS="print_stacktrace=1", GENLM_FAST_CUDA_STAGE="1" if stage else "0",
-               GENLM_FAST_CUDA_FOLD="1" if fold else "0",
-               GENLM_FAST_CUDA_CHUNK="1" if chunk else "0",
-               GENLM_FAST_CUDA_ALIGN="1" if align else "0")
+               UBSAN_OPTIONS="print_stacktrace=1")
     proc = subprocess.run([exe, path_in, path_out], capture_output=True, text=True, timeout=600,
                           env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -540,7 +541,7 @@ def make_values(rng, B, C, reduction, spread=10.0, neg_inf=0.0, dtype=torch.floa
 
 def check(emulator, tmp_path, words, reduction, *, B=3, extra=0, eos=(), spread=10.0,
           neg_inf=0.0, dtype=torch.float32, seed=0, max_grid_y=65535, rows=None, stage=True,
-          chunk=False):
+          **options):
     trie = make_trie(words, eos)
     layout = trie.layout
     rng = np.random.default_rng(seed)
@@ -550,7 +551,7 @@ def check(emulator, tmp_path, words, reduction, *, B=3, extra=0, eos=(), spread=
     for mode in modes:
         status, errors, launches, got, _ = run_emulated(emulator, str(tmp_path), x, layout,
                                                        reduction, mode, max_grid_y, stage=stage,
-                                                       chunk=chunk)
+                                                       **options)
         assert status == 0, f"launch failed with cudaError {status}"
         assert errors == 0
         want = reference(x, layout, reduction, mode)
@@ -569,10 +570,16 @@ def test_emulated_source_rewrites_every_cuda_construct():
         assert construct not in src, construct
 
 
+# the launch options: the kernels a GPU has checked (the default), and every variant on
+OPTIONS = {"checked": {}, "variants": {"fold": True, "row_check": True}}
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
-def test_random_tries(emulator, tmp_path, reduction):
+def test_random_tries(emulator, tmp_path, reduction, options):
     """Random vocabularies over a 3-letter alphabet: duplicates, empty tokens, prefixes of
-    each other, several tiles and spanning nodes; EOS mode; -inf entries."""
+    each other, several tiles and spanning nodes; EOS mode; -inf entries. With the default
+    launch options and with every variant on."""
     rng = np.random.default_rng(REDUCTION[reduction])
     for case in range(6):
         n = int(rng.choice([1, 2, 40, 63, 64, 65, 300, 700]))
@@ -581,7 +588,7 @@ def test_random_tries(emulator, tmp_path, reduction):
         check(emulator, tmp_path, words, reduction, B=int(rng.integers(1, 4)),
               extra=7 if reduction == "log_mass" and case % 3 == 0 else 0, eos=eos,
               spread=[1.0, 50.0, 400.0][case % 3], neg_inf=0.3 if case >= 3 else 0.0,
-              seed=case)
+              seed=case, **options)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
@@ -669,9 +676,9 @@ def test_log_mass_logits_far_from_zero(emulator, tmp_path, dtype, B):
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
 @pytest.mark.parametrize("B", [3, 40])
 def test_runs_of_every_length(emulator, tmp_path, reduction, B):
-    """The tile kernel reduces a run four positions a trip, then the last 1-3 under
-    predicates (fold_positions): one tile whose runs have every length from 2 to 62 (the
-    node a^k holds the tokens a^j b, j >= k), in blocks of 4 rows and, staged, of 32 + 8.
+    """The tile kernel's runs (reduce_run): one tile whose runs have every length from 2 to
+    62 (the node a^k holds the tokens a^j b, j >= k), in blocks of 4 rows and, staged, of
+    32 + 8.
     log_mass rows: the fast path (a sum of exps), the fallback of runs under 1e-24 of the
     tile's mass (every leaf of the a-subtree 100 nats or more under the token b), and runs
     of -inf only."""
@@ -763,14 +770,14 @@ def test_spanning_nodes_by_fold_warp_and_block(emulator, tmp_path, reduction):
                                     ((max(narrow - 24, 0), S - 1), every)]:
         status, errors, _, got, _ = run_emulated(emulator, str(tmp_path), x[rows], layout,
                                                  reduction, span_narrow=split,
-                                                 span_warp=warp_end)
+                                                 span_warp=warp_end, fold=True)
         assert status == 0 and errors == 0
         assert_matches(got, want[rows], reduction,
                        f"{reduction}, span_narrow={split}, span_warp={warp_end}")
     for split, warp_end in [(S + 1, S + 1), (0, S + 1), (narrow, narrow - 1)]:
         status, _, launches, _, _ = run_emulated(emulator, str(tmp_path), x, layout,
                                                  reduction, span_narrow=split,
-                                                 span_warp=warp_end)
+                                                 span_warp=warp_end, fold=True)
         assert status != 0 and launches == 0  # a split out of order or past S is refused
 
 
@@ -780,9 +787,9 @@ def test_spanning_nodes_of_many_chunks(emulator, tmp_path, monkeypatch, reductio
     each) and, for log_mass, merges the chunks' (max, sum of exps) pairs: on tiles of 2
     leaves the root spans over 4 * 32 tiles, so a warp takes several chunks and a thread
     dozens, with whole chunks of -inf between chunks of mass far apart (each merge rescales
-    one way or the other, or skips a chunk without mass). Every spanning node folded by the
-    tile kernel (a thread each, in its tile), then by warp; the 3 widest by block (a block
-    of 256 OS threads each here)."""
+    one way or the other, or skips a chunk without mass). Every spanning node a thread's:
+    folded by the tile kernel (in its tile) or by the span pass; then by warp; the 3 widest
+    by block (a block of 256 OS threads each here)."""
     monkeypatch.setattr(layout_module, "TILE", 2)
     rng = np.random.default_rng(5)
     words = [bytes(rng.integers(97, 101, size=rng.integers(1, 6))) for _ in range(290)]
@@ -797,10 +804,11 @@ def test_spanning_nodes_of_many_chunks(emulator, tmp_path, monkeypatch, reductio
             x[0, leaf_columns[lo:lo + 48]] = -np.inf  # 24 tiles without mass
             x[0, leaf_columns[lo + 48:lo + 96]] += [-300.0, 0.0, 150.0][k % 3]
     want = reference(x, layout, reduction)
-    for split, warp_end in [(S, S), (0, S), (0, S - 3)]:
+    for split, warp_end, fold in [(S, S, True), (S, S, False), (0, S, False),
+                                  (0, S - 3, False)]:
         status, errors, _, got, _ = run_emulated(emulator, str(tmp_path), x, layout,
                                                  reduction, span_narrow=split,
-                                                 span_warp=warp_end)
+                                                 span_warp=warp_end, fold=fold)
         assert status == 0 and errors == 0
         assert_matches(got, want, reduction,
                        f"{reduction}, span_narrow={split}, span_warp={warp_end}")
@@ -832,7 +840,7 @@ def test_folds_wait_for_the_tiles_before_them(emulator, tmp_path, monkeypatch, r
         status, errors, _, got, _ = run_emulated(
             emulator, str(tmp_path), x, layout, reduction, span_narrow=split,
             span_warp=max(split, span_class_end(ml, SPAN_WARP_TILES)), max_grid_y=max_grid_y,
-            resident_blocks=6, stats=stats)
+            resident_blocks=6, stats=stats, fold=True)
         assert status == 0 and errors == 0
         assert_matches(got, reference(x, layout, reduction), reduction,
                        f"{reduction}, B={B}, span_narrow={split}, max_grid_y={max_grid_y}")
@@ -842,11 +850,11 @@ def test_folds_wait_for_the_tiles_before_them(emulator, tmp_path, monkeypatch, r
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
 def test_folds_give_what_the_span_pass_gives(emulator, tmp_path, monkeypatch, reduction):
-    """GENLM_FAST_CUDA_FOLD=0 (the switch bench/gpu.py times): the span pass reduces the
-    narrow spanning nodes, a thread per (node, row), as before the tile kernel folded them;
-    the same arithmetic over the same scratch values, so the two results agree bit for bit,
-    and both with the reference, unstaged (3 rows) and staged (8). Without folds the launch
-    sets no flags: none are needed, and the span pass then takes every spanning node."""
+    """Without the fold option (the default; tools/gpu/bench.py times both) the span pass
+    reduces the narrow spanning nodes, a thread per (node, row); with it the tile kernel
+    does, with the same arithmetic over the same scratch values, so the two results agree
+    bit for bit, and both with the reference, unstaged (3 rows) and staged (8). Without
+    folds the launch sets no flags: none are needed (the emulator gives it none)."""
     monkeypatch.setattr(layout_module, "TILE", 8)
     rng = np.random.default_rng(29)
     words = [bytes(rng.integers(97, 100, size=rng.integers(1, 7))) for _ in range(400)]
@@ -870,22 +878,24 @@ def test_folds_give_what_the_span_pass_gives(emulator, tmp_path, monkeypatch, re
 def test_rows_are_chunked_below_the_grid_limit(emulator, tmp_path, reduction):
     """``launch`` splits B into chunks of kMaxGridY rows (gridDim.y <= 65535); with the
     chunk lowered to 2, B=5 takes three chunks of every kernel; lowered to 10, B=21 too
-    (the first two staged, a block of 8 rows and one of 2; the last not). With
-    GENLM_FAST_CUDA_CHUNK=1 a staged batch goes in chunks of 32 rows: B=70 in 32, 32 and 6
-    (unstaged), each row's result the reference's. (Every spanning node of these 3 tiles is
-    one of the tile kernel's folds: no span pass; the row pass, lse merge for log_mass, and
-    the tile kernel.)"""
+    (the first two staged, a block of 8 rows and one of 2; the last not), each row's result
+    the reference's. A chunk's kernels: the row pass (log_mass, or to stage), the lse merge
+    (log_mass), the tile kernel and the span pass; with the folds (every spanning node of
+    these 3 tiles is narrow) no span pass, and with the row check a row pass for sum and
+    max staged or not."""
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(150)]
     ml = make_trie(words).layout.modes["without_eos"]
     assert 0 < span_class_end(ml, SPAN_NARROW_TILES) == len(ml.span_node)
-    kernels = 3 if reduction == "log_mass" else 2
-    launches = check(emulator, tmp_path, words, reduction, B=5, max_grid_y=2)
-    assert launches == 3 * kernels
-    launches = check(emulator, tmp_path, words, reduction, B=21, max_grid_y=10)
-    assert launches == 3 * kernels
-    for chunk in (False, True):
-        launches = check(emulator, tmp_path, words, reduction, B=70, chunk=chunk)
-        assert launches == (3 if chunk else 1) * kernels
+    lse = reduction == "log_mass"
+    def kernels(rows, fold=False, row_check=False):
+        row_pass = lse or rows >= STAGE_MIN_ROWS or row_check
+        return row_pass + lse + 1 + (not fold)
+
+    for options in OPTIONS.values():
+        launches = check(emulator, tmp_path, words, reduction, B=5, max_grid_y=2, **options)
+        assert launches == 2 * kernels(2, **options) + kernels(1, **options)
+        launches = check(emulator, tmp_path, words, reduction, B=21, max_grid_y=10, **options)
+        assert launches == 2 * kernels(10, **options) + kernels(1, **options)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
@@ -910,46 +920,10 @@ def test_row_blocks_give_each_row_its_own_result(emulator, tmp_path, reduction, 
     check(emulator, tmp_path, words, reduction, rows=x.float())
 
 
-@pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
-def test_line_aligned_stores_give_what_the_id_warps_give(emulator, tmp_path, reduction):
-    """GENLM_FAST_CUDA_ALIGN=1 (the switch bench/gpu.py times): in blocks of 32 rows (B >=
-    32), the tile kernel writes each row's block of ids a warp per row, in windows that start
-    on a multiple of 32 of the output's elements, instead of a warp per 32 ids over all rows.
-    Both write every id once with the same value: bit for bit the same result, and the
-    reference's. Cases: a 1,500-id block (past the shared node sources) and tiles owning none
-    (EOS), float32 unstaged and float64 staged, full and partial row blocks (33 rows: 32 and
-    1; 40: 32 and 8, the 8 as before), a trie with folds (spanning nodes written after the
-    ids, into the lines just written); N = 2,637 (odd): the output rows start at every offset
-    in a line."""
-    rng = np.random.default_rng(17)
-    long_block = ([b"q" * 1500] + [b"dd"] * 200
-                  + [bytes(rng.integers(97, 100, size=rng.integers(1, 5))) for _ in range(300)])
-    folds = [bytes(rng.integers(97, 101, size=rng.integers(1, 8))) for _ in range(700)]
-    for words, eos, B, dtype, stage in [(long_block, [b"dd"], 33, torch.float32, False),
-                                        (long_block, [b"dd"], 40, torch.float64, True),
-                                        (folds, [], 33, torch.float32, True)]:
-        if dtype == torch.float64 and reduction == "log_mass":
-            dtype = torch.float32  # log_mass writes floats whatever the logits
-        layout = make_trie(words, eos).layout
-        assert layout.num_nodes == (2637 if words is long_block else 7366)
-        assert span_class_end(layout.modes["without_eos"], SPAN_NARROW_TILES) > 0  # folds
-        x = make_values(rng, B, layout.num_columns + (3 if reduction == "log_mass" else 0),
-                        reduction, spread=40.0, neg_inf=0.2, dtype=dtype)
-        for mode in layout.modes:
-            want = reference(x, layout, reduction, mode)
-            got = {}
-            for align in (False, True):
-                status, errors, _, got[align], _ = run_emulated(
-                    emulator, str(tmp_path), x, layout, reduction, mode, stage=stage,
-                    align=align)
-                assert status == 0 and errors == 0
-                assert_matches(got[align], want, reduction, f"{mode}/B={B}/align={align}")
-            np.testing.assert_array_equal(got[True], got[False])
-
-
 def staged_and_not(emulator, tmp_path, x, layout, reduction, label, **kwargs):
-    """The kernels on ``x`` staged and not (GENLM_FAST_CUDA_STAGE), each result checked
-    against the reference: {stage: (launches, result, scratch)}."""
+    """The kernels on ``x`` staged and not (without the workspace, they gather from the input
+    rows), each result checked against the reference: {stage: (launches, result,
+    scratch)}."""
     want = reference(x, layout, reduction)
     runs = {}
     for stage in (True, False):
@@ -967,14 +941,14 @@ def staged_and_not(emulator, tmp_path, x, layout, reduction, label, **kwargs):
     ("max", torch.float64, 19)])
 def test_staged_rows_give_what_the_input_rows_give(emulator, tmp_path, reduction, dtype, B):
     """B >= 8: (a1) stages the rows, a tile block's rows side by side and the columns in
-    leaf order, and the tile kernel gathers from there (GENLM_FAST_CUDA_STAGE=0: from the
+    leaf order, and the tile kernel gathers from there (without the workspace: from the
     input rows). 40 rows: a block of 32 and a partial one of 8; 16 and 19: one of 16 (and
     3). Full blocks of float32 x 32 or float64 x 16 rows read a leaf's values as one
     128-byte line, which the tile kernel then drops from L2: the emulation fills it with
     NaN, so a second read of it would show. Rows wider than the vocabulary, -inf masks.
     Both ways match the reference; sum and max read the same values, so they agree bit for
-    bit, and staging takes no launch more (the row pass runs either way: for the lse, or
-    the row check)."""
+    bit, and staging takes one launch more for them (the row pass), none for log_mass (its
+    row pass runs either way, for the lse)."""
     words = [bytes(np.random.default_rng(i).integers(97, 101, size=1 + i % 5))
              for i in range(220)]
     layout = make_trie(words).layout
@@ -986,7 +960,7 @@ def test_staged_rows_give_what_the_input_rows_give(emulator, tmp_path, reduction
     launches = {stage: run[0] for stage, run in runs.items()}
     if reduction != "log_mass":
         np.testing.assert_array_equal(got[True], got[False])
-    assert launches[True] == launches[False]
+    assert launches[True] == launches[False] + (reduction != "log_mass")
 
 
 @pytest.mark.parametrize("row_pass_blocks", [1, 3])
@@ -1126,7 +1100,8 @@ def test_row_lse_flags_exactly_the_bad_rows(emulator, tmp_path, stage):
 
 @pytest.mark.parametrize("stage", [True, False], ids=["staged", "unstaged"])
 def test_row_check_of_sum_and_max_flags_exactly_the_nan_rows(emulator, tmp_path, stage):
-    """sum and max: (a1) leaves 0 in each row's last scratch column, NaN exactly for a row
+    """sum and max with the row_check option: (a1) leaves 0 in each row's last scratch
+    column, NaN exactly for a row
     with a NaN value (+inf and -inf weights are values like any other), staging the rows
     (blocks of 8 rows and 1) or reading them for the check alone (unstaged: a block per row
     slice). Rows 30,000 wide take several slices: a NaN in a middle slice, in the padding
@@ -1149,7 +1124,8 @@ def test_row_check_of_sum_and_max_flags_exactly_the_nan_rows(emulator, tmp_path,
         x = torch.from_numpy(rows).to(dtype)
         for reduction in ("sum", "max"):
             status, errors, _, got, scratch = run_emulated(emulator, str(tmp_path), x,
-                                                           trie.layout, reduction, stage=stage)
+                                                           trie.layout, reduction, stage=stage,
+                                                           row_check=True)
             assert status == 0 and errors == 0
             check = scratch[:, -1]
             assert np.flatnonzero(np.isnan(check)).tolist() == bad, (dtype, reduction, check)
@@ -1165,13 +1141,14 @@ def use_emulated_binding(monkeypatch, emulator, tmp_path, layout):
 
     class EmulatedBinding:
         @staticmethod
-        def trie_reduce_cuda(values, leaf_token, column_leaf, *args):
+        def trie_reduce_cuda(values, leaf_token, column_leaf, *args, fold=False,
+                             row_check=False):
             scratch, reduction = args[18], args[19]
             mode = next(m for m, ml in layout.modes.items()
                         if np.array_equal(ml.leaf_token, leaf_token.numpy()))
             status, errors, _, out, filled = run_emulated(
                 emulator, str(tmp_path), values, layout, reduction, mode=mode,
-                column_leaf=column_leaf.numpy())
+                column_leaf=column_leaf.numpy(), fold=fold, row_check=row_check)
             assert status == 0 and errors == 0
             scratch.copy_(torch.from_numpy(filled.copy()))
             return torch.from_numpy(out.copy())
@@ -1186,11 +1163,12 @@ def use_emulated_binding(monkeypatch, emulator, tmp_path, layout):
 
 def test_dispatcher_names_bad_rows_from_the_cuda_row_pass(emulator, tmp_path, monkeypatch):
     """Through dispatch.trie_reduce and the real cuda_backend, with the emulated kernels as
-    the extension (the binding's call, run by the emulator: scratch filled in place): the
-    dispatcher makes no pass of its own over the values, for any reduction, and names the
-    first bad row from the row check the kernels leave in scratch (log_mass: the lse); good
-    rows give the reference's values."""
-    from genlm_fast.ops import cuda_backend
+    the extension (the binding's call, run by the emulator: scratch filled in place): for
+    log_mass, and for sum and max with the row_check option, the dispatcher makes no pass of
+    its own over the values and names the first bad row from the row check the kernels leave
+    in scratch (log_mass: the lse); sum and max by default make that pass (the kernels then
+    check nothing) and name the same rows; good rows give the reference's values."""
+    from genlm_fast.ops.cuda_backend import CudaOptions
 
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(40)]
     layout = make_trie(words).layout
@@ -1210,7 +1188,6 @@ def test_dispatcher_names_bad_rows_from_the_cuda_row_pass(emulator, tmp_path, mo
     real_row_check = dispatch.row_check
     monkeypatch.setattr(dispatch, "row_check",
                         lambda values: passes.append(values.shape) or real_row_check(values))
-    assert cuda_backend.CHECKS_ROWS
 
     out, used = dispatch.trie_reduce(torch.from_numpy(rows).float(), layout, "log_mass")
     assert used == "cuda" and passes == []
@@ -1230,16 +1207,19 @@ def test_dispatcher_names_bad_rows_from_the_cuda_row_pass(emulator, tmp_path, mo
         with pytest.raises(ValueError, match=message):
             dispatch.trie_reduce(torch.from_numpy(bad).float(), layout, "log_mass")
     assert passes == []
-    for B, w in weights.items():  # sum and max: the row pass's check too
-        for reduction in ("sum", "max"):
-            out, used = dispatch.trie_reduce(w, layout, reduction)
-            assert used == "cuda"
-            assert_matches(out.numpy(), want_weights[B, reduction], reduction)
-        bad = w.clone()
-        bad[1, 41] = float("inf")  # allowed in weights
-        bad[2, 42] = float("nan")  # in a padding column
-        bad[B - 1, 0] = float("nan")
-        for reduction in ("sum", "max"):
-            with pytest.raises(ValueError, match="weight row 2 contains NaN"):
-                dispatch.trie_reduce(bad, layout, reduction)
-    assert passes == []
+    # sum and max: the row pass's check with the option, the dispatcher's amax without
+    for options, own in ((CudaOptions(row_check=True), True), (None, False)):
+        passes.clear()
+        for B, w in weights.items():
+            for reduction in ("sum", "max"):
+                out, used = dispatch.trie_reduce(w, layout, reduction, cuda_options=options)
+                assert used == "cuda"
+                assert_matches(out.numpy(), want_weights[B, reduction], reduction)
+            bad = w.clone()
+            bad[1, 41] = float("inf")  # allowed in weights
+            bad[2, 42] = float("nan")  # in a padding column
+            bad[B - 1, 0] = float("nan")
+            for reduction in ("sum", "max"):
+                with pytest.raises(ValueError, match="weight row 2 contains NaN"):
+                    dispatch.trie_reduce(bad, layout, reduction, cuda_options=options)
+        assert (passes == []) == own, (options, passes)

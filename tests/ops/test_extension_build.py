@@ -92,7 +92,7 @@ def random_values(rng, layout, B, reduction, dtype=torch.float32, extra_columns=
 
 def raw_cpu(layout, mode="without_eos"):
     """The raw extension entry point and the arrays it takes."""
-    arrays = layout.device_arrays(mode, "cpu")
+    arrays = layout.device_arrays(mode, "cpu", "cpu")
     cpu = cpu_backend.cpu_arrays(arrays)
     module = extension.load_module()
     return module, arrays, cpu
@@ -273,7 +273,7 @@ def test_fallback_warning_says_why_and_how(monkeypatch):
 @pytest.mark.parametrize("built", [("triton", "cuda"), ("triton",), ("cuda",), ()])
 def test_auto_on_a_gpu_picks_the_first_available(monkeypatch, built):
     """On a CUDA device "auto" takes, for every reduction, the first of GPU_PREFERENCE that
-    is available (CUDA, fastest for every op since the H200 run of 05587ba), the other one
+    is available (CUDA, the faster for every op on the H100 and the H200), the other one
     when only it is, and the reference (with a warning) when neither is."""
     from genlm_fast.ops import dispatch
 
@@ -621,7 +621,7 @@ def test_backend_rejects_narrow_rows_after_checking_once():
     """Called directly (not through the dispatcher), after its first call has checked the
     indices, the backend must still not read a row too narrow past its end."""
     layout = layout_named("permuted")
-    arrays = layout.device_arrays("without_eos", "cpu")
+    arrays = layout.device_arrays("without_eos", "cpu", "cpu")
     wide = torch.rand(1, layout.num_columns)
     cpu_backend.trie_reduce(wide, arrays, "sum", num_nodes=layout.num_nodes)
     assert cpu_backend.cpu_arrays(arrays)["checked"]
@@ -634,7 +634,7 @@ def test_backend_rejects_narrow_rows_after_checking_once():
 
 
 def _static_libstdcxx_compiler(tmp_path):
-    """A g++ that links libstdc++ statically (as /opt/gcc on the lent H200 did), or None
+    """A g++ that links libstdc++ statically (as /opt/gcc on an H200 machine did), or None
     where this machine cannot make one (no g++, no libstdc++.a, no readelf)."""
     gxx = shutil.which("g++")
     if gxx is None or shutil.which("readelf") is None:
@@ -709,7 +709,7 @@ def test_baseline_build_matches_reference(tmp_path, monkeypatch, caplog):
     for name in ("random", "big"):
         layout = layout_named(name)
         for mode in MODES:
-            arrays = layout.device_arrays(mode, "cpu")
+            arrays = layout.device_arrays(mode, "cpu", "cpu")
             for reduction in REDUCTIONS:
                 for dtype in (torch.float32, torch.float64):
                     x = random_values(rng, layout, 15, reduction, dtype, extra_columns=2)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import warnings
 
+import genlm.backend.trie as ref_trie
 import numpy as np
 import pytest
+from genlm.backend.tokenization import Token as RefToken
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import genlm.backend.trie as ref_trie
-from genlm.backend.tokenization import Token as RefToken
 from genlm_fast.backend.tokenization import Token
 from genlm_fast.backend.trie import TokenCharacterTrie
 from genlm_fast.ops import layout
@@ -219,3 +219,68 @@ def test_each_column_feeds_at_most_one_leaf():
                                   eos_positions=[2])
     for ml in built.modes.values():
         assert sorted(ml.leaf_token.tolist()) == [2, 5, 7]
+
+
+def test_each_backend_gets_the_arrays_it_reads_and_no_other():
+    """TrieLayout.device_arrays(mode, device, backend) holds BACKEND_ARRAYS[backend] and the
+    mode's scalars, each array equal to the layout's and copied once whichever backends
+    read it; each backend, run on them with a dict that records what is read, reads every
+    array it is given and nothing else (the CUDA extension replaced by a stand-in that
+    takes its arguments: cuda_backend reads the arrays on the host)."""
+    import torch
+
+    from genlm_fast.bytes import TokenByteTrie
+    from genlm_fast.ops import cpu_backend, cuda_backend, extension, reference, triton_backend
+
+    words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(300)]
+    trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device="cpu",
+                         eos_byte_strings=[words[5]], cache=False)
+    lay = trie.layout
+    scalars = {"num_columns", "span_narrow", "span_warp"}
+    modules = {"reference": reference, "cpu": cpu_backend, "triton": triton_backend,
+               "cuda": cuda_backend}
+    assert set(layout.BACKEND_ARRAYS) == set(modules)
+
+    class Recording(dict):
+        def __getitem__(self, key):
+            read.add(key)
+            return super().__getitem__(key)
+
+        def get(self, key, default=None):
+            read.add(key)
+            return super().get(key, default)
+
+    class Binding:  # the CUDA extension's entry point: takes the arrays, returns zeros
+        @staticmethod
+        def trie_reduce_cuda(values, *args, **kwargs):
+            return torch.zeros(values.shape[0], lay.num_nodes)
+
+    for mode, ml in lay.modes.items():
+        tensors = {}
+        for backend, module in modules.items():
+            arrays = lay.device_arrays(mode, "cpu", backend)
+            assert arrays is lay.device_arrays(mode, "cpu", backend)  # built once
+            names = set(layout.BACKEND_ARRAYS[backend])
+            assert set(arrays) == names | scalars, backend
+            for name in names:
+                want = lay.parent if name == "parent" else getattr(ml, name)
+                np.testing.assert_array_equal(arrays[name].numpy(), want)
+                assert tensors.setdefault(name, arrays[name]) is arrays[name]  # one copy
+            read = set()
+            x = torch.rand(2, lay.num_columns)
+            if backend == "cuda":
+                patch = pytest.MonkeyPatch()
+                patch.setattr(extension, "has", lambda kind: kind == "cuda")
+                patch.setattr(extension, "load_module", lambda: Binding)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    module.trie_reduce(x, Recording(arrays), "sum", num_nodes=lay.num_nodes,
+                                       num_scratch=ml.num_scratch, tile=ml.tile)
+                finally:
+                    if backend == "cuda":
+                        patch.undo()
+            derived = {key for key in read if key.startswith("_")}  # the backend's own cache
+            assert read - derived - scalars == names, (backend, sorted(read))
+    with pytest.raises(ValueError, match="unknown backend 'numba'"):
+        lay.device_arrays("without_eos", "cpu", "numba")

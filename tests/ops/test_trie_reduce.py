@@ -1,4 +1,4 @@
-"""DESIGN.md section 3, on every backend: one test body, parametrized over backends.
+"""The trie reductions on every backend: one test body, parametrized over backends.
 
 Each backend runs through the public tries and the one dispatcher, and is compared with the
 float64 brute-force oracle in tests/oracle.py (which never looks at the kernel layout).
@@ -97,7 +97,7 @@ def test_random_byte_tries(backend, reduction, words, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     vocab = [Token(i, w) for i, w in enumerate(words)]
     n_eos = data.draw(st.integers(0, min(3, len(words))))
-    eos = sorted({w for w in words[:n_eos]})
+    eos = sorted(set(words[:n_eos]))
     trie = TokenByteTrie(vocab, device=device_for(backend), eos_byte_strings=eos, cache=False)
     eos_positions = [i for i, w in enumerate(words) if w in set(eos)]
     B = data.draw(st.sampled_from([1, 2, 3]))
@@ -186,7 +186,7 @@ def test_inference_mode_then_grad_tracking_rows(backend, reduction):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_log_mass_hundreds_of_nats(backend):
-    """The reference underflows to -inf here (genlm-bytes issue #15); we must not."""
+    """genlm-bytes 0.2.0 underflows to -inf here (it exponentiates first); we must not."""
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(90)]
     trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device=device_for(backend),
                          cache=False)
@@ -371,6 +371,33 @@ def test_real_vocabularies(backend, name, B):
                          spread=60.0 if reduction == "log_mass" else 5.0, neg_inf=0.01)
         check_trie(trie, rows, reduction, backend, TrieMode.WITH_EOS if reduction != "max" else None,
                    eos_positions)
+
+
+CUDA_VARIANTS = {"fold": {"fold": True}, "row_check": {"row_check": True}}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", CUDA_VARIANTS.values(), ids=CUDA_VARIANTS.keys())
+def test_cuda_launch_variants(monkeypatch, variant):
+    """The CUDA launch's variants (cuda_backend.CudaOptions: off by default until a GPU run
+    has checked and timed them), each made the default here: GPT-2's vocabulary with EOS at
+    1, 8 and 33 rows (unstaged; staged; a block of 32 rows and one of 1) against the
+    oracle, then the bad rows named as on every backend."""
+    from genlm_fast.ops import cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "DEFAULT_OPTIONS", cuda_backend.CudaOptions(**variant))
+    vocab = byte_vocab("gpt2")
+    eos = [vocab[-1].byte_string]
+    trie = TokenByteTrie(vocab, device="cuda", eos_byte_strings=eos)
+    eos_positions = [i for i, t in enumerate(vocab) if t.byte_string in set(eos)]
+    rng = np.random.default_rng(12)
+    for reduction, B in itertools.product(REDUCTIONS, (1, 8, 33)):
+        rows = make_rows(rng, B, len(vocab) + (5 if reduction == "log_mass" else 0), reduction,
+                         spread=60.0 if reduction == "log_mass" else 5.0, neg_inf=0.01)
+        check_trie(trie, rows, reduction, "cuda",
+                   TrieMode.WITH_EOS if reduction != "max" else None, eos_positions)
+    for reduction, value, message in BAD_ROWS:
+        test_bad_rows_are_named("cuda", reduction, value, message)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

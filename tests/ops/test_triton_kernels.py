@@ -142,7 +142,7 @@ def test_spanning_nodes_narrow_and_wide(reduction):
         x[1, 100:900] = float("-inf")  # whole tiles without mass
         x[1, 0] = 0.0
     want, _ = trie_reduce(x.double(), layout, reduction, backend="reference")
-    arrays = layout.device_arrays("without_eos", DEVICE)
+    arrays = layout.device_arrays("without_eos", DEVICE, "triton")
     assert arrays["span_narrow"] == narrow
     for split in sorted({0, narrow // 2, narrow, len(counts)}):
         got, _ = triton_backend.trie_reduce(x.to(DEVICE), {**arrays, "span_narrow": split},
@@ -209,13 +209,21 @@ def test_log_mass_neg_inf_mask(mode):
     assert_matches(got, want, "log_mass")
 
 
+def force_dense(monkeypatch):
+    """Every reduction through the dense tile kernel (float64 sum's path): the other paths'
+    cases then check it too."""
+    from genlm_fast.ops import triton_backend
+
+    monkeypatch.setattr(triton_backend, "tile_kernel", lambda reduction, dtype: "dense")
+
+
 @pytest.mark.parametrize("path", ["dot", "dense"])
 def test_log_mass_spanning_node_of_whole_tiles_far_below_the_max(monkeypatch, path):
     """A spanning node made of whole tiles only (no left or right piece) whose log-mass is
     hundreds of nats below the row's max: the spanning kernel's online log-sum-exp starts
     from an empty (-inf) pair and must not rescale it by exp(+hundreds) (0 * inf = NaN)."""
     if path == "dense":
-        monkeypatch.setenv("GENLM_FAST_TRITON_DENSE", "1")
+        force_dense(monkeypatch)
     # leaf order: the TILE tokens under b"a" fill tile 0, the 2 * TILE under b"b" tiles 1-2
     words = [b"a" + bytes([i]) for i in range(TILE)] + [b"b" + bytes([i]) for i in range(2 * TILE)]
     layout = make_layout(words, eos_positions=[0])
@@ -252,7 +260,7 @@ def test_log_mass_large_logit_offset(monkeypatch, path, dtype, offset):
     would put half an ulp of it (2.4e-4 at 6000) into every node. The kernels keep it as
     (row max, log-sum) and must meet the 1e-4 bound whatever the offset."""
     if path == "dense":
-        monkeypatch.setenv("GENLM_FAST_TRITON_DENSE", "1")
+        force_dense(monkeypatch)
     layout = layout_named("random")
     rng = np.random.default_rng(int(offset) + (path == "dense"))
     x = (rows_for(rng, 2, layout.num_columns + 3, "log_mass", spread=2.0) + offset).to(dtype)
@@ -319,8 +327,8 @@ def test_rows_launched_in_chunks(monkeypatch, reduction):
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_dense_path(monkeypatch, reduction):
-    """GENLM_FAST_TRITON_DENSE=1 routes every reduction through the dense tile kernel."""
-    monkeypatch.setenv("GENLM_FAST_TRITON_DENSE", "1")
+    """The dense tile kernel (float64 sum's) on every reduction."""
+    force_dense(monkeypatch)
     layout = layout_named("random")
     rng = np.random.default_rng(6)
     x = rows_for(rng, 2, layout.num_columns + 1, reduction, spread=60.0)

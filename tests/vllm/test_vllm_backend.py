@@ -391,7 +391,7 @@ def test_cleanup_then_call_raises(lm):
     with pytest.raises(ModelClosedError):
         asyncio.run(lm.sample(ctx, 3, [0]))
     with pytest.raises(ModelClosedError):
-        lm.underlying_model
+        _ = lm.underlying_model
     lm.cleanup()  # idempotent
 
 

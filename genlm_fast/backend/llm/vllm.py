@@ -80,14 +80,14 @@ else:
     VLLM_MISSING = None
 HAS_VLLM = VLLM_MISSING is None  # genlm's public flag, for apps that check it
 
-from genlm_fast.backend.llm.batched import BatchedAsyncLM
-from genlm_fast.backend.llm.checks import (
+from genlm_fast.backend.llm.batched import BatchedAsyncLM  # noqa: E402 (after vllm's)
+from genlm_fast.backend.llm.checks import (  # noqa: E402
     check_sampling,
     check_token_ids,
     context_list,
     unknown_lora,
 )
-from genlm_fast.ops.log_softmax import log_softmax_rows
+from genlm_fast.ops.log_softmax import log_softmax_rows  # noqa: E402
 
 __all__ = ["AsyncVirtualLM"]
 

@@ -1,4 +1,4 @@
-"""genlm-backend's ``genlm.backend.trie.parallel`` module, home of ``ParallelTokenCharacterTrie``."""
+"""genlm-backend's ``genlm.backend.trie.parallel`` module: ``ParallelTokenCharacterTrie``."""
 
 from genlm_fast.backend.trie.base import ParallelTokenCharacterTrie
 

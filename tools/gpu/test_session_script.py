@@ -1,4 +1,4 @@
-"""scripts/gpu_session.sh's test runner, on CPU: GPU sessions are rare and short, so the way
+"""tools/gpu/session.sh's test runner, on CPU: GPU sessions are rare and short, so the way
 it survives a test that kills the interpreter (the CUDA-built extension segfaulted once)
 must be shown to work here. A crash costs only the tests not yet run, every crash is
 reported, and the run still fails."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 CRASHING_TESTS = '''
 import ctypes
@@ -51,12 +51,12 @@ def stand_in(tmp_path, name: str, body: str) -> Path:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="bash script, Linux signals")
 def test_a_crash_costs_only_the_tests_not_yet_run(tmp_path):
-    (tmp_path / "scripts").symlink_to(REPO / "scripts")  # the runner's cwd is the repo's root
+    (tmp_path / "tools").symlink_to(REPO / "tools")  # the runner's cwd is the repo's root
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_demo.py").write_text(CRASHING_TESTS)
     out = tmp_path / "out"
     out.mkdir()
-    script = (REPO / "scripts" / "gpu_session.sh").read_text()
+    script = (REPO / "tools" / "gpu" / "session.sh").read_text()
     run_tests = script[script.index("native_stack() {"):script.index("\nrun_bench() {")]
     # a gdb that does nothing: the real one would rerun each crash (slow, not what is tested)
     bin_dir = stand_in(tmp_path, "gdb", "exit 0")
@@ -84,11 +84,11 @@ def test_a_crash_costs_only_the_tests_not_yet_run(tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="bash script, Linux signals")
 def test_without_gdb_the_crash_report_has_the_native_stack(tmp_path):
-    """The lent GPU machine has no gdb: scripts/segv_stack.c (built with cc, preloaded)
+    """The GPU machine may have no gdb: tools/gpu/segv_stack.c (built with cc, preloaded)
     puts the C stack of the crashing test into crash.txt, after the Python one."""
-    script = (REPO / "scripts" / "gpu_session.sh").read_text()
+    script = (REPO / "tools" / "gpu" / "session.sh").read_text()
     native_stack = script[script.index("native_stack() {"):script.index("\nrun_tests() {")]
-    (tmp_path / "scripts").symlink_to(REPO / "scripts")
+    (tmp_path / "tools").symlink_to(REPO / "tools")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_demo.py").write_text(CRASHING_TESTS)
     env = {**os.environ, "PY": sys.executable, "GDB": "no-such-gdb"}
@@ -104,12 +104,12 @@ def test_without_gdb_the_crash_report_has_the_native_stack(tmp_path):
 
 
 def test_outputs_come_back_as_at_most_8_files(tmp_path):
-    """The device tool brings back 8 files: the session leaves the table, the test log,
+    """The runner brings back 8 files: the session leaves the table, the test log,
     env.txt and crash.txt as they are and packs the rest (a dozen files after `all`) into
     logs.tar.gz, their contents intact."""
     import tarfile
 
-    script = (REPO / "scripts" / "gpu_session.sh").read_text()
+    script = (REPO / "tools" / "gpu" / "session.sh").read_text()
     bundle = script[script.index("bundle_outputs() {"):script.index("\ntrap bundle_outputs")]
     out = tmp_path / "out"
     out.mkdir()
@@ -135,10 +135,10 @@ def test_profile_skips_two_calls_of_each_shape_and_keeps_the_caches_for_the_traf
     two calls' worth of the selected kernels: 3 a call (row pass, tile, span) for the
     sections, and with the lse merge (log_mass) 4 for the DRAM traffic, which runs with the
     caches left as the kernels before left them; the stall reasons of log_mass's tile and
-    span kernels (2 a call); the tile kernel's stores with GENLM_FAST_CUDA_ALIGN off and on."""
-    script = (REPO / "scripts" / "gpu_session.sh").read_text()
+    span kernels (2 a call); the same two with the fold variant (profile_call --fold)."""
+    script = (REPO / "tools" / "gpu" / "session.sh").read_text()
     run_profile = script[script.index("run_profile() {"):script.index("\nrun_bench() {")]
-    bin_dir = stand_in(tmp_path, "ncu", 'echo "align=${GENLM_FAST_CUDA_ALIGN-default}" "$@"')
+    bin_dir = stand_in(tmp_path, "ncu", 'echo "$@"')
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "OUT": str(out), "PY": "python3",
@@ -161,7 +161,6 @@ def test_profile_skips_two_calls_of_each_shape_and_keeps_the_caches_for_the_traf
         assert a[a.index("--launch-count") + 1] == str(count), (name, a)
         assert a[a.index("--kernel-name") + 1] == f"regex:{kernels}", (name, a)
         assert ("--cache-control" in a) == ("pipeline" in name), (name, a)
-        assert a[0] == "align=default", (name, a)
         op, batch = name.split("-")[-2], name.split("-B")[-1].split(".")[0]
         assert a[-4:] == ["--op", op, "--batch", batch], (name, a)
     assert "dram__bytes_write.sum" in " ".join(args("ncu-pipeline-sum-B32.txt"))
@@ -171,11 +170,12 @@ def test_profile_skips_two_calls_of_each_shape_and_keeps_the_caches_for_the_traf
     assert a[a.index("--kernel-name") + 1] == "regex:tile_kernel|span_kernel"
     assert "issue_stalled" in a[a.index("--metrics") + 1] and "--cache-control" not in a
     assert a[-4:] == ["--op", "log_mass", "--batch", "64"]
-    # the tile kernel's stores, GENLM_FAST_CUDA_ALIGN off and on: its third call's launch
-    for align in "01":
-        a = args(f"ncu-stores-align{align}-log_mass-B64.txt")
-        assert a[a.index("--launch-skip") + 1] == "2" and a[a.index("--launch-count") + 1] == "1"
-        assert a[a.index("--kernel-name") + 1] == "regex:tile_kernel"
-        assert "lts__t_requests_srcunit_tex_op_write.sum" in a[a.index("--metrics") + 1]
-        assert a[0] == f"align={align}"
-        assert a[-4:] == ["--op", "log_mass", "--batch", "64"]
+    # the same with the fold variant: four kernels a call with the caches kept, and the
+    # stall reasons of the tile and span kernels
+    a = args("ncu-pipeline-fold-log_mass-B64.txt")
+    assert a[a.index("--launch-skip") + 1] == "8" and a[a.index("--launch-count") + 1] == "4"
+    assert "--cache-control" in a and a[-5:] == ["--op", "log_mass", "--batch", "64", "--fold"]
+    a = args("ncu-stalls-fold-log_mass-B64.txt")
+    assert a[a.index("--launch-skip") + 1] == "4" and a[a.index("--launch-count") + 1] == "2"
+    assert a[a.index("--kernel-name") + 1] == "regex:tile_kernel|span_kernel"
+    assert a[-5:] == ["--op", "log_mass", "--batch", "64", "--fold"]

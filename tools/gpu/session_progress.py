@@ -1,11 +1,11 @@
-"""pytest plugin of scripts/gpu_session.sh: appends the node id of every test that has
+"""pytest plugin of tools/gpu/session.sh: appends the node id of every test that has
 finished (passed, failed or skipped) to the file named by $PYTEST_DONE_LOG. When a test
 kills the interpreter (a signal), the session's next attempt deselects these and the
 culprit, so it runs only the tests not yet run instead of the whole suite again. Each
 failure's report also goes, as it happens, to the same file name + ".failures": a run
 stopped by its timeout never prints pytest's summary.
 
-    PYTEST_DONE_LOG=done.txt PYTHONPATH=scripts python -m pytest -p gpu_session_progress tests/ops
+    PYTEST_DONE_LOG=done.txt python -m pytest -p tools.gpu.session_progress tests/ops
 """
 
 from __future__ import annotations

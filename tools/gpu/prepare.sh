@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Before a GPU session (README "GPU sessions"), on this machine: download, as wheels for the
-# lent GPU machine's Python 3.12, the few packages its image lacks and the GPU tests and
+# Before a GPU session (tools/gpu/README.md), on this machine: download, as wheels for the
+# GPU machine's Python 3.12, the few packages its image lacks and the GPU tests and
 # benchmark use (the vocabularies' data, genlm-backend as the benchmark's reference,
 # pytest-asyncio for pytest.ini), and ninja, so that the extension's sources compile in
 # parallel there whatever the image holds. They land in .whl/ (git-ignored), which the
-# device tool carries; scripts/gpu_session.sh installs them there. Nothing else needs
+# remote runner carries; tools/gpu/session.sh installs them there. Nothing else needs
 # fetching.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 rm -rf .whl && mkdir -p .whl
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \

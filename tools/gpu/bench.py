@@ -1,10 +1,11 @@
 """GPU benchmark of the fused trie kernels: time, bytes moved, bandwidth, speedup vs genlm.
 
-    python -m bench.gpu [--out PATH.md] [--vocab llama3 | --vocab-file vocab.pkl]
+    python -m tools.gpu.bench [--out PATH.md] [--vocab llama3 | --vocab-file vocab.pkl]
                         [--batch-sizes 1 8 32 64 128] [--backends triton cuda] [--peak-gbs 3350]
-    python -m bench.gpu --dump-vocab vocab.pkl   # (on a machine with quicktok) for --vocab-file
-    python -m bench.gpu --dry-run-cpu            # the same code path on CPU, tiny vocabulary
-    python -m bench.gpu --sweep                  # also: the Triton kernels' launch configurations
+    python -m tools.gpu.bench --dump-vocab vocab.pkl   # (where quicktok is) for --vocab-file
+    python -m tools.gpu.bench --dry-run-cpu            # the same code path on CPU, tiny vocabulary
+    python -m tools.gpu.bench --sweep                  # also: the Triton launch configurations
+    python -m tools.gpu.bench --variants fold row_check  # also: the CUDA launch's variants
 
 For every available GPU backend (``triton``, ``cuda``), batch size and op it
 1. checks the result against a float64 oracle computed with the reference's own ancestor
@@ -17,17 +18,20 @@ For every available GPU backend (``triton``, ``cuda``), batch size and op it
 3. reports the compulsory traffic — logits/weights read once (B * V' * 4 bytes), node values
    written once (B * N * 4), the backend's index arrays read once — the effective bandwidth
    (traffic / time) of the kernels and of the public call (which also checks each row for
-   NaN: the CUDA kernels' row pass does, the Triton backend's dispatcher makes one more read
-   of the input), and their fractions of the device's peak HBM bandwidth;
+   NaN: the CUDA kernels' row pass does for log_mass, the dispatcher makes one more read of
+   the input otherwise), and their fractions of the device's peak HBM bandwidth;
 4. at B=64, profiles each backend's kernels (torch.profiler): the time of each kernel of
    its chain, to show where the time goes;
 5. times the memory floors (``memory_floors``) at the goals' shapes: torch's own kernels
    writing the output once, reading the input once, copying it, and gathering it into
    [B, N], for the fraction of peak that moving that traffic alone gets on the device; then
    the same bytes moved in the CUDA tile kernel's pattern, with no reduction
-   (bench/tile_floors.py), for what that pattern alone costs;
+   (tools/gpu/tile_floors.py), for what that pattern alone costs;
 6. with ``--sweep``, times the Triton tile kernels in each launch configuration of
    ``TRITON_SWEEP`` (rows per program, warps, chunk sizes), to choose the defaults from.
+7. with ``--variants``, times the CUDA backend with each named field of ``CudaOptions`` off
+   and on (``CUDA_VARIANTS``): the variants not yet run on a GPU, whose defaults such a run
+   decides (docs/gpu.md).
 The reference is genlm.backend's ``ParallelTokenCharacterTrie(device="cuda")`` when
 ``genlm.backend`` imports (its own ancestor matrix), else the same algorithm inline (a torch
 sparse CSR ancestor matrix [V, N], ``torch.sparse.mm(ws[:, positions], M)``; for max its
@@ -53,7 +57,7 @@ import time
 import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -84,7 +88,7 @@ INDEX_ARRAYS = {
 PEAKS = ((r"GH200.*(144|HBM3e)", 4900.0), (r"GH200", 4000.0), (r"H200", 4800.0),
          (r"H100.*(PCIe|PCI-E)", 2000.0), (r"H100.*NVL", 3900.0), (r"H100", 3350.0), (r"A100.*80", 2039.0), (r"A100", 1555.0),
          (r"L40S", 864.0), (r"A10G?\b", 600.0), (r"L4\b", 300.0))
-# the issue's GPU goals (Llama-3): kernels' share of peak HBM bandwidth for batch_log_mass at
+# the project's GPU goals (Llama-3): kernels' share of peak HBM bandwidth for batch_log_mass at
 # B=64, and the speedup over the reference's batch_weight_sum device time at B=32
 GOAL_PEAK_OP, GOAL_PEAK_B, GOAL_PEAK_FRAC = "log_mass", 64, 0.70
 GOAL_SPEEDUP = 10.0
@@ -162,7 +166,7 @@ def load_vocab(name: str, vocab_file: str | None, limit: int | None = None):
         except Exception as e:
             if limit is None:
                 raise SystemExit(f"cannot load vocabulary {name!r} ({type(e).__name__}: {e}); "
-                                 "create a file elsewhere with `python -m bench.gpu --dump-vocab "
+                                 "create a file elsewhere with `python -m tools.gpu.bench --dump-vocab "
                                  "PATH` and pass --vocab-file PATH") from e
             pairs, label = _synthetic_pairs(limit), "synthetic"
     if limit is not None and len(pairs) > limit:
@@ -407,7 +411,7 @@ def index_bytes(layout, backend: str, mode: str = "without_eos", device=None) ->
     if backend == "cpu":  # derived from the layout on the first call, kept with its arrays
         from genlm_fast.ops import cpu_backend
 
-        derived = cpu_backend.cpu_arrays(layout.device_arrays(mode, device or "cpu"))
+        derived = cpu_backend.cpu_arrays(layout.device_arrays(mode, device or "cpu", "cpu"))
     total = 0
     for n in names:
         arr = getattr(ml, n, None)
@@ -433,15 +437,31 @@ def io_bytes(x, op: str, num_nodes: int) -> tuple[int, int]:
             x.shape[0] * num_nodes * torch.empty((), dtype=out_dtype).element_size())
 
 
-def kernel_call(backend, values, layout, reduction, mode="without_eos"):
+def kernel_call(backend, values, layout, reduction, mode="without_eos", cuda_options=None):
     """The backend alone (``dispatch.run_backend``: no validation, no row check; the CUDA
     log_mass row verdict comes out of its lse pass, unread here); returns the result."""
     from genlm_fast.ops import dispatch
 
-    layout.device_arrays(mode, values.device)  # built outside the timed calls
+    layout.device_arrays(mode, values.device, backend)  # built outside the timed calls
 
     def fn():
-        return dispatch.run_backend(values, layout, reduction, mode, backend)[0]
+        return dispatch.run_backend(values, layout, reduction, mode, backend,
+                                    cuda_options=cuda_options)[0]
+
+    return fn
+
+
+def checked_call(values, layout, reduction, cuda_options=None):
+    """The CUDA backend through the dispatcher (``dispatch.trie_reduce``: validation, the
+    row check, its verdict read on the host), as a public call runs it; returns the
+    result."""
+    from genlm_fast.ops import dispatch
+
+    layout.device_arrays("without_eos", values.device, "cuda")
+
+    def fn():
+        return dispatch.trie_reduce(values, layout, reduction, backend="cuda",
+                                    cuda_options=cuda_options)[0]
 
     return fn
 
@@ -683,62 +703,51 @@ def _bench_input(context, op: str, B: int):
     return (logits if op == "log_mass" else probs).to(context["device"]).contiguous()
 
 
-# The CUDA kernels' switches, environment variables the extension reads at each call (on by
-# default but chunk and align), the (op, B) pairs at which --switches times each off ("0")
-# and on ("1"), the others at their defaults, and the ops whose results may then differ in
-# rounding: dependent launches (PDL, sm_90) change nothing; staging for the gather (from B=8
-# on) sums log_mass's lse in another order; the tile kernel's folds of the narrow spanning
-# nodes (off: the span pass reduces them) do the same arithmetic; launches of 32 staged rows
-# (chunk) split log_mass's lse into other slices; the tile kernel's line-aligned stores
-# (align: a warp per output row, in blocks of 32 rows, so from B=32 on) write the same values
-CUDA_SWITCHES = {
-    "pdl": ("GENLM_FAST_CUDA_PDL", (("sum", 1), ("sum", 32), ("log_mass", 1), ("log_mass", 64)),
-            ()),
-    "stage": ("GENLM_FAST_CUDA_STAGE", (("sum", 8), ("sum", 16), ("sum", 32), ("sum", 128),
-                                        ("log_mass", 8), ("log_mass", 16), ("log_mass", 64),
-                                        ("log_mass", 128)), ("log_mass",)),
-    "fold": ("GENLM_FAST_CUDA_FOLD", (("sum", 1), ("sum", 32), ("max", 64), ("log_mass", 1),
-                                      ("log_mass", 8), ("log_mass", 64), ("log_mass", 128)), ()),
-    "chunk": ("GENLM_FAST_CUDA_CHUNK", (("sum", 64), ("sum", 128), ("log_mass", 64),
-                                        ("log_mass", 128)), ("log_mass",)),
-    "align": ("GENLM_FAST_CUDA_ALIGN", (("sum", 32), ("max", 32), ("sum", 64),
-                                        ("log_mass", 32), ("log_mass", 64), ("log_mass", 128)),
-              ()),
+# The CUDA launch's variants (the fields of cuda_backend.CudaOptions, each off by default
+# until a GPU run has checked and timed it): the (op, B) pairs at which --variants times each
+# off and on, the others off, and what is timed. fold (the tile kernel reduces the narrow
+# spanning nodes; off: the span pass) does the same arithmetic: the kernels alone, results
+# bit for bit the same. row_check (sum and max check their rows in the kernels' row pass;
+# off: the dispatcher's amax pass) changes no value, and what it saves is outside the
+# kernels: timed through the dispatcher, as a public call runs.
+CUDA_VARIANTS = {
+    "fold": ((("sum", 1), ("sum", 32), ("max", 64), ("log_mass", 1), ("log_mass", 8),
+              ("log_mass", 64), ("log_mass", 128)), "kernels"),
+    "row_check": ((("sum", 1), ("sum", 8), ("sum", 32), ("max", 64)), "dispatch"),
 }
-# the switches off unless set
-CUDA_SWITCHES_OFF_BY_DEFAULT = ("chunk", "align")
 
 
-def switch_comparison(context, names) -> list[dict]:
-    """The CUDA kernels alone with each switch of ``names`` off, then on, side by side in one
-    process; the two results are first checked to agree: bit for bit, or within 1e-5 for
-    the switch's rounding ops."""
+def variant_comparison(context, names) -> list[dict]:
+    """The CUDA backend with each variant of ``names`` off, then on, side by side in one
+    process; the two results are first checked to agree bit for bit."""
     import torch
+
+    from genlm_fast.ops.cuda_backend import CudaOptions
 
     if not names:
         return []
     if "cuda" not in context["backends"] or context["device"].type != "cuda":
-        print("--switches: no CUDA backend on a GPU here; nothing to compare", flush=True)
+        print("--variants: no CUDA backend on a GPU here; nothing to compare", flush=True)
         return []
     out = []
     for name in names:
-        env, cases, rounding_ops = CUDA_SWITCHES[name]
+        cases, how = CUDA_VARIANTS[name]
         for op, B in cases:
-            fn = kernel_call("cuda", _bench_input(context, op, B), context["layout"], op)
-            row = {"switch": name, "op": op, "B": B}
+            values = _bench_input(context, op, B)
+            row = {"variant": name, "op": op, "B": B, "timed": how}
             try:
-                for state, value in (("off", "0"), ("on", "1")):
-                    os.environ[env] = value
+                for state, on in (("off", False), ("on", True)):
+                    options = CudaOptions(**{name: on})
+                    fn = (kernel_call("cuda", values, context["layout"], op,
+                                      cuda_options=options) if how == "kernels"
+                          else checked_call(values, context["layout"], op, options))
                     row[f"{state}_result"] = fn()
                     row[f"{state}_ms"] = bench_ms(fn, context["device"], context["how"])
                 off, on = row.pop("off_result"), row.pop("on_result")
-                agree = (torch.allclose(off, on, rtol=1e-5, atol=1e-5, equal_nan=True)
-                         if op in rounding_ops else torch.equal(off, on))
-                assert agree, f"{name} off and on disagree"
+                assert torch.equal(off, on), f"{name} off and on disagree"
             except Exception as e:  # noqa: BLE001
-                row = {"switch": name, "op": op, "B": B, "failed": f"{type(e).__name__}: {e}"}
-            finally:
-                os.environ.pop(env, None)
+                row = {"variant": name, "op": op, "B": B, "timed": how,
+                       "failed": f"{type(e).__name__}: {e}"}
             out.append(row)
             print(f"{name} {op:8s} B={B:<4d} " + (row.get("failed") or
                   f"off {row['off_ms']:.4f} ms, on {row['on_ms']:.4f} ms"), flush=True)
@@ -773,11 +782,13 @@ def memory_floors(context) -> list[dict]:
         copy = torch.empty_like(x)
         in_bytes, out_bytes = x.numel() * x.element_size(), result.numel() * 4
         cases = [
-            ("write [B, N] once (fill_)", out_bytes, lambda: result.fill_(1.0)),
-            ("read [B, V'] once (amax per row)", in_bytes, lambda: torch.amax(x, dim=1)),
-            ("read and write [B, V'] (copy_)", 2 * in_bytes, lambda: copy.copy_(x)),
+            # (each timed in this round of the loop: its tensors bound now)
+            ("write [B, N] once (fill_)", out_bytes, lambda result=result: result.fill_(1.0)),
+            ("read [B, V'] once (amax per row)", in_bytes, lambda x=x: torch.amax(x, dim=1)),
+            ("read and write [B, V'] (copy_)", 2 * in_bytes,
+             lambda x=x, copy=copy: copy.copy_(x)),
             ("gather [B, V'] into [B, N] (index_select)", in_bytes + out_bytes,
-             lambda: torch.index_select(x, 1, node_column, out=result)),
+             lambda x=x, result=result: torch.index_select(x, 1, node_column, out=result)),
         ]
         try:  # a Triton problem here must not cost the session torch's floors
             cases += _tile_pattern_cases(result, tile_node_lo, ml.tile, L, out_bytes)
@@ -793,11 +804,11 @@ def memory_floors(context) -> list[dict]:
 
 
 def _tile_pattern_cases(result, tile_node_lo, tile: int, L: int, out_bytes: int) -> list:
-    """The floors in the CUDA tile kernel's own pattern (bench/tile_floors.py), each checked
+    """The floors in the CUDA tile kernel's own pattern (tools/gpu/tile_floors.py), each checked
     once against plain torch first."""
     import torch
 
-    from bench import tile_floors
+    from tools.gpu import tile_floors
 
     B, N = result.shape
     staged = torch.rand(B * L, generator=torch.Generator().manual_seed(0)).to(result.device)
@@ -820,7 +831,7 @@ def _f(x, fmt):
     return "-" if x is None else format(x, fmt)
 
 
-def table(rows, info, command: str, sweep_rows=(), switch_rows=(), floor_rows=()) -> str:
+def table(rows, info, command: str, sweep_rows=(), variant_rows=(), floor_rows=()) -> str:
     lines = ["# genlm_fast GPU trie kernels", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in info.items()]
     lines += ["", f"Command: `{command}`", "",
@@ -866,14 +877,14 @@ def table(rows, info, command: str, sweep_rows=(), switch_rows=(), floor_rows=()
         for r in broken_down:
             for name, ms in r["breakdown"][:6]:
                 lines.append(f"| {r['backend']} | {r['op']} | `{name}` | {ms:.4f} |")
-    lines += ["", "Goals (the issue's, Llama-3 vocabulary):", "",
+    lines += ["", "Goals (Llama-3 vocabulary):", "",
               "| goal | backend | measured | met |", "|---|---|---:|---|"]
     for r in goals(rows):
         lines.append(f"| {r['goal']} | {r['backend']} | {r['measured']} | {r['met']} |")
     if floor_rows:
         lines += ["", "Memory floors at the goals' shapes (torch's own kernels, then Triton "
                   "kernels moving the same bytes in the CUDA tile kernel's pattern with no "
-                  "reduction, bench/tile_floors.py; same timer; `memory_floors`): what the "
+                  "reduction, tools/gpu/tile_floors.py; same timer; `memory_floors`): what the "
                   "memory system gives a kernel of that traffic:", "",
                   "| op | B | floor | MB moved | ms | GB/s | % of peak |",
                   "|---|---:|---|---:|---:|---:|---:|"]
@@ -881,20 +892,20 @@ def table(rows, info, command: str, sweep_rows=(), switch_rows=(), floor_rows=()
             frac = "-" if r["peak_frac"] is None else f"{100 * r['peak_frac']:.0f}%"
             lines.append(f"| {r['op']} | {r['B']} | {r['floor']} | {r['MB']:.2f} | "
                          f"{r['ms']:.4f} | {r['GBs']:.0f} | {frac} |")
-    if switch_rows:
-        lines += ["", "CUDA kernels alone, each switch off (`=0`) and on (`=1`), the others "
-                  "at their defaults (on, but " + ", ".join(CUDA_SWITCHES_OFF_BY_DEFAULT) +
-                  "; `--switches`; the two results checked to agree first): " +
-                  ", ".join(f"{name} `{env}`" for name, (env, _, _) in CUDA_SWITCHES.items()),
-                  "", "| switch | op | B | off ms | on ms | off / on | goal, off / on |",
-                  "|---|---|---:|---:|---:|---:|---|"]
-        for r in switch_rows:
-            head = f"| {r['switch']} | {r['op']} | {r['B']} |"
+    if variant_rows:
+        lines += ["", "The CUDA launch's variants (`--variants`: fields of `CudaOptions`, off "
+                  "by default), each off and on, the others off; the kernels alone, or through "
+                  "the dispatcher (validation and row check included); the two results checked "
+                  "to agree bit for bit first:", "",
+                  "| variant | op | B | timed | off ms | on ms | off / on | goal, off / on |",
+                  "|---|---|---:|---|---:|---:|---:|---|"]
+        for r in variant_rows:
+            head = f"| {r['variant']} | {r['op']} | {r['B']} | {r['timed']} |"
             if "failed" in r:
                 lines.append(f"{head} FAILED: {r['failed']} | | | |")
             else:
                 lines.append(f"{head} {r['off_ms']:.4f} | {r['on_ms']:.4f} | "
-                             f"{r['off_ms'] / r['on_ms']:.3f} | {switch_goal(r, rows)} |")
+                             f"{r['off_ms'] / r['on_ms']:.3f} | {variant_goal(r, rows)} |")
     if sweep_rows:
         lines += ["", "Triton tile-kernel configurations (`--sweep`; constants of "
                   "`genlm_fast.ops.triton_backend`; kernels alone, each checked against the "
@@ -918,15 +929,18 @@ def table(rows, info, command: str, sweep_rows=(), switch_rows=(), floor_rows=()
     return "\n".join(lines) + "\n"
 
 
-def switch_goal(switch_row, rows) -> str:
-    """For a --switches case at a goal's shape, the goal's measure with the switch off and on
-    (the CUDA row of the main table gives the reference's time and the bytes moved)."""
-    op, B = switch_row["op"], switch_row["B"]
+def variant_goal(variant_row, rows) -> str:
+    """For a --variants case at a goal's shape, timed on the kernels alone, the goal's
+    measure with the variant off and on (the CUDA row of the main table gives the
+    reference's time and the bytes moved)."""
+    op, B = variant_row["op"], variant_row["B"]
+    if variant_row["timed"] != "kernels":
+        return "-"
     main = [r for r in rows if r["backend"] == "cuda" and r["op"] == op and r["B"] == B
             and "failed" not in r]
     if not main:
         return "-"
-    off, on = switch_row["off_ms"], switch_row["on_ms"]
+    off, on = variant_row["off_ms"], variant_row["on_ms"]
     if op == "sum" and B == SPEEDUP_B:
         return f"{main[0]['ref_ms'] / off:.1f}x / {main[0]['ref_ms'] / on:.1f}x the reference"
     if op == GOAL_PEAK_OP and B == GOAL_PEAK_B and main[0]["peak_frac"] is not None:
@@ -937,7 +951,7 @@ def switch_goal(switch_row, rows) -> str:
 
 
 def goals(rows) -> list[dict]:
-    """The issue's two GPU goals for every backend: kernels at >= 70% of peak HBM bandwidth
+    """The two GPU goals for every backend: kernels at >= 70% of peak HBM bandwidth
     for batch_log_mass at B=64, and >= 10x the reference's batch_weight_sum device time at
     B=32 ("-": not measured, or no peak known)."""
     out = []
@@ -962,7 +976,7 @@ def goals(rows) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.gpu", description="Time the fused trie kernels on a GPU "
+        prog="python -m tools.gpu.bench", description="Time the fused trie kernels on a GPU "
         "(bytes moved, bandwidth, speedup vs genlm.backend's ParallelTokenCharacterTrie).")
     parser.add_argument("--out", default=None,
                         help="markdown output (default bench/results/gpu-<device>-<date>.md)")
@@ -983,9 +997,9 @@ def main(argv=None) -> int:
                         help=f"run the same code path on CPU (reference/cpu/triton-interpreter "
                         f"backends, first {DRY_RUN_TOKENS} tokens, B in {DRY_RUN_BATCHES}) to test this "
                         "script")
-    parser.add_argument("--switches", nargs="+", choices=sorted(CUDA_SWITCHES), default=[],
-                        help="then time the CUDA kernels with each of these switches off and "
-                        "on (a section of the table)")
+    parser.add_argument("--variants", nargs="+", choices=sorted(CUDA_VARIANTS), default=[],
+                        help="then time the CUDA backend with each of these launch variants "
+                        "(CudaOptions) off and on (a section of the table)")
     parser.add_argument("--sweep", action="store_true",
                         help="then time the Triton tile kernels in every TRITON_SWEEP "
                         "configuration (a section of the table)")
@@ -1000,7 +1014,7 @@ def main(argv=None) -> int:
         if args.batch_sizes == list(DEFAULT_BATCHES):
             args.batch_sizes = list(DRY_RUN_BATCHES)
     rows, info, context = run(args)
-    command = "python -m bench.gpu " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m tools.gpu.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.out:
         out = Path(args.out)
     else:
@@ -1010,14 +1024,14 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     text = table(rows, info, command.strip())
     out.write_text(text)  # before the extras: a session cut short keeps the main table
-    try:  # a problem with the floors must not cost the session its switch timings
+    try:  # a problem with the floors must not cost the session its variant timings
         floor_rows = memory_floors(context)
     except Exception as e:  # noqa: BLE001
         print(f"no memory floors: {type(e).__name__}: {e}", flush=True)
         floor_rows = []
-    switch_rows = switch_comparison(context, args.switches)
+    variant_rows = variant_comparison(context, args.variants)
     sweep_rows = triton_sweep(args, context) if args.sweep else []
-    text = table(rows, info, command.strip(), sweep_rows, switch_rows, floor_rows)
+    text = table(rows, info, command.strip(), sweep_rows, variant_rows, floor_rows)
     out.write_text(text)
     print()
     print(text)

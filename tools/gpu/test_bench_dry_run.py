@@ -1,4 +1,4 @@
-"""``python -m bench.gpu --dry-run-cpu``: the GPU benchmark's whole code path, on CPU.
+"""``python -m tools.gpu.bench --dry-run-cpu``: the GPU benchmark's whole code path, on CPU.
 
 GPU sessions are rare and short; the script must not fail there for a reason a CPU run
 could have shown. The dry run goes through vocabulary loading, trie and reference
@@ -14,15 +14,14 @@ the bytes counted as traffic, the peak bandwidth looked up, and the goals' verdi
 
 from __future__ import annotations
 
-import os
 import re
 
 import numpy as np
 import pytest
 import torch
 
-from bench import gpu
 from bench import kernels as K
+from tools.gpu import bench as gpu
 
 
 @pytest.mark.slow
@@ -41,14 +40,14 @@ def test_dry_run_verifies_times_and_writes_the_table(tmp_path):
     assert f"Speedup at B={gpu.SPEEDUP_B}" in text
     headline = text.split(f"Speedup at B={gpu.SPEEDUP_B}")[1].split("Goals")[0]
     for backend in ("reference", "cpu", "triton"):  # the headline rows, both comparisons timed
-        line = next(l for l in headline.splitlines() if l.startswith(f"| {backend} | "))
+        line = next(r for r in headline.splitlines() if r.startswith(f"| {backend} | "))
         assert line.count(" ms vs ") == 2 and "- ms" not in line, line
     assert "| oracle | float64, from the reference's ancestor matrix" in text
     where = text.split(f"Where the kernel time goes at B={gpu.SPEEDUP_B}")[1].split("Goals")[0]
     for backend in ("reference", "cpu", "triton"):
         for op in gpu.OPS:
             assert f"| {backend} | {op} | `" in where, (backend, op)
-    assert "Goals (the issue's" in text
+    assert "Goals (Llama-3 vocabulary)" in text
     # the memory floors: each goal shape's seven, with the bytes they move (the tile
     # pattern's were checked against plain torch before they were timed)
     floors = text.split("Memory floors")[1].split("\n\n")[1].splitlines()[2:]
@@ -219,74 +218,74 @@ def test_goals_verdicts():
 
 
 def test_profile_script_dry_run(capsys):
-    """bench/gpu_profile.py, which scripts/gpu_session.sh runs under ncu on the GPU, runs
+    """tools/gpu/profile_call.py, which tools/gpu/session.sh runs under ncu on the GPU, runs
     its calls end to end on the CPU (Triton interpreter; the kernels' results are tested
     elsewhere)."""
-    from bench import gpu_profile
+    from tools.gpu import profile_call as gpu_profile
 
     assert gpu_profile.main(["--dry-run-cpu", "--op", "sum", "--batch", "2", "--calls", "1"]) == 0
     out = capsys.readouterr().out
     assert "1 calls of triton sum B=2 -> (2, " in out
 
 
-def test_switch_comparison_times_each_switch_off_and_on_and_checks_them(monkeypatch):
-    """--switches: each case of each switch named is run and timed with its variable at 0,
-    then 1 (the extension reads it at each call), the two results must agree, and the
-    variable is gone after. The CUDA pieces are stand-ins here (kernel_call returns what the
-    variables say; one case disagrees, and staging changes every result by 1e-7: within
-    the 1e-5 allowed for log_mass's lse, a disagreement for sum, which must be bit for bit);
-    the section renders both outcomes."""
+def test_variant_comparison_times_each_variant_off_and_on_and_checks_them(monkeypatch):
+    """--variants: each case of each variant named is run and timed with that field of
+    CudaOptions off, then on (the others off), the kernels alone (fold) or through the
+    dispatcher (row_check), and the two results must agree bit for bit. The CUDA pieces are
+    stand-ins here (they return what the options say; one case disagrees); the section
+    renders both outcomes."""
     import torch
 
-    seen = []
-    envs = {name: env for name, (env, _, _) in gpu.CUDA_SWITCHES.items()}
+    from genlm_fast.ops.cuda_backend import CudaOptions
 
-    def fake_kernel_call(backend, values, layout, reduction, mode="without_eos"):
+    seen = []
+
+    def stand_in(how, reduction, B, options):
         def fn():
-            flags = tuple(os.environ.get(env) for env in envs.values())
-            seen.append((reduction, values.shape[0], flags))
-            if reduction == "log_mass" and values.shape[0] == 64 and flags[0] == "1":
-                return torch.ones(1)  # pdl on disagrees with pdl off
-            if os.environ.get(envs["stage"]) == "1":
-                return torch.full((1,), 1e-7)  # close, not equal
+            seen.append((how, reduction, B, options))
+            if reduction == "log_mass" and B == 64 and options.fold:
+                return torch.ones(1)  # the fold disagrees with the span pass here
             return torch.zeros(1)
+        fn.on = options.fold or options.row_check
         return fn
 
-    monkeypatch.setattr(gpu, "kernel_call", fake_kernel_call)
+    monkeypatch.setattr(gpu, "kernel_call", lambda backend, values, layout, reduction,
+                        mode="without_eos", cuda_options=None:
+                        stand_in("kernels", reduction, values.shape[0], cuda_options))
+    monkeypatch.setattr(gpu, "checked_call", lambda values, layout, reduction,
+                        cuda_options=None:
+                        stand_in("dispatch", reduction, values.shape[0], cuda_options))
     monkeypatch.setattr(gpu, "_bench_input", lambda context, op, B: torch.zeros(B, 10))
-    monkeypatch.setattr(gpu, "bench_ms", lambda fn, device, how: 0.5 if
-                        "0" in [os.environ.get(env) for env in envs.values()] else 0.4)
-    for env in envs.values():
-        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(gpu, "bench_ms", lambda fn, device, how: 0.4 if fn.on else 0.5)
     context = {"backends": ["cuda"], "device": torch.device("cuda"), "how": "cuda_events",
                "vocab": [b"a"] * 10, "layout": None}
-    names = ["pdl", "stage", "fold", "chunk", "align"]
-    assert list(envs) == names
-    rows = gpu.switch_comparison(context, names)
-    assert not any(env in os.environ for env in envs.values())
-    want = [(name, op, B) for name in names for op, B in gpu.CUDA_SWITCHES[name][1]]
-    assert [(r["switch"], r["op"], r["B"]) for r in rows] == want
-    # each switch toggled alone: the others unset (their defaults)
-    assert {(op, B, flags) for op, B, flags in seen} == {
-        (op, B, tuple(v if other == name else None for other in names))
-        for name in names for op, B in gpu.CUDA_SWITCHES[name][1] for v in "01"}
+    names = ["fold", "row_check"]
+    assert sorted(gpu.CUDA_VARIANTS) == names
+    rows = gpu.variant_comparison(context, names)
+    want = [(name, op, B) for name in names for op, B in gpu.CUDA_VARIANTS[name][0]]
+    assert [(r["variant"], r["op"], r["B"]) for r in rows] == want
+    # each variant toggled alone, through the path it is timed on
+    assert {(how, op, B, options) for how, op, B, options in seen} == {
+        (gpu.CUDA_VARIANTS[name][1], op, B, CudaOptions(**{name: on}))
+        for name in names for op, B in gpu.CUDA_VARIANTS[name][0] for on in (False, True)}
     failed = [r for r in rows if "failed" in r]
-    assert [(r["switch"], r["op"], r["B"]) for r in failed] == [("pdl", "log_mass", 64)] + [
-        ("stage", op, B) for op, B in gpu.CUDA_SWITCHES["stage"][1] if op == "sum"]
-    assert "pdl off and on disagree" in failed[0]["failed"]
-    assert all("stage off and on disagree" in r["failed"] for r in failed[1:])
+    assert [(r["variant"], r["op"], r["B"]) for r in failed] == [("fold", "log_mass", 64)]
+    assert "fold off and on disagree" in failed[0]["failed"]
     # the goals' shapes also get the goal's measure both ways, from the main table's CUDA row
     main = [{"backend": "cuda", "op": "sum", "B": gpu.SPEEDUP_B, "ref_ms": 5.0,
              "kernel_ms": 0.45, "peak_frac": 0.1},
             {"backend": "cuda", "op": gpu.GOAL_PEAK_OP, "B": gpu.GOAL_PEAK_B, "ref_ms": 1.0,
              "kernel_ms": 0.5, "peak_frac": 0.2}]
-    by_case = {(r["switch"], r["op"], r["B"]): r for r in rows}
-    assert gpu.switch_goal(by_case["pdl", "sum", 32], main) == "10.0x / 12.5x the reference"
-    assert gpu.switch_goal(by_case["stage", "log_mass", 64], main) == "20% / 25% of peak HBM"
-    assert gpu.switch_goal(by_case["stage", "log_mass", 8], main) == "-"
-    assert gpu.switch_goal(by_case["pdl", "sum", 32], []) == "-"
-    text = gpu.table([], {}, "cmd", switch_rows=rows)
-    assert "| pdl | sum | 32 | 0.5000 | 0.4000 | 1.250 | - |" in text
-    assert "| pdl | log_mass | 64 | FAILED: AssertionError: pdl off and on disagree |" in text
-    assert gpu.switch_comparison({**context, "backends": ["triton"]}, ["pdl"]) == []
-    assert gpu.switch_comparison(context, []) == []
+    by_case = {(r["variant"], r["op"], r["B"]): r for r in rows}
+    assert gpu.variant_goal(by_case["fold", "sum", 32], main) == "10.0x / 12.5x the reference"
+    # (the goals are on the kernels' time: none for a variant timed through the dispatcher)
+    assert gpu.variant_goal(by_case["row_check", "sum", 32], main) == "-"
+    assert gpu.variant_goal(by_case["fold", "log_mass", 8], main) == "-"
+    assert gpu.variant_goal(by_case["fold", "sum", 32], []) == "-"
+    text = gpu.table([], {}, "cmd", variant_rows=rows)
+    assert "| fold | sum | 32 | kernels | 0.5000 | 0.4000 | 1.250 | - |" in text
+    assert "| row_check | sum | 8 | dispatch | 0.5000 | 0.4000 | 1.250 | - |" in text
+    assert ("| fold | log_mass | 64 | kernels | FAILED: AssertionError: fold off and on "
+            "disagree |") in text
+    assert gpu.variant_comparison({**context, "backends": ["triton"]}, ["fold"]) == []
+    assert gpu.variant_comparison(context, []) == []

@@ -1,4 +1,4 @@
-"""bench.sass_loops: loop bodies found in SASS, and the real kernels compile into it."""
+"""tools.gpu.sass_loops: loop bodies found in SASS, and the real kernels compile into it."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from bench import sass_loops
+from tools.gpu import sass_loops
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SASS = """\
 .text.kern_a:
@@ -50,7 +50,7 @@ def test_every_tile_kernel_is_found_and_has_loops():
     # makes interpreter objects, which do not compile
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "bench.sass_loops"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "tools.gpu.sass_loops"], capture_output=True,
                           text=True, env=env, cwd=REPO, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()

@@ -1,7 +1,7 @@
 """Static cost of the GPU kernels' loops, without a GPU: compile for sm_90 and count SASS.
 
-    python -m bench.sass_loops                 # the tile kernels, Triton and CUDA
-    python -m bench.sass_loops --sass DIR      # also keep each kernel's SASS in DIR
+    python -m tools.gpu.sass_loops                 # the tile kernels, Triton and CUDA
+    python -m tools.gpu.sass_loops --sass DIR      # also keep each kernel's SASS in DIR
 
 Compiles the Triton tile kernels through Triton's own pipeline (as
 ``tests/ops/test_triton_sm90.py`` does) and ``csrc/trie_reduce_cuda.cu`` with nvcc
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

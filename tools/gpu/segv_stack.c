@@ -1,6 +1,6 @@
-/* The native stack of a crash, for machines without gdb (the lent GPU machine has none).
+/* The native stack of a crash, for machines without gdb (the H100 and H200 machines had none).
  *
- *   cc -shared -fPIC -O1 -o /tmp/segv_stack.so scripts/segv_stack.c
+ *   cc -shared -fPIC -O1 -o /tmp/segv_stack.so tools/gpu/segv_stack.c
  *   LD_PRELOAD=/tmp/segv_stack.so python -m pytest ...
  *
  * On SIGSEGV, SIGBUS, SIGFPE, SIGILL or SIGABRT it writes glibc's backtrace of the crashing
@@ -17,7 +17,7 @@
 static const int kSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
 
 static void on_fatal(int sig) {
-  static const char head[] = "\n== native stack (scripts/segv_stack.c)\n";
+  static const char head[] = "\n== native stack (tools/gpu/segv_stack.c)\n";
   void* frames[64];
   const int n = backtrace(frames, 64);
   (void)!write(2, head, sizeof head - 1);

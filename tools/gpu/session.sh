@@ -1,24 +1,24 @@
 #!/usr/bin/env bash
-# On a lent GPU machine (the device tool; README "GPU sessions"):
-#     bash scripts/gpu_session.sh tests    # build with the CUDA kernels, run the GPU tests
-#     bash scripts/gpu_session.sh bench    # python -m bench.gpu --switches pdl stage fold chunk
-#                                          #   align --sweep (Llama-3)
-#     bash scripts/gpu_session.sh profile  # ncu on the CUDA kernels (and their DRAM traffic
+# On a GPU machine reached through a remote runner (tools/gpu/README.md):
+#     bash tools/gpu/session.sh tests    # build with the CUDA kernels, run the GPU tests
+#     bash tools/gpu/session.sh bench    # python -m tools.gpu.bench --variants fold row_check
+#                                          #   --sweep (Llama-3)
+#     bash tools/gpu/session.sh profile  # ncu on the CUDA kernels (and their DRAM traffic
 #                                          # with the caches as the pipeline leaves them,
 #                                          # and what the tile and span kernels wait on)
-#     bash scripts/gpu_session.sh all      # all three in one device call: build, bench,
+#     bash tools/gpu/session.sh all      # all three in one remote call: build, bench,
 #                                          # profile (at most PROFILE_S = 80 s), tests
 # Each step installs what it needs first (once per machine): the wheels that
-# scripts/gpu_prepare.sh put in .whl/ (carried), and genlm_fast with its CUDA extension.
-# Logs and results go to $OUT, which the device tool sends back.
+# tools/gpu/prepare.sh put in .whl/ (carried), and genlm_fast with its CUDA extension.
+# Logs and results go to $OUT, which the runner sends back.
 #
-# The lent machine (H100/H200, Python 3.12, torch with CUDA, Triton, nvcc) has no internet and
-# lacks a few packages: first, here, `bash scripts/gpu_prepare.sh` puts their wheels in .whl/
-# (~5 MB); then run `all` as one device-tool command carrying [".whl"] (a machine goes back
+# The GPU machine (H100/H200, Python 3.12, torch with CUDA, Triton, nvcc) has no internet and
+# lacks a few packages: first, here, `bash tools/gpu/prepare.sh` puts their wheels in .whl/
+# (~5 MB); then run `all` as one remote command carrying [".whl"] (a machine goes back
 # 30 s after a call, so two calls usually mean two builds; `all` bounds the benchmark and the
 # tests with timeouts that share what the build leaves of TOTAL_S = 585 s (BENCH_S and
 # TESTS_S override them), to fit the 10-minute limit; PYTEST_ARGS adds pytest arguments,
-# BENCH_ARGS replaces the benchmark's --switches pdl stage fold chunk align --sweep). What
+# BENCH_ARGS replaces the benchmark's --variants fold row_check --sweep). What
 # comes back: the benchmark table, the test log, env.txt and, if a test crashed the
 # interpreter, its C stack (crash.txt); the rest (build log, test reports, the sm_90 compile
 # table, the ncu reports ncu-*.txt) in logs.tar.gz, as the tool brings back 8 files. Commit
@@ -26,7 +26,7 @@
 # SmolLM2's vocabulary cases are left out there (its tokenizer ships in a 96 MB GGUF, over
 # the transfer limit).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -45,7 +45,7 @@ sys.exit(0 if e.has('cuda') and not e.stale_reason() else 1)" 2>/dev/null
 
 setup() {
   if [ ! -f /tmp/site/.done ]; then
-    [ -d .whl ] || { echo "no .whl/: run scripts/gpu_prepare.sh here and carry .whl" >&2; exit 1; }
+    [ -d .whl ] || { echo "no .whl/: run tools/gpu/prepare.sh here and carry .whl" >&2; exit 1; }
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && touch /tmp/site/.done || exit 1
   fi
@@ -72,7 +72,7 @@ setup() {
 }
 
 # The C stack of the test $1, which kills the interpreter: gdb's where there is one
-# ($GDB, default gdb), else glibc's backtrace from scripts/segv_stack.c (LD_PRELOAD), its
+# ($GDB, default gdb), else glibc's backtrace from tools/gpu/segv_stack.c (LD_PRELOAD), its
 # frames in genlm_fast's extension named by addr2line.
 native_stack() {
   local python stack
@@ -80,7 +80,7 @@ native_stack() {
   if command -v "${GDB:-gdb}" >/dev/null; then
     timeout 120 "${GDB:-gdb}" -q -batch -ex run -ex bt --args "$python" -m pytest -q \
       -p no:cacheprovider "$1" 2>&1 | sed -n '/received signal/,$p' | head -40
-  elif cc -shared -fPIC -O1 -o /tmp/segv_stack.so scripts/segv_stack.c; then
+  elif cc -shared -fPIC -O1 -o /tmp/segv_stack.so tools/gpu/segv_stack.c; then
     # -s: pytest must not capture fd 2, where the handler writes
     stack=$(LD_PRELOAD=/tmp/segv_stack.so timeout 120 "$python" -m pytest -q -s \
       -p no:cacheprovider "$1" 2>&1 | sed -n '/Fatal Python error/,$p' | head -120)
@@ -101,15 +101,15 @@ run_tests() {
   $PY tests/ops/test_triton_sm90.py >"$OUT/sm90-compile.txt" 2>&1
   # A test that kills the interpreter (a signal: rc > 128) would end the run there; its
   # C stack goes to $OUT/crash.txt (native_stack) and the run goes on with the
-  # tests not yet run (scripts/gpu_session_progress.py lists the finished ones), up to 3 times.
+  # tests not yet run (tools/gpu/session_progress.py lists the finished ones), up to 3 times.
   # pytest's faulthandler names the test in the log, which collects every attempt (each
   # attempt has its own XML report).
   local deselect=() crashes=() rc crashed done_log="$OUT/tests-done.txt"
   : >"$done_log"; : >"$done_log.failures"
   for attempt in 1 2 3 4; do
-    PYTEST_DONE_LOG=$done_log PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" \
+    PYTEST_DONE_LOG=$done_log \
       $PY -m pytest ${TEST_PATHS:-$GPU_TESTS} -q -ra -k "not smollm2" \
-      -p no:cacheprovider -p gpu_session_progress --durations=10 \
+      -p no:cacheprovider -p tools.gpu.session_progress --durations=10 \
       --junitxml="$OUT/tests-ops-$attempt.xml" ${PYTEST_ARGS:-} "${deselect[@]}" 2>&1 \
       | tee -a "$OUT/tests-ops.log"
     rc=${PIPESTATUS[0]}
@@ -130,7 +130,7 @@ run_tests() {
 }
 
 run_profile() {
-  # ncu on the third call's row pass, tile and span kernels (bench/gpu_profile.py: the CUDA
+  # ncu on the third call's row pass, tile and span kernels (tools/gpu/profile_call.py: the CUDA
   # log_mass at B=64 and sum at B=32, the goals' shapes; 3 of them per call: at these
   # batches the row pass stages the rows, and for log_mass also takes the partial lse);
   # where the machine withholds the performance counters, the report says so
@@ -142,7 +142,7 @@ run_profile() {
     "$ncu" --kernel-name regex:'row_pass|tile_kernel|span_kernel' \
       --launch-skip $((2 * per_call)) --launch-count "$per_call" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-      --section WarpStateStats $PY -m bench.gpu_profile --op "$op" --batch "$batch" \
+      --section WarpStateStats $PY -m tools.gpu.profile_call --op "$op" --batch "$batch" \
       >"$OUT/ncu-$op-B$batch.txt" 2>&1
     echo "ncu $op B=$batch: exit $? ($OUT/ncu-$op-B$batch.txt)"
   done
@@ -155,7 +155,7 @@ run_profile() {
     "$ncu" --cache-control none --kernel-name regex:'row_pass|row_lse_merge|tile_kernel|span_kernel' \
       --launch-skip $((2 * per_call)) --launch-count "$per_call" \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
-      $PY -m bench.gpu_profile --op "$op" --batch "$batch" \
+      $PY -m tools.gpu.profile_call --op "$op" --batch "$batch" \
       >"$OUT/ncu-pipeline-$op-B$batch.txt" 2>&1
     echo "ncu (caches kept) $op B=$batch: exit $? ($OUT/ncu-pipeline-$op-B$batch.txt)"
   done
@@ -163,33 +163,32 @@ run_profile() {
   # stall reason's warps per issued instruction, one counter a reason
   "$ncu" --kernel-name regex:'tile_kernel|span_kernel' --launch-skip 4 --launch-count 2 \
     --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$' \
-    $PY -m bench.gpu_profile --op log_mass --batch 64 >"$OUT/ncu-stalls-log_mass-B64.txt" 2>&1
+    $PY -m tools.gpu.profile_call --op log_mass --batch 64 >"$OUT/ncu-stalls-log_mass-B64.txt" 2>&1
   echo "ncu stalls log_mass B=64: exit $? ($OUT/ncu-stalls-log_mass-B64.txt)"
-  # The tile kernel's stores with GENLM_FAST_CUDA_ALIGN off and on (log_mass B=64, the third
-  # call): the global stores' L1 requests and sectors, the L2's write requests and sectors
-  # (from the SMs), DRAM bytes, the instructions executed (the aligned stores look up each
-  # id's source once a store, not once a lane) and how often the schedulers issue. Last: a
-  # metric this ncu lacks costs only these two reports.
-  local stores=l1tex__t_requests_pipe_lsu_mem_global_op_st.sum
-  stores+=,l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum
-  stores+=,lts__t_requests_srcunit_tex_op_write.sum,lts__t_sectors_srcunit_tex_op_write.sum
-  stores+=,dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum
-  stores+=,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active
-  for align in 0 1; do
-    GENLM_FAST_CUDA_ALIGN=$align "$ncu" --kernel-name regex:tile_kernel --launch-skip 2 \
-      --launch-count 1 --metrics "$stores" $PY -m bench.gpu_profile --op log_mass --batch 64 \
-      >"$OUT/ncu-stores-align$align-log_mass-B64.txt" 2>&1
-    echo "ncu stores (align=$align) log_mass B=64: exit $?"
-  done
+  # The same two with the fold variant (CudaOptions.fold: the tile kernel reduces the narrow
+  # spanning nodes, the span pass only the widest): each kernel's DRAM traffic as the
+  # pipeline leaves the caches, and what the tile and span kernels wait on (the look-back's
+  # polls show as waits in the tile kernel)
+  "$ncu" --cache-control none --kernel-name regex:'row_pass|row_lse_merge|tile_kernel|span_kernel' \
+    --launch-skip 8 --launch-count 4 \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+    $PY -m tools.gpu.profile_call --op log_mass --batch 64 --fold \
+    >"$OUT/ncu-pipeline-fold-log_mass-B64.txt" 2>&1
+  echo "ncu (caches kept, fold) log_mass B=64: exit $?"
+  "$ncu" --kernel-name regex:'tile_kernel|span_kernel' --launch-skip 4 --launch-count 2 \
+    --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$' \
+    $PY -m tools.gpu.profile_call --op log_mass --batch 64 --fold \
+    >"$OUT/ncu-stalls-fold-log_mass-B64.txt" 2>&1
+  echo "ncu stalls (fold) log_mass B=64: exit $?"
 }
 
 run_bench() {
   # --sweep: after the main table (written first), the Triton kernels' launch configurations
-  $PY -m bench.gpu ${BENCH_ARGS---switches pdl stage fold chunk align --sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
+  $PY -m tools.gpu.bench ${BENCH_ARGS---variants fold row_check --sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
   return "${PIPESTATUS[0]}"
 }
 
-# The device tool brings back at most 8 files: the table, the test log, the environment and
+# The runner brings back at most 8 files: the table, the test log, the environment and
 # a crash report stay as they are, everything else goes into $OUT/logs.tar.gz.
 bundle_outputs() {
   local rest
@@ -207,7 +206,7 @@ case "${1:-}" in
     setup
     export -f run_bench run_profile run_tests native_stack
     export OUT PY GPU_TESTS
-    # what the build left of TOTAL_S (the device tool's 600 s, less a margin for the
+    # what the build left of TOTAL_S (the runner's 600 s, less a margin for the
     # transfers): 53% to the benchmark, the rest to the tests, unless BENCH_S/TESTS_S say
     left=$(( ${TOTAL_S:-585} - SECONDS )); [ "$left" -ge 120 ] || left=120
     timeout "${BENCH_S:-$(( left * 53 / 100 ))}" bash -c run_bench; bench_rc=$?
@@ -218,7 +217,7 @@ case "${1:-}" in
     exit $(( bench_rc || tests_rc ))
     ;;
   *)
-    echo "usage: bash scripts/gpu_session.sh tests|bench|profile|all" >&2
+    echo "usage: bash tools/gpu/session.sh tests|bench|profile|all" >&2
     exit 2
     ;;
 esac

@@ -3,14 +3,15 @@
     ncu --kernel-name regex:'row_pass|tile_kernel|span_kernel' --launch-skip 6 \\
         --launch-count 3 --section SpeedOfLight --section MemoryWorkloadAnalysis \\
         --section Occupancy --section WarpStateStats \\
-        python -m bench.gpu_profile --op log_mass --batch 64
+        python -m tools.gpu.profile_call --op log_mass --batch 64
 
-Builds the vocabulary's trie (Llama-3 by default, as ``bench.gpu``), then runs the backend's
+Builds the vocabulary's trie (Llama-3 by default, as ``tools.gpu.bench``), then runs the backend's
 kernels alone (``dispatch.run_backend``) ``--calls`` times (default 3) on random logits (sum
 and max: their softmax): with the selection above, ncu skips the first two calls' row pass,
 tile and span kernels and profiles the third's (the row pass: log_mass always, sum and max
 from B=8 on, where it stages the rows; below that sum and max have none: skip 4, count 2).
-``scripts/gpu_session.sh profile`` runs it so.
+``--fold`` launches the CUDA kernels with the fold variant (``CudaOptions``): the span pass
+then reduces only the widest spanning nodes. ``tools/gpu/session.sh profile`` runs it so.
 ``--dry-run-cpu`` runs the same on a few hundred tokens on the CPU (Triton interpreter): CI
 checks the script that way.
 """
@@ -27,14 +28,17 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="cuda", help="cuda (default) or triton")
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--vocab", default="llama3", help="quicktok encoding (default llama3)")
+    parser.add_argument("--fold", action="store_true",
+                        help="the CUDA launch's fold variant (CudaOptions.fold)")
     parser.add_argument("--dry-run-cpu", action="store_true")
     args = parser.parse_args(argv)
 
     import torch
 
     from bench import kernels as K
-    from bench.gpu import DRY_RUN_TOKENS, kernel_call, load_vocab
     from genlm_fast.bytes import TokenByteTrie
+    from genlm_fast.ops.cuda_backend import CudaOptions
+    from tools.gpu.bench import DRY_RUN_TOKENS, kernel_call, load_vocab
 
     device = "cpu" if args.dry_run_cpu else "cuda"
     backend = "triton" if args.dry_run_cpu else args.backend
@@ -43,7 +47,8 @@ def main(argv=None) -> int:
     layout = TokenByteTrie(vocab, device=device, kernel_backend=backend).layout
     logits, probs = K.make_inputs(len(vocab), args.batch)
     x = (logits if args.op == "log_mass" else probs).to(device).contiguous()
-    call = kernel_call(backend, x, layout, args.op)
+    options = CudaOptions(fold=args.fold) if backend == "cuda" else None
+    call = kernel_call(backend, x, layout, args.op, cuda_options=options)
     for _ in range(args.calls):
         out = call()
     if device == "cuda":

@@ -79,7 +79,7 @@ RULES = (
     ("genlm-control", "/genlm/control/", None),
     ("genlm-control", "/genlm/grammar/", None),
     ("genlm-control", "/arsenal/", None),
-    ("waiting", "/selectors.py", None),  # the event loop blocked: a batch timer, nothing to run
+    ("waiting", "/selectors.py", None),  # the event loop polling for I/O (see StackSampler)
 )
 PROFILE_COLUMNS = ["LM forward", "LM backend", "trie", "byte beam", "genlm-control", "waiting",
                    "other"]
@@ -104,32 +104,53 @@ def _category(frame, cache):
 
 
 class StackSampler:
-    """Counts, every ``interval`` seconds, which category the main thread is in."""
+    """Counts, every ``interval`` seconds, which category the main thread is in.
 
-    def __init__(self, interval=0.001):
+    With ``loop`` (the asyncio loop the programs run on), its selector's ``select`` is
+    watched: a sample there counts as ``waiting`` only while the call may block (a
+    timeout that is not 0: the loop has nothing to run until a timer, such as a batch's,
+    runs out); the loop's non-blocking polls between callbacks count as ``other``."""
+
+    def __init__(self, interval=0.001, loop=None):
         self.interval = interval
         self.counts = dict.fromkeys(PROFILE_COLUMNS, 0)
         self._stop = threading.Event()
         self._target = threading.main_thread().ident
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._switch = None
+        self._selector = getattr(loop, "_selector", None)
+        self._blocking = False
 
     def _run(self):
         cache = {}
         while not self._stop.wait(self.interval):
             frame = sys._current_frames().get(self._target)
             if frame is not None:
-                self.counts[_category(frame, cache)] += 1
+                category = _category(frame, cache)
+                if category == "waiting" and not self._blocking:
+                    category = "other"
+                self.counts[category] += 1
+
+    def _watched_select(self, timeout=None):
+        self._blocking = timeout is None or timeout > 0
+        try:
+            return type(self._selector).select(self._selector, timeout)
+        finally:
+            self._blocking = False
 
     def __enter__(self):
         self._switch = sys.getswitchinterval()
         sys.setswitchinterval(self.interval / 2)  # let the sampler in during pure Python
+        if self._selector is not None:
+            self._selector.select = self._watched_select
         self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
+        if self._selector is not None:
+            del self._selector.select
         sys.setswitchinterval(self._switch)
 
     def shares(self):
@@ -191,7 +212,7 @@ def worker(impl: str) -> None:
     for line in sys.stdin:
         request = json.loads(line)
         try:
-            sampler = StackSampler() if request.get("profile") else None
+            sampler = StackSampler(loop=loop) if request.get("profile") else None
             calls = counter()
             begin = time.perf_counter()
             if sampler is not None:
@@ -371,7 +392,8 @@ def report(rows, profiles=None, info=None, command=None) -> str:
                   "builds its batch and stores its states), `LM backend` the rest of the LM "
                   "layer (queueing, batching, output caches), `trie` the tries, `byte beam` "
                   "the byte-level beam, `genlm-control` genlm-control and genlm-grammar's own "
-                  "Python, `waiting` the event loop blocked (a batch timer running out), "
+                  "Python, `waiting` the event loop blocked with nothing to run (until a "
+                  "timer, such as a batch's, runs out), "
                   "`other` the rest (event loop, glue).", "",
                   "| program | impl | " + " | ".join(PROFILE_COLUMNS) + " |",
                   "|---|---|" + "---:|" * len(PROFILE_COLUMNS)]

@@ -489,9 +489,10 @@ class AsyncTransformer(BatchedAsyncLM):
         Returns:
             (tuple): ``(node, next_token_index, past, base)``: the deepest `CacheNode` on
             the path and how many tokens it matched (all of them exactly when the answer
-            for ``token_ids`` is cached or its states are stored); ``past``, a ``DynamicCache`` of the
-            states of ``token_ids[:base]``, the longest fully stored prefix that leaves at
-            least one token to run (None, with ``base`` 0, when there is none).
+            for ``token_ids`` is cached or its states are stored); ``past``, a
+            ``DynamicCache`` of the states of ``token_ids[:base]``, the longest fully stored
+            prefix that leaves at least one token to run (None, with ``base`` 0, when there
+            is none).
             ``add_query(token_ids[base:], future, past)`` runs the rest on it.
         """
         self._check_open()

@@ -53,13 +53,25 @@ GOAL_GEOMEAN = 4.0
 # of genlm_fast's llm package but the interface, the batcher and the checks; genlm's
 # ``_evaluate_queries`` and its helpers); "LM backend" is the rest of the LM layer (queueing,
 # batching, output caches). A sample goes to the innermost frame that some rule matches.
-_GENLM_FORWARD = {"_evaluate_queries", "batch_evaluate_queries", "past_padded",
-                  "prompt_padded", "attention_mask", "position_ids", "cache_kv",
-                  "next_token_logprobs_uncached"}
-_FAST_LM_LAYER = ("/genlm_fast/backend/llm/base.py", "/genlm_fast/backend/llm/batched.py",
-                  "/genlm_fast/backend/llm/batcher.py", "/genlm_fast/backend/llm/checks.py",
-                  "/genlm_fast/backend/llm/cache_view.py", "/genlm_fast/backend/llm/mock.py",
-                  "/genlm_fast/backend/cache.py")
+_GENLM_FORWARD = {
+    "_evaluate_queries",
+    "batch_evaluate_queries",
+    "past_padded",
+    "prompt_padded",
+    "attention_mask",
+    "position_ids",
+    "cache_kv",
+    "next_token_logprobs_uncached",
+}
+_FAST_LM_LAYER = (
+    "/genlm_fast/backend/llm/base.py",
+    "/genlm_fast/backend/llm/batched.py",
+    "/genlm_fast/backend/llm/batcher.py",
+    "/genlm_fast/backend/llm/checks.py",
+    "/genlm_fast/backend/llm/cache_view.py",
+    "/genlm_fast/backend/llm/mock.py",
+    "/genlm_fast/backend/cache.py",
+)
 RULES = (
     *(("LM backend", fragment, None) for fragment in _FAST_LM_LAYER),
     ("LM forward", "/genlm_fast/backend/llm/", None),
@@ -81,8 +93,15 @@ RULES = (
     ("genlm-control", "/arsenal/", None),
     ("waiting", "/selectors.py", None),  # the event loop polling for I/O (see StackSampler)
 )
-PROFILE_COLUMNS = ["LM forward", "LM backend", "trie", "byte beam", "genlm-control", "waiting",
-                   "other"]
+PROFILE_COLUMNS = [
+    "LM forward",
+    "LM backend",
+    "trie",
+    "byte beam",
+    "genlm-control",
+    "waiting",
+    "other",
+]
 
 
 def _category(frame, cache):
@@ -92,8 +111,9 @@ def _category(frame, cache):
         if found is None:
             found = ""
             for name, fragment, functions in RULES:
-                if fragment in code.co_filename and (functions is None
-                                                     or code.co_name in functions):
+                if fragment in code.co_filename and (
+                    functions is None or code.co_name in functions
+                ):
                     found = name
                     break
             cache[code] = found
@@ -162,9 +182,11 @@ class StackSampler:
 
 
 def _outcome_json(outcome):
-    return {"particles": [[text.hex(), weight] for text, weight in outcome.particles],
-            "scores": outcome.scores,
-            "constraint": outcome.constraint}
+    return {
+        "particles": [[text.hex(), weight] for text, weight in outcome.particles],
+        "scores": outcome.scores,
+        "constraint": outcome.constraint,
+    }
 
 
 def _lm_counter(llm):
@@ -205,8 +227,16 @@ def worker(impl: str) -> None:
     expected = "genlm_fast." if impl == "genlm_fast" else "genlm.backend."
     if not module.startswith(expected):
         raise RuntimeError(f"the {impl} worker loaded {module}.{type(llm).__name__}")
-    out.write(json.dumps({"ready": True, "load_seconds": time.perf_counter() - start,
-                          "lm": f"{module}.{type(llm).__name__}"}) + "\n")
+    out.write(
+        json.dumps(
+            {
+                "ready": True,
+                "load_seconds": time.perf_counter() - start,
+                "lm": f"{module}.{type(llm).__name__}",
+            }
+        )
+        + "\n"
+    )
     counter = _lm_counter(llm)
     loop = asyncio.new_event_loop()
     for line in sys.stdin:
@@ -218,21 +248,29 @@ def worker(impl: str) -> None:
             if sampler is not None:
                 with sampler:
                     outcome = loop.run_until_complete(
-                        programs.run_program(request["program"], llm, request["seed"]))
+                        programs.run_program(request["program"], llm, request["seed"])
+                    )
             else:
                 outcome = loop.run_until_complete(
-                    programs.run_program(request["program"], llm, request["seed"]))
+                    programs.run_program(request["program"], llm, request["seed"])
+                )
             seconds = time.perf_counter() - begin
             done = counter()
-            reply = {"seconds": seconds, "outcome": _outcome_json(outcome),
-                     "lm_calls": done[0] - calls[0], "lm_rows": done[1] - calls[1],
-                     "violations": programs.violations(outcome),
-                     "profile": sampler.shares() if sampler else None}
+            reply = {
+                "seconds": seconds,
+                "outcome": _outcome_json(outcome),
+                "lm_calls": done[0] - calls[0],
+                "lm_rows": done[1] - calls[1],
+                "violations": programs.violations(outcome),
+                "profile": sampler.shares() if sampler else None,
+            }
         except Exception as error:  # noqa: BLE001 - reported to the coordinator
             import traceback
 
-            reply = {"error": f"{type(error).__name__}: {error}",
-                     "traceback": traceback.format_exc()[-4000:]}
+            reply = {
+                "error": f"{type(error).__name__}: {error}",
+                "traceback": traceback.format_exc()[-4000:],
+            }
         out.write(json.dumps(reply) + "\n")
     # genlm-control leaves tasks of its own waiting (JSON-schema parsers): end them quietly
     pending = asyncio.all_tasks(loop)
@@ -249,17 +287,25 @@ class Workers:
     (raising RuntimeError with the worker's traceback if the program failed)."""
 
     def __init__(self, impls=IMPLS, timeout=900):
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH"))
-                                              if p))
+        env = dict(
+            os.environ,
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+        )
         self.timeout = timeout
         self.procs = {}
         self.info = {}
         for impl in impls:  # loaded one after the other: loading is not timed anyway
             proc = subprocess.Popen(
-                [sys.executable, "-W", "ignore", "-m", "bench.genlm_programs", "--worker",
-                 impl], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                env=env, bufsize=1)
+                [sys.executable, "-W", "ignore", "-m", "bench.genlm_programs", "--worker", impl],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+                env=env,
+                bufsize=1,
+            )
             self.procs[impl] = proc
             self.info[impl] = self._read(impl)
 
@@ -272,13 +318,13 @@ class Workers:
 
     def run(self, impl, program, seed=0, profile=False):
         proc = self.procs[impl]
-        proc.stdin.write(json.dumps({"program": program, "seed": seed,
-                                     "profile": profile}) + "\n")
+        proc.stdin.write(json.dumps({"program": program, "seed": seed, "profile": profile}) + "\n")
         proc.stdin.flush()
         reply = self._read(impl)
         if "error" in reply:
-            raise RuntimeError(f"{program} failed on {impl}: {reply['error']}\n"
-                               f"{reply['traceback']}")
+            raise RuntimeError(
+                f"{program} failed on {impl}: {reply['error']}\n{reply['traceback']}"
+            )
         return reply
 
     def close(self):
@@ -312,15 +358,18 @@ def run_rounds(workers, programs, rounds, seed=0, log=None):
                 reply = workers.run(impl, program, seed)
                 results[program][impl].append(reply)
                 if log:
-                    log(f"round {r + 1}/{rounds} {program:15s} {impl:10s} "
-                        f"{reply['seconds']:7.2f} s")
+                    log(
+                        f"round {r + 1}/{rounds} {program:15s} {impl:10s} {reply['seconds']:7.2f} s"
+                    )
     return results
 
 
 def profile(workers, programs, seed=0):
     """``{program: {impl: shares}}`` from one sampled run each."""
-    return {p: {impl: workers.run(impl, p, seed, profile=True)["profile"]
-                for impl in workers.procs} for p in programs}
+    return {
+        p: {impl: workers.run(impl, p, seed, profile=True)["profile"] for impl in workers.procs}
+        for p in programs
+    }
 
 
 def best(replies):
@@ -343,7 +392,9 @@ def summary(results):
             pairs = zip(by_impl["genlm"], by_impl["genlm_fast"])
             row["same_particles"] = all(
                 [p[0] for p in a["outcome"]["particles"]]
-                == [p[0] for p in b["outcome"]["particles"]] for a, b in pairs)
+                == [p[0] for p in b["outcome"]["particles"]]
+                for a, b in pairs
+            )
         rows.append(row)
     return rows
 
@@ -359,44 +410,60 @@ def report(rows, profiles=None, info=None, command=None) -> str:
         lines += [f"- {k}: {v}" for k, v in info.items()] + [""]
     if command:
         lines += [f"Command: `{command}`", ""]
-    lines += ["Best of the interleaved rounds, wall seconds per program run (model loaded "
-              "once per implementation, untimed; LM caches emptied and every random source "
-              "seeded before each run). Goal: every program >= "
-              f"{GOAL_EACH}x, geometric mean >= {GOAL_GEOMEAN}x.", "",
-              "`first`: the program's first run in its worker (imports done before; "
-              "one-time lazy set-up, such as packing weights or compiling kernels, included). "
-              "`LM calls`: forwards / contexts run in one run (genlm_fast first).", "",
-              "| program | genlm (s) | genlm_fast (s) | speedup | first: genlm / genlm_fast (s)"
-              " | LM calls | same particles | constraints |",
-              "|---|---:|---:|---:|---:|---:|:---:|---|"]
-    nan = float("nan")
+    lines += [
+        "Best of the interleaved rounds, wall seconds per program run (model loaded "
+        "once per implementation, untimed; LM caches emptied and every random source "
+        "seeded before each run). Goal: every program >= "
+        f"{GOAL_EACH}x, geometric mean >= {GOAL_GEOMEAN}x.",
+        "",
+        "`first`: the program's first run in its worker (imports done before; "
+        "one-time lazy set-up, such as packing weights or compiling kernels, included). "
+        "`LM calls`: forwards / contexts run in one run (genlm_fast first).",
+        "",
+        "| program | genlm (s) | genlm_fast (s) | speedup | first: genlm / genlm_fast (s)"
+        " | LM calls | same particles | constraints |",
+        "|---|---:|---:|---:|---:|---:|:---:|---|",
+    ]
+
+    def cell(row, key, form="{:.2f}"):  # "-" for what a one-sided run has not
+        return form.format(row[key]) if key in row else "-"
+
     for row in rows:
         bad = row.get("genlm_violations", []) + row.get("genlm_fast_violations", [])
+        same = {True: "yes", False: "no", None: "-"}[row.get("same_particles")]
         lines.append(
-            f"| {row['program']} | {row.get('genlm', nan):.2f} | "
-            f"{row.get('genlm_fast', nan):.2f} | {row.get('speedup', nan):.2f}x | "
-            f"{row.get('genlm_first', nan):.2f} / {row.get('genlm_fast_first', nan):.2f} | "
-            f"{row.get('genlm_fast_calls', '')} vs {row.get('genlm_calls', '')} | "
-            f"{'yes' if row.get('same_particles') else 'no'} | "
-            f"{'held' if not bad else '; '.join(bad)[:200]} |")
+            f"| {row['program']} | {cell(row, 'genlm')} | {cell(row, 'genlm_fast')} | "
+            f"{cell(row, 'speedup', '{:.2f}x')} | "
+            f"{cell(row, 'genlm_first')} / {cell(row, 'genlm_fast_first')} | "
+            f"{cell(row, 'genlm_fast_calls', '{}')} vs {cell(row, 'genlm_calls', '{}')} | "
+            f"{same} | {'held' if not bad else '; '.join(bad)[:200]} |"
+        )
     speedups = [row["speedup"] for row in rows if "speedup" in row]
     if speedups:
         gm = geomean(speedups)
         met = all(s >= GOAL_EACH for s in speedups) and gm >= GOAL_GEOMEAN
-        lines += ["", f"Geometric mean: {gm:.2f}x (goal {GOAL_GEOMEAN}x); slowest "
-                  f"{min(speedups):.2f}x (goal {GOAL_EACH}x): {'met' if met else 'NOT met'}."]
+        lines += [
+            "",
+            f"Geometric mean: {gm:.2f}x (goal {GOAL_GEOMEAN}x); slowest "
+            f"{min(speedups):.2f}x (goal {GOAL_EACH}x): {'met' if met else 'NOT met'}.",
+        ]
     if profiles:
-        lines += ["", "## Where the time goes", "",
-                  "Share of one sampled run, applied to the best time (seconds): "
-                  "`LM forward` the forward pass (the model, and the backend code that "
-                  "builds its batch and stores its states), `LM backend` the rest of the LM "
-                  "layer (queueing, batching, output caches), `trie` the tries, `byte beam` "
-                  "the byte-level beam, `genlm-control` genlm-control and genlm-grammar's own "
-                  "Python, `waiting` the event loop blocked with nothing to run (until a "
-                  "timer, such as a batch's, runs out), "
-                  "`other` the rest (event loop, glue).", "",
-                  "| program | impl | " + " | ".join(PROFILE_COLUMNS) + " |",
-                  "|---|---|" + "---:|" * len(PROFILE_COLUMNS)]
+        lines += [
+            "",
+            "## Where the time goes",
+            "",
+            "Share of one sampled run, applied to the best time (seconds): "
+            "`LM forward` the forward pass (the model, and the backend code that "
+            "builds its batch and stores its states), `LM backend` the rest of the LM "
+            "layer (queueing, batching, output caches), `trie` the tries, `byte beam` "
+            "the byte-level beam, `genlm-control` genlm-control and genlm-grammar's own "
+            "Python, `waiting` the event loop blocked with nothing to run (until a "
+            "timer, such as a batch's, runs out), "
+            "`other` the rest (event loop, glue).",
+            "",
+            "| program | impl | " + " | ".join(PROFILE_COLUMNS) + " |",
+            "|---|---|" + "---:|" * len(PROFILE_COLUMNS),
+        ]
         by_name = {row["program"]: row for row in rows}
         for program, by_impl in profiles.items():
             for impl, shares in by_impl.items():
@@ -417,8 +484,9 @@ def plot(rows, path) -> None:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.38
     ax.bar([i - width / 2 for i in x], [row["genlm"] for row in rows], width, label="genlm")
-    ax.bar([i + width / 2 for i in x], [row["genlm_fast"] for row in rows], width,
-           label="genlm_fast")
+    ax.bar(
+        [i + width / 2 for i in x], [row["genlm_fast"] for row in rows], width, label="genlm_fast"
+    )
     ax.set_xticks(list(x), names, rotation=30, ha="right")
     ax.set_ylabel("seconds per run (best)")
     ax.legend()
@@ -446,8 +514,7 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
-    parser.add_argument("--programs", nargs="+", choices=list(P.PROGRAMS),
-                        default=list(P.PROGRAMS))
+    parser.add_argument("--programs", nargs="+", choices=list(P.PROGRAMS), default=list(P.PROGRAMS))
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (best is kept)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-profile", action="store_true")
@@ -473,8 +540,7 @@ def main(argv=None) -> int:
             f.write(text)
         if len(args.impls) == len(IMPLS):
             plot(rows, os.path.splitext(args.out)[0] + ".png")
-    bad = [row for row in rows
-           if row.get("genlm_violations") or row.get("genlm_fast_violations")]
+    bad = [row for row in rows if row.get("genlm_violations") or row.get("genlm_fast_violations")]
     return 1 if bad else 0
 
 

@@ -38,20 +38,34 @@ README_REGEX = r" SMC is (🔥🔥|😍😍|🤌🤌) with LMs"
 PERSON_SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "enum": ["Alice", "Bob", "Charlie"],
-                 "description": "The name of the person"},
-        "age": {"type": "integer", "minimum": 20, "maximum": 80,
-                "description": "The age of the person"},
+        "name": {
+            "type": "string",
+            "enum": ["Alice", "Bob", "Charlie"],
+            "description": "The name of the person",
+        },
+        "age": {
+            "type": "integer",
+            "minimum": 20,
+            "maximum": 80,
+            "description": "The age of the person",
+        },
     },
 }
 BOOK_SCHEMA = {
     "type": "object",
     "properties": {
         "title": {"type": "string", "minLength": 1, "description": "The title of the book"},
-        "pages": {"type": "integer", "minimum": 1, "maximum": 2000,
-                  "description": "The number of pages in the book"},
-        "genre": {"type": "string", "enum": ["fiction", "non-fiction", "mystery"],
-                  "description": "The genre of the book"},
+        "pages": {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": 2000,
+            "description": "The number of pages in the book",
+        },
+        "genre": {
+            "type": "string",
+            "enum": ["fiction", "non-fiction", "mystery"],
+            "description": "The genre of the book",
+        },
     },
 }
 # SmolLM2-Instruct's end-of-turn and end-of-text tokens (the README's Llama 3.2 has its own)
@@ -183,8 +197,9 @@ async def readme_regex(llm, seed):
     fsa = BoolFSA.from_regex(README_REGEX)
     coerced_fsa = fsa.coerce(plm, f=b"".join)
     token_sampler = AWRS(plm, coerced_fsa, seed=seed)
-    sequences = await token_sampler.smc(n_particles=10, ess_threshold=0.5, max_tokens=30,
-                                        verbosity=0)
+    sequences = await token_sampler.smc(
+        n_particles=10, ess_threshold=0.5, max_tokens=30, verbosity=0
+    )
     particles, contexts = _particles(sequences)
     outcome = Outcome(particles, constraint=("regex", README_REGEX), contexts=contexts)
     return await _scored(outcome, plm, plm.tokenize(" SMC is"))
@@ -198,9 +213,12 @@ async def json_schema(llm, seed):
     plm = PromptedLLM(llm, eos_byte_strings=CHAT_EOS, temperature=0.8)
     plm.prompt_ids = plm.model.tokenizer.apply_chat_template(
         conversation=[
-            {"role": "system", "content": "You need to generate a JSON object that matches "
-             "the schema below. Only generate the JSON object on a single line with no "
-             "other text."},
+            {
+                "role": "system",
+                "content": "You need to generate a JSON object that matches "
+                "the schema below. Only generate the JSON object on a single line with no "
+                "other text.",
+            },
             {"role": "user", "content": json.dumps(PERSON_SCHEMA)},
             {"role": "assistant", "content": '{"name": "Alice", "age": 30}'},
             {"role": "user", "content": json.dumps(BOOK_SCHEMA)},
@@ -212,8 +230,9 @@ async def json_schema(llm, seed):
     schema_potential = JsonSchema(BOOK_SCHEMA)
     coerced_schema = schema_potential.coerce(plm, f=b"".join)
     token_sampler = AWRS(plm, coerced_schema, seed=seed)
-    sequences = await token_sampler.smc(n_particles=2, ess_threshold=0.5, max_tokens=30,
-                                        verbosity=0)
+    sequences = await token_sampler.smc(
+        n_particles=2, ess_threshold=0.5, max_tokens=30, verbosity=0
+    )
     particles, contexts = _particles(sequences)
     outcome = Outcome(particles, constraint=("json", BOOK_SCHEMA), contexts=contexts)
     return await _scored(outcome, plm, plm.tokenize('{"title": "'))
@@ -300,8 +319,9 @@ def violations(outcome: Outcome) -> list[str]:
             if not regex.fullmatch(spec, string, partial=True):
                 problems.append(f"{text!r}: not a prefix of a match of {spec!r}")
             elif alive and not regex.fullmatch(spec, string):
-                problems.append(f"{text!r}: finished with weight {log_weight} but does not "
-                                f"match {spec!r}")
+                problems.append(
+                    f"{text!r}: finished with weight {log_weight} but does not match {spec!r}"
+                )
         elif kind == "json" and alive:
             import jsonschema
 

@@ -61,8 +61,11 @@ def test_program(benchmark, workers, program):
     for impl, runs in replies.items():
         for reply in runs:
             assert reply["violations"] == [], (impl, reply["violations"])
-    row = {"genlm_fast": G.best(replies["genlm_fast"]),
-           "genlm_fast_violations": [], "genlm_violations": []}
+    row = {
+        "genlm_fast": G.best(replies["genlm_fast"]),
+        "genlm_fast_violations": [],
+        "genlm_violations": [],
+    }
     for impl, reply in warm.items():
         row[f"{impl}_first"] = reply["seconds"]
         row[f"{impl}_calls"] = f"{reply['lm_calls']} / {reply['lm_rows']}"
@@ -72,6 +75,7 @@ def test_program(benchmark, workers, program):
         row["speedup"] = row["genlm"] / row["genlm_fast"]
         row["same_particles"] = all(
             [p[0] for p in a["outcome"]["particles"]] == [p[0] for p in b["outcome"]["particles"]]
-            for a, b in zip(replies["genlm"], replies["genlm_fast"]))
+            for a, b in zip(replies["genlm"], replies["genlm_fast"])
+        )
         benchmark.extra_info.update(genlm_best_s=row["genlm"], speedup=row["speedup"])
     _results[program] = row

@@ -22,22 +22,35 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-
 import re
+import sys
 
 # Least number of passing tests, per suite ("" = the whole run) and per file that matters
 # (what loads a model, the tries, the beam). About 90% of what passes offline with the
 # stand-in models (scripts/make_hf_standins.py) with the default file selection.
 MINIMUM_PASSED = {
-    "genlm-backend": {"": 58, "tests/test_hf_llm.py": 14, "tests/test_trie.py": 14,
-                      "tests/test_token.py": 18, "tests/test_hf_lora.py": 2},
-    "genlm-bytes": {"": 104, "tests/test_beam.py": 13, "tests/test_healing.py": 13,
-                    "tests/test_trie.py": 20, "tests/test_util.py": 52},
-    "genlm-control": {"": 182, "tests/potential/test_llm.py": 24,
-                      "tests/potential/test_bytellm.py": 10,
-                      "tests/potential/test_canonical.py": 13,
-                      "tests/potential/test_ensemble.py": 70, "tests/test_setups.py": 9},
+    "genlm-backend": {
+        "": 58,
+        "tests/test_hf_llm.py": 14,
+        "tests/test_trie.py": 14,
+        "tests/test_token.py": 18,
+        "tests/test_hf_lora.py": 2,
+    },
+    "genlm-bytes": {
+        "": 104,
+        "tests/test_beam.py": 13,
+        "tests/test_healing.py": 13,
+        "tests/test_trie.py": 20,
+        "tests/test_util.py": 52,
+    },
+    "genlm-control": {
+        "": 182,
+        "tests/potential/test_llm.py": 24,
+        "tests/potential/test_bytellm.py": 10,
+        "tests/potential/test_canonical.py": 13,
+        "tests/potential/test_ensemble.py": 70,
+        "tests/test_setups.py": 9,
+    },
 }
 
 # node id -> (pattern the failure's message must match, why genlm_fast differs)
@@ -62,8 +75,12 @@ def pytest_runtest_logreport(report):
     if report.failed:
         _outcomes[nodeid] = "error" if report.when != "call" else "failed"
         crash = getattr(report.longrepr, "reprcrash", None)  # where it failed, and why
-        _messages.setdefault(nodeid, report.longreprtext[-2000:] if crash is None else
-                             f"{crash.path}:{crash.lineno}: {crash.message[-2000:]}")
+        _messages.setdefault(
+            nodeid,
+            report.longreprtext[-2000:]
+            if crash is None
+            else f"{crash.path}:{crash.lineno}: {crash.message[-2000:]}",
+        )
     elif report.skipped:
         _outcomes.setdefault(nodeid, "skipped")
     elif report.when == "call" and nodeid not in _outcomes:
@@ -79,8 +96,7 @@ def pytest_sessionfinish(session):
     path = os.environ.get("GENLM_SUITE_OUTCOMES")
     if path:
         with open(path, "w") as f:
-            json.dump({"outcomes": _outcomes, "messages": _messages}, f, indent=0,
-                      sort_keys=True)
+            json.dump({"outcomes": _outcomes, "messages": _messages}, f, indent=0, sort_keys=True)
 
 
 def _load(path: str) -> tuple[dict[str, str], dict[str, str]]:
@@ -103,9 +119,11 @@ def _per_file(passed) -> dict[str, int]:
 
 def _too_few(name: str, label: str, passed) -> list[str]:
     counts = _per_file(passed)
-    return [f"  TOO FEW PASSED ({label}): {where or 'the suite'}: {counts.get(where, 0)} < "
-            f"{least}" for where, least in MINIMUM_PASSED.get(name, {}).items()
-            if counts.get(where, 0) < least]
+    return [
+        f"  TOO FEW PASSED ({label}): {where or 'the suite'}: {counts.get(where, 0)} < {least}"
+        for where, least in MINIMUM_PASSED.get(name, {}).items()
+        if counts.get(where, 0) < least
+    ]
 
 
 def compare(name: str, real_path: str, dropin_path: str, regressed_path: str | None) -> int:
@@ -115,14 +133,19 @@ def compare(name: str, real_path: str, dropin_path: str, regressed_path: str | N
     accepted, regressed = [], []
     for nodeid in sorted(passed_real - passed_dropin):
         known = KNOWN_DIFFERENCES.get(nodeid)
-        if known and dropin.get(nodeid) == "failed" and re.search(known[0],
-                                                                   messages.get(nodeid, "")):
+        if (
+            known
+            and dropin.get(nodeid) == "failed"
+            and re.search(known[0], messages.get(nodeid, ""))
+        ):
             accepted.append(nodeid)
         else:
             regressed.append(nodeid)
-    print(f"{name}: passed real {len(passed_real)} / passed dropin {len(passed_dropin)} / "
-          f"failed only on dropin {len(regressed)}, known differences {len(accepted)}  "
-          f"(collected: real {len(real)}, dropin {len(dropin)})")
+    print(
+        f"{name}: passed real {len(passed_real)} / passed dropin {len(passed_dropin)} / "
+        f"failed only on dropin {len(regressed)}, known differences {len(accepted)}  "
+        f"(collected: real {len(real)}, dropin {len(dropin)})"
+    )
     for nodeid in regressed:
         print(f"  FAILED ONLY ON genlm_fast: {nodeid}  ({dropin.get(nodeid, 'not run')})")
     for nodeid in accepted:

@@ -72,8 +72,9 @@ def _save_gpt2_tokenizer(folder):
         vocab = json.load(f)
     with open(merges, encoding="utf-8") as f:
         merge_lines = [line for line in f.read().split("\n")[1:] if line]  # after #version
-    tokenizer = GPT2Tokenizer(vocab=vocab, merges=[tuple(m.split(" ")) for m in merge_lines],
-                              model_max_length=1024)
+    tokenizer = GPT2Tokenizer(
+        vocab=vocab, merges=[tuple(m.split(" ")) for m in merge_lines], model_max_length=1024
+    )
     tokenizer.save_pretrained(folder)
     shutil.copyfile(encoder, os.path.join(folder, "vocab.json"))
     shutil.copyfile(merges, os.path.join(folder, "merges.txt"))
@@ -86,8 +87,14 @@ def _save_gpt2(folder, seed, n_layer):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=50257, n_positions=1024, n_embd=64, n_layer=n_layer,
-                        n_head=4, initializer_range=_INIT_RANGE)
+    config = GPT2Config(
+        vocab_size=50257,
+        n_positions=1024,
+        n_embd=64,
+        n_layer=n_layer,
+        n_head=4,
+        initializer_range=_INIT_RANGE,
+    )
     GPT2LMHeadModel(config).eval().save_pretrained(folder)
     _save_gpt2_tokenizer(folder)
 
@@ -95,10 +102,19 @@ def _save_gpt2(folder, seed, n_layer):
 def _smollm_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=2048, tie_word_embeddings=True,
-                       bos_token_id=0, eos_token_id=0, initializer_range=_INIT_RANGE)
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        initializer_range=_INIT_RANGE,
+    )
 
 
 def _save_smollm_tokenizer(folder):
@@ -120,8 +136,9 @@ def _save_smollm_family(folders, seed):
     base.save_pretrained(folders[SMOLLM_ID])
     _save_smollm_tokenizer(folders[SMOLLM_ID])
 
-    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16,
-                                                 target_modules=["q_proj", "v_proj"]))
+    peft_model = get_peft_model(
+        base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    )
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():

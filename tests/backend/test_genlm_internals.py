@@ -27,9 +27,16 @@ def _tiny_llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         tie_word_embeddings=True, initializer_range=0.2)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -66,8 +73,9 @@ def _plain(model, ids):
     """Last-position logits and the key/value states ``[L, 2, H, T, D]`` of a forward."""
     with torch.no_grad():
         out = model(torch.tensor([list(ids)]), use_cache=True)
-    kv = torch.stack([torch.stack((layer.keys[0], layer.values[0]))
-                      for layer in out.past_key_values.layers])
+    kv = torch.stack(
+        [torch.stack((layer.keys[0], layer.values[0])) for layer in out.past_key_values.layers]
+    )
     return out.logits[0, -1], kv
 
 
@@ -103,8 +111,9 @@ async def test_walk_cache_and_caches_follow_the_contexts_run(lm, reference):
             assert past is None
         else:  # the stored states of ids[:base], as a fresh forward computes them
             assert past.get_seq_length() == base
-            torch.testing.assert_close(_kv_of(past), _plain(reference, ids[:base])[1],
-                                       rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                _kv_of(past), _plain(reference, ids[:base])[1], rtol=0, atol=1e-5
+            )
     # _caches[None] is the root: children, has_token / get_token walk what was run
     root = lm._caches[None]
     assert sorted(root.children) == sorted({c[0] for c in evaluated})
@@ -115,8 +124,9 @@ async def test_walk_cache_and_caches_follow_the_contexts_run(lm, reference):
     assert not node.has_token(12345) and node.children == {}
     with pytest.raises(KeyError):
         node.get_token(12345)
-    torch.testing.assert_close(_kv_of(node.past_key_values), _plain(reference, TOKENS[1])[1],
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        _kv_of(node.past_key_values), _plain(reference, TOKENS[1])[1], rtol=0, atol=1e-5
+    )
     # log probabilities: those of the contexts asked for (from the output cache)
     want = torch.log_softmax(_plain(reference, TOKENS[1])[0], -1)
     torch.testing.assert_close(node.logprobs, want, rtol=0, atol=1e-4)
@@ -160,13 +170,13 @@ async def test_walk_cache_after_cache_kv_agrees_with_genlm(lm, theirs, reference
     assert lm.walk_cache(extended)[3] == len(extended) - 1
     assert theirs.walk_cache(extended)[3] == len(base_prompt)
     node = lm.walk_cache(base_prompt)[0]
-    torch.testing.assert_close(_kv_of(node.past_key_values),
-                               _plain(reference, base_prompt)[1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        _kv_of(node.past_key_values), _plain(reference, base_prompt)[1], rtol=0, atol=1e-5
+    )
     # a context extending a cached one: within rounding of a forward from scratch
     prompt = base_prompt + [77, 78]
     have = await lm.next_token_logprobs(prompt)
-    torch.testing.assert_close(have, lm.next_token_logprobs_uncached(prompt), rtol=1e-5,
-                               atol=1e-5)
+    torch.testing.assert_close(have, lm.next_token_logprobs_uncached(prompt), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.asyncio
@@ -175,8 +185,7 @@ async def test_add_query_and_queries(lm, reference):
     ids = TOKENS[1]
     future = loop.create_future()
     lm.add_query(ids, future, None)
-    assert [(q.prompt, q.future, q.lora_name) for q in lm.queries] == [(tuple(ids), future,
-                                                                        None)]
+    assert [(q.prompt, q.future, q.lora_name) for q in lm.queries] == [(tuple(ids), future, None)]
     lm.batch_evaluate_queries()
     torch.testing.assert_close(await future, _plain(reference, ids)[0], rtol=0, atol=1e-4)
     assert lm.queries == []
@@ -187,8 +196,7 @@ async def test_add_query_and_queries(lm, reference):
     lm.add_query([4], future, past)
     assert lm.queries[0].prompt == tuple(ids + [4])
     lm.batch_evaluate_queries()
-    torch.testing.assert_close(await future, _plain(reference, ids + [4])[0], rtol=0,
-                               atol=1e-4)
+    torch.testing.assert_close(await future, _plain(reference, ids + [4])[0], rtol=0, atol=1e-4)
     # a past that walk_cache did not hand out: genlm_fast cannot know its tokens
     from genlm_fast.backend.llm.cache_view import dynamic_cache
 
@@ -226,8 +234,9 @@ async def test_add_query_is_answered_by_the_timer(tokenizer, reference):
         lm.add_query(TOKENS[3], future, None)
         await asyncio.sleep(0.05)
         assert future.done()
-        torch.testing.assert_close(future.result(), _plain(reference, TOKENS[3])[0], rtol=0,
-                                   atol=1e-4)
+        torch.testing.assert_close(
+            future.result(), _plain(reference, TOKENS[3])[0], rtol=0, atol=1e-4
+        )
     finally:
         lm.cleanup()
 
@@ -241,16 +250,18 @@ async def test_async_trie_task(kind, tokenizer):
 
     byte_vocab, _ = decode_vocab(tokenizer)
     vocab = byte_vocab[:300]
-    trie = (AsyncTokenCharacterTrie.from_vocab(vocab)
-            if kind == "character" else AsyncTokenByteTrie.from_vocab(vocab))
+    trie = (
+        AsyncTokenCharacterTrie.from_vocab(vocab)
+        if kind == "character"
+        else AsyncTokenByteTrie.from_vocab(vocab)
+    )
     assert trie._task is None
     trie.start()
     task = trie._task
     assert isinstance(task, asyncio.Task) and not task.done()
     row = torch.rand(len(vocab))
     want = trie.trie.weight_sum(row)
-    torch.testing.assert_close(torch.as_tensor(await trie.weight_sum(row)),
-                               torch.as_tensor(want))
+    torch.testing.assert_close(torch.as_tensor(await trie.weight_sum(row)), torch.as_tensor(want))
     await trie.cleanup()
     assert trie._task is None and task.done()
 
@@ -264,9 +275,9 @@ def test_kv_trie_walk_and_drop_extensions():
         return torch.full((2, 2, 1, n, 3), float(value))
 
     trie = KVTrie(max_tokens=100)
-    trie.insert([1, 2, 3, 4], 0, kv(4, 1))       # one forward: positions 0-3
+    trie.insert([1, 2, 3, 4], 0, kv(4, 1))  # one forward: positions 0-3
     trie.insert([1, 2, 3, 4, 5, 6], 4, kv(2, 2))  # extends it
-    trie.insert([1, 2, 7], 2, kv(1, 3))          # a sibling branch
+    trie.insert([1, 2, 7], 2, kv(1, 3))  # a sibling branch
     trie.insert([8], 0, kv(1, 4))
     assert trie.n_tokens == 8 and len(trie) == 4
     assert [trie.walk(ids) for ids in ([1, 2, 3, 4, 5, 6, 0], [1, 2, 9], [], [0])] == [6, 2, 0, 0]

@@ -32,8 +32,7 @@ CHECK = "product_regex"
 
 
 def _fingerprint(outcome):
-    return {"particles": [[t.hex(), w] for t, w in outcome.particles],
-            "scores": outcome.scores}
+    return {"particles": [[t.hex(), w] for t, w in outcome.particles], "scores": outcome.scores}
 
 
 async def _after_batches(llm, n):
@@ -50,17 +49,22 @@ async def _caught(awaitable):
     except asyncio.TimeoutError:
         return {"error": "TIMEOUT", "seconds": time.perf_counter() - start}
     except (Exception, asyncio.CancelledError) as error:  # noqa: BLE001 - reported
-        return {"error": type(error).__name__, "message": str(error)[:300],
-                "seconds": time.perf_counter() - start}
+        return {
+            "error": type(error).__name__,
+            "message": str(error)[:300],
+            "seconds": time.perf_counter() - start,
+        }
     return {"error": None, "seconds": time.perf_counter() - start}
 
 
 async def main():
+    # isort: off
     import genlm_fast.dropin  # noqa: F401  (before genlm.control imports genlm.backend)
     from genlm.control import AWRS, Potential
-    from genlm_fast.backend.llm import AsyncTransformer
+    # isort: on
 
     from bench import programs as P
+    from genlm_fast.backend.llm import AsyncTransformer
 
     llm = P.load_lm()
     result = {"backend": type(llm).__module__}

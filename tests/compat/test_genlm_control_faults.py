@@ -16,9 +16,8 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import genlm.control  # noqa: F401  (installed by scripts/setup.sh: never skipped)
+import pytest
 
 from tests.compat import _genlm_faults_job as job
 
@@ -30,11 +29,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
     out = tmp_path_factory.mktemp("faults") / "faults.json"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-W", "ignore", job.__file__, str(out)],
-                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
-                          check=False)
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", job.__file__, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out) as f:
         return json.load(f)

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import math
 
+import genlm.control  # noqa: F401  (installed by scripts/setup.sh: never skipped)
 import numpy as np
 import pytest
-
-import genlm.control  # noqa: F401  (installed by scripts/setup.sh: never skipped)
 
 from bench import programs as P
 from bench.genlm_programs import Workers
@@ -46,8 +45,10 @@ def runs():
     with Workers() as workers:
         assert workers.info["genlm"]["lm"].startswith("genlm.backend.")
         assert workers.info["genlm_fast"]["lm"].startswith("genlm_fast.backend.")
-        return {program: {impl: workers.run(impl, program, SEED) for impl in workers.procs}
-                for program in P.PROGRAMS}
+        return {
+            program: {impl: workers.run(impl, program, SEED) for impl in workers.procs}
+            for program in P.PROGRAMS
+        }
 
 
 @pytest.mark.parametrize("program", list(P.PROGRAMS))

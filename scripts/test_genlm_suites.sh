@@ -41,7 +41,7 @@ mkdir -p "$CACHE/sdists" "$CACHE/results"
 # its LoRA toys), as offline stand-ins: the real tokenizers, small models of seeded random
 # weights (scripts/make_hf_standins.py), in an HF cache of their own
 export HF_HOME="$CACHE/hf-home"
-HF_HUB_DISABLE_PROGRESS_BARS=1 $PY "$ROOT/scripts/make_hf_standins.py" "$HF_HOME" >/dev/null
+HF_HUB_DISABLE_PROGRESS_BARS=1 $PY -W ignore "$ROOT/scripts/make_hf_standins.py" "$HF_HOME" >/dev/null
 # no ini file of genlm's applies, and this repository's pytest.ini must not: use an empty one
 printf '[pytest]\n' > "$CACHE/pytest.ini"
 

@@ -55,6 +55,7 @@ REGRESS_SUBSET = {
                      "impl": ("genlm_fast", "genlm_fast-f64", "genlm_fast-bytes")},
     "test_genlm_fast": {},  # bench/test_bench_lm.py: 16 particles x 8 rounds, SmolLM2
     "test_beam_genlm_fast": {},  # bench/test_bench_beam.py: byte beam K=5, SmolLM2
+    "test_program": {},  # bench/test_bench_programs.py: genlm-control's programs, SmolLM2
 }
 
 

@@ -9,10 +9,11 @@
 #
 # The subset (bench/conftest.py, --bench-regress): trie kernels (smollm2 and llama3
 # vocabularies, B in {1, 32}, sum / max / log_mass, the three genlm_fast tries), the
-# SMC-shaped AsyncTransformer workload and the byte-level beam on SmolLM2; no reference
-# package is timed (genlm-backend's numba trie is built once, untimed, as the oracle; the
-# beam's result is checked against one untimed genlm-bytes run, ~15 s more).
-# About 3 minutes on a 2-core CPU (2.5-3.5 min measured under load).
+# SMC-shaped AsyncTransformer workload, the byte-level beam and genlm-control's example
+# programs (bench/programs.py) on SmolLM2; no reference package is timed (genlm-backend's
+# numba trie is built once, untimed, as the oracle; the beam's result is checked against one
+# untimed genlm-bytes run, ~15 s more). About 3.5 minutes on a 2-core CPU (the programs
+# ~40 s of it).
 #
 # Baselines live in bench/results/baselines/<machine key>/<pytest-benchmark machine id>/,
 # one JSON per saved run (NNNN_<commit>[-dirty]_<date>.json) with machine_info (CPU, cores,
@@ -70,7 +71,8 @@ if awk -v l="$load" -v c="$cores" 'BEGIN { exit !(l > c / 2) }'; then
        "do not save a baseline now, and read a failed comparison with care." >&2
 fi
 
-files=(bench/test_bench_tries.py bench/test_bench_lm.py bench/test_bench_beam.py)
+files=(bench/test_bench_tries.py bench/test_bench_lm.py bench/test_bench_beam.py
+  bench/test_bench_programs.py)
 args=(
   -q -p no:cacheprovider --benchmark-only --bench-regress
   "--benchmark-max-time=${BENCH_MAX_TIME:-1.5}"

@@ -10,22 +10,77 @@ with ``-p genlm_fast.dropin``:
     python scripts/genlm_suite_outcomes.py compare NAME REAL.json DROPIN.json [REGRESSED.txt]
 
 prints the counts and every node id that passed with the real packages but not on
-genlm_fast, writes those ids (one a line) to REGRESSED.txt, and exits 1 if there is any.
+genlm_fast, writes those ids (one a line) to REGRESSED.txt, and exits 1 if there is any,
+or if fewer tests passed than ``MINIMUM_PASSED`` asks (of the suite, or of one of its
+files), on either side: a suite whose models or fixtures stopped loading, or that collected
+nothing, fails instead of comparing two empty runs. ``KNOWN_DIFFERENCES`` lists the tests
+that demand what genlm_fast deliberately does otherwise; each is accepted only when it
+fails at the assertion named there (any other failure of it still counts).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
+# Least number of passing tests, per suite ("" = the whole run) and per file that matters
+# (what loads a model, the tries, the beam). About 90% of what passes offline with the
+# stand-in models (scripts/make_hf_standins.py) with the default file selection.
+MINIMUM_PASSED = {
+    "genlm-backend": {
+        "": 58,
+        "tests/test_hf_llm.py": 14,
+        "tests/test_trie.py": 14,
+        "tests/test_token.py": 18,
+        "tests/test_hf_lora.py": 2,
+    },
+    "genlm-bytes": {
+        "": 104,
+        "tests/test_beam.py": 13,
+        "tests/test_healing.py": 13,
+        "tests/test_trie.py": 20,
+        "tests/test_util.py": 52,
+    },
+    "genlm-control": {
+        "": 182,
+        "tests/potential/test_llm.py": 24,
+        "tests/potential/test_bytellm.py": 10,
+        "tests/potential/test_canonical.py": 13,
+        "tests/potential/test_ensemble.py": 70,
+        "tests/test_setups.py": 9,
+    },
+}
+
+# node id -> (pattern the failure's message must match, why genlm_fast differs)
+KNOWN_DIFFERENCES = {
+    "tests/test_hf_llm.py::test_caching": (
+        r"tests/test_hf_llm\.py:81: AssertionError",  # the second check, after the walk
+        "asks a context that extends a cached one to give bitwise the log probabilities of "
+        "a forward from scratch. genlm keeps no key/value states unless cache_kv is called, "
+        "so it does recompute; genlm_fast runs only the new tokens on the stored states, "
+        "which rounds differently (about 4e-7 relative, as transformers' own incremental "
+        "decoding does; torch's matmul is not row-invariant). genlm_fast's tests check "
+        "the same walk within 1e-5.",
+    ),
+}
+
 _outcomes: dict[str, str] = {}
+_messages: dict[str, str] = {}
 
 
 def pytest_runtest_logreport(report):
     nodeid = report.nodeid
     if report.failed:
         _outcomes[nodeid] = "error" if report.when != "call" else "failed"
+        crash = getattr(report.longrepr, "reprcrash", None)  # where it failed, and why
+        _messages.setdefault(
+            nodeid,
+            report.longreprtext[-2000:]
+            if crash is None
+            else f"{crash.path}:{crash.lineno}: {crash.message[-2000:]}",
+        )
     elif report.skipped:
         _outcomes.setdefault(nodeid, "skipped")
     elif report.when == "call" and nodeid not in _outcomes:
@@ -41,34 +96,70 @@ def pytest_sessionfinish(session):
     path = os.environ.get("GENLM_SUITE_OUTCOMES")
     if path:
         with open(path, "w") as f:
-            json.dump(_outcomes, f, indent=0, sort_keys=True)
+            json.dump({"outcomes": _outcomes, "messages": _messages}, f, indent=0, sort_keys=True)
 
 
-def _load(path: str) -> dict[str, str]:
+def _load(path: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(outcomes, failure messages) of one run."""
     try:
         with open(path) as f:
-            return json.load(f)
+            data = json.load(f)
     except FileNotFoundError:
-        return {}
+        return {}, {}
+    return data["outcomes"], data["messages"]
+
+
+def _per_file(passed) -> dict[str, int]:
+    counts = {"": len(passed)}
+    for nodeid in passed:
+        path = nodeid.split("::")[0]
+        counts[path] = counts.get(path, 0) + 1
+    return counts
+
+
+def _too_few(name: str, label: str, passed) -> list[str]:
+    counts = _per_file(passed)
+    return [
+        f"  TOO FEW PASSED ({label}): {where or 'the suite'}: {counts.get(where, 0)} < {least}"
+        for where, least in MINIMUM_PASSED.get(name, {}).items()
+        if counts.get(where, 0) < least
+    ]
 
 
 def compare(name: str, real_path: str, dropin_path: str, regressed_path: str | None) -> int:
-    real, dropin = _load(real_path), _load(dropin_path)
+    (real, _), (dropin, messages) = _load(real_path), _load(dropin_path)
     passed_real = {n for n, o in real.items() if o == "passed"}
     passed_dropin = {n for n, o in dropin.items() if o == "passed"}
-    regressed = sorted(passed_real - passed_dropin)
-    print(f"{name}: passed real {len(passed_real)} / passed dropin {len(passed_dropin)} / "
-          f"failed only on dropin {len(regressed)}  (collected: real {len(real)}, "
-          f"dropin {len(dropin)})")
+    accepted, regressed = [], []
+    for nodeid in sorted(passed_real - passed_dropin):
+        known = KNOWN_DIFFERENCES.get(nodeid)
+        if (
+            known
+            and dropin.get(nodeid) == "failed"
+            and re.search(known[0], messages.get(nodeid, ""))
+        ):
+            accepted.append(nodeid)
+        else:
+            regressed.append(nodeid)
+    print(
+        f"{name}: passed real {len(passed_real)} / passed dropin {len(passed_dropin)} / "
+        f"failed only on dropin {len(regressed)}, known differences {len(accepted)}  "
+        f"(collected: real {len(real)}, dropin {len(dropin)})"
+    )
     for nodeid in regressed:
         print(f"  FAILED ONLY ON genlm_fast: {nodeid}  ({dropin.get(nodeid, 'not run')})")
+    for nodeid in accepted:
+        print(f"  known difference: {nodeid}: {KNOWN_DIFFERENCES[nodeid][1]}")
+    too_few = _too_few(name, "real", passed_real) + _too_few(name, "dropin", passed_dropin)
+    for line in too_few:
+        print(line)
     if regressed_path:
         with open(regressed_path, "w") as f:
             f.writelines(n + "\n" for n in regressed)
     if not real:
         print(f"  {name}: no outcomes recorded for the real packages", file=sys.stderr)
         return 1
-    return 1 if regressed else 0
+    return 1 if regressed or too_few else 0
 
 
 if __name__ == "__main__":

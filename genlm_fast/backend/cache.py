@@ -231,3 +231,51 @@ class KVTrie:
             del parent.children[node.token]
             node.parent = None
             node = parent
+
+    # ---- reading the trie by path (genlm's cache-trie API is built on these) ----------
+
+    def walk(self, token_ids):
+        """How many leading tokens of ``token_ids`` the trie has nodes for (with or
+        without key/value states)."""
+        node = self.root
+        depth = 0
+        for tok in token_ids:
+            node = node.children.get(tok)
+            if node is None:
+                break
+            depth += 1
+        return depth
+
+    def next_tokens(self, token_ids):
+        """The tokens that extend the prefix ``token_ids`` in the trie, in insertion order
+        (empty if the trie has no node for that prefix)."""
+        node = self.root
+        for tok in token_ids:
+            node = node.children.get(tok)
+            if node is None:
+                return []
+        return list(node.children)
+
+    def drop_extensions(self, token_ids):
+        """Forget the states of every context that strictly extends ``token_ids`` (the
+        prefix's own states stay). A segment that also holds positions of the prefix
+        keeps its memory until those are evicted too."""
+        node = self.root
+        for tok in token_ids:
+            node = node.children.get(tok)
+            if node is None:
+                return
+        stack = list(node.children.values())
+        node.children = {}
+        while stack:
+            below = stack.pop()
+            stack.extend(below.children.values())
+            below.children = {}
+            below.parent = None
+            seg, below.seg = below.seg, None
+            if seg is None:
+                continue
+            seg.nodes.remove(below)
+            if not seg.nodes and self._lru.pop(id(seg), None) is not None:
+                self.n_tokens -= seg.length
+        self._prune(node)

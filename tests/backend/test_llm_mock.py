@@ -456,6 +456,37 @@ async def test_idle_flush_waits_for_coroutines_that_can_still_run(tokenizer, voc
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("flush_when_idle", [True, False])
+async def test_batch_calls_made_together_share_one_forward(tokenizer, vocab_size,
+                                                           flush_when_idle):
+    """genlm-control's product of two prompted LMs asks both at once (a gather of two batch
+    calls, each a few awaits deep): one model call answers both, with no wait for the timer,
+    even while another coroutine keeps the event loop busy (the loop is never idle)."""
+    lm = make(tokenizer, batch_size=100, timeout=60.0, flush_when_idle=flush_when_idle)
+    stop = asyncio.Event()
+
+    async def busy():
+        while not stop.is_set():
+            await asyncio.sleep(0)
+
+    async def prompted(prefix, depth):
+        for _ in range(depth):
+            await asyncio.sleep(0)
+        return await lm.batch_next_token_logprobs([[prefix, i + 1] for i in range(5)])
+
+    spinner = asyncio.create_task(busy())
+    try:
+        a, b = await asyncio.wait_for(asyncio.gather(prompted(7, 0), prompted(9, 1)), 10)
+    finally:
+        stop.set()
+        await spinner
+    for prefix, rows in ((7, a), (9, b)):
+        for i, row in enumerate(rows):
+            torch.testing.assert_close(row, expected([prefix, i + 1], vocab_size))
+    assert lm.stats["batches"] == 1 and lm.stats["rows"] == 10
+
+
+@pytest.mark.asyncio
 async def test_two_models_both_flush_when_idle(tokenizer, vocab_size):
     """Each model's probe ignores the other's: neither waits for its timer."""
     first = make(tokenizer, batch_size=100, timeout=60.0)

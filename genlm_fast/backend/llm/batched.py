@@ -265,15 +265,33 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
                                       allow_empty=False)
         return await self._whole_batch(self._logits_of, token_ids_list, lora_name)
 
+    # A batch call evaluates once this many event-loop passes in a row added no query to
+    # the batch (two: a caller's query arrives the pass after the task making it was
+    # created), or after _JOIN_PASSES passes in all.
+    _SETTLED_PASSES = 2
+    _JOIN_PASSES = 8
+
     async def _whole_batch(self, answer, token_ids_list, lora_name):
         """A batch call hands over all its contexts at once: queue them, then evaluate
-        right away (with whatever else is queued) instead of waiting for the timer. Every
-        context is checked first, so a bad one fails the call before any forward runs; a
-        call cancelled (or failed) before its rows are back takes its queries with it."""
+        them (with whatever else is queued) as soon as event-loop passes stop adding
+        queries to the batch, instead of waiting for the timer. Batch calls made together (a
+        ``gather`` of them: genlm-control's product of two prompted LMs asks both models at
+        once, each particle step) so share one forward. Every context is checked first, so
+        a bad one fails the call before any forward runs; a call cancelled (or failed)
+        before its rows are back takes its queries with it."""
         prepared = [self._prepare(ids, lora_name) for ids in token_ids_list]
         tasks = [asyncio.ensure_future(answer(lora, ids)) for lora, ids in prepared]
         try:
             await asyncio.sleep(0)  # every task runs up to its queued future
+            settled = 0
+            for _ in range(self._JOIN_PASSES):
+                queued = self._queued
+                if not self._pending:
+                    break  # evaluated already (full, idle, or by a batch call it joined)
+                await asyncio.sleep(0)
+                settled = settled + 1 if self._queued == queued else 0
+                if settled == self._SETTLED_PASSES:
+                    break
             if self._pending:
                 self._flush()
             return torch.stack(await asyncio.gather(*tasks))

@@ -27,10 +27,20 @@ Batching rules (those of genlm.backend, except for when the clock starts, and th
 from __future__ import annotations
 
 import asyncio
+from typing import NamedTuple
 
 from genlm_fast.backend.llm.checks import QueriesResetError
 
-__all__ = ["AutoBatcher"]
+__all__ = ["AutoBatcher", "PendingQuery"]
+
+
+class PendingQuery(NamedTuple):
+    """A query waiting in the batch: its context, the future its caller awaits, and its
+    adapter (None: the base model)."""
+
+    prompt: tuple
+    future: asyncio.Future
+    lora_name: object
 
 
 class _Row:
@@ -101,8 +111,13 @@ class AutoBatcher:
     """
 
 
-    def _enqueue(self, lora, ids, wants_logprobs):
+    def _enqueue(self, lora, ids, wants_logprobs, future=None):
+        """Queue one query; returns the future its answer goes to (``future``, a future of
+        the running loop, when given, else a new one)."""
         loop = asyncio.get_running_loop()
+        if future is not None and future.get_loop() is not loop:
+            raise ValueError("the query's future belongs to another event loop than the "
+                             "running one; create it with loop.create_future()")
         with self._lock:
             if self._pending and self._loop is not loop:
                 if (self._loop is not None and not self._loop.is_closed()
@@ -117,7 +132,7 @@ class AutoBatcher:
                 self._pending = {}
                 self._queued = 0
             self._loop = loop
-            fut = loop.create_future()
+            fut = loop.create_future() if future is None else future
             key = (lora, ids)
             row = self._pending.get(key)
             if row is None:
@@ -218,6 +233,23 @@ class AutoBatcher:
         for row in rows.values():
             for fut, _ in row.waiters:
                 _settle(fut, exc, True, here)
+
+    @property
+    def queries(self):
+        """The queries waiting for the next batch, one `PendingQuery` per caller (genlm's
+        ``queries`` list; identical contexts share one row of the batch)."""
+        with self._lock:
+            return [PendingQuery(row.ids, fut, row.lora)
+                    for row in self._pending.values() for fut, _ in row.waiters]
+
+    @queries.setter
+    def queries(self, value):
+        # genlm code empties the queue by assigning []; any caller still waiting is told
+        # (QueriesResetError), as by reset_async_queries
+        if len(value):
+            raise ValueError("queries can only be emptied (assign []); queue queries with "
+                             "next_token_logprobs or add_query")
+        self.reset_async_queries()
 
     def reset_async_queries(self):
         """Drop every waiting query; its caller gets `QueriesResetError`.

@@ -206,6 +206,12 @@ class AsyncTrieFrontEnd:
     def start(self):
         self._batcher.start()
 
+    @property
+    def _task(self):
+        """The background task serving the queue (genlm's attribute): None until the first
+        request or `start`, and again after `cleanup` / `shutdown`."""
+        return self._batcher._task
+
     async def cleanup(self):
         await self._batcher.cleanup()
 

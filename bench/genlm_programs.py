@@ -1,0 +1,548 @@
+"""genlm-control's example programs (`bench.programs`), timed on genlm and on genlm_fast.
+
+    python -m bench.genlm_programs                        # all programs, best of 3, + profile
+    python -m bench.genlm_programs --rounds 5 --out bench/results/genlm-programs-cpu-DATE.md
+    python -m bench.genlm_programs --programs basic product --no-profile
+
+Each implementation runs in a worker process of its own (genlm-control on the real
+genlm-backend / genlm-bytes, or on genlm_fast through ``genlm_fast.dropin``; the import hook
+and the real packages never meet), which loads SmolLM2 once (untimed) and then runs the
+programs it is asked for, one at a time, on that model. The two workers take turns: each
+round runs every program on one implementation then the other (which goes first alternates
+from round to round), so that a burst of load on this shared machine falls on both alike;
+the figure per (program, implementation) is the best round. Every run starts from emptied
+LM caches with every random source seeded alike (`bench.programs.run_program`), so both
+implementations sample the same particles as long as their probabilities agree; a round
+whose particles differ between the two is flagged in the table.
+
+Then, unless ``--no-profile``, one more run of each program per implementation under a
+stack sampler (a thread reading the main thread's stack every millisecond) splits its time
+by where it is spent: the model's forward (transformers / torch modules), the LM backend
+(batching, caches: genlm.backend's or genlm_fast's ``llm`` package), the tries, the byte
+beam (genlm.bytes' or genlm_fast.bytes' beam), genlm-control and genlm-grammar's own Python,
+and the rest (the event loop, glue). Each sample goes to the innermost frame that belongs to
+one of these; the shares are applied to the program's best time.
+
+The report (markdown: machine, the table of best times and ratios, their geometric mean,
+the profile) is printed and, with ``--out``, written there with a plot beside it (same name,
+``.png``). Importable: `Workers` (the pair of worker processes), `run_rounds`, `profile`,
+`report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMPLS = ("genlm", "genlm_fast")
+GOAL_EACH = 1.5
+GOAL_GEOMEAN = 4.0
+
+# ---------------------------------------------------------------- the stack sampler
+
+# (category, path fragment, function names or None for any): a frame belongs to the first
+# rule that matches its file path (and function). "LM forward" is the forward pass: the
+# model's code, and the backend code that builds its batch and stores its states (any module
+# of genlm_fast's llm package but the interface, the batcher and the checks; genlm's
+# ``_evaluate_queries`` and its helpers); "LM backend" is the rest of the LM layer (queueing,
+# batching, output caches). A sample goes to the innermost frame that some rule matches.
+_GENLM_FORWARD = {
+    "_evaluate_queries",
+    "batch_evaluate_queries",
+    "past_padded",
+    "prompt_padded",
+    "attention_mask",
+    "position_ids",
+    "cache_kv",
+    "next_token_logprobs_uncached",
+}
+_FAST_LM_LAYER = (
+    "/genlm_fast/backend/llm/base.py",
+    "/genlm_fast/backend/llm/batched.py",
+    "/genlm_fast/backend/llm/batcher.py",
+    "/genlm_fast/backend/llm/checks.py",
+    "/genlm_fast/backend/llm/cache_view.py",
+    "/genlm_fast/backend/llm/mock.py",
+    "/genlm_fast/backend/cache.py",
+)
+RULES = (
+    *(("LM backend", fragment, None) for fragment in _FAST_LM_LAYER),
+    ("LM forward", "/genlm_fast/backend/llm/", None),
+    ("LM forward", "/genlm/backend/llm/hf.py", _GENLM_FORWARD),
+    ("LM forward", "/transformers/", None),
+    ("LM forward", "/torch/nn/", None),
+    ("LM backend", "/genlm/backend/llm/", None),
+    ("LM backend", "/genlm/backend/cache", None),
+    ("trie", "/genlm/backend/trie/", None),
+    ("trie", "/genlm/bytes/trie", None),
+    ("trie", "/genlm_fast/backend/trie/", None),
+    ("trie", "/genlm_fast/bytes/trie", None),
+    ("trie", "/genlm_fast/trie_core", None),
+    ("trie", "/genlm_fast/ops/", None),
+    ("byte beam", "/genlm/bytes/", None),
+    ("byte beam", "/genlm_fast/bytes/", None),
+    ("genlm-control", "/genlm/control/", None),
+    ("genlm-control", "/genlm/grammar/", None),
+    ("genlm-control", "/arsenal/", None),
+    ("waiting", "/selectors.py", None),  # the event loop polling for I/O (see StackSampler)
+)
+PROFILE_COLUMNS = [
+    "LM forward",
+    "LM backend",
+    "trie",
+    "byte beam",
+    "genlm-control",
+    "waiting",
+    "other",
+]
+
+
+def _category(frame, cache):
+    while frame is not None:
+        code = frame.f_code
+        found = cache.get(code)
+        if found is None:
+            found = ""
+            for name, fragment, functions in RULES:
+                if fragment in code.co_filename and (
+                    functions is None or code.co_name in functions
+                ):
+                    found = name
+                    break
+            cache[code] = found
+        if found:
+            return found
+        frame = frame.f_back
+    return "other"
+
+
+class StackSampler:
+    """Counts, every ``interval`` seconds, which category the main thread is in.
+
+    With ``loop`` (the asyncio loop the programs run on), its selector's ``select`` is
+    watched: a sample there counts as ``waiting`` only while the call may block (a
+    timeout that is not 0: the loop has nothing to run until a timer, such as a batch's,
+    runs out); the loop's non-blocking polls between callbacks count as ``other``."""
+
+    def __init__(self, interval=0.001, loop=None):
+        self.interval = interval
+        self.counts = dict.fromkeys(PROFILE_COLUMNS, 0)
+        self._stop = threading.Event()
+        self._target = threading.main_thread().ident
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._switch = None
+        self._selector = getattr(loop, "_selector", None)
+        self._blocking = False
+
+    def _run(self):
+        cache = {}
+        while not self._stop.wait(self.interval):
+            frame = sys._current_frames().get(self._target)
+            if frame is not None:
+                category = _category(frame, cache)
+                if category == "waiting" and not self._blocking:
+                    category = "other"
+                self.counts[category] += 1
+
+    def _watched_select(self, timeout=None):
+        self._blocking = timeout is None or timeout > 0
+        try:
+            return type(self._selector).select(self._selector, timeout)
+        finally:
+            self._blocking = False
+
+    def __enter__(self):
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(self.interval / 2)  # let the sampler in during pure Python
+        if self._selector is not None:
+            self._selector.select = self._watched_select
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        if self._selector is not None:
+            del self._selector.select
+        sys.setswitchinterval(self._switch)
+
+    def shares(self):
+        total = sum(self.counts.values()) or 1
+        return {name: count / total for name, count in self.counts.items()}
+
+
+# ---------------------------------------------------------------- the worker
+
+
+def _outcome_json(outcome):
+    return {
+        "particles": [[text.hex(), weight] for text, weight in outcome.particles],
+        "scores": outcome.scores,
+        "constraint": outcome.constraint,
+    }
+
+
+def _lm_counter(llm):
+    """A function giving (model calls, contexts run) so far: genlm_fast's own ``stats``;
+    for genlm, counted around its batch evaluation (one padded forward per call)."""
+    if hasattr(llm, "stats"):
+        return lambda: (llm.stats["batches"], llm.stats["rows"])
+    counts = [0, 0]
+    evaluate = llm._evaluate_queries
+
+    def counting(queries):
+        counts[0] += 1
+        counts[1] += len({tuple(q.prompt) for q in queries})
+        return evaluate(queries)
+
+    llm._evaluate_queries = counting
+    return lambda: tuple(counts)
+
+
+def worker(impl: str) -> None:
+    """Serve requests from stdin, one JSON object a line: ``{"program", "seed", "profile"}``;
+    answer each on stdout with ``{"seconds", "outcome", "violations", "profile"}`` (or
+    ``{"error"}``). Everything else the libraries print goes to stderr."""
+    import asyncio
+
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    sys.stdout = sys.stderr
+    if impl == "genlm_fast":
+        import genlm_fast.dropin  # noqa: F401  (before anything imports genlm.backend)
+    import genlm.bytes  # noqa: F401  (imports are not part of a program's time)
+    import genlm.control  # noqa: F401
+
+    from bench import programs
+
+    start = time.perf_counter()
+    llm = programs.load_lm()
+    module = type(llm).__module__
+    expected = "genlm_fast." if impl == "genlm_fast" else "genlm.backend."
+    if not module.startswith(expected):
+        raise RuntimeError(f"the {impl} worker loaded {module}.{type(llm).__name__}")
+    out.write(
+        json.dumps(
+            {
+                "ready": True,
+                "load_seconds": time.perf_counter() - start,
+                "lm": f"{module}.{type(llm).__name__}",
+            }
+        )
+        + "\n"
+    )
+    counter = _lm_counter(llm)
+    loop = asyncio.new_event_loop()
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            sampler = StackSampler(loop=loop) if request.get("profile") else None
+            calls = counter()
+            begin = time.perf_counter()
+            if sampler is not None:
+                with sampler:
+                    outcome = loop.run_until_complete(
+                        programs.run_program(request["program"], llm, request["seed"])
+                    )
+            else:
+                outcome = loop.run_until_complete(
+                    programs.run_program(request["program"], llm, request["seed"])
+                )
+            seconds = time.perf_counter() - begin
+            done = counter()
+            reply = {
+                "seconds": seconds,
+                "outcome": _outcome_json(outcome),
+                "lm_calls": done[0] - calls[0],
+                "lm_rows": done[1] - calls[1],
+                "violations": programs.violations(outcome),
+                "profile": sampler.shares() if sampler else None,
+            }
+        except Exception as error:  # noqa: BLE001 - reported to the coordinator
+            import traceback
+
+            reply = {
+                "error": f"{type(error).__name__}: {error}",
+                "traceback": traceback.format_exc()[-4000:],
+            }
+        out.write(json.dumps(reply) + "\n")
+    # genlm-control leaves tasks of its own waiting (JSON-schema parsers): end them quietly
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
+
+
+class Workers:
+    """One worker process per implementation, each with the model loaded.
+
+    ``workers.run(impl, program, seed)`` runs a program there and returns the reply
+    (raising RuntimeError with the worker's traceback if the program failed)."""
+
+    def __init__(self, impls=IMPLS, timeout=900):
+        env = dict(
+            os.environ,
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+        )
+        self.timeout = timeout
+        self.procs = {}
+        self.info = {}
+        for impl in impls:  # loaded one after the other: loading is not timed anyway
+            proc = subprocess.Popen(
+                [sys.executable, "-W", "ignore", "-m", "bench.genlm_programs", "--worker", impl],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+                env=env,
+                bufsize=1,
+            )
+            self.procs[impl] = proc
+            self.info[impl] = self._read(impl)
+
+    def _read(self, impl):
+        proc = self.procs[impl]
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {impl} worker exited (status {proc.wait()}); see stderr")
+        return json.loads(line)
+
+    def run(self, impl, program, seed=0, profile=False):
+        proc = self.procs[impl]
+        proc.stdin.write(json.dumps({"program": program, "seed": seed, "profile": profile}) + "\n")
+        proc.stdin.flush()
+        reply = self._read(impl)
+        if "error" in reply:
+            raise RuntimeError(
+                f"{program} failed on {impl}: {reply['error']}\n{reply['traceback']}"
+            )
+        return reply
+
+    def close(self):
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.stdin.close()
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---------------------------------------------------------------- rounds, profile, report
+
+
+def run_rounds(workers, programs, rounds, seed=0, log=None):
+    """``{program: {impl: [reply, ...]}}``: ``rounds`` interleaved rounds."""
+    impls = list(workers.procs)
+    results = {p: {impl: [] for impl in impls} for p in programs}
+    for r in range(rounds):
+        order = impls if r % 2 == 0 else impls[::-1]
+        for program in programs:
+            for impl in order:
+                reply = workers.run(impl, program, seed)
+                results[program][impl].append(reply)
+                if log:
+                    log(
+                        f"round {r + 1}/{rounds} {program:15s} {impl:10s} {reply['seconds']:7.2f} s"
+                    )
+    return results
+
+
+def profile(workers, programs, seed=0):
+    """``{program: {impl: shares}}`` from one sampled run each."""
+    return {
+        p: {impl: workers.run(impl, p, seed, profile=True)["profile"] for impl in workers.procs}
+        for p in programs
+    }
+
+
+def best(replies):
+    return min(r["seconds"] for r in replies)
+
+
+def summary(results):
+    """Per program: best seconds per implementation, the ratio, whether the particles
+    matched in every round, constraint violations (there must be none)."""
+    rows = []
+    for program, by_impl in results.items():
+        row = {"program": program}
+        for impl, replies in by_impl.items():
+            row[impl] = best(replies)
+            row[f"{impl}_first"] = replies[0]["seconds"]
+            row[f"{impl}_calls"] = f"{replies[0]['lm_calls']} / {replies[0]['lm_rows']}"
+            row[f"{impl}_violations"] = sorted({v for r in replies for v in r["violations"]})
+        if all(impl in by_impl for impl in IMPLS):
+            row["speedup"] = row["genlm"] / row["genlm_fast"]
+            pairs = zip(by_impl["genlm"], by_impl["genlm_fast"])
+            row["same_particles"] = all(
+                [p[0] for p in a["outcome"]["particles"]]
+                == [p[0] for p in b["outcome"]["particles"]]
+                for a, b in pairs
+            )
+        rows.append(row)
+    return rows
+
+
+def geomean(values):
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def report(rows, profiles=None, info=None, command=None) -> str:
+    lines = ["# genlm-control's programs: genlm vs genlm_fast", ""]
+    if info:
+        lines += [f"- {k}: {v}" for k, v in info.items()] + [""]
+    if command:
+        lines += [f"Command: `{command}`", ""]
+    lines += [
+        "Best of the interleaved rounds, wall seconds per program run (model loaded "
+        "once per implementation, untimed; LM caches emptied and every random source "
+        "seeded before each run). Goal: every program >= "
+        f"{GOAL_EACH}x, geometric mean >= {GOAL_GEOMEAN}x.",
+        "",
+        "`first`: the program's first run in its worker (imports done before; "
+        "one-time lazy set-up, such as packing weights or compiling kernels, included). "
+        "`LM calls`: forwards / contexts run in one run (genlm_fast first).",
+        "",
+        "| program | genlm (s) | genlm_fast (s) | speedup | first: genlm / genlm_fast (s)"
+        " | LM calls | same particles | constraints |",
+        "|---|---:|---:|---:|---:|---:|:---:|---|",
+    ]
+
+    def cell(row, key, form="{:.2f}"):  # "-" for what a one-sided run has not
+        return form.format(row[key]) if key in row else "-"
+
+    for row in rows:
+        bad = row.get("genlm_violations", []) + row.get("genlm_fast_violations", [])
+        same = {True: "yes", False: "no", None: "-"}[row.get("same_particles")]
+        lines.append(
+            f"| {row['program']} | {cell(row, 'genlm')} | {cell(row, 'genlm_fast')} | "
+            f"{cell(row, 'speedup', '{:.2f}x')} | "
+            f"{cell(row, 'genlm_first')} / {cell(row, 'genlm_fast_first')} | "
+            f"{cell(row, 'genlm_fast_calls', '{}')} vs {cell(row, 'genlm_calls', '{}')} | "
+            f"{same} | {'held' if not bad else '; '.join(bad)[:200]} |"
+        )
+    speedups = [row["speedup"] for row in rows if "speedup" in row]
+    if speedups:
+        gm = geomean(speedups)
+        met = all(s >= GOAL_EACH for s in speedups) and gm >= GOAL_GEOMEAN
+        lines += [
+            "",
+            f"Geometric mean: {gm:.2f}x (goal {GOAL_GEOMEAN}x); slowest "
+            f"{min(speedups):.2f}x (goal {GOAL_EACH}x): {'met' if met else 'NOT met'}.",
+        ]
+    if profiles:
+        lines += [
+            "",
+            "## Where the time goes",
+            "",
+            "Share of one sampled run, applied to the best time (seconds): "
+            "`LM forward` the forward pass (the model, and the backend code that "
+            "builds its batch and stores its states), `LM backend` the rest of the LM "
+            "layer (queueing, batching, output caches), `trie` the tries, `byte beam` "
+            "the byte-level beam, `genlm-control` genlm-control and genlm-grammar's own "
+            "Python, `waiting` the event loop blocked with nothing to run (until a "
+            "timer, such as a batch's, runs out), "
+            "`other` the rest (event loop, glue).",
+            "",
+            "| program | impl | " + " | ".join(PROFILE_COLUMNS) + " |",
+            "|---|---|" + "---:|" * len(PROFILE_COLUMNS),
+        ]
+        by_name = {row["program"]: row for row in rows}
+        for program, by_impl in profiles.items():
+            for impl, shares in by_impl.items():
+                total = by_name.get(program, {}).get(impl, float("nan"))
+                cells = " | ".join(f"{shares[c] * total:.2f}" for c in PROFILE_COLUMNS)
+                lines.append(f"| {program} | {impl} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [row["program"] for row in rows]
+    x = range(len(names))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.38
+    ax.bar([i - width / 2 for i in x], [row["genlm"] for row in rows], width, label="genlm")
+    ax.bar(
+        [i + width / 2 for i in x], [row["genlm_fast"] for row in rows], width, label="genlm_fast"
+    )
+    ax.set_xticks(list(x), names, rotation=30, ha="right")
+    ax.set_ylabel("seconds per run (best)")
+    ax.legend()
+    ax.set_title("genlm-control programs, SmolLM2-135M, CPU")
+    ax2.bar(list(x), [row["speedup"] for row in rows], color="tab:green")
+    ax2.axhline(GOAL_EACH, color="gray", ls="--", lw=1)
+    ax2.set_xticks(list(x), names, rotation=30, ha="right")
+    ax2.set_ylabel("speedup (genlm / genlm_fast)")
+    ax2.set_title(f"geometric mean {geomean(r['speedup'] for r in rows):.2f}x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine() -> dict:
+    from bench import kernels
+
+    info = kernels.machine_info()
+    info["genlm-control"] = kernels.dist_version("genlm-control")
+    return info
+
+
+def main(argv=None) -> int:
+    from bench import programs as P
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
+    parser.add_argument("--programs", nargs="+", choices=list(P.PROGRAMS), default=list(P.PROGRAMS))
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (best is kept)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument("--out", help="write the report here (and the plot beside it)")
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return 0
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    with Workers(args.impls) as workers:
+        log(f"workers ready: {workers.info}")
+        results = run_rounds(workers, args.programs, args.rounds, args.seed, log)
+        profiles = None if args.no_profile else profile(workers, args.programs, args.seed)
+    rows = summary(results)
+    info = machine()
+    info["rounds"] = args.rounds
+    command = "python -m bench.genlm_programs " + " ".join(argv or sys.argv[1:])
+    text = report(rows, profiles, info, command)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        if len(args.impls) == len(IMPLS):
+            plot(rows, os.path.splitext(args.out)[0] + ".png")
+    bad = [row for row in rows if row.get("genlm_violations") or row.get("genlm_fast_violations")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -113,6 +113,10 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
     def _release(self):
         """Drop the model's resources (called once by `cleanup`)."""
 
+    def _size_threads(self):
+        """Called before every `_forward`, in the thread that runs it: a CPU backend sizes
+        torch's threads there (`genlm_fast.backend.llm.threads`)."""
+
     @property
     def device(self):
         return torch.device("cpu")
@@ -150,6 +154,7 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
             chunk = rows[i : i + self.batch_size]
             with self._forward_lock:
                 self._check_open()  # cleanup() may have run since the rows were taken
+                self._size_threads()
                 out = forward(lora, chunk)
             if out.shape[0] != len(chunk):
                 raise RuntimeError(

@@ -21,6 +21,7 @@ from genlm_fast.backend.cache import KVTrie
 from genlm_fast.backend.llm.batched import BatchedAsyncLM
 from genlm_fast.backend.llm.checks import unknown_lora
 from genlm_fast.backend.llm.cpu_linear import pack_linear_layers, unpack_linear_layers
+from genlm_fast.backend.llm import threads as cpu_threads
 
 __all__ = ["AsyncTransformer"]
 
@@ -58,6 +59,10 @@ class AsyncTransformer(BatchedAsyncLM):
         flush_when_idle (bool, optional): Also run a batch that is not full as soon as the
             event loop has nothing else to run, instead of sitting out the rest of
             ``timeout`` (see `BatchedAsyncLM`). Defaults to True.
+        follow_contention (bool, optional): On the CPU, before each forward pass, set
+            torch's threads in the calling thread to the CPUs other processes leave free,
+            at most your own setting (`genlm_fast.backend.llm.threads`); False leaves
+            torch's setting alone. Defaults to True.
 
     On the CPU, a float32 model's linear layers run on prepacked weights until `cleanup`
     (`genlm_fast.backend.llm.cpu_linear`): genlm_fast's small-batch kernel on CPUs with
@@ -135,9 +140,11 @@ class AsyncTransformer(BatchedAsyncLM):
         cache_size=1024,
         kv_cache_tokens=16384,
         flush_when_idle=True,
+        follow_contention=True,
     ):
         self.model = hf_model
         self.model.eval()
+        self.follow_contention = bool(follow_contention)
         self._packed_linears = pack_linear_layers(hf_model)
         if self._packed_linears:
             _packers[hf_model] = _packers.get(hf_model, 0) + 1
@@ -168,7 +175,13 @@ class AsyncTransformer(BatchedAsyncLM):
     def _vocab_limit(self):
         return self._n_embed
 
+    def _size_threads(self):
+        if self.follow_contention and self._device.type == "cpu":
+            cpu_threads.follow_contention()
+
     def _release(self):
+        if self.follow_contention:
+            cpu_threads.restore_threads()
         self._kv_tries = {}
         self._kv_buffer = None
         model, self.model = self.model, None

@@ -15,7 +15,7 @@ from abc import abstractmethod
 
 import torch
 
-from genlm_fast.backend.cache import OutputCache
+from genlm_fast.backend.cache import OutputCache, trim_heap
 from genlm_fast.backend.llm.base import AsyncLM
 from genlm_fast.backend.llm.batcher import AutoBatcher
 from genlm_fast.backend.llm.checks import (
@@ -291,10 +291,11 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
             raise
 
     def clear_cache(self):
-        """Forget cached log probabilities."""
+        """Forget cached log probabilities, and give their memory back."""
         with self._lock:
             self._outputs.clear()
         self.state_epoch += 1
+        trim_heap()
 
     def cleanup(self):
         """Fail waiting queries, drop caches and the model; later calls raise."""

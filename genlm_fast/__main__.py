@@ -80,9 +80,8 @@ def model_memory(model) -> None:
 
     from genlm_fast.backend.cache import kv_bytes_per_position
     from genlm_fast.backend.llm import AsyncTransformer
-    from genlm_fast.models import resolve_model_name
-
     from genlm_fast.backend.llm.hf import _is_missing_path
+    from genlm_fast.models import resolve_model_name
 
     name = resolve_model_name(model)
     if isinstance(name, str) and _is_missing_path(name):

@@ -215,7 +215,8 @@ _MEMORY_CHILD = textwrap.dedent("""
 
     asyncio.run(fill())
     trie = lm._kv_tries[None]
-    out["cached_mb"] = (trie.n_bytes + sum(r.numel() * 4 for _, r in lm._outputs.cache.values())) / 1e6
+    rows = sum(r.numel() * 4 for _, r in lm._outputs.cache.values())
+    out["cached_mb"] = (trie.n_bytes + rows) / 1e6
     out["filled"] = rss()
     lm.clear_cache()
     gc.collect()

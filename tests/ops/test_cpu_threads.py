@@ -26,6 +26,11 @@ def _module():
     return extension.load_module()
 
 
+def _read(path):
+    with open(path) as f:
+        return f.read()
+
+
 def _quota_here():
     """The smallest CPU quota on this process's cgroup path or its ancestors, or 0."""
     best = 0.0
@@ -35,18 +40,18 @@ def _quota_here():
         q = 0.0
         try:
             if path.endswith("cpu.max"):
-                quota, period = open(path).read().split()
+                quota, period = _read(path).split()
                 q = 0.0 if quota == "max" else float(quota) / float(period)
             else:
-                quota = float(open(path + "/cpu.cfs_quota_us").read())
-                period = float(open(path + "/cpu.cfs_period_us").read())
+                quota = float(_read(path + "/cpu.cfs_quota_us"))
+                period = float(_read(path + "/cpu.cfs_period_us"))
                 q = quota / period if quota > 0 else 0.0
         except (OSError, ValueError):
             return
         if q > 0 and (best == 0 or q < best):
             best = q
 
-    for line in open("/proc/self/cgroup").read().splitlines():
+    for line in _read("/proc/self/cgroup").splitlines():
         hier, controllers, path = line.split(":", 2)
         parts = [p for p in path.split("/") if p]
         prefixes = ["/" + "/".join(parts[:i]) for i in range(len(parts), -1, -1)]

@@ -19,10 +19,10 @@ import weakref
 import torch
 
 from genlm_fast.backend.cache import KVTrie, kv_bytes_per_position, trim_heap
+from genlm_fast.backend.llm import threads as cpu_threads
 from genlm_fast.backend.llm.batched import BatchedAsyncLM
 from genlm_fast.backend.llm.checks import unknown_lora
 from genlm_fast.backend.llm.cpu_linear import pack_linear_layers, unpack_linear_layers
-from genlm_fast.backend.llm import threads as cpu_threads
 
 __all__ = ["AsyncTransformer"]
 

@@ -25,8 +25,8 @@ Workloads (each: genlm_fast, and the reference on the same inputs):
 
 Each implementation runs in a worker process of its own (the drop-in's import hook must not
 meet the real packages), hosting all its workloads; the driver alternates the two workers in
-blocks of about ``--block`` seconds (at least one call each) until each has run ``--seconds``
-and ``--min-calls`` calls, for every (condition, workload). Conditions: ``idle``; ``busy-loop``
+blocks of about ``--block`` seconds (at least one call each), 0.25 s apart, until each has
+run ``--seconds`` and ``--min-calls`` calls, for every (condition, workload). Conditions: ``idle``; ``busy-loop``
 (a process running ``while True: pass``); ``torch-2t`` (a process multiplying 512 x 512
 float32 matrices on 2 torch threads, with torch's default OpenMP settings). Each competitor
 starts 1 s before the condition's first block. The figure is the mean time per call (what a
@@ -63,6 +63,9 @@ WORKLOADS = ("trie-sum-B1", "trie-sum-B32", "lm-step", "beam", "control")
 CONDITIONS = ("idle", "busy-loop", "torch-2t")
 SIDES = ("genlm_fast", "reference")
 BUSY_LOOP_GOAL = 2.5
+# pause before each block: the other side's work is over (its threads asleep, genlm_fast's
+# contention reading past it), so that "idle" is an idle machine for both
+SETTLE_S = 0.25
 
 _TORCH_COMPETITOR = """
 import torch
@@ -402,6 +405,7 @@ def run(workloads=WORKLOADS, conditions=CONDITIONS, seconds=2.0, block=0.4, min_
                         while any(len(done[s]) < min_calls or sum(done[s]) < seconds
                                   for s in SIDES):
                             for side in SIDES:
+                                time.sleep(SETTLE_S)
                                 answer = workers[side].ask(cmd="block", workload=name,
                                                            seconds=block, min_calls=1)
                                 done[side] += answer["times"]

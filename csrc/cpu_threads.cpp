@@ -247,10 +247,6 @@ class Sampler {
                        static_cast<double>(self - self_ns_)) / window;
       const double affinity = static_cast<double>(c.ids.size());
       others = std::min(affinity, std::max(0.0, others));
-      // half the last reading and half this one: a tick more or less in one window does
-      // not flip the team
-      others = known_.load(std::memory_order_relaxed) ? 0.5 * (others + others_) : others;
-      others_ = others;
       others_milli_.store(static_cast<int64_t>(std::lround(others * 1000.0)),
                           std::memory_order_relaxed);
       const int left = static_cast<int>(std::floor(affinity - others + kFreeSlack));
@@ -272,7 +268,6 @@ class Sampler {
   std::atomic<bool> known_{false};
   // the last reading (under mutex_)
   int64_t wall_ns_ = 0, busy_ = 0, self_ns_ = 0;
-  double others_ = 0.0;
 };
 
 Sampler& sampler() {

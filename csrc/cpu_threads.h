@@ -16,10 +16,13 @@
 //
 // Contention: the busy time of the usable CPUs (/proc/stat) minus this process's own CPU
 // time (CLOCK_PROCESS_CPUTIME_ID), over the wall time since the last reading, is the number
-// of CPUs other work kept busy. It is read at most every kSampleInterval, by whichever call
-// finds the last reading stale (about 10 us); every other call costs a clock read and a
+// of CPUs other work kept busy. It is read at most every 100 ms, by whichever call finds the
+// last reading stale (12-35 us on a 2-CPU VM); every other call costs a clock read and a
 // few atomic loads. Busy other work takes CPUs away from the team for as long as it runs:
-// a competing busy loop on a 2-CPU machine leaves one thread.
+// a competing busy loop on a 2-CPU machine leaves one thread. The reading is an average
+// over its window (/proc/stat counts in 10 ms ticks: a shorter window would be noise), so
+// the team follows a change within 100-200 ms; after a pause of this process, the first
+// reading spans the pause, and what other work did then decides the next 100 ms.
 #pragma once
 
 #include <cstdint>

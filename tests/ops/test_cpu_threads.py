@@ -101,7 +101,7 @@ _CHILD = textwrap.dedent("""
     from genlm_fast.backend.llm import threads
     module = extension.load_module()
 
-    def settle():  # a few readings (each half the last one and half the new window's)
+    def settle():  # a few readings, the last over the last 120 ms
         for _ in range(6):
             time.sleep(0.12)
             module.cpu_free_cpus()

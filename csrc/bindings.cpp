@@ -21,6 +21,10 @@
 //                    (a thread each, or with fold the tile kernel's folds), [span_narrow,
 //                    span_warp) a warp each, the rest a block each; fold and row_check are
 //                    the LaunchOptions of trie_reduce_cuda.h, off by default)
+//   cpu_team_size(bytes) -> int  the threads a CPU kernel's parallel region over about
+//                   `bytes` of memory traffic gets now (cpu_threads.h: usable CPUs, contention,
+//                   torch's setting, the work); cpu_free_cpus() -> int  the first two alone;
+//                   cpu_threads_info() -> dict of what they are decided from
 //   empty_output_cache()  frees the cached blocks large CPU results reuse (OutputPool below)
 //   output_cache_sizes()  the bytes of each cached block, least recently returned first
 //   pack_linear_weight(weight) -> panels;  linear_small_batch(x, panels, bias, out_features,
@@ -39,6 +43,7 @@
 
 #include <torch/extension.h>
 
+#include "cpu_threads.h"
 #include "linear_cpu.h"
 #include "trie_reduce_cpu.h"
 
@@ -341,7 +346,7 @@ std::tuple<at::Tensor, int64_t> trie_reduce_cpu(
   A.out = out.data_ptr();
   A.out_double = out_double;
   A.reduction = red;
-  A.num_threads = static_cast<int>(num_threads > 0 ? num_threads : at::get_num_threads());
+  A.num_threads = static_cast<int>(std::max<int64_t>(0, num_threads));  // 0: team_size
   int64_t status;
   {
     pybind11::gil_scoped_release no_gil;
@@ -495,8 +500,31 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
 
 }  // namespace
 
+static pybind11::dict cpu_threads_info() {
+  const genlm_fast::cpu::ThreadsInfo info = genlm_fast::cpu::threads_info();
+  pybind11::dict d;
+  d["affinity_cpus"] = info.affinity_cpus;
+  d["quota_cpus"] = info.quota_cpus;
+  d["usable_cpus"] = info.usable_cpus;
+  d["others_busy"] = info.others_busy;
+  d["free_cpus"] = info.free_cpus;
+  d["torch_threads"] = info.torch_threads;
+  d["contention_known"] = info.contention_known;
+  return d;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "genlm_fast trie reduction kernels";
+  // the first contention reading: the window of the next one starts now
+  genlm_fast::cpu::threads_info();
+  m.def("cpu_team_size", &genlm_fast::cpu::team_size,
+        "Threads for a CPU parallel region over about `bytes` of memory traffic, now",
+        pybind11::arg("bytes"));
+  m.def("cpu_free_cpus", &genlm_fast::cpu::free_cpus,
+        "The usable CPUs other work leaves free now (affinity, cgroup quota, contention)");
+  m.def("cpu_threads_info", &cpu_threads_info,
+        "What the CPU kernels' team sizes are decided from: usable CPUs (affinity, cgroup "
+        "quota), CPUs other work keeps busy, torch's thread setting");
   m.def("trie_reduce_cpu", &trie_reduce_cpu, "Per-node sum/max/log_mass of a vocabulary trie (CPU)",
         pybind11::arg("values"), pybind11::arg("parent"), pybind11::arg("node_of_leaf"),
         pybind11::arg("leaf_token"), pybind11::arg("empty_nodes"), pybind11::arg("run_end"),

@@ -31,6 +31,8 @@
 
 #include "linear_cpu.h"
 
+#include "cpu_threads.h"
+
 #include <ATen/Parallel.h>
 #include <omp.h>
 
@@ -182,7 +184,7 @@ torch::Tensor linear_small_batch(const torch::Tensor& x, const torch::Tensor& pa
   // groups of (nearly) equal size: 25 rows are 13 + 12, not 24 + 1
   const int64_t groups = (m + max_rows - 1) / max_rows;
 
-#pragma omp parallel num_threads(at::get_num_threads())
+#pragma omp parallel num_threads(team_size((count * k * kPanel + m * (k + n)) * 4))
   {
     std::vector<float> acc(static_cast<size_t>(m * kPanel));
 #pragma omp for schedule(static)

@@ -42,7 +42,7 @@ struct Args {
   void* out;  // [B, N] float32, or float64 when out_double
   bool out_double;
   int reduction;
-  int num_threads;  // <= 0: OpenMP's default
+  int num_threads;  // <= 0: team_size() decides (cpu_threads.h)
 };
 
 // Fills A.out. Returns 0 on success, or 1 + the first row that fails its check (the rows are

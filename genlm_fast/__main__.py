@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import platform
 import sys
 
 
-def info() -> int:
+def info(model=None) -> int:
     import torch
 
     import genlm_fast
@@ -52,7 +53,57 @@ def info() -> int:
         linear = f"error: {exc}"
     print(f"AsyncTransformer CPU linear layers: {linear} "
           f"(kernels here: {', '.join(cpu_linear.available_kernels()) or 'none'})")
+    from genlm_fast.backend.llm.threads import threads_info
+
+    threads = threads_info()
+    if threads is not None:
+        quota = threads["quota_cpus"]
+        print(f"CPU threads: {threads['usable_cpus']} usable ({threads['affinity_cpus']} in the "
+              f"affinity mask, cgroup quota {f'{quota:g} CPUs' if quota else 'none'}); torch "
+              f"set to {threads['torch_threads']}; kernels and CPU forwards use fewer while "
+              "other processes keep CPUs busy")
+    if model is not None:
+        model_memory(model)
     return 0
+
+
+def _mb(n):
+    return f"{n / 1e6:,.1f} MB" if n < 1e9 else f"{n / 1e9:,.2f} GB"
+
+
+def model_memory(model) -> None:
+    """What ``AsyncTransformer``'s caches cost for ``model`` (a name or directory), from
+    its config alone: key/value states per position and at the default budget, and the
+    output cache's rows."""
+    import torch
+    from transformers import AutoConfig
+
+    from genlm_fast.backend.cache import kv_bytes_per_position
+    from genlm_fast.backend.llm import AsyncTransformer
+    from genlm_fast.backend.llm.hf import _is_missing_path
+    from genlm_fast.models import resolve_model_name
+
+    name = resolve_model_name(model)
+    if isinstance(name, str) and _is_missing_path(name):
+        raise FileNotFoundError(f"model directory {name!r} does not exist")
+    config = AutoConfig.from_pretrained(name)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        dtype = torch.float32
+    per_position, how = kv_bytes_per_position(config, dtype.itemsize)
+    defaults = inspect.signature(AsyncTransformer.__init__).parameters
+    tokens = defaults["kv_cache_tokens"].default
+    rows = defaults["cache_size"].default
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = int(text.vocab_size)
+    print(f"model {model} ({str(dtype).removeprefix('torch.')}), as AsyncTransformer caches it:")
+    print(f"  key/value states: {per_position:,} bytes per position ({how}); the default "
+          f"kv_cache_tokens={tokens} holds up to {_mb(tokens * per_position)} per adapter "
+          f"(kv_cache_bytes=... bounds it in bytes)")
+    print(f"  output cache: {vocab:,} float32 log-probabilities a row, "
+          f"{_mb(vocab * 4)}; the default cache_size={rows} holds up to {_mb(rows * vocab * 4)}")
 
 
 def bench(args) -> int:
@@ -135,7 +186,10 @@ def _threads(text):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="genlm-fast", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, devices, built backends and what 'auto' picks")
+    i = sub.add_parser("info", help="versions, devices, built backends and what 'auto' picks")
+    i.add_argument("--model", default=None,
+                   help="also say what AsyncTransformer's caches cost for this model (a "
+                   "directory, a Hub name when online, or smollm2), from its config")
     b = sub.add_parser("bench", help="kernel microbenchmarks side by side with genlm-backend")
     b.add_argument("--quick", action="store_true", help="Llama-3 only, B in {1, 32}")
     b.add_argument("--plot", metavar="PNG", help="also write a speedup-vs-batch plot")
@@ -174,7 +228,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "info":
         try:
-            return info()
+            return info(args.model)
+        except (OSError, ValueError) as exc:  # no such model, unreadable config
+            print(f"genlm-fast info: error: {exc}", file=sys.stderr)
+            return 2
         except BrokenPipeError:  # `genlm-fast info | head -1`: the reader has gone
             sys.stdout = None  # nothing left to flush at exit
             return 0

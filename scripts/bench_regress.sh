@@ -39,6 +39,11 @@
 #                      40x slower (12-24 ms instead of 0.3 ms) with medians swinging 2x from
 #                      run to run. Recorded in machine_info: compare only runs made with
 #                      the same setting.
+#   BENCH_CONTENTION   1 (default): after a comparison, also print the contention report
+#                      (python -m bench.contention --quick: each workload idle, beside a busy
+#                      loop and beside a 2-thread torch process, genlm_fast and the references;
+#                      about 5 minutes on 2 cores; a report, it does not fail the check; with
+#                      OMP_WAIT_POLICY as the caller set it, unset by default); 0: not
 #   PYTHON             interpreter (default python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,6 +59,7 @@ esac
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export GENLM_FAST_BENCH_ROUNDS=${GENLM_FAST_BENCH_ROUNDS:-3}
+wait_policy_given=${OMP_WAIT_POLICY+yes}  # the contention report runs with the caller's own
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   export TRITON_INTERPRET=1
@@ -100,6 +106,14 @@ latest=$(ls "$storage"/*/[0-9][0-9][0-9][0-9]_*.json | sort | tail -n 1)
 attempts=${BENCH_ATTEMPTS:-3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+contention_report() {
+  if [ "${BENCH_CONTENTION:-1}" = 0 ]; then return; fi
+  echo "== contention report (python -m bench.contention --quick)"
+  local unset=()
+  if [ -z "$wait_policy_given" ]; then unset=(-u OMP_WAIT_POLICY); fi
+  env "${unset[@]}" $PY -m bench.contention --quick --out "$work/contention.md" \
+    || echo "(contention goals not all met: see the report above)"
+}
 echo "comparing with $latest (median regression > $threshold, up to $attempts runs)"
 targets=("${files[@]}")
 for i in $(seq 1 "$attempts"); do
@@ -107,11 +121,13 @@ for i in $(seq 1 "$attempts"); do
   rc=0
   $PY scripts/bench_compare.py "$latest" "$work"/run*.json --threshold "${threshold%\%}" \
     --failing "$work/failing" || rc=$?
+  if [ "$rc" -eq 0 ]; then contention_report; fi
   if [ "$rc" -ne 1 ]; then exit "$rc"; fi
   mapfile -t targets < "$work/failing"
   if [ "$i" -lt "$attempts" ]; then
     echo "== ${#targets[@]} over the threshold: running them again (attempt $((i + 1)) of $attempts)"
   fi
 done
+contention_report
 echo "FAILED: performance regressed against the baseline (over +$threshold in all $attempts runs)" >&2
 exit 1

@@ -266,6 +266,34 @@ async def test_random_cancellations(tokenizer, vocab_size):
 
 
 @pytest.mark.asyncio
+async def test_cancelled_waiters_leave_the_queue_at_once(tokenizer, vocab_size):
+    """A waiter cancelled before its batch runs is gone from the queue at once: its row goes
+    when nobody else waits for it, and the timer when nothing is left queued."""
+    lm = make(tokenizer, batch_size=100, timeout=30.0, flush_when_idle=False)
+    first, twin, other = (asyncio.ensure_future(lm.next_token_logprobs(c))
+                          for c in ([1, 2], [1, 2], [3]))
+    await asyncio.sleep(0)
+    assert len(lm._pending) == 2 and lm._queued == 3 and lm._timer is not None
+    first.cancel()
+    await asyncio.sleep(0)
+    assert len(lm._pending) == 2 and lm._queued == 2  # the row stays for its twin
+    other.cancel()
+    await asyncio.sleep(0)
+    assert list(lm._pending) == [(None, (1, 2))] and lm._queued == 1
+    assert lm._timer is not None
+    late = asyncio.ensure_future(lm.next_token_logprobs([4]))
+    await asyncio.sleep(0)
+    twin.cancel()
+    late.cancel()
+    await asyncio.sleep(0)
+    assert not lm._pending and lm._queued == 0 and lm._timer is None
+    assert lm.stats["rows"] == 0
+    # and the next query is answered as usual
+    lm.timeout = 0.01
+    torch.testing.assert_close(await lm.next_token_logprobs([1, 2]), expected([1, 2], vocab_size))
+
+
+@pytest.mark.asyncio
 async def test_cancelling_one_of_two_identical_waiters(tokenizer, vocab_size):
     lm = make(tokenizer, batch_size=100, timeout=0.05)
     a = asyncio.create_task(lm.next_token_logprobs([8, 8, 8]))
@@ -583,8 +611,8 @@ def test_abandoned_queries_on_a_live_loop_do_not_block_another(tokenizer, vocab_
     try:
         with pytest.raises(asyncio.TimeoutError):
             first.run_until_complete(asyncio.wait_for(ask([9, 9]), 0.01))
-        # the abandoned row is still queued, nobody waits for it
-        assert lm._pending and not any(r.live() for r in lm._pending.values())
+        # the abandoned row left the queue with its caller, and its timer with it
+        assert not lm._pending and lm._queued == 0 and lm._timer is None
         torch.testing.assert_close(asyncio.run(ask([9, 10])), expected([9, 10], vocab_size))
         assert lm.stats["rows"] == 1  # the abandoned row was dropped, not evaluated
 

@@ -15,7 +15,7 @@ from abc import abstractmethod
 
 import torch
 
-from genlm_fast.backend.cache import OutputCache
+from genlm_fast.backend.cache import OutputCache, trim_heap
 from genlm_fast.backend.llm.base import AsyncLM
 from genlm_fast.backend.llm.batcher import AutoBatcher
 from genlm_fast.backend.llm.checks import (
@@ -113,6 +113,10 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
     def _release(self):
         """Drop the model's resources (called once by `cleanup`)."""
 
+    def _size_threads(self):
+        """Called before every `_forward`, in the thread that runs it: a CPU backend sizes
+        torch's threads there (`genlm_fast.backend.llm.threads`)."""
+
     @property
     def device(self):
         return torch.device("cpu")
@@ -150,6 +154,7 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
             chunk = rows[i : i + self.batch_size]
             with self._forward_lock:
                 self._check_open()  # cleanup() may have run since the rows were taken
+                self._size_threads()
                 out = forward(lora, chunk)
             if out.shape[0] != len(chunk):
                 raise RuntimeError(
@@ -304,10 +309,11 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
             raise
 
     def clear_cache(self):
-        """Forget cached log probabilities."""
+        """Forget cached log probabilities, and give their memory back."""
         with self._lock:
             self._outputs.clear()
         self.state_epoch += 1
+        trim_heap()
 
     def cleanup(self):
         """Fail waiting queries, drop caches and the model; later calls raise."""

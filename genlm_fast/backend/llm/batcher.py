@@ -16,7 +16,8 @@ Batching rules (those of genlm.backend, except for when the clock starts, and th
   on other loops (uvloop) only the timer applies. ``flush_when_idle=False`` keeps
   genlm's rule exactly, e.g. for queries that arrive from other threads or over I/O;
 * identical requests (same context, same adapter) share one row of the batch;
-* a caller cancelled while waiting only loses its own answer;
+* a caller cancelled while waiting only loses its own answer, and leaves the queue at once
+  (the batch too, when nobody else waits in it);
 * an exception raised while evaluating a batch is set on every caller waiting on it;
 * `reset_async_queries` fails every waiting caller with `QueriesResetError`;
 * the batch belongs to one event loop at a time: threads, each running its own loop, may
@@ -27,6 +28,7 @@ Batching rules (those of genlm.backend, except for when the clock starts, and th
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import NamedTuple
 
 from genlm_fast.backend.llm.checks import QueriesResetError
@@ -139,6 +141,7 @@ class AutoBatcher:
                 row = self._pending[key] = _Row(lora, ids)
             row.waiters.append((fut, wants_logprobs))
             self._queued += 1
+            fut.add_done_callback(functools.partial(self._on_waiter_done, key, row))
             full = self._queued >= self.batch_size
             if not full:
                 if self._timer is None:
@@ -148,6 +151,25 @@ class AutoBatcher:
         if full:
             self._flush()
         return fut
+
+    def _on_waiter_done(self, key, row, fut):
+        """A waiter cancelled before its batch ran leaves the queue at once (and the batch
+        with it when nobody else waits in it), so that nothing stays queued for it."""
+        if not fut.cancelled():
+            return
+        with self._lock:
+            if self._pending.get(key) is not row:
+                return  # its batch was taken already
+            kept = [(f, want) for f, want in row.waiters if f is not fut]
+            if len(kept) == len(row.waiters):
+                return
+            row.waiters = kept
+            self._queued -= 1
+            if not kept:
+                del self._pending[key]
+            if not self._pending:
+                self._cancel_wakeups()
+                self._queued = 0
 
     def _on_timer(self):
         with self._lock:

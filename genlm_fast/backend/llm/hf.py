@@ -11,13 +11,15 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 import os
 import warnings
 import weakref
 
 import torch
 
-from genlm_fast.backend.cache import KVTrie
+from genlm_fast.backend.cache import KVTrie, kv_bytes_per_position, trim_heap
+from genlm_fast.backend.llm import threads as cpu_threads
 from genlm_fast.backend.llm.batched import BatchedAsyncLM
 from genlm_fast.backend.llm.cache_view import CacheNode, CacheTries, dynamic_cache, matched
 from genlm_fast.backend.llm.checks import unknown_lora
@@ -55,10 +57,21 @@ class AsyncTransformer(BatchedAsyncLM):
         kv_cache_tokens (int, optional): Positions of key/value states kept for reuse,
             per adapter; 0 disables KV reuse. Defaults to 16384. (A forward that reuses
             them assembles them in a buffer, kept for the next forward when it is at most
-            64 MB; `clear_kv_cache` frees it too.)
+            64 MB; `clear_kv_cache` frees it too.) A position costs `kv_bytes_per_token`
+            bytes (SmolLM2-135M in float32: 46,080, so 16384 positions are 755 MB; an 8B
+            Llama-3 in float32: 262,144, 4.3 GB); ``genlm-fast info --model NAME`` says
+            what it is for a model before loading it.
+        kv_cache_bytes (int, optional): Bytes of key/value states kept for reuse, per
+            adapter, on top of ``kv_cache_tokens``: the least recently used states are
+            evicted as soon as either is exceeded; 0 disables KV reuse. Defaults to None
+            (the positions' budget alone).
         flush_when_idle (bool, optional): Also run a batch that is not full as soon as the
             event loop has nothing else to run, instead of sitting out the rest of
             ``timeout`` (see `BatchedAsyncLM`). Defaults to True.
+        follow_contention (bool, optional): On the CPU, before each forward pass, set
+            torch's threads in the calling thread to the CPUs other processes leave free,
+            at most your own setting (`genlm_fast.backend.llm.threads`); False leaves
+            torch's setting alone. Defaults to True.
 
     On the CPU, a float32 model's linear layers run on prepacked weights until `cleanup`
     (`genlm_fast.backend.llm.cpu_linear`): genlm_fast's small-batch kernel on CPUs with
@@ -136,9 +149,12 @@ class AsyncTransformer(BatchedAsyncLM):
         cache_size=1024,
         kv_cache_tokens=16384,
         flush_when_idle=True,
+        follow_contention=True,
+        kv_cache_bytes=None,
     ):
         self.model = hf_model
         self.model.eval()
+        self.follow_contention = bool(follow_contention)
         self._packed_linears = pack_linear_layers(hf_model)
         if self._packed_linears:
             _packers[hf_model] = _packers.get(hf_model, 0) + 1
@@ -154,7 +170,8 @@ class AsyncTransformer(BatchedAsyncLM):
         pad = getattr(hf_tokenizer, "pad_token_id", None)
         self._pad_id = pad if pad is not None and 0 <= pad < self._n_embed else 0
         self.kv_cache_tokens = int(kv_cache_tokens)
-        self._kv_on = self.kv_cache_tokens > 0
+        self.kv_cache_bytes = _byte_budget(kv_cache_bytes)
+        self._kv_on = self.kv_cache_tokens > 0 and self.kv_cache_bytes != 0
         self._kv_tries = {}
         self._kv_buffer = None  # flat storage of the last forward's KV, see _run
         self._walked_pasts = weakref.WeakKeyDictionary()  # walk_cache's pasts -> their prefix
@@ -170,9 +187,14 @@ class AsyncTransformer(BatchedAsyncLM):
     def _vocab_limit(self):
         return self._n_embed
 
+    def _size_threads(self):
+        if self.follow_contention and self._device.type == "cpu":
+            cpu_threads.follow_contention()
+
     def _release(self):
-        self._kv_tries = {}
-        self._kv_buffer = None
+        if self.follow_contention:
+            cpu_threads.restore_threads()
+        self._drop_kv()
         model, self.model = self.model, None
         if self._packed_linears:
             _packers[model] = left = _packers.get(model, 1) - 1
@@ -183,16 +205,23 @@ class AsyncTransformer(BatchedAsyncLM):
         import gc
 
         gc.collect()
+        trim_heap()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def clear_cache(self):
-        """Forget cached log probabilities and key/value states."""
+        """Forget cached log probabilities and key/value states, and give their memory
+        back."""
+        self._drop_kv()
         super().clear_cache()
-        self.clear_kv_cache()
 
     def clear_kv_cache(self):
-        """Forget cached key/value states (log probabilities stay cached)."""
+        """Forget cached key/value states (log probabilities stay cached), and give their
+        memory back."""
+        self._drop_kv()
+        trim_heap()
+
+    def _drop_kv(self):
         self._kv_buffer = None
         for trie in self._kv_tries.values():
             trie.clear()
@@ -201,8 +230,16 @@ class AsyncTransformer(BatchedAsyncLM):
     def _kv_trie(self, lora):
         trie = self._kv_tries.get(lora)
         if trie is None:
-            trie = self._kv_tries[lora] = KVTrie(self.kv_cache_tokens)
+            trie = self._kv_tries[lora] = KVTrie(self.kv_cache_tokens, self.kv_cache_bytes)
         return trie
+
+    @property
+    def kv_bytes_per_token(self):
+        """Bytes of key/value states one cached position takes (from the model's config
+        and dtype: layers x 2 x key/value heads x head size x element size)."""
+        self._check_open()
+        dtype = next(self.model.parameters()).dtype
+        return kv_bytes_per_position(self.model.config, dtype.itemsize)[0]
 
     def cache_kv(self, prompt_tokens, lora_name=None):
         """Run ``prompt_tokens`` now and keep its key/value states for later queries.
@@ -549,6 +586,17 @@ class AsyncTransformer(BatchedAsyncLM):
             torch.tensor([ids], device=self._device), use_cache=False
         ).logits[0, -1]
         return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
+def _byte_budget(value):
+    """``kv_cache_bytes`` checked: None, or a whole number of bytes >= 0."""
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not 0 <= float(value) < float("inf") or float(value) != int(value)):
+        raise ValueError(f"kv_cache_bytes must be None or a whole number of bytes >= 0, "
+                         f"got {value!r}")
+    return int(value)
 
 
 def _consecutive_blocks(rows):

@@ -25,7 +25,9 @@
 //   DecoderSpec, DecoderCPU(spec, weights): a decoder-only transformer's forward over
 //                   a few new tokens per row in one call (decoder_cpu.cpp; the Python side:
 //                   genlm_fast/backend/llm/decoder.py); decoder_supported() -> bool;
-//                   WeightWatch(params).changed() -> the first parameter edited since, or -1
+//                   WeightWatch(params).changed() -> the first parameter edited since, or -1;
+//                   stream_read(data, streams), fma_rate(iterations): the memory and
+//                   arithmetic floors bench/lm_floor.py compares a forward with
 //   pack_linear_weight(weight) -> panels;  linear_small_batch(x, panels, bias, out_features,
 //                   isa="auto") -> x @ weight.T + bias;  linear_best_isa() -> "avx512" | ...
 //                   the small-batch float32 linear layer of linear_cpu.cpp (AsyncTransformer's
@@ -559,6 +561,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              "The first parameter that changed, or -1");
     m.def("decoder_supported", &genlm_fast::cpu::decoder_supported,
           "Whether this CPU runs DecoderCPU (AVX-512F)");
+    m.def("stream_read", &genlm_fast::cpu::stream_read,
+          "Sum of a float32 tensor read as `streams` sequential streams per thread",
+          pybind11::arg("data"), pybind11::arg("streams") = 2);
+    m.def("fma_rate", &genlm_fast::cpu::fma_rate,
+          "FLOP/s of register-only AVX-512 multiply-adds on the decoder's threads",
+          pybind11::arg("iterations") = 20000000);
   }
 #ifdef WITH_CUDA
   m.def("trie_reduce_cuda", &trie_reduce_cuda,

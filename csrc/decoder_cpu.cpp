@@ -74,6 +74,78 @@ bool decoder_supported() {
 #endif
 }
 
+#if GF_DECODER
+namespace {
+
+GF_AVX512 double stream_read_avx512(const float* x, int64_t n, int64_t streams, int threads) {
+  double total = 0.0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+  {
+    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+    const int64_t lo = n * tid / nth, hi = n * (tid + 1) / nth;
+    const int64_t len = (hi - lo) / streams / 32 * 32;  // each stream: whole pairs of vectors
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+    for (int64_t i = 0; i < len; i += 32)
+      for (int64_t s = 0; s < streams; ++s) {
+        const float* p = x + lo + s * len + i;
+        a = _mm512_add_ps(a, _mm512_loadu_ps(p));
+        b = _mm512_add_ps(b, _mm512_loadu_ps(p + 16));
+      }
+    for (int64_t i = lo + streams * len; i < hi; ++i) total += x[i];
+    total += _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+  }
+  return total;
+}
+
+GF_AVX512 double fma_rate_avx512(int64_t iterations, int threads) {
+  double flops = 0.0;
+  const double start = omp_get_wtime();
+#pragma omp parallel num_threads(threads) reduction(+ : flops)
+  {
+    __m512 acc[12];
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
+    const __m512 m = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-4f);
+    for (int64_t it = 0; it < iterations; ++it)
+#pragma GCC unroll 12
+      for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], m, c);
+    __m512 sum = acc[0];
+    for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);
+    // (the sum keeps the loop alive; it is ~0, and a finite value adds nothing)
+    flops += 2.0 * 16 * 12 * static_cast<double>(iterations) + 0.0 * _mm512_reduce_add_ps(sum);
+  }
+  return flops / (omp_get_wtime() - start);
+}
+
+}  // namespace
+#endif
+
+double stream_read(const torch::Tensor& data, int64_t streams) {
+  TORCH_CHECK(data.scalar_type() == torch::kFloat32 && data.device().is_cpu() &&
+                  data.is_contiguous() && streams >= 1,
+              "stream_read: a contiguous float32 CPU tensor and streams >= 1");
+  TORCH_CHECK(decoder_supported(), "stream_read: this CPU lacks AVX-512F");
+  const int64_t n = data.numel();
+  const int threads = team_size(n * static_cast<int64_t>(sizeof(float)));
+#if GF_DECODER
+  pybind11::gil_scoped_release released;
+  return stream_read_avx512(data.data_ptr<float>(), n, streams, threads);
+#else
+  (void)threads;
+  return 0.0;
+#endif
+}
+
+double fma_rate(int64_t iterations) {
+  TORCH_CHECK(iterations >= 1, "fma_rate: iterations >= 1");
+  TORCH_CHECK(decoder_supported(), "fma_rate: this CPU lacks AVX-512F");
+#if GF_DECODER
+  pybind11::gil_scoped_release released;
+  return fma_rate_avx512(iterations, team_size(int64_t{1} << 40));
+#else
+  return 0.0;
+#endif
+}
+
 namespace {
 
 // Everything one forward reads and writes, as raw pointers (the threads' code uses no torch).
@@ -294,12 +366,6 @@ GF_AVX512 void product(const float* x, int64_t ldx, int64_t m, int64_t k, const 
 struct LayerPtrs {
   const float *norm1, *norm1_b, *post1, *norm2, *norm2_b, *post2, *q_norm, *k_norm;
   const float *qkv, *qkv_b, *o, *o_b, *up, *up_b, *down, *down_b;
-};
-
-// Attention of row b's queries of KV head `kh` in layer l (see the header comment).
-struct AttnScratch {
-  std::vector<const float*> keys, values;
-  std::vector<float> scores, out;
 };
 
 // out[:hd] = sum over [lo, hi) of w[pos] * values[pos][:hd], D = ceil(hd / 16) registers

@@ -68,7 +68,7 @@ def _floor_bandwidth(module, buf):
     return best
 
 
-def run(rounds=7):
+def run(rounds=7, cases=CASES):
     from transformers import AutoModelForCausalLM
 
     from genlm_fast.backend.llm import AsyncTransformer
@@ -97,7 +97,7 @@ def run(rounds=7):
 
     setups, errors = {}, {}
     with torch.no_grad():
-        for rows, new in CASES:
+        for rows, new in cases:
             ctxs = _contexts(lm.tokenizer, rows, new)
             setups[rows, new] = (_plans(lm, ctxs, new), _plans(hf, ctxs, new))
             (plans, trie), _ = setups[rows, new]
@@ -111,7 +111,7 @@ def run(rounds=7):
     with torch.no_grad():
         for _ in range(rounds):
             bandwidth = max(bandwidth, _floor_bandwidth(module, buf))
-            for case in CASES:
+            for case in cases:
                 ((plans, trie), (hf_plans, hf_trie)) = setups[case]
                 for name, fn in (("fused", lambda: lm._run_fused(decoder, plans, trie)),
                                  ("transformers", lambda: hf._run(hf_plans, hf_trie))):
@@ -123,7 +123,7 @@ def run(rounds=7):
     hf.cleanup()
     lm.cleanup()
     return {"bandwidth": bandwidth, "bytes": nbytes, "flops": flops, "params": params,
-            "best": best, "errors": errors, "packed": packed}
+            "best": best, "errors": errors, "packed": packed, "cases": cases}
 
 
 def _header():
@@ -156,7 +156,7 @@ def table(r):
         "transformers ms (packed linears) | fused speedup | max err vs f64 |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for rows, new in CASES:
+    for rows, new in r["cases"]:
         fused, hf = r["best"][(rows, new), "fused"], r["best"][(rows, new), "transformers"]
         floor = max(mem_floor, 2 * r["params"] * rows * new / r["flops"])
         lines.append(f"| {rows} x {new} | {fused * 1e3:.1f} | {fused / mem_floor:.2f} | "
@@ -168,9 +168,12 @@ def table(r):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--cases", default=",".join(f"{r}x{n}" for r, n in CASES),
+                        help="rows x new tokens, comma-separated (default: %(default)s)")
     parser.add_argument("--out", help="also write the table to this markdown file")
     args = parser.parse_args(argv)
-    text = f"{_header()}\n\n{table(run(args.rounds))}\n"
+    cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+    text = f"{_header()}\n\n{table(run(args.rounds, cases))}\n"
     print(text)
     if args.out:
         with open(args.out, "w") as f:

@@ -328,37 +328,33 @@ GF_AVX512 inline __m512 dot_lanes(const float* a, const float* b, int64_t n) {
   return acc;
 }
 
-// One product on this thread's share of `count` panels (or gate/up panel pairs): x [m, k] (rows
-// ldx apart) times the packed weight; `epilogue(p, acc)` gets panel p's [m, 16] block (pairs:
-// [2, m, 16], the gate's then the up's).
+// One product, its panels (or gate/up panel pairs) shared out among the team in runs of
+// consecutive ones, each thread taking the next run when done (threads rarely run at the same
+// speed on a shared machine; a static split leaves the faster one waiting at the barrier):
+// x [m, k] (rows ldx apart) times the packed weight; `epilogue(p, acc)` gets panel p's
+// [m, 16] block (pairs: [2, m, 16], the gate's then the up's). No barrier at the end.
 template <class Epilogue>
 GF_AVX512 void product(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels,
-                       int64_t count, bool pairs, int tid, int nth, float* acc, Epilogue epilogue) {
+                       int64_t count, bool pairs, int nth, float* acc, Epilogue epilogue) {
   const int64_t stride = k * kPanel;
-  if (pairs) {
-    const int64_t p0 = count * tid / nth, p1 = count * (tid + 1) / nth;
-    for (int64_t p = p0; p < p1; ++p) {
-      const float* pa = panels + 2 * p * stride;
+  // units of two panels (one pair), the last perhaps of one panel
+  const int64_t units = pairs ? count : (count + 1) / 2;
+  const int64_t run = std::max<int64_t>(1, units / (16 * nth));
+#pragma omp for schedule(dynamic, run) nowait
+  for (int64_t q = 0; q < units; ++q) {
+    const float* pa = panels + 2 * q * stride;
+    if (pairs) {
       panel_dot2(x, ldx, m, k, pa, pa + stride, acc, acc + m * kPanel, true, pa + 2 * stride,
                  pa + 3 * stride);
-      epilogue(p, acc);
-    }
-    return;
-  }
-  // two panels at a time (panel_dot2 is the faster kernel); this thread's share in pairs
-  const int64_t twos = (count + 1) / 2;
-  const int64_t q0 = twos * tid / nth, q1 = twos * (tid + 1) / nth;
-  for (int64_t q = q0; q < q1; ++q) {
-    const int64_t p = 2 * q;
-    if (p + 1 < count) {
-      const float* pa = panels + p * stride;
+      epilogue(q, acc);
+    } else if (2 * q + 1 < count) {
       panel_dot2(x, ldx, m, k, pa, pa + stride, acc, acc + m * kPanel, true, pa + 2 * stride,
                  pa + 3 * stride);
-      epilogue(p, acc);
-      epilogue(p + 1, acc + m * kPanel);
+      epilogue(2 * q, acc);
+      epilogue(2 * q + 1, acc + m * kPanel);
     } else {
-      panel_dot(x, ldx, m, k, panels + p * stride, acc, true);
-      epilogue(p, acc);
+      panel_dot(x, ldx, m, k, pa, acc, true);
+      epilogue(2 * q, acc);
     }
   }
 }
@@ -412,8 +408,7 @@ GF_AVX512 void attend(const Fwd& f, const LayerPtrs& L, int64_t l, int64_t b, in
   const int64_t window = sp.window[l];
   const int64_t lo_first = window > 0 ? std::max<int64_t>(0, past - window + 1) : 0;
 
-  // where each position's key and value are (the last run: the row's new segment); the past
-  // ones are fetched from memory while the new ones are computed
+  // where each position's key and value are (the last run: the row's new segment)
   s.keys.resize(P);
   s.values.resize(P);
   int64_t p = 0;
@@ -428,11 +423,6 @@ GF_AVX512 void attend(const Fwd& f, const LayerPtrs& L, int64_t l, int64_t b, in
       s.values[p] = vb + pos * hd;
     }
   }
-  for (int64_t pos = lo_first; pos < past; ++pos)
-    for (int64_t c = 0; c < hd; c += 16) {
-      _mm_prefetch(reinterpret_cast<const char*>(s.keys[pos] + c), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(s.values[pos] + c), _MM_HINT_T0);
-    }
 
   // the row's new keys and values: head norm, rotation, then into the new segment
   for (int64_t j = 0; j < n; ++j) {
@@ -524,7 +514,7 @@ GF_AVX512 void run_forward(const Fwd& f) {
       for (int64_t t = 0; t < T; ++t)
         norm_row(x.data() + t * H, H, L.norm1, L.norm1_b, sp.layer_norm, eps, xn.data() + t * H);
       const int64_t qkv_panels = (Nqkv + kPanel - 1) / kPanel;
-      product(xn.data(), H, T, H, L.qkv, qkv_panels, false, tid, nth, acc.data(),
+      product(xn.data(), H, T, H, L.qkv, qkv_panels, false, nth, acc.data(),
               [&](int64_t p, const float* a) GF_AVX512 {
                 const int64_t c0 = p * kPanel, cols = std::min(kPanel, Nqkv - c0);
                 for (int64_t t = 0; t < T; ++t) {
@@ -534,12 +524,13 @@ GF_AVX512 void run_forward(const Fwd& f) {
                 }
               });
 #pragma omp barrier
-#pragma omp for schedule(static, 1)
+      // (row, KV head) items, taken in turn by whichever thread is free
+#pragma omp for schedule(dynamic, 1) nowait
       for (int64_t item = 0; item < B * sp.kv_heads; ++item)
         attend(f, L, l, item / sp.kv_heads, item % sp.kv_heads, scratch);
-      // (the loop's implicit barrier: every head's attention is done)
+#pragma omp barrier
       const int64_t o_panels = (H + kPanel - 1) / kPanel;
-      product(f.attn, Nq, T, Nq, L.o, o_panels, false, tid, nth, acc.data(),
+      product(f.attn, Nq, T, Nq, L.o, o_panels, false, nth, acc.data(),
               [&](int64_t p, const float* a) GF_AVX512 {
                 const int64_t c0 = p * kPanel, cols = std::min(kPanel, H - c0);
                 for (int64_t t = 0; t < T; ++t) {
@@ -560,7 +551,7 @@ GF_AVX512 void run_forward(const Fwd& f) {
         norm_row(xr, H, L.norm2, L.norm2_b, sp.layer_norm, eps, xn.data() + t * H);
       }
       const int64_t up_panels = (I + kPanel - 1) / kPanel;
-      product(xn.data(), H, T, H, L.up, up_panels, sp.gated, tid, nth, acc.data(),
+      product(xn.data(), H, T, H, L.up, up_panels, sp.gated, nth, acc.data(),
               [&](int64_t p, const float* a) GF_AVX512 {
                 const int64_t c0 = p * kPanel, cols = std::min(kPanel, I - c0);
                 for (int64_t t = 0; t < T; ++t) {
@@ -576,7 +567,7 @@ GF_AVX512 void run_forward(const Fwd& f) {
                 }
               });
 #pragma omp barrier
-      product(f.h, I, T, I, L.down, o_panels, false, tid, nth, acc.data(),
+      product(f.h, I, T, I, L.down, o_panels, false, nth, acc.data(),
               [&](int64_t p, const float* a) GF_AVX512 {
                 const int64_t c0 = p * kPanel, cols = std::min(kPanel, H - c0);
                 for (int64_t t = 0; t < T; ++t) {
@@ -602,7 +593,7 @@ GF_AVX512 void run_forward(const Fwd& f) {
       norm_row(x.data() + (f.row_start[b + 1] - 1) * H, H, f.final_norm, f.final_norm_b,
                sp.layer_norm, eps, xn.data() + b * H);
     const int64_t head_panels = (V + kPanel - 1) / kPanel;
-    product(xn.data(), H, B, H, f.head, head_panels, false, tid, nth, acc.data(),
+    product(xn.data(), H, B, H, f.head, head_panels, false, nth, acc.data(),
             [&](int64_t p, const float* a) GF_AVX512 {
               const int64_t c0 = p * kPanel, cols = std::min(kPanel, V - c0);
               for (int64_t b = 0; b < B; ++b) {

@@ -27,6 +27,12 @@
 //                   cpu_threads_info() -> dict of what they are decided from
 //   empty_output_cache()  frees the cached blocks large CPU results reuse (OutputPool below)
 //   output_cache_sizes()  the bytes of each cached block, least recently returned first
+//   DecoderSpec, DecoderCPU(spec, weights): a decoder-only transformer's forward over
+//                   a few new tokens per row in one call (decoder_cpu.cpp; the Python side:
+//                   genlm_fast/backend/llm/decoder.py); decoder_supported() -> bool;
+//                   WeightWatch(params).changed() -> the first parameter edited since, or -1;
+//                   stream_read(data, streams), fma_rate(iterations): the memory and
+//                   arithmetic floors bench/lm_floor.py compares a forward with
 //   pack_linear_weight(weight) -> panels;  linear_small_batch(x, panels, bias, out_features,
 //                   isa="auto") -> x @ weight.T + bias;  linear_best_isa() -> "avx512" | ...
 //                   the small-batch float32 linear layer of linear_cpu.cpp (AsyncTransformer's
@@ -44,8 +50,11 @@
 #include <torch/extension.h>
 
 #include "cpu_threads.h"
+#include "decoder_cpu.h"
 #include "linear_cpu.h"
 #include "trie_reduce_cpu.h"
+
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -545,6 +554,53 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out_features"), pybind11::arg("isa") = "auto");
   m.def("linear_best_isa", &genlm_fast::cpu::linear_best_isa,
         "The widest linear_small_batch kernel this CPU runs: avx512 or baseline");
+  {
+    using genlm_fast::cpu::DecoderCPU;
+    using genlm_fast::cpu::DecoderSpec;
+    pybind11::class_<DecoderSpec>(m, "DecoderSpec", "What a DecoderCPU computes besides weights")
+        .def(pybind11::init<>())
+        .def_readwrite("layers", &DecoderSpec::layers)
+        .def_readwrite("hidden", &DecoderSpec::hidden)
+        .def_readwrite("heads", &DecoderSpec::heads)
+        .def_readwrite("kv_heads", &DecoderSpec::kv_heads)
+        .def_readwrite("head_dim", &DecoderSpec::head_dim)
+        .def_readwrite("inter", &DecoderSpec::inter)
+        .def_readwrite("vocab", &DecoderSpec::vocab)
+        .def_readwrite("max_positions", &DecoderSpec::max_positions)
+        .def_readwrite("layer_norm", &DecoderSpec::layer_norm)
+        .def_readwrite("eps", &DecoderSpec::eps)
+        .def_readwrite("act", &DecoderSpec::act)
+        .def_readwrite("gated", &DecoderSpec::gated)
+        .def_readwrite("qk_norm", &DecoderSpec::qk_norm)
+        .def_readwrite("post_norms", &DecoderSpec::post_norms)
+        .def_readwrite("learned_positions", &DecoderSpec::learned_positions)
+        .def_readwrite("embed_scale", &DecoderSpec::embed_scale)
+        .def_readwrite("attn_softcap", &DecoderSpec::attn_softcap)
+        .def_readwrite("final_softcap", &DecoderSpec::final_softcap)
+        .def_readwrite("scaling", &DecoderSpec::scaling)
+        .def_readwrite("window", &DecoderSpec::window);
+    pybind11::class_<DecoderCPU>(m, "DecoderCPU",
+                                 "A decoder-only transformer's forward in one call")
+        .def(pybind11::init<DecoderSpec, std::map<std::string, torch::Tensor>>(),
+             pybind11::arg("spec"), pybind11::arg("weights"))
+        .def("forward", &DecoderCPU::forward, pybind11::arg("tokens"), pybind11::arg("positions"),
+             pybind11::arg("row_start"), pybind11::arg("cos"), pybind11::arg("sin"),
+             pybind11::arg("runs"), pybind11::arg("run_start"))
+        .def_property_readonly("weight_bytes", &DecoderCPU::weight_bytes);
+    pybind11::class_<genlm_fast::cpu::WeightWatch>(
+        m, "WeightWatch", "Whether a model's parameters changed since it was built")
+        .def(pybind11::init<std::vector<torch::Tensor>>(), pybind11::arg("params"))
+        .def("changed", &genlm_fast::cpu::WeightWatch::changed,
+             "The first parameter that changed, or -1");
+    m.def("decoder_supported", &genlm_fast::cpu::decoder_supported,
+          "Whether this CPU runs DecoderCPU (AVX-512F)");
+    m.def("stream_read", &genlm_fast::cpu::stream_read,
+          "Sum of a float32 tensor read as `streams` sequential streams per thread",
+          pybind11::arg("data"), pybind11::arg("streams") = 2);
+    m.def("fma_rate", &genlm_fast::cpu::fma_rate,
+          "FLOP/s of register-only AVX-512 multiply-adds on the decoder's threads",
+          pybind11::arg("iterations") = 20000000);
+  }
 #ifdef WITH_CUDA
   m.def("trie_reduce_cuda", &trie_reduce_cuda,
         "Per-node sum/max/log_mass of a vocabulary trie (CUDA, tile decomposition)",

@@ -53,6 +53,16 @@ def info(model=None) -> int:
         linear = f"error: {exc}"
     print(f"AsyncTransformer CPU linear layers: {linear} "
           f"(kernels here: {', '.join(cpu_linear.available_kernels()) or 'none'})")
+    from genlm_fast.backend.llm import AsyncTransformer, decoder
+
+    why = decoder.fused_available()
+    if why is None:
+        print("AsyncTransformer CPU forward: fused decoder for float32 "
+              f"{', '.join(decoder.FAMILIES)} models (up to "
+              f"{AsyncTransformer.FUSED_MAX_TOKENS} new tokens a forward), else transformers' "
+              "forward on the linear layers above (AsyncTransformer.forward_path: which runs)")
+    else:
+        print(f"AsyncTransformer CPU forward: transformers' forward ({why})")
     from genlm_fast.backend.llm.threads import threads_info
 
     threads = threads_info()

@@ -17,7 +17,8 @@ import tempfile
 
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                     "csrc")
-CPU_SOURCES = ("bindings.cpp", "cpu_threads.cpp", "linear_cpu.cpp", "trie_reduce_cpu.cpp")
+CPU_SOURCES = ("bindings.cpp", "cpu_threads.cpp", "decoder_cpu.cpp", "linear_cpu.cpp",
+               "trie_reduce_cpu.cpp")
 CUDA_SOURCES = ("trie_reduce_cuda.cu",)  # added, with -DWITH_CUDA, by a CUDA build only
 CXX_FLAGS = ("-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno")  # no -march: any x86-64
 _SUFFIXES = (".cpp", ".h", ".cu", ".cuh")

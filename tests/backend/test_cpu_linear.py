@@ -333,14 +333,20 @@ def test_switch_and_undo(monkeypatch):
 
 
 @pytest.mark.slow
-def test_smollm2_packed_and_given_back(kernel):
-    """The real model: AsyncTransformer packs every linear layer (so its float64 accuracy
-    tests run on the packed path), the packed forward agrees with torch's, and cleanup
-    gives the caller's model its own layers back."""
+def test_smollm2_packed_and_given_back(kernel, monkeypatch):
+    """The real model, on transformers' forward (the fused decoder, which has its own
+    packed copies, is refused here): AsyncTransformer packs every linear layer, the packed
+    forward agrees with torch's, and cleanup gives the caller's model its own layers
+    back."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from genlm_fast.backend.llm import AsyncTransformer
+    from genlm_fast.backend.llm import AsyncTransformer, hf
     from genlm_fast.models import smollm2_path
+
+    def refuse(model):
+        raise hf.Unsupported("refused for this test")
+
+    monkeypatch.setattr(hf, "FusedDecoder", refuse)
 
     path = smollm2_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

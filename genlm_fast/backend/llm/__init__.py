@@ -14,7 +14,12 @@ import importlib.util
 
 from genlm_fast.backend.llm.base import AsyncLM
 from genlm_fast.backend.llm.batched import BatchedAsyncLM
-from genlm_fast.backend.llm.checks import ModelClosedError, QueriesResetError, UnknownLoraError
+from genlm_fast.backend.llm.checks import (
+    ModelClosedError,
+    NonFiniteLogitsError,
+    QueriesResetError,
+    UnknownLoraError,
+)
 from genlm_fast.backend.llm.mock import MockAsyncLM
 from genlm_fast.backend.llm.hf import AsyncTransformer
 
@@ -28,6 +33,7 @@ __all__ = [
     "BatchedAsyncLM",
     "MockAsyncLM",
     "ModelClosedError",
+    "NonFiniteLogitsError",
     "QueriesResetError",
     "UnknownLoraError",
     "load_model_by_name",

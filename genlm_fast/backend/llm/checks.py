@@ -15,8 +15,10 @@ import torch
 
 __all__ = [
     "ModelClosedError",
+    "NonFiniteLogitsError",
     "QueriesResetError",
     "UnknownLoraError",
+    "check_finite_logits",
     "check_sampling",
     "check_temperature",
     "check_token_ids",
@@ -83,6 +85,29 @@ class ModelClosedError(RuntimeError):
 
 class QueriesResetError(RuntimeError):
     """A waiting query was dropped, by `reset_async_queries` or by `cleanup`."""
+
+
+class NonFiniteLogitsError(FloatingPointError):
+    """The model's logits for a context hold a NaN or +inf (or are all -inf): its weights or
+    activations are not finite, and no log-probabilities can be computed from them."""
+
+
+def check_finite_logits(logits, contexts):
+    """Raise `NonFiniteLogitsError` naming the first context whose row of ``logits`` [B, V]
+    holds a NaN or +inf, or only -inf (a -inf logit alone is a token of probability 0)."""
+    if bool(torch.isfinite(logits).all()):
+        return
+    bad = (torch.isnan(logits).any(1) | torch.isposinf(logits).any(1)
+           | torch.isneginf(logits).all(1))
+    rows = bad.nonzero().flatten().tolist()
+    if not rows:
+        return
+    ctx = contexts[rows[0]]
+    raise NonFiniteLogitsError(
+        f"the model's logits are not finite (NaN or inf) for {len(rows)} of {len(contexts)} "
+        f"contexts, the first of {len(ctx)} tokens ending in {list(ctx[-5:])}: its weights or "
+        "activations overflowed or hold NaN; no log-probabilities were returned for this batch"
+    )
 
 
 class UnknownLoraError(ValueError):

@@ -22,14 +22,49 @@ from genlm_fast.backend.cache import KVTrie, kv_bytes_per_position, trim_heap
 from genlm_fast.backend.llm import threads as cpu_threads
 from genlm_fast.backend.llm.batched import BatchedAsyncLM
 from genlm_fast.backend.llm.cache_view import CacheNode, CacheTries, dynamic_cache, matched
-from genlm_fast.backend.llm.checks import unknown_lora
+from genlm_fast.backend.llm.checks import check_finite_logits, unknown_lora
 from genlm_fast.backend.llm.cpu_linear import pack_linear_layers, unpack_linear_layers
+from genlm_fast.backend.llm.decoder import FusedDecoder, ModelWatch, Unsupported
 
 __all__ = ["AsyncTransformer"]
 
 # how many open AsyncTransformers packed each model's linear layers: the last one to close
 # gives the model its own layers back (one closing must not unpack another's model)
 _packers = weakref.WeakKeyDictionary()
+
+
+class _ModelState:
+    """What the AsyncTransformers over one model share: its fused decoder (or why there is
+    none) and the watch that notices the model changing. ``generation`` counts the changes
+    seen, so that each AsyncTransformer drops the caches it computed before one."""
+
+    def __init__(self, model):
+        self.users = 0
+        self.generation = 0
+        self.rebuild(model, forget=False)
+
+    def rebuild(self, model, forget=True):
+        """Read the model again; ``forget``: its answers may have changed, so the caches
+        computed before go too (not for an adapter loaded through `AsyncTransformer`, which
+        leaves the base model's answers as they were)."""
+        self.stale = False
+        self.decoder = None  # the old packed copies go before new ones are made
+        try:
+            self.decoder, self.reason = FusedDecoder(model), None
+        except Unsupported as exc:
+            self.reason = str(exc)
+        self.watch = ModelWatch(model)
+        if forget:
+            self.generation += 1
+
+    def sync(self, model):
+        """Rebuild the decoder if the model changed since it was built (or was said to)."""
+        if self.stale or self.watch.changed():
+            self.rebuild(model)
+
+
+# each model's _ModelState, while an open AsyncTransformer uses it
+_states = weakref.WeakKeyDictionary()
 
 
 def _require_peft():
@@ -73,11 +108,26 @@ class AsyncTransformer(BatchedAsyncLM):
             at most your own setting (`genlm_fast.backend.llm.threads`); False leaves
             torch's setting alone. Defaults to True.
 
-    On the CPU, a float32 model's linear layers run on prepacked weights until `cleanup`
-    (`genlm_fast.backend.llm.cpu_linear`): genlm_fast's small-batch kernel on CPUs with
-    AVX-512 (SmolLM2's layers at 16 rows: 1.7x faster than torch's MKL path), else oneDNN;
-    ``GENLM_FAST_CPU_LINEAR=torch`` keeps torch's.
+    On a CPU with AVX-512, a float32 model of a family the fused decoder knows (Llama and
+    SmolLM, Mistral, Qwen2, Qwen3, Gemma, Gemma2, GPT-2) runs its forwards of up to
+    `FUSED_MAX_TOKENS` new tokens as one compiled call on packed copies of its weights
+    (`genlm_fast.backend.llm.decoder`), reading and writing the cached keys and values in
+    place; longer prefills, peft adapters and other models run transformers' forward, on
+    CPU linear layers over prepacked weights (`genlm_fast.backend.llm.cpu_linear`).
+    `forward_path` says which applies. Either way the copies are kept until `cleanup`, and
+    a forward that finds the model changed (a parameter replaced or edited, an adapter
+    injected) repacks them and forgets the cached keys, values and log-probabilities
+    computed before (`reload_weights` for the edits it cannot see); a query answered from the
+    output cache runs no forward, so call `clear_cache` too after editing weights.
+
+    Raises (from the query methods):
+        ValueError: a context longer than a model with learned position embeddings has
+            positions for (GPT-2's 1024).
+        NonFiniteLogitsError: the model's logits hold NaN or +inf.
     """
+
+    # the most new tokens one fused forward takes; rows of more go to transformers' forward
+    FUSED_MAX_TOKENS = 64
 
     @classmethod
     def from_name(cls, model_id, bitsandbytes_opts=None, hf_opts=None, **kwargs):
@@ -155,7 +205,14 @@ class AsyncTransformer(BatchedAsyncLM):
         self.model = hf_model
         self.model.eval()
         self.follow_contention = bool(follow_contention)
-        self._packed_linears = pack_linear_layers(hf_model)
+        state = _states.get(hf_model)
+        if state is None:
+            state = _states[hf_model] = _ModelState(hf_model)
+        state.users += 1
+        self._state, self._generation = state, state.generation
+        # the fused decoder has its own packed copies; transformers' forward then runs only
+        # long prefills and adapters, on torch's own layers
+        self._packed_linears = 0 if state.decoder is not None else pack_linear_layers(hf_model)
         if self._packed_linears:
             _packers[hf_model] = _packers.get(hf_model, 0) + 1
         super().__init__(
@@ -177,12 +234,22 @@ class AsyncTransformer(BatchedAsyncLM):
         self._walked_pasts = weakref.WeakKeyDictionary()  # walk_cache's pasts -> their prefix
         params = inspect.signature(hf_model.forward).parameters
         self._keeps_logits = "logits_to_keep" in params
+        self._position_limit = _learned_position_limit(hf_model)
 
     # ---- basics --------------------------------------------------------------------
 
     @property
     def device(self):
         return self._device
+
+    @property
+    def forward_path(self):
+        """Which forward runs the base model's decoding steps: ``"fused"`` (one compiled call,
+        `genlm_fast.backend.llm.decoder`) or ``"transformers (<why not fused>)"``."""
+        state = self._state
+        if state is None:
+            return "closed"
+        return "fused" if state.decoder is not None else f"transformers ({state.reason})"
 
     def _vocab_limit(self):
         return self._n_embed
@@ -191,11 +258,23 @@ class AsyncTransformer(BatchedAsyncLM):
         if self.follow_contention and self._device.type == "cpu":
             cpu_threads.follow_contention()
 
+    def _check_context(self, token_ids):
+        ids = super()._check_context(token_ids)
+        if self._position_limit is not None and len(ids) > self._position_limit:
+            raise ValueError(
+                f"context of {len(ids)} tokens is longer than the {self._position_limit} "
+                f"positions of {type(self.model).__name__}'s position embedding")
+        return ids
+
     def _release(self):
         if self.follow_contention:
             cpu_threads.restore_threads()
         self._drop_kv()
         model, self.model = self.model, None
+        state, self._state = self._state, None
+        state.users -= 1
+        if state.users == 0 and _states.get(model) is state:
+            del _states[model]  # its packed copies go with it
         if self._packed_linears:
             _packers[model] = left = _packers.get(model, 1) - 1
             if left == 0:  # the caller's model gets its own layers back
@@ -226,6 +305,18 @@ class AsyncTransformer(BatchedAsyncLM):
         for trie in self._kv_tries.values():
             trie.clear()
         self._kv_tries = {}
+
+    def reload_weights(self):
+        """Say that the model's weights changed: the next forward packs them again and
+        forgets the key/value states and log-probabilities computed before.
+
+        Forwards notice most changes on their own (a parameter replaced, changed in place,
+        or edited through ``.data`` in a tensor of up to 4096 entries or all over a larger
+        one, as a LoRA merge does); an edit of a few entries of a larger weight through
+        ``.data`` or numpy is the one to announce this way."""
+        self._check_open()
+        with self._forward_lock:
+            self._state.stale = True
 
     def _kv_trie(self, lora):
         trie = self._kv_tries.get(lora)
@@ -285,6 +376,7 @@ class AsyncTransformer(BatchedAsyncLM):
         if lora_name in self._loaded_adapters():
             self.remove_lora(lora_name)
         self.model.load_adapter(lora_path, adapter_name=lora_name)
+        self._state.rebuild(self.model, forget=False)
         self._forget_adapter(lora_name)
         self._active_lora = default  # replacing the default adapter keeps it the default
 
@@ -294,6 +386,7 @@ class AsyncTransformer(BatchedAsyncLM):
         if lora_name not in self._loaded_adapters():
             raise unknown_lora(lora_name)
         self.model.delete_adapter(lora_name)
+        self._state.rebuild(self.model, forget=False)
         self._forget_adapter(lora_name)
         if self._active_lora == lora_name:
             self._active_lora = None
@@ -335,8 +428,20 @@ class AsyncTransformer(BatchedAsyncLM):
 
     # ---- the forward pass ----------------------------------------------------------
 
+    def _sync_with_model(self):
+        """Rebuild what was derived from the model's weights if it changed, and forget the
+        key/value states and log-probabilities computed before."""
+        state = self._state
+        state.sync(self.model)
+        if state.generation != self._generation:
+            self._generation = state.generation
+            self.clear_kv_cache()
+            with self._lock:
+                self._outputs.clear()
+
     @torch.no_grad()
     def _forward(self, lora, rows):
+        self._sync_with_model()
         self._activate(lora)
         trie = self._kv_trie(lora) if self._kv_on else None
         plans = []
@@ -346,16 +451,52 @@ class AsyncTransformer(BatchedAsyncLM):
             else:
                 depth, runs = 0, []
             plans.append((ids, depth, runs))
-        chunks = self._split(plans)
-        if len(chunks) == 1:
-            return self._run([plans[i] for i in chunks[0]], trie)
+        decoder = self._state.decoder if lora is None else None
+        if decoder is None:
+            chunks, fused = self._split(plans), []
+        else:
+            fused, rest = self._fused_chunks(plans)
+            chunks = self._split([plans[i] for i in rest]) if rest else []
+            chunks = [[rest[i] for i in chunk] for chunk in chunks]
+        jobs = [(chunk, True) for chunk in fused] + [(chunk, False) for chunk in chunks]
+        if len(jobs) == 1:
+            chunk, is_fused = jobs[0]
+            return self._run_fused(decoder, plans, trie) if is_fused else self._run(plans, trie)
         out = None
-        for chunk in chunks:
-            logits = self._run([plans[i] for i in chunk], trie)
+        for chunk, is_fused in jobs:
+            part = [plans[i] for i in chunk]
+            logits = self._run_fused(decoder, part, trie) if is_fused else self._run(part, trie)
             if out is None:
                 out = logits.new_empty((len(rows), logits.shape[1]))
             out[torch.tensor(chunk, device=logits.device)] = logits
         return out
+
+    def _fused_chunks(self, plans):
+        """Rows for the fused decoder, in forwards of at most `FUSED_MAX_TOKENS` new tokens,
+        and the rows with more (prefills, for transformers' forward)."""
+        fused, rest, chunk, size = [], [], [], 0
+        for i, (ids, d, _) in enumerate(plans):
+            n = len(ids) - d
+            if n > self.FUSED_MAX_TOKENS:
+                rest.append(i)
+                continue
+            if size + n > self.FUSED_MAX_TOKENS:
+                fused.append(chunk)
+                chunk, size = [], 0
+            chunk.append(i)
+            size += n
+        if chunk:
+            fused.append(chunk)
+        return fused, rest
+
+    def _run_fused(self, decoder, plans, trie):
+        """One fused forward; returns last-position logits ``[B, V]``, stores the new KV."""
+        logits, segments = decoder.forward(plans)
+        check_finite_logits(logits, [ids for ids, _, _ in plans])
+        if trie is not None:
+            for (ids, d, runs), seg in zip(plans, segments):
+                trie.insert(ids, d, seg, runs)
+        return logits
 
     # Cost model of one forward, in token-rows: a fixed overhead, plus the padded work,
     # which costs no less than reading the weights once (small batches are memory-bound).
@@ -413,6 +554,7 @@ class AsyncTransformer(BatchedAsyncLM):
             kwargs["logits_to_keep"] = 1
         if not max_past:
             out = self.model(**kwargs)
+            check_finite_logits(out.logits[:, -1], [ids for ids, _, _ in plans])
             if trie is not None:
                 self._store_kv(trie, plans, news, 0, out.past_key_values)
             return out.logits[:, -1]
@@ -443,6 +585,7 @@ class AsyncTransformer(BatchedAsyncLM):
                     kv[:, :, first : last + 1, :, at : at + b - a] = s.data[:, :, None, :, a:b]
             kwargs["past_key_values"] = _buffer_cache(kv, max_past)
             out = self.model(**kwargs)
+            check_finite_logits(out.logits[:, -1], [ids for ids, _, _ in plans])
             # (a past came from the trie, so there is one)
             self._store_kv(trie, plans, news, max_past, out.past_key_values, kv)
         finally:
@@ -585,6 +728,7 @@ class AsyncTransformer(BatchedAsyncLM):
         logits = self.model(
             torch.tensor([ids], device=self._device), use_cache=False
         ).logits[0, -1]
+        check_finite_logits(logits[None], [ids])
         return torch.log_softmax(logits.float(), dim=-1).cpu()
 
 
@@ -597,6 +741,20 @@ def _byte_budget(value):
         raise ValueError(f"kv_cache_bytes must be None or a whole number of bytes >= 0, "
                          f"got {value!r}")
     return int(value)
+
+def _learned_position_limit(model):
+    """How many positions a model with a learned position embedding (GPT-2's ``wpe``, OPT's
+    ``embed_positions``) has, or None for a model without one (rotary, ALiBi)."""
+    config = getattr(model, "config", None)
+    names = ("wpe", "embed_positions", "position_embeddings")
+    if not any(name.rsplit(".", 1)[-1] in names and isinstance(module, torch.nn.Embedding)
+               for name, module in model.named_modules()):
+        return None
+    for key in ("n_positions", "max_position_embeddings", "n_ctx"):
+        limit = getattr(config, key, None)
+        if isinstance(limit, int) and limit > 0:
+            return limit
+    return None
 
 
 def _consecutive_blocks(rows):

@@ -1,0 +1,184 @@
+"""A decoding forward of SmolLM2-135M on the CPU against the machine's floors, same run.
+
+    python -m bench.lm_floor [--rounds 7] [--out bench/results/lm-cpu-<date>.md]
+
+The floor of a forward is reading the model's weights once: the bytes the fused decoder
+streams (its packed copies of every projection and the LM head) over the machine's read
+bandwidth, measured here by reading a buffer of the same size as the decoder's threads do
+(`genlm_fast._C.stream_read`: each thread its share as 1, 2 or 4 interleaved sequential
+streams; the fastest). Rows of new tokens also cost arithmetic: two FLOPs per weight per
+token, at the FLOP/s of register-only AVX-512 multiply-adds on the same threads
+(`genlm_fast._C.fma_rate`); a forward can be no faster than either floor.
+
+Cases: 1, 4 and 16 rows x 1 and 2 new tokens over a cached past of 24 tokens (rows sharing
+the 15-token prompt of bench/test_bench_lm.py, as SMC particles do). Each round measures the
+bandwidth, then every case on the fused decoder (`AsyncTransformer._run_fused`, with the
+trie insertions) and on transformers' forward over the same stored key/values (a second
+model with genlm_fast's packed CPU linear layers, the path before the fused decoder); the
+best of the rounds is kept for each (a shared VM's bandwidth moves by 2x within minutes:
+measuring everything in every round keeps the ratios honest). Every case's logits are
+checked against a float64 forward first (max |log-prob error| over tokens > -20).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch
+
+PROMPT = "In a quiet village at the edge of the forest, an old clockmaker"
+PAST = 24
+CASES = [(1, 1), (1, 2), (4, 1), (4, 2), (16, 1), (16, 2)]
+
+
+def _contexts(tokenizer, rows, new):
+    """``rows`` contexts of PAST + new tokens: the prompt, then tokens of each row's own."""
+    prompt = tokenizer.encode(PROMPT)
+    g = torch.Generator().manual_seed(rows * 10 + new)
+    return [tuple(prompt + torch.randint(100, 40000, (PAST + new - len(prompt),),
+                                         generator=g).tolist()) for _ in range(rows)]
+
+
+def _plans(lm, ctxs, new):
+    """Each context's past (its first PAST tokens) stored in lm's trie, as `_forward` plans."""
+    trie = lm._kv_trie(None)
+    lm._forward(None, [c[:PAST] for c in ctxs])
+    plans = []
+    for c in ctxs:
+        d, runs = trie.match(c, PAST)
+        assert d == PAST
+        plans.append((c, d, runs))
+    return plans, trie
+
+
+def _floor_bandwidth(module, buf):
+    best = 0.0
+    for streams in (1, 2, 4):
+        t = time.perf_counter()
+        module.stream_read(buf, streams)
+        best = max(best, buf.numel() * 4 / (time.perf_counter() - t))
+    return best
+
+
+def run(rounds=7, cases=CASES):
+    from transformers import AutoModelForCausalLM
+
+    from genlm_fast.backend.llm import AsyncTransformer
+    from genlm_fast.backend.llm.cpu_linear import pack_linear_layers, unpack_linear_layers
+    from genlm_fast.models import smollm2_path
+    from genlm_fast.ops import extension
+
+    module = extension.load_module()
+    path = smollm2_path()
+    lm = AsyncTransformer.from_name(path)
+    if lm.forward_path != "fused":
+        raise SystemExit(f"the fused decoder does not run here: {lm.forward_path}")
+    decoder = lm._state.decoder
+    # the path before: transformers' forward on packed linear layers, its own model
+    hf = AsyncTransformer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                          lm.tokenizer)
+    hf.FUSED_MAX_TOKENS = 0
+    packed = pack_linear_layers(hf.model)
+    ref64 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).double().eval()
+
+    nbytes = decoder.weight_bytes
+    params = sum(p.numel() for n, p in lm.model.named_parameters() if "embed" not in n)
+    params += lm.model.lm_head.weight.numel() if lm.model.config.tie_word_embeddings else 0
+    buf = torch.ones(nbytes // 4)
+    flops = module.fma_rate(100_000_000)
+
+    setups, errors = {}, {}
+    with torch.no_grad():
+        for rows, new in cases:
+            ctxs = _contexts(lm.tokenizer, rows, new)
+            setups[rows, new] = (_plans(lm, ctxs, new), _plans(hf, ctxs, new))
+            (plans, trie), _ = setups[rows, new]
+            logits = lm._run_fused(decoder, plans, trie)
+            got = torch.log_softmax(logits.double(), -1)
+            want = torch.log_softmax(ref64(torch.tensor([list(c) for c in ctxs])).logits[:, -1], -1)
+            errors[rows, new] = float((got - want)[want > -20].abs().max())
+    del ref64
+
+    bandwidth, best = 0.0, {}
+    with torch.no_grad():
+        for _ in range(rounds):
+            bandwidth = max(bandwidth, _floor_bandwidth(module, buf))
+            for case in cases:
+                ((plans, trie), (hf_plans, hf_trie)) = setups[case]
+                for name, fn in (("fused", lambda: lm._run_fused(decoder, plans, trie)),
+                                 ("transformers", lambda: hf._run(hf_plans, hf_trie))):
+                    t = time.perf_counter()
+                    fn()
+                    dt = time.perf_counter() - t
+                    best[case, name] = min(best.get((case, name), float("inf")), dt)
+    unpack_linear_layers(hf.model)
+    hf.cleanup()
+    lm.cleanup()
+    return {"bandwidth": bandwidth, "bytes": nbytes, "flops": flops, "params": params,
+            "best": best, "errors": errors, "packed": packed, "cases": cases}
+
+
+def _header():
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=False).stdout.strip()
+    except OSError:
+        commit = "?"
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"{datetime.date.today()}, commit {commit}, {cpu}, {os.cpu_count()} CPUs, torch "
+            f"{torch.__version__}, {torch.get_num_threads()} threads, load average "
+            f"{os.getloadavg()[0]:.1f}")
+
+
+def table(r):
+    mem_floor = r["bytes"] / r["bandwidth"]
+    lines = [
+        f"SmolLM2-135M-Instruct float32, one forward over a cached past of {PAST} tokens. "
+        f"Memory floor: {r['bytes'] / 1e6:.0f} MB of packed weights at "
+        f"{r['bandwidth'] / 1e9:.1f} GB/s (streaming read, same run) = "
+        f"{mem_floor * 1e3:.2f} ms; arithmetic: {r['flops'] / 1e9:.0f} GFLOP/s of AVX-512 "
+        f"FMA, {r['params'] / 1e6:.0f} M weights per token.",
+        "",
+        "| rows x new | fused ms | x memory floor | x max(memory, FMA) floor | "
+        "transformers ms (packed linears) | fused speedup | max err vs f64 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for rows, new in r["cases"]:
+        fused, hf = r["best"][(rows, new), "fused"], r["best"][(rows, new), "transformers"]
+        floor = max(mem_floor, 2 * r["params"] * rows * new / r["flops"])
+        lines.append(f"| {rows} x {new} | {fused * 1e3:.1f} | {fused / mem_floor:.2f} | "
+                     f"{fused / floor:.2f} | {hf * 1e3:.1f} | {hf / fused:.2f}x | "
+                     f"{r['errors'][rows, new]:.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--cases", default=",".join(f"{r}x{n}" for r, n in CASES),
+                        help="rows x new tokens, comma-separated (default: %(default)s)")
+    parser.add_argument("--out", help="also write the table to this markdown file")
+    args = parser.parse_args(argv)
+    cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+    text = f"{_header()}\n\n{table(run(args.rounds, cases))}\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

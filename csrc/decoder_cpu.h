@@ -1,0 +1,103 @@
+// A decoder-only transformer's forward pass on the CPU in one call (AsyncTransformer's decoding
+// steps): algorithm at the top of decoder_cpu.cpp, the Python side in
+// genlm_fast/backend/llm/decoder.py.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace genlm_fast {
+namespace cpu {
+
+// What the forward computes besides the weights: read once from the HF model by decoder.py.
+struct DecoderSpec {
+  int64_t layers = 0, hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, inter = 0, vocab = 0;
+  int64_t max_positions = 0;   // rows of the learned position table (learned_positions only)
+  bool layer_norm = false;     // LayerNorm (weight and bias), else RMSNorm (weight)
+  double eps = 1e-6;
+  std::string act = "silu";    // silu, gelu_tanh, gelu_erf or relu
+  bool gated = true;           // act(gate) * up, else act(fc)
+  bool qk_norm = false;        // RMSNorm over each query and key head before the rotation
+  bool post_norms = false;     // norms of the attention and MLP outputs before the residual
+  bool learned_positions = false;  // a position embedding added to the token's, no rotation
+  double embed_scale = 1.0;
+  double attn_softcap = 0.0;   // 0: none, else scores = cap * tanh(scores / cap)
+  double final_softcap = 0.0;  // likewise for the logits
+  std::vector<double> scaling;         // per layer: the scores' factor
+  std::vector<int64_t> window;         // per layer: sliding window (0: none)
+};
+
+class DecoderCPU {
+ public:
+  // `weights`: the packed projections and the vectors, by name (decoder.py, `_pack`).
+  DecoderCPU(DecoderSpec spec, std::map<std::string, torch::Tensor> weights);
+
+  // One forward over B rows of new tokens (row b: tokens[row_start[b] .. row_start[b + 1]),
+  // at positions[...]) after each row's cached past, read through the run table; writes the
+  // new keys and values into each row's last run; returns the logits of each row's last
+  // token [B, vocab].
+  torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& positions,
+                        const torch::Tensor& row_start, const torch::Tensor& cos,
+                        const torch::Tensor& sin, const torch::Tensor& runs,
+                        const torch::Tensor& run_start) const;
+
+  // bytes of packed weights one forward streams
+  int64_t weight_bytes() const { return weight_bytes_; }
+
+ private:
+  struct Layer {
+    const float *norm1 = nullptr, *norm1_b = nullptr, *post1 = nullptr;
+    const float *norm2 = nullptr, *norm2_b = nullptr, *post2 = nullptr;
+    const float *q_norm = nullptr, *k_norm = nullptr;
+    const float *qkv = nullptr, *qkv_b = nullptr, *o = nullptr, *o_b = nullptr;
+    const float *up = nullptr, *up_b = nullptr, *down = nullptr, *down_b = nullptr;
+  };
+
+  const float* get(const std::string& name, std::vector<int64_t> shape, bool optional = false);
+
+  DecoderSpec spec_;
+  std::map<std::string, torch::Tensor> weights_;
+  std::vector<Layer> layers_;
+  const float *embed_ = nullptr, *positions_ = nullptr, *final_norm_ = nullptr,
+              *final_norm_b_ = nullptr, *head_ = nullptr, *head_b_ = nullptr;
+  int64_t weight_bytes_ = 0;
+};
+
+// Tells whether a model's parameters still hold what they held when it was built: the same
+// storage, dtype and version counter, and the same values at sampled entries (every entry of a
+// tensor of up to 4096, else 64 evenly spaced), which sees edits made behind the version
+// counter (through .data, as peft's merge does) that touch the whole tensor.
+class WeightWatch {
+ public:
+  explicit WeightWatch(std::vector<torch::Tensor> params);
+  // the first parameter that changed, or -1
+  int64_t changed() const;
+
+ private:
+  struct Entry {
+    torch::Tensor tensor;
+    const void* data;
+    c10::ScalarType dtype;
+    int64_t version;  // -1: an inference tensor, which has none
+    std::vector<int64_t> at;
+    std::vector<uint32_t> bits;  // float32 entries' bits (other dtypes are not sampled)
+  };
+  std::vector<Entry> entries_;
+};
+
+// whether this CPU runs the decoder (AVX-512F)
+bool decoder_supported();
+
+// The machine's floors, for the benchmark that compares a forward with them
+// (bench/lm_floor.py): the sum of `data` read by the decoder's threads, each its share as
+// `streams` interleaved sequential streams (the time to read the weights once); and the
+// FLOP/s of register-only AVX-512 multiply-adds on those threads (`iterations` each).
+double stream_read(const torch::Tensor& data, int64_t streams);
+double fma_rate(int64_t iterations);
+
+}  // namespace cpu
+}  // namespace genlm_fast

@@ -1,0 +1,453 @@
+"""A Hugging Face causal LM's decoding forward in one compiled call, on the CPU.
+
+transformers runs a forward pass of a small model over a few new tokens as a few hundred
+torch ops per layer stack, most of them tiny (norms, rotations, reshapes, attention over a
+short past, the key/value cache's copies); on the CPU they cost as much as the weights' own
+products. `FusedDecoder` reads a model's architecture and weights once and runs the same
+forward as one call into ``genlm_fast._C`` (``csrc/decoder_cpu.cpp``): one parallel region,
+the projections on packed copies of the weights (q|k|v and gate|up packed together), the
+past keys and values read where `AsyncTransformer`'s `KVTrie` keeps them and the new ones
+written straight into the segments it will keep.
+
+`describe` says whether a model is one the decoder knows: the families below, float32, on
+the CPU, no peft adapters, on a CPU with AVX-512F; anything else keeps transformers' own
+forward (`AsyncTransformer.forward_path` says which runs). The architecture is read from the
+modules themselves (each norm's epsilon, each attention's scaling and sliding window, the
+MLP's activation, biases, a scaled or tied embedding) and the rotary embedding's cos and sin
+come from the model's own rotary module on each forward, so that every rope variant
+transformers implements is honoured.
+
+`ModelWatch` is how `AsyncTransformer` notices a model changing under it (a parameter
+replaced or edited, an adapter injected): its packed copies and cached keys and values are
+then rebuilt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["FAMILIES", "FusedDecoder", "ModelWatch", "Unsupported", "describe", "fused_available"]
+
+# model_type -> the transformers class it must be, and the norms' classes
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "LlamaRMSNorm"),
+    "mistral": ("MistralForCausalLM", "MistralRMSNorm"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2RMSNorm"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3RMSNorm"),
+    "gemma": ("GemmaForCausalLM", "GemmaRMSNorm"),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2RMSNorm"),
+    "gpt2": ("GPT2LMHeadModel", "LayerNorm"),
+}
+_ONE_PLUS_WEIGHT = {"gemma", "gemma2"}  # RMSNorm scales by (1 + weight)
+_EMBEDDINGS = {"Embedding", "GemmaTextScaledWordEmbedding", "Gemma2TextScaledWordEmbedding"}
+# transformers' activation modules by what they compute
+_ACTIVATIONS = {
+    "SiLUActivation": "silu", "SiLU": "silu",
+    "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh",
+    "FastGELUActivation": "gelu_tanh",
+    "GELUActivation": "gelu_erf", "GELU": "gelu_erf",
+    "ReLU": "relu",
+}
+
+
+class Unsupported(Exception):
+    """The model is not one the fused decoder runs; the message says why."""
+
+
+def _module():
+    from genlm_fast.ops import extension
+
+    module = extension.load_module()
+    if module is None or not hasattr(module, "DecoderCPU"):
+        return None
+    return module
+
+
+def fused_available() -> str | None:
+    """None when the fused decoder runs on this machine, else why not."""
+    module = _module()
+    if module is None:
+        return "genlm_fast._C is not built (or predates the fused decoder)"
+    if not module.decoder_supported():
+        return "this CPU lacks AVX-512F"
+    return None
+
+
+class _Reader:
+    """Reads submodules and parameters by attribute path, remembering every step, so that
+    `ModelWatch` can later tell whether the same objects are still in place."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def module(self, owner, path):
+        for name in path.split("."):
+            child = owner._modules.get(name) if isinstance(owner, torch.nn.Module) else None
+            if child is None:
+                raise Unsupported(f"{type(owner).__name__} has no submodule {name!r}")
+            owner = child
+        return owner
+
+    @staticmethod
+    def param(module, name, optional=False):
+        p = module._parameters.get(name)
+        if p is None and not optional:
+            raise Unsupported(f"{type(module).__name__} has no parameter {name!r}")
+        return p
+
+
+@dataclass
+class _Arch:
+    family: str
+    spec: dict
+    vectors: dict = field(default_factory=dict)  # name -> tensor to copy as is
+    linears: dict = field(default_factory=dict)  # name -> [(weight [N, K], bias or None)]
+    embed: torch.Tensor | None = None
+    pos_embed: torch.Tensor | None = None
+    rotary: torch.nn.Module | None = None
+
+
+def _kind(obj):
+    return type(obj).__name__
+
+
+def _linear(module, what, out_features=None, in_features=None):
+    if type(module) is not torch.nn.Linear:
+        raise Unsupported(f"{what} is a {_kind(module)}, not a torch.nn.Linear")
+    w = module.weight
+    if (out_features is not None and w.shape[0] != out_features) or (
+            in_features is not None and w.shape[1] != in_features):
+        raise Unsupported(f"{what} has shape {tuple(w.shape)}")
+    return w, module.bias
+
+
+def _norm_eps(norm):
+    for name in ("variance_epsilon", "eps"):
+        eps = getattr(norm, name, None)
+        if isinstance(eps, (int, float)):
+            return float(eps)
+    raise Unsupported(f"{_kind(norm)} has no epsilon")
+
+
+def _activation(act):
+    kind = _ACTIVATIONS.get(_kind(act))
+    if kind is None:
+        raise Unsupported(f"activation {_kind(act)} is not one the fused decoder computes")
+    if _kind(act) == "GELU" and getattr(act, "approximate", "none") == "tanh":
+        kind = "gelu_tanh"
+    return kind
+
+
+def describe(model) -> _Arch:
+    """The architecture and weights of ``model`` as the fused decoder needs them.
+
+    Raises:
+        Unsupported: the model is not one the fused decoder runs (the message says why).
+    """
+    why = fused_available()
+    if why:
+        raise Unsupported(why)
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in FAMILIES:
+        raise Unsupported(f"architecture {family or _kind(model)!r} is not one the fused decoder "
+                          f"knows ({', '.join(FAMILIES)})")
+    cls, norm_cls = FAMILIES[family]
+    if _kind(model) != cls:
+        raise Unsupported(f"{_kind(model)} is not {cls}")
+    if getattr(model, "_hf_peft_config_loaded", False):
+        raise Unsupported("peft adapters are loaded")
+    for p in model.parameters():
+        if p.dtype != torch.float32 or p.device.type != "cpu":
+            raise Unsupported(f"its weights are {p.dtype} on {p.device}, not float32 on the CPU")
+    if model.training:
+        raise Unsupported("the model is in training mode")
+    read = _Reader(model)
+    if family == "gpt2":
+        return _describe_gpt2(model, config, read, norm_cls)
+    return _describe_llama_like(model, config, read, family, norm_cls)
+
+
+def _describe_llama_like(model, config, read, family, norm_cls):
+    base = read.module(model, "model")
+    layers = read.module(base, "layers")
+    embed = read.module(base, "embed_tokens")
+    if _kind(embed) not in _EMBEDDINGS:
+        raise Unsupported(f"the embedding is a {_kind(embed)}")
+    head = read.module(model, "lm_head")
+    H = int(config.hidden_size)
+    nh, nkv = int(config.num_attention_heads), int(config.num_key_value_heads)
+    attn0 = read.module(layers, "0.self_attn")
+    hd = int(attn0.head_dim)
+    vocab = int(head.weight.shape[0])
+    head_w, head_b = _linear(head, "lm_head", in_features=H)
+    spec = {
+        "layers": len(layers), "hidden": H, "heads": nh, "kv_heads": nkv, "head_dim": hd,
+        "vocab": vocab, "layer_norm": False, "qk_norm": family == "qwen3",
+        "post_norms": family == "gemma2", "learned_positions": False,
+        "attn_softcap": float(getattr(config, "attn_logit_softcapping", None) or 0.0),
+        "final_softcap": float(getattr(config, "final_logit_softcapping", None) or 0.0),
+        "embed_scale": 1.0, "scaling": [], "window": [],
+    }
+    if hasattr(embed, "embed_scale"):
+        spec["embed_scale"] = float(embed.embed_scale.to(torch.float32))
+    arch = _Arch(family, spec, embed=read.param(embed, "weight"),
+                 rotary=read.module(base, "rotary_emb"))
+    one_plus = family in _ONE_PLUS_WEIGHT
+
+    def norm(module, name, dim=H):
+        if _kind(module) != norm_cls:
+            raise Unsupported(f"{name} is a {_kind(module)}, not a {norm_cls}")
+        w = read.param(module, "weight")
+        if w.shape != (dim,):
+            raise Unsupported(f"{name} has shape {tuple(w.shape)}")
+        eps = _norm_eps(module)
+        if spec.setdefault("eps", eps) != eps:
+            raise Unsupported("its norms have different epsilons")
+        arch.vectors[name] = (w, one_plus)
+
+    norm(read.module(base, "norm"), "final_norm")
+    arch.linears["head"] = [(head_w, head_b)]
+    for i, layer in enumerate(layers):
+        p = f"{i}."
+        attn, mlp = read.module(layer, "self_attn"), read.module(layer, "mlp")
+        if not getattr(attn, "is_causal", True):
+            raise Unsupported("its attention is not causal")
+        if int(attn.head_dim) != hd:
+            raise Unsupported("its layers have different head sizes")
+        norm(read.module(layer, "input_layernorm"), p + "norm1")
+        if family == "gemma2":
+            norm(read.module(layer, "post_attention_layernorm"), p + "post1")
+            norm(read.module(layer, "pre_feedforward_layernorm"), p + "norm2")
+            norm(read.module(layer, "post_feedforward_layernorm"), p + "post2")
+        else:
+            norm(read.module(layer, "post_attention_layernorm"), p + "norm2")
+        if family == "qwen3":
+            norm(read.module(attn, "q_norm"), p + "q_norm", hd)
+            norm(read.module(attn, "k_norm"), p + "k_norm", hd)
+        arch.linears[p + "qkv"] = [
+            _linear(read.module(attn, "q_proj"), "q_proj", nh * hd, H),
+            _linear(read.module(attn, "k_proj"), "k_proj", nkv * hd, H),
+            _linear(read.module(attn, "v_proj"), "v_proj", nkv * hd, H),
+        ]
+        arch.linears[p + "o"] = [_linear(read.module(attn, "o_proj"), "o_proj", H, nh * hd)]
+        gate = _linear(read.module(mlp, "gate_proj"), "gate_proj", in_features=H)
+        inter = gate[0].shape[0]
+        spec.setdefault("inter", inter)
+        if inter != spec["inter"]:
+            raise Unsupported("its layers have different MLP sizes")
+        arch.linears[p + "up"] = [gate, _linear(read.module(mlp, "up_proj"), "up_proj", inter, H)]
+        arch.linears[p + "down"] = [_linear(read.module(mlp, "down_proj"), "down_proj", H, inter)]
+        act = _activation(read.module(mlp, "act_fn"))
+        if spec.setdefault("act", act) != act:
+            raise Unsupported("its layers have different activations")
+        spec["scaling"].append(float(attn.scaling))
+        if family == "mistral":
+            window = getattr(config, "sliding_window", None)
+        else:
+            window = getattr(attn, "sliding_window", None)
+        spec["window"].append(int(window or 0))
+        cap = getattr(attn, "attn_logit_softcapping", None)
+        if float(cap or 0.0) != spec["attn_softcap"]:
+            raise Unsupported("its attention soft caps differ from the config's")
+    spec["gated"] = True
+    return arch
+
+
+def _describe_gpt2(model, config, read, norm_cls):
+    base = read.module(model, "transformer")
+    blocks = read.module(base, "h")
+    wte, wpe = read.module(base, "wte"), read.module(base, "wpe")
+    head = read.module(model, "lm_head")
+    if getattr(config, "add_cross_attention", False):
+        raise Unsupported("it has cross-attention")
+    H = int(config.hidden_size)
+    nh = int(config.num_attention_heads)
+    hd = H // nh
+    head_w, head_b = _linear(head, "lm_head", in_features=H)
+    spec = {
+        "layers": len(blocks), "hidden": H, "heads": nh, "kv_heads": nh, "head_dim": hd,
+        "vocab": int(head_w.shape[0]), "layer_norm": True, "qk_norm": False,
+        "post_norms": False, "learned_positions": True,
+        "max_positions": int(wpe.weight.shape[0]), "attn_softcap": 0.0, "final_softcap": 0.0,
+        "embed_scale": 1.0, "gated": False, "scaling": [], "window": [],
+    }
+    arch = _Arch("gpt2", spec, embed=read.param(wte, "weight"), pos_embed=read.param(wpe, "weight"))
+
+    def norm(module, name):
+        if _kind(module) != norm_cls or not getattr(module, "elementwise_affine", True):
+            raise Unsupported(f"{name} is not an affine LayerNorm")
+        eps = float(module.eps)
+        if spec.setdefault("eps", eps) != eps:
+            raise Unsupported("its norms have different epsilons")
+        arch.vectors[name] = (read.param(module, "weight"), False)
+        arch.vectors[name + "_b"] = (read.param(module, "bias"), False)
+
+    def conv1d(module, what, n, k):
+        if _kind(module) != "Conv1D":
+            raise Unsupported(f"{what} is a {_kind(module)}, not a Conv1D")
+        w, b = read.param(module, "weight"), read.param(module, "bias", optional=True)
+        if w.shape != (k, n):
+            raise Unsupported(f"{what} has shape {tuple(w.shape)}")
+        return w.t(), b  # as a Linear's [out, in]
+
+    norm(read.module(base, "ln_f"), "final_norm")
+    arch.linears["head"] = [(head_w, head_b)]
+    for i, block in enumerate(blocks):
+        p = f"{i}."
+        attn, mlp = read.module(block, "attn"), read.module(block, "mlp")
+        if not getattr(attn, "is_causal", True):
+            raise Unsupported("its attention is not causal")
+        norm(read.module(block, "ln_1"), p + "norm1")
+        norm(read.module(block, "ln_2"), p + "norm2")
+        arch.linears[p + "qkv"] = [conv1d(read.module(attn, "c_attn"), "c_attn", 3 * H, H)]
+        arch.linears[p + "o"] = [conv1d(read.module(attn, "c_proj"), "attn.c_proj", H, H)]
+        fc = read.module(mlp, "c_fc")
+        inter = int(fc.weight.shape[1])
+        spec.setdefault("inter", inter)
+        if inter != spec["inter"]:
+            raise Unsupported("its layers have different MLP sizes")
+        arch.linears[p + "up"] = [conv1d(fc, "c_fc", inter, H)]
+        arch.linears[p + "down"] = [conv1d(read.module(mlp, "c_proj"), "mlp.c_proj", H, inter)]
+        act = _activation(read.module(mlp, "act"))
+        if spec.setdefault("act", act) != act:
+            raise Unsupported("its layers have different activations")
+        spec["scaling"].append(float(attn.scaling))
+        spec["window"].append(0)
+    return arch
+
+
+def _panels(module, weights, interleave=False):
+    """Weights [N_i, K] stacked (or, ``interleave``, two of them panel by panel) as packed
+    panels [P, K, 16]."""
+    if interleave:
+        a, b = (module.pack_linear_weight(w.detach().contiguous()) for w in weights)
+        return torch.stack((a, b), dim=1).reshape(-1, a.shape[1], a.shape[2]).contiguous()
+    w = weights[0] if len(weights) == 1 else torch.cat(weights)
+    return module.pack_linear_weight(w.detach().contiguous())
+
+
+def _pack(arch: _Arch, module):
+    """The DecoderCPU built from ``arch``'s weights (copied: the model keeps its own)."""
+    spec = module.DecoderSpec()
+    for key, value in arch.spec.items():
+        setattr(spec, key, value)
+    weights = {"embed": arch.embed.detach()}
+    if arch.pos_embed is not None:
+        weights["pos_embed"] = arch.pos_embed.detach()
+    for name, (w, one_plus) in arch.vectors.items():
+        w = w.detach().to(torch.float32)
+        weights[name] = (1.0 + w) if one_plus else w.clone()
+    for name, parts in arch.linears.items():
+        gated = name.endswith("up") and arch.spec["gated"]
+        weights[name] = _panels(module, [w for w, _ in parts], interleave=gated)
+        biases = [b for _, b in parts]
+        if any(b is not None for b in biases):
+            weights[name + "_b"] = torch.cat([
+                b.detach() if b is not None else torch.zeros(w.shape[0])
+                for (w, _), b in zip(parts, biases)]).contiguous()
+    return module.DecoderCPU(spec, weights)
+
+
+class FusedDecoder:
+    """A model's decoding forward in one compiled call (module docstring).
+
+    Args:
+        model: A Hugging Face causal LM of a family in `FAMILIES`.
+
+    Raises:
+        Unsupported: the model is not one the decoder runs.
+    """
+
+    def __init__(self, model):
+        arch = describe(model)
+        module = _module()
+        self.family = arch.family
+        self.layers = arch.spec["layers"]
+        self.kv_heads = arch.spec["kv_heads"]
+        self.head_dim = arch.spec["head_dim"]
+        self.max_positions = arch.spec.get("max_positions") if arch.spec[
+            "learned_positions"] else None
+        self._rotary = arch.rotary
+        self._impl = _pack(arch, module)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of packed weights a forward streams."""
+        return self._impl.weight_bytes
+
+    def forward(self, plans):
+        """One forward over ``plans`` [(ids, past length, past runs)]: the logits of each row's
+        last token [B, V] and each row's new key/value segment [layers, 2, kv_heads, new,
+        head_dim] (for the KV trie)."""
+        tokens, positions, row_start, runs, run_start, segments = [], [], [0], [], [0], []
+        for ids, d, past in plans:
+            n = len(ids) - d
+            tokens.extend(ids[d:])
+            positions.extend(range(d, d + n))
+            row_start.append(len(tokens))
+            seg = torch.empty((self.layers, 2, self.kv_heads, n, self.head_dim))
+            segments.append(seg)
+            for s, a, b in past:
+                runs.append((s.data.data_ptr(), s.data.shape[3], a, b))
+            runs.append((seg.data_ptr(), n, 0, n))
+            run_start.append(len(runs))
+        pos = torch.tensor(positions, dtype=torch.int64)
+        if self._rotary is not None:
+            cos, sin = self._rotary(torch.empty(0), pos[None])
+            cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        else:
+            cos = sin = torch.empty(0)
+        logits = self._impl.forward(
+            torch.tensor(tokens, dtype=torch.int64), pos,
+            torch.tensor(row_start, dtype=torch.int64), cos, sin,
+            torch.tensor(runs, dtype=torch.int64).reshape(-1, 4),
+            torch.tensor(run_start, dtype=torch.int64))
+        return logits, segments
+
+
+class ModelWatch:
+    """Whether a model still is what it was when the watch was made: the same submodules and
+    parameters in place (none replaced, no adapter injected) and the parameters' contents
+    unchanged (`genlm_fast._C.WeightWatch`; without the compiled extension, by their
+    storage and version counters only). Checking costs tens of microseconds for a model of a
+    few hundred parameters."""
+
+    def __init__(self, model):
+        # every (module, its children, its parameters), as lists of objects
+        self._tree = [(m._modules, list(m._modules.items()), m._parameters,
+                       list(m._parameters.items())) for m in model.modules()]
+        params = {}
+        for _, _, _, items in self._tree:
+            for _, p in items:
+                if p is not None:
+                    params[id(p)] = p
+        self._tensors = list(params.values())
+        module = _module()
+        self._impl = module.WeightWatch(self._tensors) if module is not None else None
+        self._versions = None if self._impl is not None else [
+            (p.data_ptr(), p.dtype, _version(p)) for p in self._tensors]
+
+    def changed(self) -> bool:
+        for children, child_items, params, param_items in self._tree:
+            if len(children) != len(child_items) or len(params) != len(param_items):
+                return True
+            for name, obj in child_items:
+                if children.get(name) is not obj:
+                    return True
+            for name, obj in param_items:
+                if params.get(name) is not obj:
+                    return True
+        if self._impl is not None:
+            return self._impl.changed() >= 0
+        return any((p.data_ptr(), p.dtype, _version(p)) != v
+                   for p, v in zip(self._tensors, self._versions))
+
+
+def _version(p):
+    try:
+        return p._version
+    except RuntimeError:  # an inference tensor has none
+        return None

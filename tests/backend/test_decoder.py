@@ -1,0 +1,420 @@
+"""The fused CPU decoder (genlm_fast/backend/llm/decoder.py, csrc/decoder_cpu.cpp) behind
+AsyncTransformer, on tiny seeded random models of each family it knows (built from a config,
+nothing downloaded): every log-probability against transformers' float64 forward of the same
+weights over the whole context (no cache), through decoding rounds over cached pasts of
+different lengths, 1 and 2 new tokens, B=1 and B=16; then the bad inputs (contexts past the
+position limit, NaN/inf, weights changed after packing), the fallback for an architecture it
+does not know, and what cleanup releases. The real SmolLM2 is in test_decoder_smollm2.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import gc
+import random
+import weakref
+
+import pytest
+import torch
+
+from genlm_fast.backend.llm import AsyncTransformer, NonFiniteLogitsError
+from genlm_fast.backend.llm import decoder as decoder_mod
+from genlm_fast.models import smollm2_path
+
+pytestmark = pytest.mark.skipif(decoder_mod.fused_available() is not None,
+                                reason=f"fused decoder: {decoder_mod.fused_available()}")
+
+V = 49157  # the SmolLM2 tokenizer's 49152 tokens and a few more: the LM head has a ragged panel
+ATOL = 2e-4  # float32 against float64 log-probabilities, on models this small
+
+
+def tiny_config(family):
+    import transformers as tf
+
+    # head sizes that are and are not multiples of 16, biases, norms of every kind
+    common = {"vocab_size": V, "num_hidden_layers": 2, "max_position_embeddings": 64,
+              "initializer_range": 0.3, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    if family == "llama":
+        return tf.LlamaConfig(**common, hidden_size=40, intermediate_size=72,
+                              num_attention_heads=4, num_key_value_heads=2)
+    if family == "llama-yarn":  # a rope variant that scales cos and sin
+        return tf.LlamaConfig(**common, hidden_size=64, intermediate_size=96,
+                              num_attention_heads=4, num_key_value_heads=1,
+                              rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                               "rope_theta": 10000.0,
+                                               "original_max_position_embeddings": 16})
+    if family == "mistral":
+        return tf.MistralConfig(**common, hidden_size=64, intermediate_size=80,
+                                num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                                sliding_window=6)
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, hidden_size=48, intermediate_size=64,
+                              num_attention_heads=3, num_key_value_heads=1,
+                              use_sliding_window=True, sliding_window=5, max_window_layers=1,
+                              tie_word_embeddings=False)
+    if family == "qwen3":
+        return tf.Qwen3Config(**common, hidden_size=32, intermediate_size=64, head_dim=24,
+                              num_attention_heads=2, num_key_value_heads=1)
+    if family == "gemma":
+        return tf.GemmaConfig(**common, hidden_size=48, intermediate_size=64, head_dim=32,
+                              num_attention_heads=2, num_key_value_heads=1,
+                              hidden_activation="gelu_pytorch_tanh")
+    if family == "gemma2":
+        return tf.Gemma2Config(**common, hidden_size=48, intermediate_size=64, head_dim=16,
+                               num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+                               query_pre_attn_scalar=20, attn_logit_softcapping=5.0,
+                               final_logit_softcapping=3.0)
+    if family == "gpt2":
+        return tf.GPT2Config(vocab_size=V, n_embd=48, n_layer=2, n_head=3, n_positions=40,
+                             initializer_range=0.3, bos_token_id=1, eos_token_id=2)
+    raise ValueError(family)
+
+
+FAMILIES = ["llama", "llama-yarn", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gpt2"]
+
+
+def tiny_model(family, seed=0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
+    with torch.no_grad():  # norms away from their initial ones and zeros
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path())
+
+
+class Oracle:
+    """transformers' float64 forward of a copy of the model, over whole contexts."""
+
+    def __init__(self, model):
+        self.model = copy.deepcopy(model).double().eval()
+
+    def __call__(self, ctx):
+        with torch.no_grad():
+            logits = self.model(torch.tensor([list(ctx)])).logits[0, -1]
+        return torch.log_softmax(logits, -1)
+
+
+def assert_matches(rows, ctxs, oracle, atol=ATOL):
+    for row, ctx in zip(rows, ctxs):
+        want = oracle(ctx)
+        err = (row.double() - want).abs().max().item()
+        assert err < atol, f"context of {len(ctx)} tokens: max |error| {err:.2e}"
+
+
+def spy_fused(lm):
+    """Record (past, new) of every row the fused decoder runs."""
+    seen = []
+    run = lm._run_fused
+
+    def spy(decoder, plans, trie):
+        seen.extend((d, len(ids) - d) for ids, d, _ in plans)
+        return run(decoder, plans, trie)
+
+    lm._run_fused = spy
+    return seen
+
+
+def rounds(rng, B, prompt_lengths):
+    """Contexts of SMC/beam-like decoding: prompts of different lengths (sharing a prefix),
+    then rounds that add 1 or 2 tokens to every row, resample rows and branch."""
+    shared = [rng.randrange(3, V - 5) for _ in range(3)]
+    rows = [shared + [rng.randrange(3, 49000) for _ in range(rng.choice(prompt_lengths))]
+            for _ in range(B)]
+    out = [[list(r) for r in rows]]
+    for step in range(4):
+        grow = 1 if step % 2 == 0 else 2
+        rows = [r + [rng.randrange(3, 49000) for _ in range(grow)] for r in rows]
+        out.append([list(r) for r in rows])
+        rows = [list(rng.choice(rows)) for _ in range(B)]  # resample: shared pasts, duplicates
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("B", [1, 16])
+@pytest.mark.asyncio
+async def test_decoding_rounds_match_float64(family, B, tokenizer):
+    model = tiny_model(family)
+    oracle = Oracle(model)
+    lm = AsyncTransformer(model, tokenizer, batch_size=32)
+    try:
+        assert lm.forward_path == "fused"
+        seen = spy_fused(lm)
+        rng = random.Random(B)
+        limit = 40 if family == "gpt2" else 64
+        for ctxs in rounds(rng, B, [1, 4, 9, 17] if B > 1 else [17]):
+            assert max(map(len, ctxs)) <= limit
+            rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in ctxs))
+            assert_matches(rows, ctxs, oracle)
+        # past the shortest sliding window, over cached pasts of many lengths
+        assert {n for _, n in seen} >= {1, 2} and max(d for d, _ in seen) >= 20
+        assert any(d == 0 for d, _ in seen)  # the prompts' prefills ran fused too
+    finally:
+        lm.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_long_prefill_on_transformers_then_fused_decoding(tokenizer):
+    """A prompt longer than FUSED_MAX_TOKENS runs transformers' forward; its stored keys and
+    values are then read by fused decoding steps, and a batch mixing both paths answers
+    every row."""
+    model = tiny_model("llama")
+    oracle = Oracle(model)
+    lm = AsyncTransformer(model, tokenizer)
+    lm.FUSED_MAX_TOKENS = 8
+    try:
+        seen = spy_fused(lm)
+        rng = random.Random(3)
+        long = [rng.randrange(3, 49000) for _ in range(30)]
+        short = [rng.randrange(3, 49000) for _ in range(4)]
+        rows = await lm.batch_next_token_logprobs([long, short])
+        assert_matches(rows, [long, short], oracle)
+        assert seen == [(0, 4)]
+        ctxs = [long + [7], long + [8, 9], short + [10]]
+        rows = await lm.batch_next_token_logprobs(ctxs)
+        assert_matches(rows, ctxs, oracle)
+        assert seen[1:] == [(30, 1), (30, 2), (4, 1)]
+    finally:
+        lm.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_without_kv_reuse(tokenizer):
+    model = tiny_model("qwen2")
+    oracle = Oracle(model)
+    lm = AsyncTransformer(model, tokenizer, kv_cache_tokens=0)
+    try:
+        ctxs = [[5, 6, 7], [5, 6, 7, 8, 9, 10, 11], [9]]
+        assert_matches(await lm.batch_next_token_logprobs(ctxs), ctxs, oracle)
+    finally:
+        lm.cleanup()
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.asyncio
+async def test_position_limit(tokenizer):
+    """GPT-2's learned position table has 40 rows here: a longer context is refused with an
+    error naming the limit, on either path; a rotary model past max_position_embeddings
+    gets what transformers computes there."""
+    lm = AsyncTransformer(tiny_model("gpt2"), tokenizer)
+    try:
+        ok = list(range(3, 43))
+        await lm.next_token_logprobs(ok)
+        with pytest.raises(ValueError, match="40 positions"):
+            await lm.next_token_logprobs(ok + [5])
+        with pytest.raises(ValueError, match="40 positions"):
+            lm.next_token_logprobs_uncached(ok + [5])
+    finally:
+        lm.cleanup()
+    model = tiny_model("llama")  # 64 positions
+    oracle = Oracle(model)
+    lm = AsyncTransformer(model, tokenizer)
+    try:
+        ctx = [rng_token(i) for i in range(70)]
+        await lm.next_token_logprobs(ctx[:60])
+        ctxs = [ctx[:65], ctx]
+        assert_matches(await lm.batch_next_token_logprobs(ctxs), ctxs, oracle)
+    finally:
+        lm.cleanup()
+
+
+def rng_token(i):
+    return 3 + (i * 7919) % 49000
+
+
+@pytest.mark.parametrize("how", ["nan weight", "overflow"])
+@pytest.mark.asyncio
+async def test_non_finite_model(how, tokenizer):
+    """NaN or inf from the model is an error naming it, never NaN log-probabilities, and
+    the bad forward leaves no key/value states behind."""
+    model = tiny_model("llama")
+    lm = AsyncTransformer(model, tokenizer)
+    try:
+        ctx = [5, 6, 7, 8]
+        await lm.next_token_logprobs(ctx)
+        with torch.no_grad():
+            if how == "nan weight":
+                model.model.layers[1].mlp.down_proj.weight[3, 5] = float("nan")
+            else:  # activations overflow float32
+                model.model.norm.weight.mul_(1e38)
+        assert lm.forward_path == "fused"
+        with pytest.raises(NonFiniteLogitsError, match="not finite"):
+            await lm.next_token_logprobs(ctx + [9])
+        with pytest.raises(NonFiniteLogitsError):
+            lm.next_token_logprobs_uncached(ctx + [9])
+        assert lm.forward_path == "fused"  # (the model changed: it was packed again)
+        assert len(lm._kv_trie(None)) == 0
+    finally:
+        lm.cleanup()
+
+
+def _edit_in_place(model):
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
+
+
+def _edit_data(model):  # behind the version counter, as peft's merge does
+    w = model.model.layers[1].mlp.up_proj.weight
+    w.data += 0.2 * torch.randn_like(w)
+
+
+def _edit_few_entries(model):  # a handful of entries of small tensors, through .data
+    model.model.layers[0].mlp.down_proj.weight.data[:2, :3] += 1.0
+    model.model.norm.weight.data[4] += 2.0
+
+
+def _announced(model):  # a few entries of a large weight (the embedding), then said
+    model.model.embed_tokens.weight.data[5:12, :3] += 1.0
+    return "announce"
+
+
+def _replace_parameter(model):
+    layer = model.model.layers[1].self_attn.o_proj
+    layer.weight = torch.nn.Parameter(layer.weight.detach() * -1.0)
+
+
+def _load_state_dict(model):
+    state = {k: v * 0.9 for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+
+
+@pytest.mark.parametrize("edit", [_edit_in_place, _edit_data, _edit_few_entries,
+                                  _replace_parameter, _load_state_dict, _announced])
+@pytest.mark.asyncio
+async def test_weights_changed_after_packing(edit, tokenizer):
+    """An edit of the weights after the decoder packed them (in place, through .data,
+    replacing a parameter, load_state_dict, or announced with reload_weights): the next
+    forward computes with the new weights, and key/value states cached before are not
+    reused."""
+    model = tiny_model("llama")
+    lm = AsyncTransformer(model, tokenizer)
+    try:
+        ctxs = [[5, 6, 7, 8, 9], [5, 6, 7, 10]]
+        await lm.batch_next_token_logprobs(ctxs)
+        if edit(model) == "announce":
+            lm.reload_weights()
+        oracle = Oracle(model)
+        later = [c + [11] for c in ctxs]  # would reuse the cached pasts
+        assert_matches(await lm.batch_next_token_logprobs(later), later, oracle)
+        assert lm.forward_path == "fused"
+    finally:
+        lm.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_peft_adapter_injected_then_merged(tokenizer):
+    """peft wrapping the model's layers (get_peft_model) sends forwards to transformers'
+    path; merge_and_unload puts plain layers back with merged weights, and the fused path
+    computes with them."""
+    peft = pytest.importorskip("peft")
+    model = tiny_model("llama")
+    lm = AsyncTransformer(model, tokenizer)
+    try:
+        ctx = [5, 6, 7, 8]
+        await lm.next_token_logprobs(ctx)
+        torch.manual_seed(1)
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        wrapped.eval()
+        want = torch.log_softmax(wrapped(torch.tensor([ctx + [9]])).logits[0, -1].double(), -1)
+        row = await lm.next_token_logprobs(ctx + [9])
+        assert lm.forward_path.startswith("transformers")
+        assert (row.double() - want).abs().max().item() < ATOL
+        merged = wrapped.merge_and_unload()
+        assert merged is model
+        oracle = Oracle(model)
+        assert_matches([await lm.next_token_logprobs(ctx + [9, 10])], [ctx + [9, 10]], oracle)
+        assert lm.forward_path == "fused"
+    finally:
+        lm.cleanup()
+
+
+# ---------------------------------------------------------------------------- fallback, sharing
+
+
+@pytest.mark.asyncio
+async def test_unknown_architecture_runs_transformers(tokenizer):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.GPTNeoXConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                              num_attention_heads=4, intermediate_size=64,
+                              max_position_embeddings=64, initializer_range=0.3)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    oracle = Oracle(model)
+    lm = AsyncTransformer(model, tokenizer)
+    try:
+        assert lm.forward_path.startswith("transformers (") and "gpt_neox" in lm.forward_path
+        ctxs = [[5, 6, 7], [5, 6, 7, 8]]
+        for _ in range(2):
+            assert_matches(await lm.batch_next_token_logprobs(ctxs), ctxs, oracle)
+            ctxs = [c + [9] for c in ctxs]
+    finally:
+        lm.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_non_float32_model_runs_transformers(tokenizer):
+    model = tiny_model("llama").double()
+    lm = AsyncTransformer(model, tokenizer)
+    try:
+        assert "float64" in lm.forward_path
+        row = await lm.next_token_logprobs([5, 6, 7])
+        torch.testing.assert_close(row.double(), Oracle(model)([5, 6, 7]), rtol=0, atol=1e-5)
+    finally:
+        lm.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_shared_model_and_cleanup(tokenizer):
+    """Two AsyncTransformers over one model share one decoder; closing one leaves the other
+    working; closing the last releases the packed copies."""
+    model = tiny_model("gemma")
+    first, second = AsyncTransformer(model, tokenizer), AsyncTransformer(model, tokenizer)
+    decoder = first._state.decoder
+    assert decoder is not None and second._state.decoder is decoder
+    gone = weakref.ref(decoder)
+    del decoder
+    ctx = [5, 6, 7, 8]
+    want = await first.next_token_logprobs(ctx)
+    first.cleanup()
+    torch.testing.assert_close(await second.next_token_logprobs(ctx), want, rtol=0, atol=1e-5)
+    assert gone() is not None
+    second.cleanup()
+    gc.collect()
+    assert gone() is None
+    from genlm_fast.backend.llm.hf import _states
+
+    assert model not in _states
+
+
+def test_describe_reasons():
+    """What keeps a model off the fused path is named."""
+    model = tiny_model("llama")
+    model.train()
+    with pytest.raises(decoder_mod.Unsupported, match="training"):
+        decoder_mod.describe(model)
+    model.eval()
+    model.model.layers[0].mlp.act_fn = torch.nn.Tanh()
+    with pytest.raises(decoder_mod.Unsupported, match="Tanh"):
+        decoder_mod.describe(model)
+
+
+def test_info_names_the_forward_path(capsys):
+    from genlm_fast.__main__ import info
+
+    info()
+    out = capsys.readouterr().out
+    assert "AsyncTransformer CPU forward: fused decoder" in out

@@ -1,0 +1,103 @@
+"""The fused CPU decoder on the real SmolLM2-135M-Instruct (offline, from
+`genlm_fast.models.smollm2_path`): log-probabilities within 1e-3 of transformers' float64
+forward through decoding rounds over cached pasts, and the same greedy continuation as
+transformers' own ``generate``."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from genlm_fast.backend.llm import AsyncTransformer
+from genlm_fast.backend.llm import decoder as decoder_mod
+from genlm_fast.models import smollm2_path
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(decoder_mod.fused_available() is not None,
+                       reason=f"fused decoder: {decoder_mod.fused_available()}"),
+]
+
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n <",
+    "<|im_start|>user\nWhat is two plus two?<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time, in a small village by the sea, there lived",
+]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    model = AsyncTransformer.from_name(smollm2_path())
+    yield model
+    model.cleanup()
+
+
+@pytest.fixture(scope="module")
+def ref64():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32).double().eval()
+
+
+def logprobs64(model, ctx):
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([list(ctx)])).logits[0, -1], -1)
+
+
+@pytest.mark.asyncio
+async def test_decoding_rounds_within_1e3_of_float64(lm, ref64):
+    assert lm.forward_path == "fused"
+    lm.clear_cache()
+    rng = random.Random(0)
+    prompts = [lm.tokenizer.encode(t) for t in TEXTS]
+    # 16 particles over the four prompts; rounds of 1 and 2 new tokens, resampling between
+    rows = [list(prompts[i % 4]) for i in range(16)]
+    checked = 0
+    for step in range(4):
+        got = await asyncio.gather(*(lm.next_token_logprobs(r) for r in rows))
+        for r, row in zip(rows, got):
+            want = logprobs64(ref64, r)
+            keep = want > -20
+            err = (row.double() - want)[keep].abs().max().item()
+            assert err < 1e-3, f"{len(r)} tokens: {err:.2e}"
+            checked += 1
+        grow = 1 + step % 2
+        rows = [list(rng.choice(rows)) for _ in rows]
+        for r in rows:
+            r.extend(rng.randrange(100, 40000) for _ in range(grow))
+    assert checked == 64
+
+
+def test_greedy_continuation_as_transformers(lm):
+    """Greedy decoding, one cached token at a time, gives the tokens transformers'
+    ``generate`` does."""
+    lm.clear_cache()
+    for text in TEXTS[:3]:
+        ctx = lm.tokenizer.encode(text)
+        with torch.no_grad():
+            want = lm.model.generate(torch.tensor([ctx]), max_new_tokens=24, do_sample=False,
+                                     pad_token_id=lm.tokenizer.eos_token_id)[0, len(ctx):].tolist()
+        got = list(ctx)
+        for _ in range(24):
+            got.append(int(lm.next_token_logprobs_sync(got).argmax()))
+        assert got[len(ctx):] == want, lm.tokenizer.decode(want)
+
+
+@pytest.mark.asyncio
+async def test_long_prompt_then_fused_steps(lm, ref64):
+    """A prompt over FUSED_MAX_TOKENS is prefilled by transformers' forward; the fused
+    decoder continues from its stored keys and values."""
+    lm.clear_cache()
+    prompt = lm.tokenizer.encode(" ".join(TEXTS) * 3)
+    assert len(prompt) > lm.FUSED_MAX_TOKENS
+    await lm.next_token_logprobs(prompt)
+    ctxs = [prompt + [100], prompt + [200, 300]]
+    got = await lm.batch_next_token_logprobs(ctxs)
+    for ctx, row in zip(ctxs, got):
+        want = logprobs64(ref64, ctx)
+        keep = want > -20
+        assert (row.double() - want)[keep].abs().max().item() < 1e-3

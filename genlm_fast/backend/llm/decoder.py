@@ -24,6 +24,7 @@ then rebuilt.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -329,6 +330,14 @@ def _panels(module, weights, interleave=False):
     return module.pack_linear_weight(w.detach().contiguous())
 
 
+def _panel_shape(weights, interleave):
+    """The shape `_panels` gives ``weights``."""
+    k = int(weights[0].shape[1])
+    if interleave:
+        return (2 * -(-int(weights[0].shape[0]) // 16), k, 16)
+    return (-(-sum(int(w.shape[0]) for w in weights) // 16), k, 16)
+
+
 def _pack(arch: _Arch, module):
     """The DecoderCPU built from ``arch``'s weights (copied: the model keeps its own)."""
     spec = module.DecoderSpec()
@@ -340,9 +349,20 @@ def _pack(arch: _Arch, module):
     for name, (w, one_plus) in arch.vectors.items():
         w = w.detach().to(torch.float32)
         weights[name] = (1.0 + w) if one_plus else w.clone()
+    # the packed panels live in one allocation: one mapping of its own that goes back to the
+    # system whole when the decoder goes (separate tensors of a few MB each would come from
+    # the C heap, which keeps what it cannot hand back in whole pages)
+    shapes = {name: _panel_shape([w for w, _ in parts], name.endswith("up") and arch.spec["gated"])
+              for name, parts in arch.linears.items()}
+    sizes = {name: -(-math.prod(shape) // 16) * 16 for name, shape in shapes.items()}
+    store = torch.empty(sum(sizes.values()), dtype=torch.float32)
+    offset = 0
     for name, parts in arch.linears.items():
         gated = name.endswith("up") and arch.spec["gated"]
-        weights[name] = _panels(module, [w for w, _ in parts], interleave=gated)
+        view = store[offset : offset + math.prod(shapes[name])].view(shapes[name])
+        view.copy_(_panels(module, [w for w, _ in parts], interleave=gated))
+        weights[name] = view
+        offset += sizes[name]
         biases = [b for _, b in parts]
         if any(b is not None for b in biases):
             weights[name + "_b"] = torch.cat([
@@ -383,6 +403,7 @@ class FusedDecoder:
         last token [B, V] and each row's new key/value segment [layers, 2, kv_heads, new,
         head_dim] (for the KV trie)."""
         tokens, positions, row_start, runs, run_start, segments = [], [], [0], [], [0], []
+        keep = []  # copies made for the call (see _strided_positions)
         for ids, d, past in plans:
             n = len(ids) - d
             tokens.extend(ids[d:])
@@ -391,7 +412,8 @@ class FusedDecoder:
             seg = torch.empty((self.layers, 2, self.kv_heads, n, self.head_dim))
             segments.append(seg)
             for s, a, b in past:
-                runs.append((s.data.data_ptr(), s.data.shape[3], a, b))
+                data = _strided_positions(s.data, keep)
+                runs.append((data.data_ptr(), data.stride(2) // self.head_dim, a, b))
             runs.append((seg.data_ptr(), n, 0, n))
             run_start.append(len(runs))
         pos = torch.tensor(positions, dtype=torch.int64)
@@ -406,6 +428,19 @@ class FusedDecoder:
             torch.tensor(runs, dtype=torch.int64).reshape(-1, 4),
             torch.tensor(run_start, dtype=torch.int64))
         return logits, segments
+
+
+def _strided_positions(data, keep):
+    """``data`` [layers, 2, kv_heads, positions, head_dim] as the kernel reads a run: each
+    (layer, k/v, head) a block of positions ``stride(2)`` elements apart from the next, the
+    blocks in order (a contiguous segment, or one slot of the KV trie's pool of one-position
+    segments); anything else is copied first (into ``keep``, alive for the call)."""
+    s0, s1, s2, s3, s4 = data.stride()
+    if not (s4 == 1 and s3 == data.shape[4] and s1 == data.shape[2] * s2 and s0 == 2 * s1
+            and data.dtype == torch.float32):
+        data = data.float().contiguous()
+        keep.append(data)
+    return data
 
 
 class ModelWatch:

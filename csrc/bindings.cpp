@@ -557,7 +557,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   {
     using genlm_fast::cpu::DecoderCPU;
     using genlm_fast::cpu::DecoderSpec;
-    pybind11::class_<DecoderSpec>(m, "DecoderSpec", "What a DecoderCPU computes besides weights")
+    // module_local: another build of these sources (the baseline one the tests load) can
+    // then register its own classes in the same process
+    pybind11::class_<DecoderSpec>(m, "DecoderSpec", "What a DecoderCPU computes besides weights",
+                                 pybind11::module_local())
         .def(pybind11::init<>())
         .def_readwrite("layers", &DecoderSpec::layers)
         .def_readwrite("hidden", &DecoderSpec::hidden)
@@ -580,7 +583,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("scaling", &DecoderSpec::scaling)
         .def_readwrite("window", &DecoderSpec::window);
     pybind11::class_<DecoderCPU>(m, "DecoderCPU",
-                                 "A decoder-only transformer's forward in one call")
+                                 "A decoder-only transformer's forward in one call",
+                                 pybind11::module_local())
         .def(pybind11::init<DecoderSpec, std::map<std::string, torch::Tensor>>(),
              pybind11::arg("spec"), pybind11::arg("weights"))
         .def("forward", &DecoderCPU::forward, pybind11::arg("tokens"), pybind11::arg("positions"),
@@ -588,7 +592,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              pybind11::arg("runs"), pybind11::arg("run_start"))
         .def_property_readonly("weight_bytes", &DecoderCPU::weight_bytes);
     pybind11::class_<genlm_fast::cpu::WeightWatch>(
-        m, "WeightWatch", "Whether a model's parameters changed since it was built")
+        m, "WeightWatch", "Whether a model's parameters changed since it was built",
+        pybind11::module_local())
         .def(pybind11::init<std::vector<torch::Tensor>>(), pybind11::arg("params"))
         .def("changed", &genlm_fast::cpu::WeightWatch::changed,
              "The first parameter that changed, or -1");

@@ -32,7 +32,8 @@ def _load_sources_module():
     """genlm_fast/ops/sources.py, loaded by path (the package is not importable yet): the
     CPU sources and C++ flags the JIT build uses too, and the digest of csrc/."""
     spec = importlib.util.spec_from_file_location(
-        "genlm_fast_sources", os.path.join(HERE, "genlm_fast", "ops", "sources.py"))
+        "genlm_fast_sources", os.path.join(HERE, "genlm_fast", "ops", "sources.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -72,8 +73,10 @@ def _extensions():
         from torch.utils import cpp_extension
     except Exception as exc:  # noqa: BLE001
         # torch is a runtime dependency, not a build requirement
-        _warn(f"torch is not importable at build time ({exc}); building without the compiled "
-              "kernels. Install torch first and use `pip install --no-build-isolation`.")
+        _warn(
+            f"torch is not importable at build time ({exc}); building without the compiled "
+            "kernels. Install torch first and use `pip install --no-build-isolation`."
+        )
         return [], {}
 
     csrc = "csrc"
@@ -82,23 +85,32 @@ def _extensions():
     # any of them rebuilds, and sdists carry them
     depends = [f"{csrc}/{name}" for name in SOURCES.source_files(os.path.join(HERE, csrc))]
     # torch finds the toolkit from CUDA_HOME / CUDA_PATH or the nvcc on PATH
-    use_cuda = (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-                and os.environ.get("GENLM_FAST_NO_CUDA") != "1")
+    use_cuda = (
+        torch.version.cuda is not None
+        and cpp_extension.CUDA_HOME is not None
+        and os.environ.get("GENLM_FAST_NO_CUDA") != "1"
+    )
     ext = None
     if use_cuda:
         try:
             ext = cpp_extension.CUDAExtension(
-                "genlm_fast._C", sources + [f"{csrc}/{name}" for name in SOURCES.CUDA_SOURCES],
+                "genlm_fast._C",
+                sources + [f"{csrc}/{name}" for name in SOURCES.CUDA_SOURCES],
                 depends=depends,
                 include_dirs=[os.path.join(HERE, csrc)],
                 extra_compile_args={"cxx": CXX_FLAGS + ["-DWITH_CUDA"], "nvcc": NVCC_FLAGS},
-                extra_link_args=["-fopenmp"])
+                extra_link_args=["-fopenmp"],
+            )
         except Exception as exc:  # noqa: BLE001
             _warn(f"cannot set up the CUDA kernels ({exc}); building the CPU kernels only.")
     if ext is None:
         ext = cpp_extension.CppExtension(
-            "genlm_fast._C", sources, depends=depends,
-            extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=["-fopenmp"])
+            "genlm_fast._C",
+            sources,
+            depends=depends,
+            extra_compile_args={"cxx": CXX_FLAGS},
+            extra_link_args=["-fopenmp"],
+        )
     ext.optional = True  # setuptools: skip it (and its in-place copy) when it fails to build
 
     class OptionalBuildExtension(cpp_extension.BuildExtension):
@@ -109,10 +121,11 @@ def _extensions():
             try:
                 super().run()
             except Exception:  # noqa: BLE001
-                _warn("could not build the compiled trie kernels (genlm_fast._C); installing "
-                      "without them. genlm_fast will JIT-compile the CPU kernels on first use "
-                      "or fall back to the plain-torch reference.\n"
-                      + traceback.format_exc(limit=3))
+                _warn(
+                    "could not build the compiled trie kernels (genlm_fast._C); installing "
+                    "without them. genlm_fast will JIT-compile the CPU kernels on first use "
+                    "or fall back to the plain-torch reference.\n" + traceback.format_exc(limit=3)
+                )
 
         def build_extension(self, extension):
             try:
@@ -124,8 +137,10 @@ def _extensions():
             if any(src.endswith(".cu") for src in extension.sources):
                 # a CUDA toolchain problem (nvcc/host compiler/arch) must not cost the CPU
                 # kernels: retry without the .cu and without -DWITH_CUDA
-                _warn("building the CUDA trie kernels failed; retrying with the CPU kernels "
-                      "only.\n" + failure)
+                _warn(
+                    "building the CUDA trie kernels failed; retrying with the CPU kernels "
+                    "only.\n" + failure
+                )
                 extension.sources = [s for s in extension.sources if not s.endswith(".cu")]
                 args = extension.extra_compile_args
                 if isinstance(args, dict):
@@ -151,12 +166,18 @@ def _extensions():
 
         def get_outputs(self):
             # a skipped extension has no output; editable installs must not look for it
-            return [p for p in super().get_outputs() if os.path.exists(p)
-                    or not p.endswith((".so", ".pyd", ".dylib"))]
+            return [
+                p
+                for p in super().get_outputs()
+                if os.path.exists(p) or not p.endswith((".so", ".pyd", ".dylib"))
+            ]
 
         def get_output_mapping(self):
-            return {built: inplace for built, inplace in super().get_output_mapping().items()
-                    if os.path.exists(built)}
+            return {
+                built: inplace
+                for built, inplace in super().get_output_mapping().items()
+                if os.path.exists(built)
+            }
 
     return [ext], {"build_ext": OptionalBuildExtension.with_options(no_python_abi_suffix=False)}
 

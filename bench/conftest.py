@@ -37,11 +37,19 @@ from bench import kernels as K
 
 def pytest_addoption(parser):
     group = parser.getgroup("genlm_fast bench")
-    group.addoption("--bench-full", action="store_true", default=False,
-                    help="also benchmark o200k_base and the slow references at B=128")
-    group.addoption("--bench-regress", action="store_true", default=False,
-                    help="only the regression subset: genlm_fast's own benchmarks, "
-                    "no reference package (see scripts/bench_regress.sh)")
+    group.addoption(
+        "--bench-full",
+        action="store_true",
+        default=False,
+        help="also benchmark o200k_base and the slow references at B=128",
+    )
+    group.addoption(
+        "--bench-regress",
+        action="store_true",
+        default=False,
+        help="only the regression subset: genlm_fast's own benchmarks, "
+        "no reference package (see scripts/bench_regress.sh)",
+    )
 
 
 def pytest_configure(config):
@@ -51,8 +59,11 @@ def pytest_configure(config):
 
 # The regression subset: genlm_fast's side of each suite, a few minutes on 2 CPU cores.
 REGRESS_SUBSET = {
-    "test_trie_op": {"vocab": ("smollm2", "llama3"), "B": (1, 32),
-                     "impl": ("genlm_fast", "genlm_fast-f64", "genlm_fast-bytes")},
+    "test_trie_op": {
+        "vocab": ("smollm2", "llama3"),
+        "B": (1, 32),
+        "impl": ("genlm_fast", "genlm_fast-f64", "genlm_fast-bytes"),
+    },
     "test_genlm_fast": {},  # bench/test_bench_lm.py: 16 particles x 8 rounds, SmolLM2
     "test_beam_genlm_fast": {},  # bench/test_bench_beam.py: byte beam K=5, SmolLM2
     "test_program": {},  # bench/test_bench_programs.py: genlm-control's programs, SmolLM2
@@ -160,7 +171,11 @@ class TrieBank:
     the references hold hundreds of MB each on a 200k vocabulary.
     """
 
-    FAST: ClassVar[dict] = {"genlm_fast": "parallel", "genlm_fast-f64": "char", "genlm_fast-bytes": "byte"}
+    FAST: ClassVar[dict] = {
+        "genlm_fast": "parallel",
+        "genlm_fast-f64": "char",
+        "genlm_fast-bytes": "byte",
+    }
     REFS: ClassVar[dict] = {"ref-numba": "numba", "ref-sparse": "sparse", "ref-bytes": "bytes"}
 
     def __init__(self):

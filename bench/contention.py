@@ -26,9 +26,11 @@ Workloads (each: genlm_fast, and the reference on the same inputs):
 Each implementation runs in a worker process of its own (the drop-in's import hook must not
 meet the real packages), hosting all its workloads; the driver alternates the two workers in
 blocks of about ``--block`` seconds (at least one call each), 0.25 s apart, until each has
-run ``--seconds`` and ``--min-calls`` calls, for every (condition, workload). Conditions: ``idle``; ``busy-loop``
-(a process running ``while True: pass``); ``torch-2t`` (a process multiplying 512 x 512
-float32 matrices on 2 torch threads, with torch's default OpenMP settings). Each competitor
+run ``--seconds`` and ``--min-calls`` calls, for every (condition, workload). Conditions:
+``idle``; ``idle-1t`` (idle, each worker's torch threads, and so the kernels' teams, set to
+1: what losing a CPU alone costs, for comparison); ``busy-loop`` (a process running
+``while True: pass``); ``torch-2t`` (a process multiplying 512 x 512 float32 matrices on 2
+torch threads, with torch's default OpenMP settings). Each competitor
 starts 1 s before the condition's first block. The figure is the mean time per call (what a
 program sees: a call that waited for a CPU counts in full; medians are saved too), and the
 slowdown factor is a condition's mean over the idle one. The goals: genlm_fast's factor under
@@ -60,7 +62,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 WORKLOADS = ("trie-sum-B1", "trie-sum-B32", "lm-step", "beam", "control")
-CONDITIONS = ("idle", "busy-loop", "torch-2t")
+CONDITIONS = ("idle", "idle-1t", "busy-loop", "torch-2t")
 SIDES = ("genlm_fast", "reference")
 BUSY_LOOP_GOAL = 2.5
 # pause before each block: the other side's work is over (its threads asleep, genlm_fast's
@@ -76,6 +78,7 @@ while True:
 """
 COMPETITORS = {
     "idle": None,
+    "idle-1t": None,
     "busy-loop": ["-c", "while True: pass"],
     "torch-2t": ["-c", _TORCH_COMPETITOR],
 }
@@ -173,8 +176,10 @@ class LMStep(Workload):
         self.lm.batch_next_token_logprobs_sync(self.prompts)
 
     def prepare(self):
-        self.contexts = [p + [self.rng.randrange(1000, 40000) for _ in range(LM_NEW_TOKENS)]
-                         for p in self.prompts]
+        self.contexts = [
+            p + [self.rng.randrange(1000, 40000) for _ in range(LM_NEW_TOKENS)]
+            for p in self.prompts
+        ]
 
     def call(self):
         async def step(contexts):
@@ -204,7 +209,8 @@ class Beam(Workload):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 trie = ref_bytes.AsyncTokenByteTrie.from_vocab(
-                    lm.byte_vocab, eos_byte_strings=params.eos_byte_strings, device="cpu")
+                    lm.byte_vocab, eos_byte_strings=params.eos_byte_strings, device="cpu"
+                )
 
             async def make_beam():
                 state = ref_bytes.LazyTrieState.initial(lm, trie, mode=TrieMode.WITH_EOS)
@@ -249,8 +255,14 @@ class Control(Workload):
         torch.manual_seed(SEED)
 
     def call(self):
-        self.models.run(self.sampler.smc(n_particles=CONTROL_PARTICLES, ess_threshold=0.5,
-                                         max_tokens=CONTROL_TOKENS, verbosity=0))
+        self.models.run(
+            self.sampler.smc(
+                n_particles=CONTROL_PARTICLES,
+                ess_threshold=0.5,
+                max_tokens=CONTROL_TOKENS,
+                verbosity=0,
+            )
+        )
 
 
 def _build(name, side, models):
@@ -301,7 +313,14 @@ def worker(side):
                     _block(works[name], 0.0, 1)  # warm-up
                 reply({"ok": True, "info": _threads_info()})
             elif msg["cmd"] == "block":
-                times = _block(works[msg["workload"]], msg["seconds"], msg["min_calls"])
+                import torch
+
+                threads = torch.get_num_threads()
+                torch.set_num_threads(msg.get("threads") or threads)
+                try:
+                    times = _block(works[msg["workload"]], msg["seconds"], msg["min_calls"])
+                finally:
+                    torch.set_num_threads(threads)
                 reply({"ok": True, "times": times, "info": _threads_info()})
             elif msg["cmd"] == "quit":
                 reply({"ok": True})
@@ -309,8 +328,13 @@ def worker(side):
         except Exception as exc:  # noqa: BLE001  reported to the driver, which stops
             import traceback
 
-            reply({"ok": False, "error": f"{type(exc).__name__}: {exc}",
-                   "traceback": traceback.format_exc()})
+            reply(
+                {
+                    "ok": False,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc(),
+                }
+            )
 
 
 def _threads_info():
@@ -328,29 +352,41 @@ def _threads_info():
 
 class Worker:
     def __init__(self, side, log_dir):
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   TOKENIZERS_PARALLELISM="false",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
-                                                            os.environ.get("PYTHONPATH")])))
+        env = dict(
+            os.environ,
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        )
         self.side = side
         self.log = open(Path(log_dir) / f"worker-{side}.log", "w+")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.contention", "--worker", side], cwd=REPO, env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+            [sys.executable, "-m", "bench.contention", "--worker", side],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
 
     def ask(self, **msg):
         self.proc.stdin.write(json.dumps(msg) + "\n")
         self.proc.stdin.flush()
         for line in self.proc.stdout:
             if line.startswith(_REPLY):
-                answer = json.loads(line[len(_REPLY):])
+                answer = json.loads(line[len(_REPLY) :])
                 if not answer["ok"]:
-                    raise RuntimeError(f"{self.side} worker: {answer['error']}\n"
-                                       f"{answer['traceback']}")
+                    raise RuntimeError(
+                        f"{self.side} worker: {answer['error']}\n{answer['traceback']}"
+                    )
                 return answer
         self.log.seek(0)
-        raise RuntimeError(f"the {self.side} worker exited (status {self.proc.wait()}):\n"
-                           + self.log.read()[-4000:])
+        raise RuntimeError(
+            f"the {self.side} worker exited (status {self.proc.wait()}):\n"
+            + self.log.read()[-4000:]
+        )
 
     def close(self):
         if self.proc.poll() is None:
@@ -369,8 +405,13 @@ class Worker:
 class Competitor:
     def __init__(self, condition):
         args = COMPETITORS[condition]
-        self.proc = None if args is None else subprocess.Popen(
-            [sys.executable, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        self.proc = (
+            None
+            if args is None
+            else subprocess.Popen(
+                [sys.executable, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+            )
+        )
 
     def __enter__(self):
         if self.proc is not None:
@@ -384,8 +425,7 @@ class Competitor:
             time.sleep(0.5)  # its CPU time leaves the others' readings of the next condition
 
 
-def run(workloads=WORKLOADS, conditions=CONDITIONS, seconds=2.0, block=0.4, min_calls=2,
-        log=print):
+def run(workloads=WORKLOADS, conditions=CONDITIONS, seconds=2.0, block=0.4, min_calls=2, log=print):
     """``{condition: {workload: {side: [seconds per call]}}}`` and the workers' thread
     readings."""
     results = {c: {w: {s: [] for s in SIDES} for w in workloads} for c in conditions}
@@ -402,18 +442,28 @@ def run(workloads=WORKLOADS, conditions=CONDITIONS, seconds=2.0, block=0.4, min_
                 with Competitor(condition):
                     for name in workloads:
                         done = results[condition][name]
-                        while any(len(done[s]) < min_calls or sum(done[s]) < seconds
-                                  for s in SIDES):
+                        while any(
+                            len(done[s]) < min_calls or sum(done[s]) < seconds for s in SIDES
+                        ):
                             for side in SIDES:
                                 time.sleep(SETTLE_S)
-                                answer = workers[side].ask(cmd="block", workload=name,
-                                                           seconds=block, min_calls=1)
+                                answer = workers[side].ask(
+                                    cmd="block",
+                                    workload=name,
+                                    seconds=block,
+                                    min_calls=1,
+                                    threads=1 if condition == "idle-1t" else None,
+                                )
                                 done[side] += answer["times"]
                                 if side == "genlm_fast":
                                     readings[condition][name] = answer["info"]
-                        log(f"{condition:>9} {name:>13}: " + ", ".join(
-                            f"{s} {1e3 * statistics.mean(done[s]):.2f} ms ({len(done[s])})"
-                            for s in SIDES))
+                        log(
+                            f"{condition:>9} {name:>13}: "
+                            + ", ".join(
+                                f"{s} {1e3 * statistics.mean(done[s]):.2f} ms ({len(done[s])})"
+                                for s in SIDES
+                            )
+                        )
         finally:
             for w in workers.values():
                 w.close()
@@ -432,9 +482,12 @@ def summary(results):
                 ts = results[c][name][side]
                 mean = 1e3 * statistics.mean(ts)
                 idle = mean if c == "idle" else idle
-                cells[c] = {"mean_ms": mean, "median_ms": 1e3 * statistics.median(ts),
-                            "calls": len(ts),
-                            "factor": None if idle is None else mean / idle}
+                cells[c] = {
+                    "mean_ms": mean,
+                    "median_ms": 1e3 * statistics.median(ts),
+                    "calls": len(ts),
+                    "factor": None if idle is None else mean / idle,
+                }
             rows.append({"workload": name, "side": side, "cells": cells})
     return rows
 
@@ -452,8 +505,10 @@ def spread(results):
             for side, ts in sides.items():
                 ts = sorted(ts)
                 out.setdefault(c, {}).setdefault(name, {})[side] = {
-                    "p10_ms": _quantile_ms(ts, 0.1), "p90_ms": _quantile_ms(ts, 0.9),
-                    "max_ms": round(1e3 * ts[-1], 3)}
+                    "p10_ms": _quantile_ms(ts, 0.1),
+                    "p90_ms": _quantile_ms(ts, 0.9),
+                    "max_ms": round(1e3 * ts[-1], 3),
+                }
     return out
 
 
@@ -464,7 +519,7 @@ def goals(rows):
     for name in dict.fromkeys(r["workload"] for r in rows):
         fast, ref = by[name, "genlm_fast"], by[name, "reference"]
         for c in fast:
-            if c == "idle" or fast[c]["factor"] is None:
+            if c.startswith("idle") or fast[c]["factor"] is None:
                 continue
             f, g = fast[c]["factor"], ref[c]["factor"]
             met = f <= g
@@ -472,6 +527,9 @@ def goals(rows):
             if c == "busy-loop":
                 met = met and f <= BUSY_LOOP_GOAL
                 text += f" (and <= {BUSY_LOOP_GOAL}x)"
+                if "idle-1t" in fast:  # what the lost CPU alone explains
+                    one = fast[c]["mean_ms"] / fast["idle-1t"]["mean_ms"]
+                    text += f"; genlm_fast beside it: {one:.2f}x its idle time on one thread"
             out.append((text, met))
     return out
 
@@ -480,9 +538,13 @@ def table(rows, info, readings, command):
     conditions = list(rows[0]["cells"])
     lines = ["# genlm_fast under contention", "", f"`{command}`", ""]
     lines += [f"- {k}: {v}" for k, v in info.items()]
-    lines += ["", "Mean ms per call (median in brackets), and the slowdown factor over idle:", "",
-              "| workload | implementation | " + " | ".join(conditions) + " |",
-              "|---|---|" + "---|" * len(conditions)]
+    lines += [
+        "",
+        "Mean ms per call (median in brackets), and the slowdown factor over idle:",
+        "",
+        "| workload | implementation | " + " | ".join(conditions) + " |",
+        "|---|---|" + "---|" * len(conditions),
+    ]
     for r in rows:
         cells = []
         for c in conditions:
@@ -493,24 +555,48 @@ def table(rows, info, readings, command):
             cells.append(text)
         label = "genlm_fast" if r["side"] == "genlm_fast" else _reference_name(r["workload"])
         lines.append(f"| {r['workload']} | {label} | " + " | ".join(cells) + " |")
-    lines += ["", "Speedup of genlm_fast over the reference (mean times):", "",
-              "| workload | " + " | ".join(conditions) + " |", "|---|" + "---|" * len(conditions)]
+    lines += [
+        "",
+        "Speedup of genlm_fast over the reference (mean times):",
+        "",
+        "| workload | " + " | ".join(conditions) + " |",
+        "|---|" + "---|" * len(conditions),
+    ]
     by = {(r["workload"], r["side"]): r["cells"] for r in rows}
     for name in dict.fromkeys(r["workload"] for r in rows):
-        lines.append(f"| {name} | " + " | ".join(
-            f"{by[name, 'reference'][c]['mean_ms'] / by[name, 'genlm_fast'][c]['mean_ms']:.1f}x"
-            for c in conditions) + " |")
-    lines += ["", ("Goals (slowdown no worse than the reference's; at most "
-                   f"{BUSY_LOOP_GOAL}x beside the busy loop):"), ""]
+        lines.append(
+            f"| {name} | "
+            + " | ".join(
+                f"{by[name, 'reference'][c]['mean_ms'] / by[name, 'genlm_fast'][c]['mean_ms']:.1f}x"
+                for c in conditions
+            )
+            + " |"
+        )
+    lines += [
+        "",
+        (
+            "Goals (slowdown no worse than the reference's; at most "
+            f"{BUSY_LOOP_GOAL}x beside the busy loop):"
+        ),
+        "",
+    ]
     lines += [f"- {'met' if met else 'NOT met'}: {text}" for text, met in goals(rows)]
-    lines += ["", ("genlm_fast's thread readings at the end of each condition (CPUs other "
-                   "work kept busy, and the team size it allowed):"), ""]
+    lines += [
+        "",
+        (
+            "genlm_fast's thread readings at the end of each condition (CPUs other "
+            "work kept busy, and the team size it allowed):"
+        ),
+        "",
+    ]
     for c, per in readings.items():
         if per:
             last = list(per.values())[-1]
-            lines.append(f"- {c}: others_busy {last.get('others_busy', 0):.2f}, free_cpus "
-                         f"{last.get('free_cpus')}, usable_cpus {last.get('usable_cpus')}, "
-                         f"torch threads {last.get('torch_threads')}")
+            lines.append(
+                f"- {c}: others_busy {last.get('others_busy', 0):.2f}, free_cpus "
+                f"{last.get('free_cpus')}, usable_cpus {last.get('usable_cpus')}, "
+                f"torch threads {last.get('torch_threads')}"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -532,7 +618,8 @@ def machine_info():
     t = threads_info()
     if t is not None:
         info["usable CPUs (affinity / cgroup quota)"] = (
-            f"{t['usable_cpus']} ({t['affinity_cpus']} / {t['quota_cpus'] or 'none'})")
+            f"{t['usable_cpus']} ({t['affinity_cpus']} / {t['quota_cpus'] or 'none'})"
+        )
     for k in ("numba", "genlm_fast cpu backends"):
         info.pop(k, None)
     info["genlm-control"] = K.dist_version("genlm-control")
@@ -540,24 +627,43 @@ def machine_info():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.contention",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.contention", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
-    parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
-    parser.add_argument("--conditions", default=",".join(CONDITIONS),
-                        help=f"comma-separated, of {', '.join(CONDITIONS)} (default: all; "
-                        "idle is needed for the factors)")
-    parser.add_argument("--seconds", type=float, default=2.0,
-                        help="time per implementation, workload and condition (default 2)")
-    parser.add_argument("--block", type=float, default=0.5,
-                        help="seconds per block before the other implementation runs")
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)",
+    )
+    parser.add_argument(
+        "--conditions",
+        default=",".join(CONDITIONS),
+        help=f"comma-separated, of {', '.join(CONDITIONS)} (default: all; "
+        "idle is needed for the factors)",
+    )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=2.0,
+        help="time per implementation, workload and condition (default 2)",
+    )
+    parser.add_argument(
+        "--block",
+        type=float,
+        default=0.5,
+        help="seconds per block before the other implementation runs",
+    )
     parser.add_argument("--min-calls", type=int, default=2, help="calls at least (default 2)")
-    parser.add_argument("--quick", action="store_true",
-                        help="--seconds 1 --min-calls 1 (about half the time; the slow "
-                        "references' factors then rest on one call)")
-    parser.add_argument("--out", default=None,
-                        help="markdown output (default bench/results/contention-<date>.md)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="--seconds 1 --min-calls 1 (about half the time; the slow "
+        "references' factors then rest on one call)",
+    )
+    parser.add_argument(
+        "--out", default=None, help="markdown output (default bench/results/contention-<date>.md)"
+    )
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker)
@@ -582,13 +688,17 @@ def main(argv=None):
     text = table(rows, info, readings, command.strip())
     print()
     print(text)
-    out = Path(args.out or REPO / "bench" / "results" /
-               f"contention-{datetime.date.today().isoformat()}.md")
+    out = Path(
+        args.out
+        or REPO / "bench" / "results" / f"contention-{datetime.date.today().isoformat()}.md"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"info": info, "rows": rows, "readings": readings, "spread": spread(results)},
-        indent=1))
+    out.with_suffix(".json").write_text(
+        json.dumps(
+            {"info": info, "rows": rows, "readings": readings, "spread": spread(results)}, indent=1
+        )
+    )
     print(f"wrote {out} and {out.with_suffix('.json').name}")
     return 0 if all(met for _, met in goals(rows)) else 1
 

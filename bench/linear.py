@@ -50,8 +50,10 @@ def _kernels():
         )
     if "avx512" in runs:
         module = cpu_linear._small_batch_module()
-        found["avx512"] = (module.pack_linear_weight,
-                           lambda x, p, n: module.linear_small_batch(x, p, None, n, "avx512"))
+        found["avx512"] = (
+            module.pack_linear_weight,
+            lambda x, p, n: module.linear_small_batch(x, p, None, n, "avx512"),
+        )
     return found
 
 
@@ -75,8 +77,10 @@ def run(rows=ROWS):
     """[(rows, {kernel: ms per step})] and the step's weight bytes."""
     layers, head = _weights()
     kernels = _kernels()
-    packed = {name: ([[pack(w) for w in ws] for ws in layers], pack(head))
-              for name, (pack, _) in kernels.items()}
+    packed = {
+        name: ([[pack(w) for w in ws] for ws in layers], pack(head))
+        for name, (pack, _) in kernels.items()
+    }
     nbytes = sum(w.numel() for ws in layers for w in ws) * 4 + head.numel() * 4
     out = []
     for m in rows:
@@ -84,7 +88,7 @@ def run(rows=ROWS):
         for name, (pack, run_one) in kernels.items():
             _check(name, pack, run_one, layers, m)
 
-        def step(name):
+        def step(name, xs=xs):
             run_one = kernels[name][1]
             body, head_packed = packed[name]
             for ws in body:
@@ -109,8 +113,9 @@ def run(rows=ROWS):
 
 def _header():
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=False).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
     except OSError:
         commit = "?"
     cpu = platform.processor() or "?"
@@ -119,9 +124,11 @@ def _header():
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"{datetime.date.today()}, commit {commit}, {cpu}, {os.cpu_count()} CPUs, torch "
-            f"{torch.__version__}, {torch.get_num_threads()} threads, load average "
-            f"{os.getloadavg()[0]:.1f}")
+    return (
+        f"{datetime.date.today()}, commit {commit}, {cpu}, {os.cpu_count()} CPUs, torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads, load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
 
 
 def table(results, nbytes):
@@ -136,15 +143,19 @@ def table(results, nbytes):
     for m, ms in results:
         cells = [f"{ms[n]:.1f} ({nbytes / ms[n] / 1e6:.0f} GB/s)" for n in names]
         fastest = min(ms, key=ms.get)
-        lines.append(f"| {m} | " + " | ".join(cells)
-                     + f" | {fastest} {ms['torch'] / ms[fastest]:.2f}x |")
+        lines.append(
+            f"| {m} | " + " | ".join(cells) + f" | {fastest} {ms['torch'] / ms[fastest]:.2f}x |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", default=",".join(map(str, ROWS)),
-                        help="comma-separated row counts (default: %(default)s)")
+    parser.add_argument(
+        "--rows",
+        default=",".join(map(str, ROWS)),
+        help="comma-separated row counts (default: %(default)s)",
+    )
     parser.add_argument("--out", help="also write the table to this markdown file")
     args = parser.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",") if r.strip()]

@@ -27,21 +27,27 @@ import numpy as np
 def _contexts(tokenizer, count):
     rng = np.random.default_rng(0)
     out = [list(range(1, 8)), list(range(1, 17)), [0, 0, 0]]
-    out += [tokenizer.encode(t) for t in (
-        "The capital of France is",
-        "<|im_start|>user\nWhat is two plus two?<|im_end|>\n<|im_start|>assistant\n")]
-    out += [rng.integers(0, len(tokenizer), size=int(n)).tolist()
-            for n in rng.integers(1, 40, size=count)]
+    out += [
+        tokenizer.encode(t)
+        for t in (
+            "The capital of France is",
+            "<|im_start|>user\nWhat is two plus two?<|im_end|>\n<|im_start|>assistant\n",
+        )
+    ]
+    out += [
+        rng.integers(0, len(tokenizer), size=int(n)).tolist()
+        for n in rng.integers(1, 40, size=count)
+    ]
     return out
 
 
 def _errors(count):
     """Errors of this process's kernel choice, one per context (runs in the child)."""
     import torch
+    from transformers import AutoModelForCausalLM
 
     from genlm_fast.backend.llm import AsyncTransformer
     from genlm_fast.models import smollm2_path
-    from transformers import AutoModelForCausalLM
 
     path = smollm2_path()
     lm = AsyncTransformer.from_name(path)
@@ -59,8 +65,11 @@ def _errors(count):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, default=80, help="random contexts")
-    parser.add_argument("--kernels", default="auto,torch,onednn",
-                        help="GENLM_FAST_CPU_LINEAR values, comma-separated")
+    parser.add_argument(
+        "--kernels",
+        default="auto,torch,onednn",
+        help="GENLM_FAST_CPU_LINEAR values, comma-separated",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -70,16 +79,31 @@ def main(argv=None):
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for kernel in args.kernels.split(","):
         env = dict(os.environ, GENLM_FAST_CPU_LINEAR=kernel, HF_HUB_OFFLINE="1")
-        proc = subprocess.run([sys.executable, "-m", "bench.lm_accuracy", "--child",
-                               "--contexts", str(args.contexts)], env=env, text=True,
-                              capture_output=True, check=False)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.lm_accuracy",
+                "--child",
+                "--contexts",
+                str(args.contexts),
+            ],
+            env=env,
+            text=True,
+            capture_output=True,
+            check=False,
+        )
         if proc.returncode != 0:
             print(f"| {kernel} | failed: {proc.stderr.strip().splitlines()[-1]} |")
             continue
         e = np.array(json.loads(proc.stdout.strip().splitlines()[-1]))
-        print(f"| {kernel} | {len(e)} | {np.median(e):.2e} | {e.mean():.2e} | "
-              f"{np.quantile(e, 0.9):.2e} | {e.max():.2e} | "
-              + " | ".join(f"{x:.1e}" for x in e[:3]) + " |", flush=True)
+        print(
+            f"| {kernel} | {len(e)} | {np.median(e):.2e} | {e.mean():.2e} | "
+            f"{np.quantile(e, 0.9):.2e} | {e.max():.2e} | "
+            + " | ".join(f"{x:.1e}" for x in e[:3])
+            + " |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,10 @@ def _contexts(tokenizer, rows, new):
     """``rows`` contexts of PAST + new tokens: the prompt, then tokens of each row's own."""
     prompt = tokenizer.encode(PROMPT)
     g = torch.Generator().manual_seed(rows * 10 + new)
-    return [tuple(prompt + torch.randint(100, 40000, (PAST + new - len(prompt),),
-                                         generator=g).tolist()) for _ in range(rows)]
+    return [
+        tuple(prompt + torch.randint(100, 40000, (PAST + new - len(prompt),), generator=g).tolist())
+        for _ in range(rows)
+    ]
 
 
 def _plans(lm, ctxs, new):
@@ -83,8 +85,9 @@ def run(rounds=7, cases=CASES):
         raise SystemExit(f"the fused decoder does not run here: {lm.forward_path}")
     decoder = lm._state.decoder
     # the path before: transformers' forward on packed linear layers, its own model
-    hf = AsyncTransformer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-                          lm.tokenizer)
+    hf = AsyncTransformer(
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lm.tokenizer
+    )
     hf.FUSED_MAX_TOKENS = 0
     packed = pack_linear_layers(hf.model)
     ref64 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).double().eval()
@@ -113,8 +116,10 @@ def run(rounds=7, cases=CASES):
             bandwidth = max(bandwidth, _floor_bandwidth(module, buf))
             for case in cases:
                 ((plans, trie), (hf_plans, hf_trie)) = setups[case]
-                for name, fn in (("fused", lambda: lm._run_fused(decoder, plans, trie)),
-                                 ("transformers", lambda: hf._run(hf_plans, hf_trie))):
+                for name, fn in (
+                    ("fused", lambda p=plans, t=trie: lm._run_fused(decoder, p, t)),
+                    ("transformers", lambda p=hf_plans, t=hf_trie: hf._run(p, t)),
+                ):
                     t = time.perf_counter()
                     fn()
                     dt = time.perf_counter() - t
@@ -122,14 +127,23 @@ def run(rounds=7, cases=CASES):
     unpack_linear_layers(hf.model)
     hf.cleanup()
     lm.cleanup()
-    return {"bandwidth": bandwidth, "bytes": nbytes, "flops": flops, "params": params,
-            "best": best, "errors": errors, "packed": packed, "cases": cases}
+    return {
+        "bandwidth": bandwidth,
+        "bytes": nbytes,
+        "flops": flops,
+        "params": params,
+        "best": best,
+        "errors": errors,
+        "packed": packed,
+        "cases": cases,
+    }
 
 
 def _header():
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=False).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
     except OSError:
         commit = "?"
     cpu = platform.processor() or "?"
@@ -138,9 +152,11 @@ def _header():
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"{datetime.date.today()}, commit {commit}, {cpu}, {os.cpu_count()} CPUs, torch "
-            f"{torch.__version__}, {torch.get_num_threads()} threads, load average "
-            f"{os.getloadavg()[0]:.1f}")
+    return (
+        f"{datetime.date.today()}, commit {commit}, {cpu}, {os.cpu_count()} CPUs, torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads, load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
 
 
 def table(r):
@@ -159,17 +175,22 @@ def table(r):
     for rows, new in r["cases"]:
         fused, hf = r["best"][(rows, new), "fused"], r["best"][(rows, new), "transformers"]
         floor = max(mem_floor, 2 * r["params"] * rows * new / r["flops"])
-        lines.append(f"| {rows} x {new} | {fused * 1e3:.1f} | {fused / mem_floor:.2f} | "
-                     f"{fused / floor:.2f} | {hf * 1e3:.1f} | {hf / fused:.2f}x | "
-                     f"{r['errors'][rows, new]:.1e} |")
+        lines.append(
+            f"| {rows} x {new} | {fused * 1e3:.1f} | {fused / mem_floor:.2f} | "
+            f"{fused / floor:.2f} | {hf * 1e3:.1f} | {hf / fused:.2f}x | "
+            f"{r['errors'][rows, new]:.1e} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--cases", default=",".join(f"{r}x{n}" for r, n in CASES),
-                        help="rows x new tokens, comma-separated (default: %(default)s)")
+    parser.add_argument(
+        "--cases",
+        default=",".join(f"{r}x{n}" for r, n in CASES),
+        help="rows x new tokens, comma-separated (default: %(default)s)",
+    )
     parser.add_argument("--out", help="also write the table to this markdown file")
     args = parser.parse_args(argv)
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]

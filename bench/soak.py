@@ -51,9 +51,21 @@ def heap_mb():
     import ctypes
 
     class Info(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-            "uordblks", "fordblks", "keepcost")]
+        _fields_ = [
+            (n, ctypes.c_size_t)
+            for n in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
 
     try:
         fn = ctypes.CDLL(None).mallinfo2
@@ -89,8 +101,16 @@ async def beam_run(lm, prompt, steps):
     return await beam.logp_next()
 
 
-def run(runs=240, particles=8, tokens=20, beam_every=4, kv_cache_bytes=None, cache_size=1024,
-        seed=0, log=print):
+def run(
+    runs=240,
+    particles=8,
+    tokens=20,
+    beam_every=4,
+    kv_cache_bytes=None,
+    cache_size=1024,
+    seed=0,
+    log=print,
+):
     import torch
 
     from genlm_fast.backend.llm import AsyncTransformer
@@ -98,12 +118,28 @@ def run(runs=240, particles=8, tokens=20, beam_every=4, kv_cache_bytes=None, cac
 
     warnings.simplefilter("ignore")
     before_load = rss_mb()
-    lm = AsyncTransformer.from_name(smollm2_path(), kv_cache_bytes=kv_cache_bytes,
-                                    cache_size=cache_size)
+    lm = AsyncTransformer.from_name(
+        smollm2_path(), kv_cache_bytes=kv_cache_bytes, cache_size=cache_size
+    )
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    words = [w.encode() for w in ("river", "stone", "light", "paper", "north", "glass", "quiet",
-                                  "seven", "amber", "field", "cloud", "tower")]
+    words = [
+        w.encode()
+        for w in (
+            "river",
+            "stone",
+            "light",
+            "paper",
+            "north",
+            "glass",
+            "quiet",
+            "seven",
+            "amber",
+            "field",
+            "cloud",
+            "tower",
+        )
+    ]
     loop = asyncio.new_event_loop()
     # loaded = after a first run of each kind (weights read, the beam's trie built), caches
     # emptied
@@ -126,18 +162,27 @@ def run(runs=240, particles=8, tokens=20, beam_every=4, kv_cache_bytes=None, cac
             steps += 9
         trie = lm._kv_tries.get(None)
         heap = heap_mb()
-        trace.append({"run": r + 1, "rss_mb": rss_mb(), "steps": steps,
-                      "heap_used_mb": heap[0], "heap_free_mb": heap[1],
-                      "kv_positions": trie.n_tokens if trie else 0,
-                      "kv_mb": (trie.n_bytes if trie else 0) / 1e6,
-                      "output_rows": len(lm._outputs),
-                      "seconds": time.perf_counter() - started})
+        trace.append(
+            {
+                "run": r + 1,
+                "rss_mb": rss_mb(),
+                "steps": steps,
+                "heap_used_mb": heap[0],
+                "heap_free_mb": heap[1],
+                "kv_positions": trie.n_tokens if trie else 0,
+                "kv_mb": (trie.n_bytes if trie else 0) / 1e6,
+                "output_rows": len(lm._outputs),
+                "seconds": time.perf_counter() - started,
+            }
+        )
         if (r + 1) % 10 == 0:
             t = trace[-1]
-            log(f"run {r + 1}: rss {t['rss_mb']:.0f} MB (heap {t['heap_used_mb']:.0f} used, "
+            log(
+                f"run {r + 1}: rss {t['rss_mb']:.0f} MB (heap {t['heap_used_mb']:.0f} used, "
                 f"{t['heap_free_mb']:.0f} free), kv {t['kv_positions']} positions "
                 f"({t['kv_mb']:.0f} MB), {t['output_rows']} output rows, "
-                f"{t['seconds']:.0f} s")
+                f"{t['seconds']:.0f} s"
+            )
     kv_budget = lm.kv_cache_tokens * lm.kv_bytes_per_token
     if lm.kv_cache_bytes is not None:
         kv_budget = min(kv_budget, lm.kv_cache_bytes)
@@ -152,23 +197,41 @@ def run(runs=240, particles=8, tokens=20, beam_every=4, kv_cache_bytes=None, cac
     gc.collect()
     closed = {"rss_mb": rss_mb(), "seconds": time.perf_counter() - t}
     loop.close()
-    return {"before_load_mb": before_load, "loaded_mb": loaded, "trace": trace,
-            "kv_budget_mb": kv_budget / 1e6, "outputs_budget_mb": outputs_budget / 1e6,
-            "cleared": cleared, "closed": closed, "steps": steps}
+    return {
+        "before_load_mb": before_load,
+        "loaded_mb": loaded,
+        "trace": trace,
+        "kv_budget_mb": kv_budget / 1e6,
+        "outputs_budget_mb": outputs_budget / 1e6,
+        "cleared": cleared,
+        "closed": closed,
+        "steps": steps,
+    }
 
 
 def verdict(result, plateau_mb=64.0):
     trace = result["trace"]
-    half = trace[len(trace) // 2:]
+    half = trace[len(trace) // 2 :]
     growth = max(t["rss_mb"] for t in half) - half[0]["rss_mb"]
     ceiling = result["loaded_mb"] + 1.25 * (result["kv_budget_mb"] + result["outputs_budget_mb"])
     peak = max(t["rss_mb"] for t in trace)
     return [
-        ((f"plateau: resident memory grew {growth:.0f} MB over the last {len(half)} runs "
-          f"(< {plateau_mb:.0f} MB)"), growth < plateau_mb),
-        ((f"bounded: peak {peak:.0f} MB <= loaded model {result['loaded_mb']:.0f} MB + 1.25 x "
-          f"(key/value budget {result['kv_budget_mb']:.0f} MB + output cache "
-          f"{result['outputs_budget_mb']:.0f} MB) = {ceiling:.0f} MB"), peak <= ceiling),
+        (
+            (
+                f"plateau: resident memory grew {growth:.0f} MB over the last {len(half)} runs "
+                f"(< {plateau_mb:.0f} MB)"
+            ),
+            growth < plateau_mb,
+        ),
+        (
+            (
+                f"bounded: peak {peak:.0f} MB <= loaded model {result['loaded_mb']:.0f} MB "
+                f"+ 1.25 x "
+                f"(key/value budget {result['kv_budget_mb']:.0f} MB + output cache "
+                f"{result['outputs_budget_mb']:.0f} MB) = {ceiling:.0f} MB"
+            ),
+            peak <= ceiling,
+        ),
     ]
 
 
@@ -176,57 +239,98 @@ def report(result, args, command):
     from bench import kernels as K
 
     trace = result["trace"]
-    lines = ["# Soak: resident memory over many short runs on one model", "",
-             f"`{command}`", "",
-             f"- machine: {K.cpu_model()}, {os.cpu_count()} CPUs; commit {K.git_commit()}",
-             (f"- {len(trace)} runs ({args.particles} particles x {args.tokens} tokens, a "
-              f"byte beam every {args.beam_every}), {result['steps']} steps, "
-              f"{trace[-1]['seconds']:.0f} s"),
-             (f"- kv_cache_bytes: {args.kv_cache_bytes}; key/value budget "
-              f"{result['kv_budget_mb']:.0f} MB, output cache bound "
-              f"{result['outputs_budget_mb']:.0f} MB"),
-             (f"- resident memory: {result['before_load_mb']:.0f} MB before loading, "
-              f"{result['loaded_mb']:.0f} MB loaded (after a first run of each kind, caches "
-              "emptied)"), "",
-             ("| run | steps | resident MB | C heap in use / free MB | key/value positions | "
-              "key/value MB | output rows |"),
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Soak: resident memory over many short runs on one model",
+        "",
+        f"`{command}`",
+        "",
+        f"- machine: {K.cpu_model()}, {os.cpu_count()} CPUs; commit {K.git_commit()}",
+        (
+            f"- {len(trace)} runs ({args.particles} particles x {args.tokens} tokens, a "
+            f"byte beam every {args.beam_every}), {result['steps']} steps, "
+            f"{trace[-1]['seconds']:.0f} s"
+        ),
+        (
+            f"- kv_cache_bytes: {args.kv_cache_bytes}; key/value budget "
+            f"{result['kv_budget_mb']:.0f} MB, output cache bound "
+            f"{result['outputs_budget_mb']:.0f} MB"
+        ),
+        (
+            f"- resident memory: {result['before_load_mb']:.0f} MB before loading, "
+            f"{result['loaded_mb']:.0f} MB loaded (after a first run of each kind, caches "
+            "emptied)"
+        ),
+        "",
+        (
+            "| run | steps | resident MB | C heap in use / free MB | key/value positions | "
+            "key/value MB | output rows |"
+        ),
+        "|---|---|---|---|---|---|---|",
+    ]
     every = max(1, len(trace) // 16)
-    for t in trace[every - 1::every]:
-        lines.append(f"| {t['run']} | {t['steps']} | {t['rss_mb']:.0f} | "
-                     f"{t['heap_used_mb']:.0f} / {t['heap_free_mb']:.0f} | {t['kv_positions']} | "
-                     f"{t['kv_mb']:.0f} | {t['output_rows']} |")
-    lines += ["", (f"- after `clear_cache()`: {result['cleared']['rss_mb']:.0f} MB "
-                   f"({1e3 * result['cleared']['seconds']:.0f} ms)"),
-              (f"- after `cleanup()`: {result['closed']['rss_mb']:.0f} MB "
-               f"({1e3 * result['closed']['seconds']:.0f} ms)"), ""]
-    lines += [f"- {'met' if ok else 'NOT met'}: {text}" for text, ok in verdict(
-        result, args.plateau_mb)]
+    for t in trace[every - 1 :: every]:
+        lines.append(
+            f"| {t['run']} | {t['steps']} | {t['rss_mb']:.0f} | "
+            f"{t['heap_used_mb']:.0f} / {t['heap_free_mb']:.0f} | {t['kv_positions']} | "
+            f"{t['kv_mb']:.0f} | {t['output_rows']} |"
+        )
+    lines += [
+        "",
+        (
+            f"- after `clear_cache()`: {result['cleared']['rss_mb']:.0f} MB "
+            f"({1e3 * result['cleared']['seconds']:.0f} ms)"
+        ),
+        (
+            f"- after `cleanup()`: {result['closed']['rss_mb']:.0f} MB "
+            f"({1e3 * result['closed']['seconds']:.0f} ms)"
+        ),
+        "",
+    ]
+    lines += [
+        f"- {'met' if ok else 'NOT met'}: {text}" for text, ok in verdict(result, args.plateau_mb)
+    ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.soak",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.soak", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--runs", type=int, default=240)
     parser.add_argument("--particles", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=20)
     parser.add_argument("--beam-every", type=int, default=4, help="0: no byte beams")
-    parser.add_argument("--kv-cache-bytes", type=int, default=None,
-                        help="AsyncTransformer's kv_cache_bytes (default: none)")
-    parser.add_argument("--cache-size", type=int, default=1024,
-                        help="AsyncTransformer's cache_size, output rows (default 1024)")
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="AsyncTransformer's kv_cache_bytes (default: none)",
+    )
+    parser.add_argument(
+        "--cache-size",
+        type=int,
+        default=1024,
+        help="AsyncTransformer's cache_size, output rows (default 1024)",
+    )
     parser.add_argument("--plateau-mb", type=float, default=64.0)
-    parser.add_argument("--out", default=None,
-                        help="markdown output (default bench/results/soak-<date>.md)")
+    parser.add_argument(
+        "--out", default=None, help="markdown output (default bench/results/soak-<date>.md)"
+    )
     args = parser.parse_args(argv)
-    result = run(args.runs, args.particles, args.tokens, args.beam_every, args.kv_cache_bytes,
-                 args.cache_size)
+    result = run(
+        args.runs,
+        args.particles,
+        args.tokens,
+        args.beam_every,
+        args.kv_cache_bytes,
+        args.cache_size,
+    )
     command = "python -m bench.soak " + " ".join(argv if argv is not None else sys.argv[1:])
     text = report(result, args, command.strip())
     print(text)
-    out = Path(args.out or REPO / "bench" / "results" /
-               f"soak-{datetime.date.today().isoformat()}.md")
+    out = Path(
+        args.out or REPO / "bench" / "results" / f"soak-{datetime.date.today().isoformat()}.md"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"wrote {out}")

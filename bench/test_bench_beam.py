@@ -13,7 +13,7 @@ trie per model; the genlm-bytes trie is built once here too).
 Checked: the final ``logZ`` and next-byte distribution of both agree (1e-2 / 2e-3); under
 ``--bench-regress``, which times genlm_fast only, against one untimed genlm-bytes run. The
 summary (best and mean run of each, the ratio, the fused path's counters) is printed when
-the module finishes; the goal is genlm_fast >= 3x.
+the module finishes; the goal is genlm_fast >= 5x.
 
 Environment:
     GENLM_FAST_BENCH_DEVICE   "cpu" (default) or "cuda": where the models (and so the
@@ -44,7 +44,7 @@ import torch
 PROMPT = b"The capital of France is"  # 24 bytes
 CONTINUATION = b" Paris, and the capital of Italy is Rome"  # 40 bytes
 K = 5
-GOAL = 3.0
+GOAL = 5.0
 DEVICE = os.environ.get("GENLM_FAST_BENCH_DEVICE", "cpu")
 ROUNDS = int(os.environ.get("GENLM_FAST_BENCH_ROUNDS", "2"))
 LM_TIMEOUT = os.environ.get("GENLM_FAST_BENCH_LM_TIMEOUT")
@@ -79,31 +79,43 @@ def report():
         return
     lines = [
         "",
-        (f"byte-level beam, SmolLM2-135M-Instruct, K={K}, device={DEVICE}, "
-         f"torch threads={torch.get_num_threads()}, LM timeout="
-         f"{LM_TIMEOUT if LM_TIMEOUT is not None else 'default'}, load average "
-         f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"),
-        (f"workload: prefill {len(PROMPT)} bytes + {len(CONTINUATION)} byte steps, "
-         f"logp_next at each ({len(CONTINUATION) + 1} reads)"),
+        (
+            f"byte-level beam, SmolLM2-135M-Instruct, K={K}, device={DEVICE}, "
+            f"torch threads={torch.get_num_threads()}, LM timeout="
+            f"{LM_TIMEOUT if LM_TIMEOUT is not None else 'default'}, load average "
+            f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+        ),
+        (
+            f"workload: prefill {len(PROMPT)} bytes + {len(CONTINUATION)} byte steps, "
+            f"logp_next at each ({len(CONTINUATION) + 1} reads)"
+        ),
         "",
         "| implementation | best (s) | mean (s) | CPU s (best run) | runs |",
         "|---|---|---|---|---|",
     ]
     for name, r in _results.items():
-        lines.append(f"| {name} | {min(r['wall']):.2f} | {np.mean(r['wall']):.2f} | "
-                     f"{r['cpu'][int(np.argmin(r['wall']))]:.2f} | {len(r['wall'])} |")
+        lines.append(
+            f"| {name} | {min(r['wall']):.2f} | {np.mean(r['wall']):.2f} | "
+            f"{r['cpu'][int(np.argmin(r['wall']))]:.2f} | {len(r['wall'])} |"
+        )
     if {"genlm_fast.bytes", "genlm-bytes"} <= _results.keys():
         fast, ref = _results["genlm_fast.bytes"], _results["genlm-bytes"]
         best = min(ref["wall"]) / min(fast["wall"])
         mean = np.mean(ref["wall"]) / np.mean(fast["wall"])
         cpu = min(ref["cpu"]) / min(fast["cpu"])
-        lines += ["", (f"speedup (best runs): {best:.2f}x, (means): {mean:.2f}x, "
-                       f"(CPU time): {cpu:.2f}x; goal >= {GOAL:.0f}x: "
-                       f"{'met' if best >= GOAL else 'NOT met'}")]
+        lines += [
+            "",
+            (
+                f"speedup (best runs): {best:.2f}x, (means): {mean:.2f}x, "
+                f"(CPU time): {cpu:.2f}x; goal >= {GOAL:.0f}x: "
+                f"{'met' if best >= GOAL else 'NOT met'}"
+            ),
+        ]
     stats = _results.get("genlm_fast.bytes", {}).get("stats")
     if stats:
-        lines.append("genlm_fast fused path, per run: " + ", ".join(
-            f"{k}={v}" for k, v in stats.items()))
+        lines.append(
+            "genlm_fast fused path, per run: " + ", ".join(f"{k}={v}" for k, v in stats.items())
+        )
     print("\n".join(lines))
 
 
@@ -182,7 +194,8 @@ def ref_make_beam(ref_lm):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trie = ref_bytes.AsyncTokenByteTrie.from_vocab(
-            ref_lm.byte_vocab, eos_byte_strings=params.eos_byte_strings, device=DEVICE)
+            ref_lm.byte_vocab, eos_byte_strings=params.eos_byte_strings, device=DEVICE
+        )
 
     async def make_beam():
         state = ref_bytes.LazyTrieState.initial(ref_lm, trie, mode=TrieMode.WITH_EOS)
@@ -235,7 +248,8 @@ def test_beam_genlm_fast(benchmark, report, fast_lm, request):
     after = fused_stats(final)
     runs = ROUNDS + 1
     _results["genlm_fast.bytes"]["stats"] = {
-        k: round((after[k] - before[k]) / runs, 1) for k in after if k != "memo_hits"}
+        k: round((after[k] - before[k]) / runs, 1) for k in after if k != "memo_hits"
+    }
     _check_against_other(request)
 
 

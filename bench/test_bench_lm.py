@@ -30,8 +30,8 @@ too. Every side gets one untimed warm-up run and the same number of timed runs. 
 all ran, ``test_genlm_fast`` prints the throughput of each (particle-steps per second,
 best run), the ratios of best runs (and of means) configuration by configuration, and the
 headline: the best run of each backend in its best configuration. It asserts the goal on
-that headline: genlm_fast >= 2x genlm-backend. Other load on the machine inflates single
-runs; the best run is the figure to quote.
+that headline: genlm_fast >= 4x genlm-backend (and prints whether both plain reach 8x).
+Other load on the machine inflates single runs; the best run is the figure to quote.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ N_ROUNDS = 8
 PROMPT = "In a quiet village at the edge of the forest, an old clockmaker"
 TOL = 1e-3
 FLOOR = -20.0
-GOAL = 2.0
+GOAL = 4.0  # each in its best configuration (genlm-backend's is cache_kv)
+GOAL_PLAIN = 8.0  # both plain: genlm-backend as genlm-control drives it, out of the box
 # timed runs of every side, after one untimed warm-up run (on an idle 2-core machine a
 # genlm-backend run takes ~4 s plain, genlm_fast's under 1 s); the same for both backends,
 # since the quoted figure is a best run and more runs would favour one side
@@ -142,17 +143,30 @@ def _max_error(answers, reference):
 
 def _bench(benchmark, name, lm, plan, reference, config="plain"):
     benchmark.group = "smc-smollm2-16x8"
-    answers = benchmark.pedantic(_run_cold, args=(lm, plan, config == "cache_kv"),
-                                 rounds=ROUNDS, iterations=1, warmup_rounds=WARMUP_ROUNDS)
+    answers = benchmark.pedantic(
+        _run_cold,
+        args=(lm, plan, config == "cache_kv"),
+        rounds=ROUNDS,
+        iterations=1,
+        warmup_rounds=WARMUP_ROUNDS,
+    )
     err = _max_error(answers, reference)
     steps = N_PARTICLES * N_ROUNDS
     mean, best = benchmark.stats.stats.mean, benchmark.stats.stats.min
     benchmark.extra_info.update(
-        backend=name, config=config, particles=N_PARTICLES, rounds=N_ROUNDS,
-        steps_per_s=round(steps / best, 2), max_abs_err_vs_f64=err,
+        backend=name,
+        config=config,
+        particles=N_PARTICLES,
+        rounds=N_ROUNDS,
+        steps_per_s=round(steps / best, 2),
+        max_abs_err_vs_f64=err,
     )
-    _results[name, config] = {"mean_s": mean, "min_s": best, "steps_per_s": steps / best,
-                              "err": err}
+    _results[name, config] = {
+        "mean_s": mean,
+        "min_s": best,
+        "steps_per_s": steps / best,
+        "err": err,
+    }
     return err
 
 
@@ -189,7 +203,8 @@ def _summary(benchmark, capsys):
             f"SMC workload: {N_PARTICLES} particles x {N_ROUNDS} rounds, SmolLM2-135M-Instruct "
             f"fp32, torch threads={torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}"
         ),
-        "| backend | config | min s/run | mean s/run | particle-steps/s (best run) | max abs err vs f64 |",
+        "| backend | config | min s/run | mean s/run | particle-steps/s (best run) "
+        "| max abs err vs f64 |",
         "|---|---|---|---|---|---|",
     ]
     for (name, config), r in sorted(_results.items()):
@@ -202,16 +217,26 @@ def _summary(benchmark, capsys):
     for config in ("plain", "cache_kv"):
         a, b = _results.get(("genlm-backend", config)), _results.get(("genlm_fast", config))
         if a and b:
-            lines.append(f"speedup, both {config}: {a['min_s'] / b['min_s']:.2f}x best run, "
-                         f"{a['mean_s'] / b['mean_s']:.2f}x mean")
+            goal = (
+                f"; goal >= {GOAL_PLAIN:.0f}x: "
+                + ("met" if a["min_s"] >= GOAL_PLAIN * b["min_s"] else "NOT met")
+                if config == "plain"
+                else ""
+            )
+            lines.append(
+                f"speedup, both {config}: {a['min_s'] / b['min_s']:.2f}x best run, "
+                f"{a['mean_s'] / b['mean_s']:.2f}x mean{goal}"
+            )
     (ref_config, a), (our_config, b) = _best("genlm-backend"), _best("genlm_fast")
     ratio, mean_ratio = a["min_s"] / b["min_s"], a["mean_s"] / b["mean_s"]
     benchmark.extra_info["speedup_vs_genlm_backend"] = round(ratio, 3)
     benchmark.extra_info["speedup_mean"] = round(mean_ratio, 3)
     benchmark.extra_info["configs"] = {"genlm-backend": ref_config, "genlm_fast": our_config}
-    lines.append(f"speedup, each in its best configuration (genlm-backend {ref_config}, "
-                 f"genlm_fast {our_config}): {ratio:.2f}x best run, {mean_ratio:.2f}x mean "
-                 f"(goal >= {GOAL}x, best run)")
+    lines.append(
+        f"speedup, each in its best configuration (genlm-backend {ref_config}, "
+        f"genlm_fast {our_config}): {ratio:.2f}x best run, {mean_ratio:.2f}x mean "
+        f"(goal >= {GOAL}x, best run)"
+    )
     with capsys.disabled():
         print("\n" + "\n".join(lines))
     assert ratio >= GOAL, f"genlm_fast is only {ratio:.2f}x genlm-backend ({ref_config})"

@@ -41,8 +41,14 @@ def _cases():
             for op in K.OPS:
                 for impl in IMPLS:
                     full = vocab in FULL_VOCABS or (B == 128 and impl.startswith("ref-"))
-                    yield pytest.param(vocab, B, op, impl, marks=[pytest.mark.full] if full else [],
-                                       id=f"{vocab}-{op}-B{B}-{impl}")
+                    yield pytest.param(
+                        vocab,
+                        B,
+                        op,
+                        impl,
+                        marks=[pytest.mark.full] if full else [],
+                        id=f"{vocab}-{op}-B{B}-{impl}",
+                    )
 
 
 @pytest.mark.parametrize(("vocab", "B", "op", "impl"), list(_cases()))
@@ -53,9 +59,15 @@ def test_trie_op(benchmark, bank, vocab, B, op, impl):
     reference = impl.startswith("ref-")
     fn = K.op_fn(trie, op, reference)
     benchmark.group = f"{bank.label}-{op}-B{B}"
-    benchmark.extra_info.update(vocab=bank.label, V=len(bank.vocab), op=op, B=B, impl=impl,
-                                nodes=trie.num_nodes if not reference else len(trie.children),
-                                build_s=round(bank.build_seconds.get(impl, 0.0), 3))
+    benchmark.extra_info.update(
+        vocab=bank.label,
+        V=len(bank.vocab),
+        op=op,
+        B=B,
+        impl=impl,
+        nodes=trie.num_nodes if not reference else len(trie.children),
+        build_s=round(bank.build_seconds.get(impl, 0.0), 3),
+    )
     byte_trie = impl in ("genlm_fast-bytes", "ref-bytes")
     if reference:
         with warnings.catch_warnings():
@@ -64,11 +76,11 @@ def test_trie_op(benchmark, bank, vocab, B, op, impl):
             fn(x)  # warm-up (numba compiles on its first call); sizes the rounds
             once = time.perf_counter() - start
             rounds = int(min(20, max(3, TARGET_REF_SECONDS / max(once, 1e-6))))
-            result = benchmark.pedantic(fn, args=(x,), rounds=rounds, iterations=1,
-                                        warmup_rounds=0)
+            result = benchmark.pedantic(fn, args=(x,), rounds=rounds, iterations=1, warmup_rounds=0)
         want = bank.expected(vocab, B, op)
         benchmark.extra_info["max_rel_err"] = K.check_result(
-            result, want, op, byte_trie=byte_trie, strict=False)
+            result, want, op, byte_trie=byte_trie, strict=False
+        )
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # "auto" falling back: recorded below
@@ -76,4 +88,5 @@ def test_trie_op(benchmark, bank, vocab, B, op, impl):
     benchmark.extra_info["backend"] = trie.last_kernel_backend
     want = bank.expected(vocab, B, op)
     benchmark.extra_info["max_rel_err"] = K.check_result(
-        result, want, op, byte_trie=byte_trie, label=f"{impl} {bank.label} {op} B={B}")
+        result, want, op, byte_trie=byte_trie, label=f"{impl} {bank.label} {op} B={B}"
+    )

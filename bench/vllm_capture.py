@@ -95,13 +95,18 @@ def run(batches=(1, 32), repeats=15, log=print) -> dict:
                     fn()
                     times[name].append(time.perf_counter() - t)
             med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-            row = {"B": B, **{f"{k}_ms": v for k, v in med.items()},
-                   "capture_overhead": med["capture"] / med["generate"] - 1,
-                   "api_overhead": med["API"] / med["generate"] - 1}
+            row = {
+                "B": B,
+                **{f"{k}_ms": v for k, v in med.items()},
+                "capture_overhead": med["capture"] / med["generate"] - 1,
+                "api_overhead": med["API"] / med["generate"] - 1,
+            }
             results["rows"].append(row)
-            log(f"B={B:<3d} generate {med['generate']:8.2f} ms  capture {med['capture']:8.2f} ms "
+            log(
+                f"B={B:<3d} generate {med['generate']:8.2f} ms  capture {med['capture']:8.2f} ms "
                 f"({row['capture_overhead']:+.1%})  API {med['API']:8.2f} ms "
-                f"({row['api_overhead']:+.1%})")
+                f"({row['api_overhead']:+.1%})"
+            )
     finally:
         lm.cleanup()
     return results
@@ -131,9 +136,11 @@ def table(results: dict, command: str) -> str:
     ]
     for r in results["rows"]:
         met = "yes" if r["capture_overhead"] <= GOAL else "NO"
-        lines.append(f"| {r['B']} | {r['generate_ms']:.2f} | {r['capture_ms']:.2f} | "
-                     f"{r['capture_overhead']:+.1%} | {r['API_ms']:.2f} | "
-                     f"{r['api_overhead']:+.1%} | {met} |")
+        lines.append(
+            f"| {r['B']} | {r['generate_ms']:.2f} | {r['capture_ms']:.2f} | "
+            f"{r['capture_overhead']:+.1%} | {r['API_ms']:.2f} | "
+            f"{r['api_overhead']:+.1%} | {met} |"
+        )
     return "\n".join(lines) + "\n"
 
 

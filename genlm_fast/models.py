@@ -177,12 +177,14 @@ def _check_target(path: str) -> None:
     if not os.path.lexists(path):
         return
     if not os.path.isdir(path):
-        raise FileExistsError(f"{path!r} exists and is not a directory; cannot put the "
-                              "SmolLM2 model there")
+        raise FileExistsError(
+            f"{path!r} exists and is not a directory; cannot put the SmolLM2 model there"
+        )
     if not os.path.lexists(os.path.join(path, _MARKER)) and os.listdir(path):
         raise FileExistsError(
             f"{path!r} exists and is not a genlm_fast model directory (no {_MARKER}); "
-            "not overwriting it: pass an empty or new directory")
+            "not overwriting it: pass an empty or new directory"
+        )
 
 
 def _umask() -> int:
@@ -312,8 +314,14 @@ def smollm2_path(cache_dir: str | None = None, quiet: bool | None = None) -> str
     work = tempfile.mkdtemp(prefix=_WORK_PREFIX, dir=parent)
     steps = ["read GGUF", "rebuild float32 model", "save weights", "save tokenizer", "finish"]
     show = _show_progress(quiet)
-    bar = tqdm(total=len(steps), desc="Preparing SmolLM2-135M-Instruct (once)", unit="step",
-               disable=not show, file=sys.stderr, leave=True)
+    bar = tqdm(
+        total=len(steps),
+        desc="Preparing SmolLM2-135M-Instruct (once)",
+        unit="step",
+        disable=not show,
+        file=sys.stderr,
+        leave=True,
+    )
     try:
         with open(os.path.join(work, _OWNER), "w") as f:  # lets others tell it is alive
             json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)

@@ -41,8 +41,18 @@ class CompiledTrie:
     last_kernel_backend: str | None = None
     build_seconds: float = 0.0
 
-    def _compile(self, words, leaf_keys, token_columns, *, eos_key=None, eos_positions=(),
-                 cache_key=None, cache=True, cache_dir=None):
+    def _compile(
+        self,
+        words,
+        leaf_keys,
+        token_columns,
+        *,
+        eos_key=None,
+        eos_positions=(),
+        cache_key=None,
+        cache=True,
+        cache_dir=None,
+    ):
         start = time.perf_counter()
         layout = None
         digest = None
@@ -51,9 +61,17 @@ class CompiledTrie:
             layout = load_cached(digest, cache_dir)
         if layout is None:
             parent, first, leaf_node, edge_key, eos_node = build_structure(
-                words, leaf_keys, add_eos_node=eos_key is not None, eos_key=eos_key)
-            layout = compile_layout(parent, first, leaf_node, token_columns, edge_key, eos_node,
-                                    eos_positions=eos_positions)
+                words, leaf_keys, add_eos_node=eos_key is not None, eos_key=eos_key
+            )
+            layout = compile_layout(
+                parent,
+                first,
+                leaf_node,
+                token_columns,
+                edge_key,
+                eos_node,
+                eos_positions=eos_positions,
+            )
             if digest is not None:
                 store_cached(digest, layout, cache_dir)
         self._layout = layout
@@ -167,11 +185,15 @@ class CompiledTrie:
             rows = [self._as_batch(w, device) for w in ws]
             for i, r in enumerate(rows):
                 if r.dim() != 2 or r.shape[0] != 1:
-                    raise ValueError(f"batch item {i} must be a 1-D weight vector, "
-                                     f"got shape {tuple(r.shape[1:]) if r.dim() == 2 else tuple(r.shape)}")
+                    raise ValueError(
+                        f"batch item {i} must be a 1-D weight vector, "
+                        f"got shape {tuple(r.shape[1:]) if r.dim() == 2 else tuple(r.shape)}"
+                    )
                 if r.shape[1] != rows[0].shape[1]:
-                    raise ValueError(f"batch item {i} has length {r.shape[1]}, but item 0 has "
-                                     f"length {rows[0].shape[1]}")
+                    raise ValueError(
+                        f"batch item {i} has length {r.shape[1]}, but item 0 has "
+                        f"length {rows[0].shape[1]}"
+                    )
             target = device if device is not None else rows[0].device
             return torch.cat([r.to(target) for r in rows], dim=0)
         if batch.dim() == 1:
@@ -185,8 +207,9 @@ class CompiledTrie:
         tensors) -> one float32 ``[B, V]`` tensor on the trie's device."""
         batch = float_weights(self._as_batch(batch_ws, self.device)).to(torch.float32)
         if batch.shape[-1] != self._layout.num_columns:
-            raise ValueError(f"expected weight rows of length {self._layout.num_columns}, "
-                             f"got {batch.shape[-1]}")
+            raise ValueError(
+                f"expected weight rows of length {self._layout.num_columns}, got {batch.shape[-1]}"
+            )
         return batch
 
     # genlm's sequential trie reads the first V entries of a longer weight row; its other
@@ -214,9 +237,15 @@ class CompiledTrie:
             batch = batch.to(dtype)
         # weight rows hold one entry per token id, exactly; logit rows may be wider (padding)
         width = None if reduction == "log_mass" else self._layout.num_columns
-        out, used = dispatch.trie_reduce(batch, self._layout, reduction, mode=mode,
-                                         backend=self.kernel_backend, exact_width=width,
-                                         float64_result=wide)
+        out, used = dispatch.trie_reduce(
+            batch,
+            self._layout,
+            reduction,
+            mode=mode,
+            backend=self.kernel_backend,
+            exact_width=width,
+            float64_result=wide,
+        )
         self.last_kernel_backend = used
         return out
 
@@ -234,14 +263,16 @@ class CompiledTrie:
         mode_name = self._mode_name(mode)
         logits = _as_sequence(logits)
         if _ndim(logits) != 2:
-            raise ValueError(f"batch_log_mass expects [batch, vocab] logits, got "
-                             f"{_describe(logits)}")
+            raise ValueError(
+                f"batch_log_mass expects [batch, vocab] logits, got {_describe(logits)}"
+            )
         return self._reduce(logits, "log_mass", mode_name)
 
     def log_mass(self, logits, mode=None) -> torch.Tensor:
         """``batch_log_mass`` for one ``[V']`` logit row; returns ``[N]``."""
-        logits = one_row(logits, "log_mass expects one [vocab] logit row",
-                         "use batch_log_mass for a batch")
+        logits = one_row(
+            logits, "log_mass expects one [vocab] logit row", "use batch_log_mass for a batch"
+        )
         return self._reduce(logits, "log_mass", self._mode_name(mode))[0]
 
     def _mode_name(self, mode) -> str:
@@ -250,8 +281,10 @@ class CompiledTrie:
         value = getattr(mode, "value", mode)
         if mode is None or isinstance(value, str) and value == "without_eos":
             return "without_eos"
-        raise ValueError(f"unknown trie mode {mode!r} for {type(self).__name__}, which has no "
-                         "EOS node: expected None or 'without_eos'")
+        raise ValueError(
+            f"unknown trie mode {mode!r} for {type(self).__name__}, which has no "
+            "EOS node: expected None or 'without_eos'"
+        )
 
     # ---------------------------------------------------------------- display
 
@@ -260,13 +293,15 @@ class CompiledTrie:
         try:
             import graphviz
         except ImportError as e:
-            raise ImportError("visualize() needs the graphviz package: "
-                              "pip install graphviz (or genlm_fast[viz])") from e
+            raise ImportError(
+                "visualize() needs the graphviz package: pip install graphviz (or genlm_fast[viz])"
+            ) from e
         if ws is not None:
             ws = np.asarray(ws.detach().cpu() if isinstance(ws, torch.Tensor) else ws)
             if len(ws) != self.num_nodes:
-                raise ValueError(f"weight vector has length {len(ws)}, the trie has "
-                                 f"{self.num_nodes} nodes")
+                raise ValueError(
+                    f"weight vector has length {len(ws)}, the trie has {self.num_nodes} nodes"
+                )
         dot = graphviz.Digraph(comment="genlm_fast trie")
         dot.attr(rankdir="LR")
         peak = float(ws.max()) if ws is not None else 0.0
@@ -310,8 +345,10 @@ def _as_sequence(ws):
         return np.asarray(ws)
     if isinstance(ws, Iterable) and not isinstance(ws, (str, bytes, bytearray, dict)):
         return list(ws)
-    raise TypeError(f"expected weights as a torch.Tensor, a numpy array or a list of "
-                    f"rows, got {type(ws).__name__}")
+    raise TypeError(
+        f"expected weights as a torch.Tensor, a numpy array or a list of "
+        f"rows, got {type(ws).__name__}"
+    )
 
 
 @contextmanager
@@ -354,8 +391,11 @@ def _ndim(ws) -> int:
     """Dimensions of a tensor, an array or a (nested) list of numbers."""
     if hasattr(ws, "ndim"):
         return ws.ndim
-    if isinstance(ws, (list, tuple)) and ws and (hasattr(ws[0], "ndim")
-                                                 or isinstance(ws[0], (list, tuple))):
+    if (
+        isinstance(ws, (list, tuple))
+        and ws
+        and (hasattr(ws[0], "ndim") or isinstance(ws[0], (list, tuple)))
+    ):
         return 1 + _ndim(ws[0])
     return 1
 
@@ -367,8 +407,11 @@ def _describe(ws) -> str:
     return f"a {_ndim(ws)}-D nested {type(ws).__name__} of length {len(ws)}"
 
 
-def one_row(ws, expected="expected one weight vector of shape [V]",
-            hint="use the batch_ methods for a batch"):
+def one_row(
+    ws,
+    expected="expected one weight vector of shape [V]",
+    hint="use the batch_ methods for a batch",
+):
     """Reject anything but one row (``[V]``): a batch, a scalar or a nested list. Returns
     the row (a one-pass iterable read into a list, so that a batch in that form is seen)."""
     ws = _as_sequence(ws)
@@ -402,5 +445,6 @@ def item_entry(item):
         return item, item, True
     if isinstance(item, Iterable):
         return item, item, False
-    raise TypeError(f"vocabulary items must be Token, bytes or iterable, got "
-                    f"{type(item).__name__}: {item!r}")
+    raise TypeError(
+        f"vocabulary items must be Token, bytes or iterable, got {type(item).__name__}: {item!r}"
+    )

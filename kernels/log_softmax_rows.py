@@ -43,8 +43,9 @@ def lse_merge(m, s):
 
 
 @triton.jit
-def _log_softmax_rows(x_ptr, x_stride, src_ptr, dst_ptr, out_ptr, out_stride, V,
-                      BLOCK: tl.constexpr):
+def _log_softmax_rows(
+    x_ptr, x_stride, src_ptr, dst_ptr, out_ptr, out_stride, V, BLOCK: tl.constexpr
+):
     i = tl.program_id(0)
     src = tl.load(src_ptr + i).to(tl.int64)
     dst = tl.load(dst_ptr + i).to(tl.int64)

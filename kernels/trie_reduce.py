@@ -107,8 +107,9 @@ _LEVEL_GAP = 55.0  # e^-55 = 1.3e-24 >= _FAST_MIN_MASS: a range whose max is wit
 
 
 @triton.jit
-def _row_lse_partial(x_ptr, pmax_ptr, psum_ptr, C, chunk,
-                     SPLIT: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
+def _row_lse_partial(
+    x_ptr, pmax_ptr, psum_ptr, C, chunk, SPLIT: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr
+):
     """Per (row, slice): max and sum of exp(x - max) over x[row, slice], one exp per element."""
     row = tl.program_id(0)
     sp = tl.program_id(1)
@@ -120,8 +121,9 @@ def _row_lse_partial(x_ptr, pmax_ptr, psum_ptr, C, chunk,
     s = tl.zeros([BLOCK], ACC)
     for k in range(lo, hi, BLOCK):
         idx = k + offs
-        x = tl.load(base + idx, mask=idx < hi, other=float("-inf"),
-                    eviction_policy="evict_last").to(ACC)
+        x = tl.load(
+            base + idx, mask=idx < hi, other=float("-inf"), eviction_policy="evict_last"
+        ).to(ACC)
         m, s = online_lse_update(m, s, x)
     big, tot = lse_merge(m, s)
     tl.store(pmax_ptr + row * SPLIT + sp, big)
@@ -140,8 +142,9 @@ def _load_ranges(start_ptr, end_ptr, dest_ptr, c, r1, RB: tl.constexpr):
 
 
 @triton.jit
-def _unit_positions(start_ptr, dest_ptr, c, u1, t, ROWS: tl.constexpr, UB: tl.constexpr,
-                    TILE: tl.constexpr):
+def _unit_positions(
+    start_ptr, dest_ptr, c, u1, t, ROWS: tl.constexpr, UB: tl.constexpr, TILE: tl.constexpr
+):
     """Unit ranges [c, c + UB) of a tile's list, which end at u1: (valid, dest, their leaf's
     tile-local position broadcast over ROWS rows, for a gather along the tile axis)."""
     uidx = c + tl.arange(0, UB)
@@ -204,11 +207,27 @@ def _split_tf32(w):
 
 
 @triton.jit
-def _tile_ranges_dense(x_ptr, C, L, leaf_token_ptr, range_ptr_ptr, range_start_ptr,
-                       range_end_ptr, range_dest_ptr, out_ptr, N, scratch_ptr, NS,
-                       pmax_ptr, psum_ptr,
-                       REDUCTION: tl.constexpr, SPLIT: tl.constexpr, TILE: tl.constexpr,
-                       RB: tl.constexpr, ACC: tl.constexpr):
+def _tile_ranges_dense(
+    x_ptr,
+    C,
+    L,
+    leaf_token_ptr,
+    range_ptr_ptr,
+    range_start_ptr,
+    range_end_ptr,
+    range_dest_ptr,
+    out_ptr,
+    N,
+    scratch_ptr,
+    NS,
+    pmax_ptr,
+    psum_ptr,
+    REDUCTION: tl.constexpr,
+    SPLIT: tl.constexpr,
+    TILE: tl.constexpr,
+    RB: tl.constexpr,
+    ACC: tl.constexpr,
+):
     """One (tile, row) per program: masked [RB, TILE] reductions, RB ranges at a time."""
     t = tl.program_id(0)
     row = tl.program_id(1)
@@ -223,8 +242,9 @@ def _tile_ranges_dense(x_ptr, C, L, leaf_token_ptr, range_ptr_ptr, range_start_p
         big, total = lse_merge(pm, ps)
         big_safe = tl.where(big == float("-inf"), 0.0, big)
         s = tl.log(total)  # lse = big_safe + s, kept as the pair (as _row_normaliser's)
-        x = tl.load(x_row + tok, mask=pos_ok, other=float("-inf"),
-                    eviction_policy="evict_last").to(ACC)
+        x = tl.load(x_row + tok, mask=pos_ok, other=float("-inf"), eviction_policy="evict_last").to(
+            ACC
+        )
         v = ((x - big_safe) - s).to(tl.float32)
     else:
         v = tl.load(x_row + tok, mask=pos_ok, other=0.0, eviction_policy="evict_last").to(ACC)
@@ -233,8 +253,9 @@ def _tile_ranges_dense(x_ptr, C, L, leaf_token_ptr, range_ptr_ptr, range_start_p
     r0 = tl.load(range_ptr_ptr + t)
     r1 = tl.load(range_ptr_ptr + t + 1)
     for c in range(r0, r1, RB):
-        r_ok, start, end, dest = _load_ranges(range_start_ptr, range_end_ptr, range_dest_ptr,
-                                              c, r1, RB)
+        r_ok, start, end, dest = _load_ranges(
+            range_start_ptr, range_end_ptr, range_dest_ptr, c, r1, RB
+        )
         res = _dense_reduce(v, pos, start, end, REDUCTION)
         _store_ranges(out_row, scr_row, dest, res.to(out_ptr.dtype.element_ty), r_ok)
 
@@ -258,9 +279,25 @@ def _window_query(t, first, n, res, w: tl.constexpr):
 
 
 @triton.jit
-def _tile_ranges_max(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, unit_end_ptr,
-                     range_start_ptr, range_end_ptr, range_dest_ptr, out_ptr, N, scratch_ptr,
-                     NS, TILE: tl.constexpr, ROWS: tl.constexpr, RB: tl.constexpr):
+def _tile_ranges_max(
+    x_ptr,
+    B,
+    C,
+    L,
+    leaf_token_ptr,
+    range_ptr_ptr,
+    unit_end_ptr,
+    range_start_ptr,
+    range_end_ptr,
+    range_dest_ptr,
+    out_ptr,
+    N,
+    scratch_ptr,
+    NS,
+    TILE: tl.constexpr,
+    ROWS: tl.constexpr,
+    RB: tl.constexpr,
+):
     """One (tile, block of ROWS rows) per program: range maxima from a sparse table."""
     tl.static_assert(TILE <= 64, "the sparse table has levels for windows up to 64")
     t = tl.program_id(0)
@@ -271,9 +308,12 @@ def _tile_ranges_max(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, unit_end_ptr
     pos = t * TILE + pos_l
     pos_ok = pos < L
     tok = tl.load(leaf_token_ptr + pos, mask=pos_ok, other=0)
-    t0 = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + tok[None, :],
-                 mask=row_ok[:, None] & pos_ok[None, :], other=float("-inf"),
-                 eviction_policy="evict_last")
+    t0 = tl.load(
+        x_ptr + rows.to(tl.int64)[:, None] * C + tok[None, :],
+        mask=row_ok[:, None] & pos_ok[None, :],
+        other=float("-inf"),
+        eviction_policy="evict_last",
+    )
     t1 = _window_doubled(t0, pos_l, 1, TILE)
     t2 = _window_doubled(t1, pos_l, 2, TILE)
     t3 = _window_doubled(t2, pos_l, 4, TILE)
@@ -287,18 +327,23 @@ def _tile_ranges_max(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, unit_end_ptr
     u1 = tl.load(unit_end_ptr + t)
     r1 = tl.load(range_ptr_ptr + t + 1)
     for c in range(r0, u1, RB):  # unit ranges: their leaf's value
-        u_ok, dest, at = _unit_positions(range_start_ptr, range_dest_ptr, c, u1, t, ROWS, RB,
-                                         TILE)
-        _store_ranges(out_rows, scr_rows, dest[None, :],
-                      tl.gather(t0, at, axis=1).to(out_ptr.dtype.element_ty),
-                      row_ok[:, None] & u_ok[None, :])
+        u_ok, dest, at = _unit_positions(range_start_ptr, range_dest_ptr, c, u1, t, ROWS, RB, TILE)
+        _store_ranges(
+            out_rows,
+            scr_rows,
+            dest[None, :],
+            tl.gather(t0, at, axis=1).to(out_ptr.dtype.element_ty),
+            row_ok[:, None] & u_ok[None, :],
+        )
     for c in range(u1, r1, RB):
-        r_ok, start, end, dest = _load_ranges(range_start_ptr, range_end_ptr, range_dest_ptr,
-                                              c, r1, RB)
+        r_ok, start, end, dest = _load_ranges(
+            range_start_ptr, range_end_ptr, range_dest_ptr, c, r1, RB
+        )
         n = tl.broadcast_to((end - start)[None, :], (ROWS, RB))
         # tile-local positions, clamped for the chunk's padding (start = end = 0)
-        first = tl.broadcast_to(tl.minimum(tl.maximum(start - t * TILE, 0), TILE - 1)[None, :],
-                                (ROWS, RB))
+        first = tl.broadcast_to(
+            tl.minimum(tl.maximum(start - t * TILE, 0), TILE - 1)[None, :], (ROWS, RB)
+        )
         res = tl.zeros([ROWS, RB], dtype=t0.dtype)  # an empty range's max is 0
         res = _window_query(t0, first, n, res, 1)
         res = _window_query(t1, first, n, res, 2)
@@ -307,18 +352,44 @@ def _tile_ranges_max(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, unit_end_ptr
         res = _window_query(t4, first, n, res, 16)
         res = _window_query(t5, first, n, res, 32)
         res = _window_query(t6, first, n, res, 64)
-        _store_ranges(out_rows, scr_rows, dest[None, :], res.to(out_ptr.dtype.element_ty),
-                      row_ok[:, None] & r_ok[None, :])
+        _store_ranges(
+            out_rows,
+            scr_rows,
+            dest[None, :],
+            res.to(out_ptr.dtype.element_ty),
+            row_ok[:, None] & r_ok[None, :],
+        )
 
 
 @triton.jit
-def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, unit_end_ptr,
-                     range_start_ptr, range_end_ptr, range_dest_ptr, out_ptr, N, scratch_ptr,
-                     NS, pmax_ptr, psum_ptr,
-                     LOG_MASS: tl.constexpr, SPLIT: tl.constexpr, TILE: tl.constexpr,
-                     ROWS: tl.constexpr, RB: tl.constexpr, UB: tl.constexpr, SUB: tl.constexpr,
-                     ACC: tl.constexpr, FAST_MIN_MASS: tl.constexpr,
-                     LEVEL_GAP: tl.constexpr):
+def _tile_ranges_dot(
+    x_ptr,
+    B,
+    C,
+    L,
+    leaf_token_ptr,
+    range_ptr_ptr,
+    unit_end_ptr,
+    range_start_ptr,
+    range_end_ptr,
+    range_dest_ptr,
+    out_ptr,
+    N,
+    scratch_ptr,
+    NS,
+    pmax_ptr,
+    psum_ptr,
+    LOG_MASS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    TILE: tl.constexpr,
+    ROWS: tl.constexpr,
+    RB: tl.constexpr,
+    UB: tl.constexpr,
+    SUB: tl.constexpr,
+    ACC: tl.constexpr,
+    FAST_MIN_MASS: tl.constexpr,
+    LEVEL_GAP: tl.constexpr,
+):
     """One (tile, block of ROWS rows) per program: range sums as w @ membership-mask."""
     t = tl.program_id(0)
     rb = tl.program_id(1)
@@ -358,15 +429,19 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, unit_end_ptr
     # unit ranges: their leaf's own value, exact (log_mass: its log-probability; sum: its
     # weight, infinite ones included), gathered from the registers
     for c in range(r0, u1, UB):
-        u_ok, dest, at = _unit_positions(range_start_ptr, range_dest_ptr, c, u1, t, ROWS, UB,
-                                         TILE)
-        _store_ranges(out_rows, scr_rows, dest[None, :],
-                      tl.gather(v, at, axis=1).to(out_ptr.dtype.element_ty),
-                      row_ok[:, None] & u_ok[None, :])
+        u_ok, dest, at = _unit_positions(range_start_ptr, range_dest_ptr, c, u1, t, ROWS, UB, TILE)
+        _store_ranges(
+            out_rows,
+            scr_rows,
+            dest[None, :],
+            tl.gather(v, at, axis=1).to(out_ptr.dtype.element_ty),
+            row_ok[:, None] & u_ok[None, :],
+        )
     row_todo = tl.zeros([ROWS], tl.int32)  # rows with a range the fast path cannot do
     for c in range(u1, r1, RB):
-        r_ok, start, end, dest = _load_ranges(range_start_ptr, range_end_ptr, range_dest_ptr,
-                                              c, r1, RB)
+        r_ok, start, end, dest = _load_ranges(
+            range_start_ptr, range_end_ptr, range_dest_ptr, c, r1, RB
+        )
         member = (pos[:, None] >= start[None, :]) & (pos[:, None] < end[None, :])
         mf = tl.where(member, 1.0, 0.0)  # [TILE, RB], exactly 0/1
         acc = tl.dot(w_hi, mf, input_precision="tf32")
@@ -377,8 +452,13 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, unit_end_ptr
             row_todo = tl.maximum(row_todo, tl.max(todo.to(tl.int32), axis=1))
         else:
             res = acc
-        _store_ranges(out_rows, scr_rows, dest[None, :], res.to(out_ptr.dtype.element_ty),
-                      row_ok[:, None] & r_ok[None, :])
+        _store_ranges(
+            out_rows,
+            scr_rows,
+            dest[None, :],
+            res.to(out_ptr.dtype.element_ty),
+            row_ok[:, None] & r_ok[None, :],
+        )
 
     if not LOG_MASS:
         row_todo = risky_row.to(tl.int32)
@@ -397,12 +477,16 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, unit_end_ptr
             # range an earlier level closed, so the cap never touches a result. A range
             # still open when no leaf is left below holds only -inf leaves: -inf.
             redo = row_todo > 0
-            xr = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + tok[None, :],
-                         mask=lmask & redo[:, None], other=float("-inf")).to(ACC)
+            xr = tl.load(
+                x_ptr + rows.to(tl.int64)[:, None] * C + tok[None, :],
+                mask=lmask & redo[:, None],
+                other=float("-inf"),
+            ).to(ACC)
             vr = ((xr - big_safe[:, None]) - lse_s[:, None]).to(tl.float32)
             for c in range(u1, r1, RB):
-                r_ok, start, end, dest = _load_ranges(range_start_ptr, range_end_ptr,
-                                                      range_dest_ptr, c, r1, RB)
+                r_ok, start, end, dest = _load_ranges(
+                    range_start_ptr, range_end_ptr, range_dest_ptr, c, r1, RB
+                )
                 member = (pos[:, None] >= start[None, :]) & (pos[:, None] < end[None, :])
                 mf = tl.where(member, 1.0, 0.0)
                 todo = (end > start)[None, :] & redo[:, None]
@@ -414,16 +498,22 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, unit_end_ptr
                         k_hi, k_lo = _split_tf32(tl.exp(tl.minimum(vr - s_k[:, None], 80.0)))
                         acc_k = tl.dot(k_hi, mf, input_precision="tf32")
                         acc_k = tl.dot(k_lo, mf, acc_k, input_precision="tf32")
-                        res = tl.where(todo & (acc_k >= FAST_MIN_MASS),
-                                       s_k[:, None] + tl.log(acc_k), res)
+                        res = tl.where(
+                            todo & (acc_k >= FAST_MIN_MASS), s_k[:, None] + tl.log(acc_k), res
+                        )
                         todo = todo & (acc_k < FAST_MIN_MASS)
                         late = late | (todo & (k == 0))
                         below = tl.where(vr < (s_k - LEVEL_GAP)[:, None], vr, float("-inf"))
                         nxt = tl.max(below, axis=1)
                         todo = todo & (nxt > float("-inf"))[:, None]
                         s_k = tl.where(nxt > float("-inf"), nxt, s_k)
-                _store_ranges(out_rows, scr_rows, dest[None, :],
-                              res.to(out_ptr.dtype.element_ty), late & r_ok[None, :])
+                _store_ranges(
+                    out_rows,
+                    scr_rows,
+                    dest[None, :],
+                    res.to(out_ptr.dtype.element_ty),
+                    late & r_ok[None, :],
+                )
         else:
             # rows with an infinite weight in this tile (inf * 0 = NaN in the product):
             # rewrite their ranges with the dense path, SUB at a time
@@ -433,17 +523,36 @@ def _tile_ranges_dot(x_ptr, B, C, L, leaf_token_ptr, range_ptr_ptr, unit_end_ptr
                     v_r = tl.load(x_ptr + row * C + tok, mask=pos_ok, other=0.0)
                     v_r = v_r.to(tl.float32)
                     for c2 in range(u1, r1, SUB):
-                        s_ok, st, en, de = _load_ranges(range_start_ptr, range_end_ptr,
-                                                        range_dest_ptr, c2, r1, SUB)
+                        s_ok, st, en, de = _load_ranges(
+                            range_start_ptr, range_end_ptr, range_dest_ptr, c2, r1, SUB
+                        )
                         d_r = _dense_reduce(v_r, pos, st, en, REDUCE_SUM)
-                        _store_ranges(out_ptr + row * N, scratch_ptr + row * NS, de,
-                                      d_r.to(out_ptr.dtype.element_ty), s_ok)
+                        _store_ranges(
+                            out_ptr + row * N,
+                            scratch_ptr + row * NS,
+                            de,
+                            d_r.to(out_ptr.dtype.element_ty),
+                            s_ok,
+                        )
 
 
 @triton.jit
-def _span_block(scratch_ptr, NS, out_ptr, N, row, sidx, s_ok, span_node_ptr, span_left_ptr,
-                span_right_ptr, span_lo_ptr, span_hi_ptr,
-                REDUCTION: tl.constexpr, TB: tl.constexpr):
+def _span_block(
+    scratch_ptr,
+    NS,
+    out_ptr,
+    N,
+    row,
+    sidx,
+    s_ok,
+    span_node_ptr,
+    span_left_ptr,
+    span_right_ptr,
+    span_lo_ptr,
+    span_hi_ptr,
+    REDUCTION: tl.constexpr,
+    TB: tl.constexpr,
+):
     """The spanning nodes ``sidx`` (masked by s_ok) of one row: left piece + whole-tile
     totals + right piece, the tiles TB at a time up to the block's largest count."""
     node = tl.load(span_node_ptr + sidx, mask=s_ok, other=0)
@@ -481,8 +590,9 @@ def _span_block(scratch_ptr, NS, out_ptr, N, row, sidx, s_ok, span_node_ptr, spa
         s = (tl.exp(lv - m_safe) + tl.exp(rv - m_safe)).to(tl.float64)
         for j0 in range(0, n_chunks, TB):
             msk = (j0 + j)[None, :] < count[:, None]
-            vals = tl.load(scr + lo[:, None] + j0 + j[None, :], mask=msk,
-                           other=float("-inf")).to(tl.float32)
+            vals = tl.load(scr + lo[:, None] + j0 + j[None, :], mask=msk, other=float("-inf")).to(
+                tl.float32
+            )
             m_new = tl.maximum(m, tl.max(vals, axis=1))
             new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             # m_safe <= new_safe; s == 0 while m == -inf (never multiply 0 by exp(+big))
@@ -492,15 +602,33 @@ def _span_block(scratch_ptr, NS, out_ptr, N, row, sidx, s_ok, span_node_ptr, spa
             m = m_new
             m_safe = new_safe
         res = tl.where(m == float("-inf"), float("-inf"), m_safe + tl.log(s.to(tl.float32)))
-    tl.store(out_ptr + row.to(tl.int64) * N + node, res.to(out_ptr.dtype.element_ty), mask=s_ok,
-             cache_modifier=".cs")
+    tl.store(
+        out_ptr + row.to(tl.int64) * N + node,
+        res.to(out_ptr.dtype.element_ty),
+        mask=s_ok,
+        cache_modifier=".cs",
+    )
 
 
 @triton.jit
-def _spanning_nodes(scratch_ptr, NS, out_ptr, N, S, narrow, narrow_blocks, span_node_ptr,
-                    span_left_ptr, span_right_ptr, span_lo_ptr, span_hi_ptr,
-                    REDUCTION: tl.constexpr, SB: tl.constexpr, TB: tl.constexpr,
-                    WIDE_TB: tl.constexpr):
+def _spanning_nodes(
+    scratch_ptr,
+    NS,
+    out_ptr,
+    N,
+    S,
+    narrow,
+    narrow_blocks,
+    span_node_ptr,
+    span_left_ptr,
+    span_right_ptr,
+    span_lo_ptr,
+    span_hi_ptr,
+    REDUCTION: tl.constexpr,
+    SB: tl.constexpr,
+    TB: tl.constexpr,
+    WIDE_TB: tl.constexpr,
+):
     """Grid (narrow_blocks + S - narrow, B). The first narrow_blocks programs take SB narrow
     spanning nodes each (at most SPAN_NARROW_TILES whole tiles: one chunk of TB); each
     other program takes one wide node (the root, the top levels), WIDE_TB tiles at a time,
@@ -510,10 +638,37 @@ def _spanning_nodes(scratch_ptr, NS, out_ptr, N, S, narrow, narrow_blocks, span_
     # (the branches name their index vectors apart: Triton gives a name one type)
     if pid < narrow_blocks:
         nodes = pid * SB + tl.arange(0, SB)
-        _span_block(scratch_ptr, NS, out_ptr, N, row, nodes, nodes < narrow, span_node_ptr,
-                    span_left_ptr, span_right_ptr, span_lo_ptr, span_hi_ptr, REDUCTION, TB)
+        _span_block(
+            scratch_ptr,
+            NS,
+            out_ptr,
+            N,
+            row,
+            nodes,
+            nodes < narrow,
+            span_node_ptr,
+            span_left_ptr,
+            span_right_ptr,
+            span_lo_ptr,
+            span_hi_ptr,
+            REDUCTION,
+            TB,
+        )
     else:
         wide = narrow + (pid - narrow_blocks) + tl.arange(0, 1)
-        _span_block(scratch_ptr, NS, out_ptr, N, row, wide, wide < S, span_node_ptr,
-                    span_left_ptr, span_right_ptr, span_lo_ptr, span_hi_ptr, REDUCTION,
-                    WIDE_TB)
+        _span_block(
+            scratch_ptr,
+            NS,
+            out_ptr,
+            N,
+            row,
+            wide,
+            wide < S,
+            span_node_ptr,
+            span_left_ptr,
+            span_right_ptr,
+            span_lo_ptr,
+            span_hi_ptr,
+            REDUCTION,
+            WIDE_TB,
+        )

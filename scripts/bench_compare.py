@@ -48,17 +48,23 @@ def main(argv=None) -> int:
     for name in shared:
         change = best[name] / base[name] - 1.0
         flag = "  REGRESSED" if name in failing else ""
-        print(f"{name:{width}s}  {base[name] * 1e3:12.3f} ms  {best[name] * 1e3:8.3f} ms  "
-              f"{change:+7.1%}{flag}")
+        print(
+            f"{name:{width}s}  {base[name] * 1e3:12.3f} ms  {best[name] * 1e3:8.3f} ms  "
+            f"{change:+7.1%}{flag}"
+        )
     missing = sorted(set(base) - set(best))
     if missing:
-        print(f"({len(missing)} baseline benchmarks not run: {', '.join(missing[:3])}"
-              f"{', ...' if len(missing) > 3 else ''})")
+        print(
+            f"({len(missing)} baseline benchmarks not run: {', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''})"
+        )
     if args.failing:
         with open(args.failing, "w") as f:
             f.write("".join(name + "\n" for name in failing))
-    print(f"{len(failing)} of {len(shared)} medians over +{args.threshold:g}% "
-          f"(best of {len(args.runs)} run(s) each)")
+    print(
+        f"{len(failing)} of {len(shared)} medians over +{args.threshold:g}% "
+        f"(best of {len(args.runs)} run(s) each)"
+    )
     return 1 if failing else 0
 
 

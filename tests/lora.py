@@ -19,5 +19,6 @@ def make_lora_adapter(model_dir, out_dir, contexts=()):
     peft_model = peft.get_peft_model(base, config).eval()
     peft_model.save_pretrained(out_dir)
     with torch.no_grad():
-        return [torch.log_softmax(peft_model(torch.tensor([c])).logits[0, -1], -1)
-                for c in contexts]
+        return [
+            torch.log_softmax(peft_model(torch.tensor([c])).logits[0, -1], -1) for c in contexts
+        ]

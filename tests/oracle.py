@@ -88,7 +88,9 @@ def assert_close(got, want, reduction, label=""):
     assert got.shape == want.shape, (label, got.shape, want.shape)
     assert not np.isnan(got).any(), f"{label}: NaN in result"
     if reduction == "max":
-        np.testing.assert_array_equal(got, want.astype(np.float32).astype(np.float64), err_msg=label)
+        np.testing.assert_array_equal(
+            got, want.astype(np.float32).astype(np.float64), err_msg=label
+        )
     elif reduction == "sum":
         big = np.abs(want) >= 1e-30
         rel = np.abs(got[big] - want[big]) / np.abs(want[big])
@@ -97,7 +99,8 @@ def assert_close(got, want, reduction, label=""):
     else:
         neg_inf = np.isneginf(want)
         assert np.array_equal(np.isneginf(got), neg_inf), (
-            f"{label}: -inf at {np.flatnonzero(np.isneginf(got) != neg_inf)[:10]}")
+            f"{label}: -inf at {np.flatnonzero(np.isneginf(got) != neg_inf)[:10]}"
+        )
         assert np.isfinite(got[~neg_inf]).all(), f"{label}: non-finite where the mass is finite"
         keep = want >= -80
         err = np.abs(got[keep] - want[keep])
@@ -105,4 +108,5 @@ def assert_close(got, want, reduction, label=""):
         deep = np.isfinite(want) & ~keep  # far below the row's mass: relative error
         rel = np.abs(got[deep] - want[deep]) / np.abs(want[deep])
         assert rel.size == 0 or rel.max() <= 1e-5, (
-            f"{label}: max relative error {rel.max():.3g} below -80")
+            f"{label}: max relative error {rel.max():.3g} below -80"
+        )

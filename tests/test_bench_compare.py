@@ -10,15 +10,24 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(
-    "bench_compare", os.path.join(REPO, "scripts", "bench_compare.py"))
+    "bench_compare", os.path.join(REPO, "scripts", "bench_compare.py")
+)
 bench_compare = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_compare)
 
 
 def write(tmp_path, name, medians):
     path = tmp_path / name
-    path.write_text(json.dumps({"benchmarks": [
-        {"fullname": k, "stats": {"median": v, "min": v * 0.9}} for k, v in medians.items()]}))
+    path.write_text(
+        json.dumps(
+            {
+                "benchmarks": [
+                    {"fullname": k, "stats": {"median": v, "min": v * 0.9}}
+                    for k, v in medians.items()
+                ]
+            }
+        )
+    )
     return str(path)
 
 
@@ -29,8 +38,9 @@ def baseline(tmp_path):
 
 def run(baseline, runs, tmp_path, threshold=10):
     failing = tmp_path / "failing"
-    rc = bench_compare.main([baseline, *runs, "--threshold", str(threshold),
-                             "--failing", str(failing)])
+    rc = bench_compare.main(
+        [baseline, *runs, "--threshold", str(threshold), "--failing", str(failing)]
+    )
     return rc, failing.read_text().split() if failing.exists() else None
 
 

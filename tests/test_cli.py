@@ -40,8 +40,15 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "The capital of France is"
 STRING = " Paris"
-SMALL = {"n_bytes": 4, "n_particles": 4, "max_tokens": 3, "max_token_length": 4, "K": 5,
-         "seed": 3, "top": 10}
+SMALL = {
+    "n_bytes": 4,
+    "n_particles": 4,
+    "max_tokens": 3,
+    "max_token_length": 4,
+    "K": 5,
+    "seed": 3,
+    "top": 10,
+}
 TOL, FLOOR = 2e-3, 1e-4  # next-byte log-probabilities, on outcomes with p > FLOOR
 
 
@@ -107,7 +114,8 @@ def reference(ref_lm, result):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             start = await ref_bytes.ByteBeamState.initial(
-                ref_lm, ref_bytes.BeamParams(K=SMALL["K"], eos_byte_strings=eos))
+                ref_lm, ref_bytes.BeamParams(K=SMALL["K"], eos_byte_strings=eos)
+            )
         beam = await start.prefill(prompt)
         first = np.asarray((await beam.logp_next()).ps, dtype=np.float64)
         per_byte = []
@@ -116,8 +124,9 @@ def reference(ref_lm, result):
             beam = await (beam.prune() << b)
         greedy = await start.greedy(prompt, SMALL["n_bytes"])
         rng = np.random.default_rng(SMALL["seed"])
-        sampled = await start.sample(prompt, SMALL["n_bytes"],
-                                     draw=lambda q: sample_dict(q, u=rng.uniform()))
+        sampled = await start.sample(
+            prompt, SMALL["n_bytes"], draw=lambda q: sample_dict(q, u=rng.uniform())
+        )
         return {"first": first, "per_byte": per_byte, "greedy": greedy, "sampled": sampled}
 
     return asyncio.run(run())
@@ -150,8 +159,18 @@ def test_first_byte_matches_brute_force_over_the_vocabulary(ours, model_dir):
     """Empty prompt: the beam's first-byte distribution is a sum over the vocabulary."""
     from transformers import AutoModelForCausalLM
 
-    res = demo(llm=ours, prompt="", string="T", n_bytes=0, n_particles=1, max_tokens=1,
-               max_token_length=4, K=2, seed=0, verbose=False)
+    res = demo(
+        llm=ours,
+        prompt="",
+        string="T",
+        n_bytes=0,
+        n_particles=1,
+        max_tokens=1,
+        max_token_length=4,
+        K=2,
+        seed=0,
+        verbose=False,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
@@ -185,8 +204,13 @@ def test_continuations_match_genlm_bytes(result, reference):
 
 
 def test_sampling_is_seeded(ours, result):
-    again = demo(llm=ours, prompt=PROMPT, string="", verbose=False,
-                 **{**SMALL, "n_particles": 1, "max_tokens": 1})
+    again = demo(
+        llm=ours,
+        prompt=PROMPT,
+        string="",
+        verbose=False,
+        **{**SMALL, "n_particles": 1, "max_tokens": 1},
+    )
     assert again.sampled == result.sampled and again.greedy == result.greedy
 
 
@@ -208,7 +232,7 @@ def test_prefix_probability(result, reference):
 def test_importance_sampling_particles_respect_the_mask(ours, result):
     assert len(result.particles) == SMALL["n_particles"]
     assert sum(p.weight for p in result.particles) == pytest.approx(1.0, abs=1e-9)
-    ess = 1.0 / sum(p.weight ** 2 for p in result.particles)
+    ess = 1.0 / sum(p.weight**2 for p in result.particles)
     assert result.effective_sample_size == pytest.approx(ess)
     assert 1.0 - 1e-9 <= ess <= SMALL["n_particles"] + 1e-9
     eos = ours.tokenizer.eos_token_id
@@ -247,9 +271,15 @@ def test_importance_weights_match_genlm_backend(ref_lm, result):
 
 
 def test_timings_are_reported(result):
-    for section in ("load model", "build byte trie", "next-byte distribution",
-                    "greedy continuation", "sampled continuation", "prefix probability",
-                    "importance sampling"):
+    for section in (
+        "load model",
+        "build byte trie",
+        "next-byte distribution",
+        "greedy continuation",
+        "sampled continuation",
+        "prefix probability",
+        "importance sampling",
+    ):
         assert result.timings[section] >= 0.0
     assert result.timings["importance sampling"] > 0.0
 
@@ -258,13 +288,35 @@ def test_timings_are_reported(result):
 
 
 def test_cli_demo_prints_every_section(model_dir, capsys):
-    rc = main(["demo", "--bytes", "2", "--particles", "2", "--tokens", "2", "--beam", "2",
-               "--string", " P", "--top", "3", "--seed", "1"])
+    rc = main(
+        [
+            "demo",
+            "--bytes",
+            "2",
+            "--particles",
+            "2",
+            "--tokens",
+            "2",
+            "--beam",
+            "2",
+            "--string",
+            " P",
+            "--top",
+            "3",
+            "--seed",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
-    for header in ("== 1. Next-byte distribution", "== 2. Byte-level continuations",
-                   "== 3. Prefix probability of ' P'", "== 4. Auto-batched sequential importance",
-                   "== Timings ==", "total"):
+    for header in (
+        "== 1. Next-byte distribution",
+        "== 2. Byte-level continuations",
+        "== 3. Prefix probability of ' P'",
+        "== 4. Auto-batched sequential importance",
+        "== Timings ==",
+        "total",
+    ):
         assert header in out, header
 
 
@@ -288,9 +340,14 @@ def test_cli_cuda_without_a_gpu(capsys):
     assert "no CUDA device" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("device,message", [("meta", "runs on cpu or cuda"),
-                                            ("mps", "runs on cpu or cuda"),
-                                            ("foo", "unknown device 'foo'")])
+@pytest.mark.parametrize(
+    "device,message",
+    [
+        ("meta", "runs on cpu or cuda"),
+        ("mps", "runs on cpu or cuda"),
+        ("foo", "unknown device 'foo'"),
+    ],
+)
 def test_cli_devices_that_cannot_run_the_model(device, message, capsys):
     """Checked before any model is loaded: meta loaded the model, then failed deep in the
     beam with a 105-line traceback ('Tensor.item() cannot be called on meta tensors')."""
@@ -301,8 +358,13 @@ def test_cli_devices_that_cannot_run_the_model(device, message, capsys):
 
 def test_cli_info_into_a_closed_pipe():
     """`genlm-fast info | head -1`: the reader leaves early; no BrokenPipeError traceback."""
-    proc = subprocess.run(f"{sys.executable} -m genlm_fast info | head -1", shell=True,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        f"{sys.executable} -m genlm_fast info | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.stdout.startswith("genlm_fast ")
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
 
@@ -327,12 +389,31 @@ def test_model_preparation_is_quiet_when_asked(model_dir, capsys):
 
 def test_cli_printed_weights_are_normalized(model_dir, capsys):
     """The importance weights the demo prints (4 decimals each) add up to 1."""
-    rc = main(["demo", "--bytes", "0", "--particles", "3", "--tokens", "2", "--beam", "1",
-               "--string", "", "--top", "1", "--seed", "2", "--threads", "1"])
+    rc = main(
+        [
+            "demo",
+            "--bytes",
+            "0",
+            "--particles",
+            "3",
+            "--tokens",
+            "2",
+            "--beam",
+            "1",
+            "--string",
+            "",
+            "--top",
+            "1",
+            "--seed",
+            "2",
+            "--threads",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out.splitlines()
     assert rc == 0
     start = out.index("   weight  continuation") + 1
-    weights = [float(line.split()[0]) for line in out[start:start + 3]]
+    weights = [float(line.split()[0]) for line in out[start : start + 3]]
     assert "effective sample size" in out[start + 3]
     assert sum(weights) == pytest.approx(1.0, abs=3 * 5e-5)
     assert weights == sorted(weights, reverse=True)
@@ -341,13 +422,16 @@ def test_cli_printed_weights_are_normalized(model_dir, capsys):
 # ---------------------------------------------------------------------------- bad options
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--seed", "-1"], "--seed: must be between 0 and 2**64 - 1, got -1"),
-    (["--seed", str(2**64)], "--seed: must be between 0 and 2**64 - 1"),
-    (["--threads", str(10**12)], "--threads: must be at most"),
-    (["--bytes", "x"], "--bytes: not an integer: 'x'"),
-    (["--beam", "1.5"], "--beam: not an integer: '1.5'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--seed", "-1"], "--seed: must be between 0 and 2**64 - 1, got -1"),
+        (["--seed", str(2**64)], "--seed: must be between 0 and 2**64 - 1"),
+        (["--threads", str(10**12)], "--threads: must be at most"),
+        (["--bytes", "x"], "--bytes: not an integer: 'x'"),
+        (["--beam", "1.5"], "--beam: not an integer: '1.5'"),
+    ],
+)
 def test_cli_bad_options_rejected_before_anything_runs(args, message, capsys):
     """Out-of-range seeds (which numpy and torch reject half-way through the demo: 'expected
     non-negative integer', 'Overflow when unpacking long long'), --threads 100000 (which
@@ -360,9 +444,21 @@ def test_cli_bad_options_rejected_before_anything_runs(args, message, capsys):
     assert "_count" not in captured.err and "_positive" not in captured.err
 
 
-@pytest.mark.parametrize("option", [{"n_particles": 0}, {"K": 0}, {"seed": -1}, {"top": 0},
-                                    {"n_bytes": -1}, {"max_tokens": 0}, {"threads": 0},
-                                    {"seed": 2**64}, {"K": 2.5}, {"prompt": b"bytes"}])
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"n_particles": 0},
+        {"K": 0},
+        {"seed": -1},
+        {"top": 0},
+        {"n_bytes": -1},
+        {"max_tokens": 0},
+        {"threads": 0},
+        {"seed": 2**64},
+        {"K": 2.5},
+        {"prompt": b"bytes"},
+    ],
+)
 def test_demo_api_checks_options_before_loading(option, tmp_path):
     """`demo(...)` rejects bad options first (n_particles=0 would run every section and
     then fail on an empty array); the missing model shows nothing was loaded."""
@@ -413,14 +509,26 @@ def test_model_hub_id_from_the_hub_cache(model_dir, tmp_path):
     (tmp_path / "hub" / "models--audit-org--tiny-smol" / "refs" / "main").write_text("abc123")
     for name in os.listdir(model_dir):
         os.symlink(os.path.join(model_dir, name), snapshot / name)
-    env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1",
-           "GENLM_FAST_CACHE": str(tmp_path / "unused")}
-    code = ("from transformers import AutoConfig; "
-            "print(AutoConfig.from_pretrained('audit-org/tiny-smol').model_type); "
-            "from genlm_fast.demo import load_model; "
-            "llm = load_model('audit-org/tiny-smol'); print(len(llm.byte_vocab)); llm.cleanup()")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300, check=False)
+    env = {
+        **os.environ,
+        "HF_HOME": str(tmp_path),
+        "HF_HUB_OFFLINE": "1",
+        "GENLM_FAST_CACHE": str(tmp_path / "unused"),
+    }
+    code = (
+        "from transformers import AutoConfig; "
+        "print(AutoConfig.from_pretrained('audit-org/tiny-smol').model_type); "
+        "from genlm_fast.demo import load_model; "
+        "llm = load_model('audit-org/tiny-smol'); print(len(llm.byte_vocab)); llm.cleanup()"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["llama", "49152"]  # transformers' own answer first
 
@@ -456,5 +564,7 @@ def test_cli_info_reports_what_runs(capsys, monkeypatch):
     assert f"AsyncTransformer CPU linear layers: {chosen} (kernels here: " in out
     monkeypatch.setenv(cpu_linear.ENV, "sse")
     assert main(["info"]) == 0
-    assert "AsyncTransformer CPU linear layers: error: GENLM_FAST_CPU_LINEAR" in \
-        capsys.readouterr().out
+    assert (
+        "AsyncTransformer CPU linear layers: error: GENLM_FAST_CPU_LINEAR"
+        in capsys.readouterr().out
+    )

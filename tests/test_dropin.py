@@ -7,8 +7,9 @@ import textwrap
 
 
 def run(code):
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -72,14 +73,30 @@ def test_uninstall_gives_genlm_back_also_after_a_reload():
 
 
 def test_pytest_plugin_form(tmp_path):
-    (tmp_path / "test_x.py").write_text(textwrap.dedent("""
+    (tmp_path / "test_x.py").write_text(
+        textwrap.dedent("""
         def test_alias():
             import genlm.bytes, genlm_fast.bytes
             assert genlm.bytes.TokenByteTrie is genlm_fast.bytes.TokenByteTrie
-        """))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "genlm_fast.dropin",
-                           "-p", "no:cacheprovider", str(tmp_path / "test_x.py")],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        """)
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "genlm_fast.dropin",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path / "test_x.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -164,17 +181,25 @@ def test_package_namespaces_offer_what_genlm_offers():
     assert set(real["star"]) <= set(ours["star"]), set(real["star"]) - set(ours["star"])
     assert real["submodules"] == ["llm", "trie", "tokenization", "cache"]
     assert ours["submodules"] == real["submodules"]
-    wanted = {"AsyncLM", "AsyncTransformer", "AsyncVirtualLM", "MockAsyncLM",
-              "load_model_by_name"}
+    wanted = {"AsyncLM", "AsyncTransformer", "AsyncVirtualLM", "MockAsyncLM", "load_model_by_name"}
     assert wanted <= set(real["llm_names"]) and wanted <= set(ours["llm_names"])
 
 
 def test_dropin_after_genlm_warns():
     """Imported after genlm.control (which bound genlm.backend's real classes), the drop-in
     says so at once instead of letting the two implementations meet later."""
-    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c",
-                           "import genlm.control\nimport genlm_fast.dropin"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "error::RuntimeWarning",
+            "-c",
+            "import genlm.control\nimport genlm_fast.dropin",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "imported after genlm.backend" in proc.stderr and "genlm.control" in proc.stderr
     run("""

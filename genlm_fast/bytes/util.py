@@ -46,8 +46,9 @@ class LazyByteProbs:
 
     def __init__(self, ps, log_space=True):
         if len(ps) != NUM_SYMBOLS:
-            raise ByteProbsLengthError(f"LazyByteProbs needs {NUM_SYMBOLS} values (256 bytes, "
-                                       f"EOT, EOS), got {len(ps)}")
+            raise ByteProbsLengthError(
+                f"LazyByteProbs needs {NUM_SYMBOLS} values (256 bytes, EOT, EOS), got {len(ps)}"
+            )
         self.ps = ps
         self.log_space = log_space
 
@@ -57,11 +58,15 @@ class LazyByteProbs:
         if b is None:
             return self.ps[EOT_INDEX]
         if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
-            raise TypeError(f"index with a byte (int 0..255), None for EOT or 257 for EOS; "
-                            f"got {type(b).__name__}: {b!r}")
+            raise TypeError(
+                f"index with a byte (int 0..255), None for EOT or 257 for EOS; "
+                f"got {type(b).__name__}: {b!r}"
+            )
         if not -NUM_SYMBOLS <= b <= EOS_INDEX:
-            raise ValueError(f"Invalid index: {b}. Must be between 0 and 257 (or -258 and -1 "
-                             f"from the end), or None for EOT.")
+            raise ValueError(
+                f"Invalid index: {b}. Must be between 0 and 257 (or -258 and -1 "
+                f"from the end), or None for EOT."
+            )
         return self.ps[int(b)]
 
     def materialize(self):
@@ -150,8 +155,9 @@ def format_table(rows, headings=None):
     if headings:
         head = '<tr style="font-weight: bold;">' + "".join(f"<td>{h}</td>" for h in headings)
         head += "</tr>"
-    body = "".join("<tr>" + "".join(f"<td>{_cell_html(c)}</td>" for c in row) + " </tr>"
-                   for row in rows)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{_cell_html(c)}</td>" for c in row) + " </tr>" for row in rows
+    )
     return f"<table>{head}{body}</table>"
 
 
@@ -206,15 +212,21 @@ class Chart(dict):
         return max((abs(self[k] - other[k]) for k in self.keys() | other.keys()), default=0)
 
     def _repr_html_(self):
-        return ('<div style="font-family: Monospace;">'
-                + format_table(self.trim().items(), headings=["key", "value"]) + "</div>")
+        return (
+            '<div style="font-family: Monospace;">'
+            + format_table(self.trim().items(), headings=["key", "value"])
+            + "</div>"
+        )
 
     def __repr__(self):
         return repr({k: v for k, v in self.items() if v != self.zero})
 
     def __str__(self, style_value=lambda k, v: str(v)):
-        lines = [f"  {k!r}: {style_value(k, self[k])},"
-                 for k in sorted(self, key=lambda k: -self[k]) if self[k] != self.zero]
+        lines = [
+            f"  {k!r}: {style_value(k, self[k])},"
+            for k in sorted(self, key=lambda k: -self[k])
+            if self[k] != self.zero
+        ]
         return "Chart {\n" + "\n".join(lines) + "\n}"
 
     def assert_equal(self, want, *, domain=None, tol=1e-5, verbose=False, throw=True):
@@ -298,8 +310,12 @@ class Chart(dict):
             other = Chart(self.zero, other)
         if domain is None:
             domain = self.keys() | other.keys()
-        return pd.DataFrame([{"key": k, "self": self[k], "other": other[k],
-                              "metric": abs(self[k] - other[k])} for k in domain])
+        return pd.DataFrame(
+            [
+                {"key": k, "self": self[k], "other": other[k], "metric": abs(self[k] - other[k])}
+                for k in domain
+            ]
+        )
 
     def to_dict(self):
         return dict(self)

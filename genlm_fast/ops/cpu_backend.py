@@ -48,7 +48,8 @@ def _single_child_runs(parent, leaf_counts, depth, max_depth) -> dict:
     top = end - 1
     node = torch.arange(num_nodes)
     first_child = torch.full((num_nodes,), num_nodes, dtype=torch.long).scatter_reduce(
-        0, parent[has_parent], node[has_parent], "amin")
+        0, parent[has_parent], node[has_parent], "amin"
+    )
     is_first = ~has_parent[top] | (first_child[parent[top].clamp(min=0)] == top)
     identity_slot = max_depth + 1
     leaf_start = torch.cumsum(leaf_counts, 0) - leaf_counts
@@ -59,8 +60,7 @@ def _single_child_runs(parent, leaf_counts, depth, max_depth) -> dict:
     return {
         "run_end": as_i32(end),
         "run_depth": as_i32(depth[top]),
-        "run_child_slot": as_i32(torch.where(children[start] > 0, depth[start] + 1,
-                                             identity_slot)),
+        "run_child_slot": as_i32(torch.where(children[start] > 0, depth[start] + 1, identity_slot)),
         "run_join_slot": as_i32(torch.where(is_first, identity_slot, depth[top])),
         "run_leaf": as_i32(torch.cat([leaf_start[start], leaf_counts.sum().reshape(1)])),
         "run_of": as_i32(torch.cumsum((~link).long(), 0) - 1),
@@ -92,9 +92,16 @@ def cpu_arrays(arrays: dict) -> dict:
     return cached
 
 
-def run_kernel(module, values: torch.Tensor, arrays: dict, reduction: str, *,
-               check: bool | None = None, num_threads: int = 0,
-               float64_result: bool = False) -> torch.Tensor:
+def run_kernel(
+    module,
+    values: torch.Tensor,
+    arrays: dict,
+    reduction: str,
+    *,
+    check: bool | None = None,
+    num_threads: int = 0,
+    float64_result: bool = False,
+) -> torch.Tensor:
     """``module.trie_reduce_cpu`` on a layout's arrays (``module``: the loaded extension, or
     a test's own build of it). ``check=None`` checks every index on the layout's first call
     only (the arrays are immutable afterwards). A row the kernel rejects raises the
@@ -104,13 +111,28 @@ def run_kernel(module, values: torch.Tensor, arrays: dict, reduction: str, *,
     # the kernel gathers columns by leaf_token, bounds-checked only when check is true:
     # a row too narrow must not be read past its end, whoever calls this
     if values.dim() == 2 and values.shape[1] < arrays["num_columns"]:
-        raise ValueError(f"rows have {values.shape[1]} entries but the vocabulary needs at "
-                         f"least {arrays['num_columns']}")
+        raise ValueError(
+            f"rows have {values.shape[1]} entries but the vocabulary needs at "
+            f"least {arrays['num_columns']}"
+        )
     out, bad_row = module.trie_reduce_cpu(
-        values, arrays["parent"], cpu["node_of_leaf"], arrays["leaf_token"], cpu["empty"],
-        cpu["run_end"], cpu["run_depth"], cpu["run_child_slot"], cpu["run_join_slot"],
-        cpu["run_leaf"], cpu["run_of"], cpu["max_depth"], reduction, check, num_threads,
-        float64_result)
+        values,
+        arrays["parent"],
+        cpu["node_of_leaf"],
+        arrays["leaf_token"],
+        cpu["empty"],
+        cpu["run_end"],
+        cpu["run_depth"],
+        cpu["run_child_slot"],
+        cpu["run_join_slot"],
+        cpu["run_leaf"],
+        cpu["run_of"],
+        cpu["max_depth"],
+        reduction,
+        check,
+        num_threads,
+        float64_result,
+    )
     cpu["checked"] = cpu["checked"] or check
     if bad_row >= 0:
         from genlm_fast.ops.dispatch import raise_bad_row
@@ -119,12 +141,22 @@ def run_kernel(module, values: torch.Tensor, arrays: dict, reduction: str, *,
     return out
 
 
-def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
-                num_scratch: int = 0, tile: int = 0, float64_result: bool = False):
+def trie_reduce(
+    values: torch.Tensor,
+    arrays: dict,
+    reduction: str,
+    *,
+    num_nodes: int,
+    num_scratch: int = 0,
+    tile: int = 0,
+    float64_result: bool = False,
+):
     if not extension.has("cpu"):
-        raise RuntimeError(f"The 'cpu' trie kernels are not available: "
-                           f"{extension.why_missing('cpu')}")
+        raise RuntimeError(
+            f"The 'cpu' trie kernels are not available: {extension.why_missing('cpu')}"
+        )
     # float32 values with a float64 result: the kernel reads them as they are (it
     # accumulates in double either way)
-    return run_kernel(extension.load_module(), values, arrays, reduction,
-                      float64_result=float64_result), None
+    return run_kernel(
+        extension.load_module(), values, arrays, reduction, float64_result=float64_result
+    ), None

@@ -45,12 +45,21 @@ def checks_rows(reduction: str, options: CudaOptions | None = None) -> bool:
     return reduction == "log_mass" or (options or DEFAULT_OPTIONS).row_check
 
 
-def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
-                num_scratch: int, tile: int, float64_result: bool = False,
-                options: CudaOptions | None = None):
+def trie_reduce(
+    values: torch.Tensor,
+    arrays: dict,
+    reduction: str,
+    *,
+    num_nodes: int,
+    num_scratch: int,
+    tile: int,
+    float64_result: bool = False,
+    options: CudaOptions | None = None,
+):
     if not extension.has("cuda"):
-        raise RuntimeError(f"The 'cuda' trie kernels are not available: "
-                           f"{extension.why_missing('cuda')}")
+        raise RuntimeError(
+            f"The 'cuda' trie kernels are not available: {extension.why_missing('cuda')}"
+        )
     options = options or DEFAULT_OPTIONS
     if not isinstance(options, CudaOptions):
         raise TypeError(f"options must be a CudaOptions, got {type(options).__name__}")
@@ -59,28 +68,52 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
     # the kernels gather columns by leaf_token unchecked: never read past a narrow row's end
     num_columns = arrays["num_columns"]
     if values.shape[1] < num_columns:
-        raise ValueError(f"rows have {values.shape[1]} entries but the vocabulary needs at "
-                         f"least {num_columns}")
+        raise ValueError(
+            f"rows have {values.shape[1]} entries but the vocabulary needs at least {num_columns}"
+        )
     column_leaf = arrays.get("_column_leaf")
     if column_leaf is None:  # once per (layout, mode, device)
         # leaf_token's inverse, for staging the rows in leaf order: each column's leaf
         # position (-1: a column no token reads)
         token = arrays["leaf_token"]
         column_leaf = torch.full((num_columns,), -1, dtype=torch.int32, device=token.device)
-        column_leaf[token.long()] = torch.arange(token.numel(), dtype=torch.int32,
-                                                 device=token.device)
+        column_leaf[token.long()] = torch.arange(
+            token.numel(), dtype=torch.int32, device=token.device
+        )
         arrays["_column_leaf"] = column_leaf
     # per-row workspace: tile totals and pieces, then two columns: log_mass's row max, and
     # the row check (for log_mass log(sum exp(x - max)), NaN exactly for a bad row)
-    scratch = torch.empty(values.shape[0], num_scratch + 2, dtype=torch.float64,
-                          device=values.device)
+    scratch = torch.empty(
+        values.shape[0], num_scratch + 2, dtype=torch.float64, device=values.device
+    )
     out = extension.load_module().trie_reduce_cuda(
-        values, arrays["leaf_token"], column_leaf, arrays["tile_node_lo"],
-        arrays["tile_run_ptr"], arrays["run_bounds"], arrays["node_src"],
-        arrays["tile_scratch_ptr"], arrays["scratch_src"], arrays["scratch_slot"],
-        arrays["tile_fold_ptr"], arrays["tile_fold_wait"], arrays["fold_bounds"],
-        arrays["fold_node"], arrays["span_node"], arrays["span_left"], arrays["span_right"],
-        arrays["span_tile_lo"], arrays["span_tile_hi"], arrays["span_narrow"],
-        arrays["span_warp"], scratch, reduction, num_nodes, num_scratch, tile,
-        fold=options.fold, row_check=options.row_check)
+        values,
+        arrays["leaf_token"],
+        column_leaf,
+        arrays["tile_node_lo"],
+        arrays["tile_run_ptr"],
+        arrays["run_bounds"],
+        arrays["node_src"],
+        arrays["tile_scratch_ptr"],
+        arrays["scratch_src"],
+        arrays["scratch_slot"],
+        arrays["tile_fold_ptr"],
+        arrays["tile_fold_wait"],
+        arrays["fold_bounds"],
+        arrays["fold_node"],
+        arrays["span_node"],
+        arrays["span_left"],
+        arrays["span_right"],
+        arrays["span_tile_lo"],
+        arrays["span_tile_hi"],
+        arrays["span_narrow"],
+        arrays["span_warp"],
+        scratch,
+        reduction,
+        num_nodes,
+        num_scratch,
+        tile,
+        fold=options.fold,
+        row_check=options.row_check,
+    )
     return out, scratch[:, -1] if checks_rows(reduction, options) else None

@@ -72,11 +72,15 @@ def triton_unusable_reason(device: torch.device) -> str:
         return f"Triton runs on CUDA tensors (or CPU ones under its interpreter), not {device.type}"
     if device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
-            return ("a CPU tensor needs the Triton interpreter: TRITON_INTERPRET=1 set before "
-                    "triton is imported")
+            return (
+                "a CPU tensor needs the Triton interpreter: TRITON_INTERPRET=1 set before "
+                "triton is imported"
+            )
         if _kernels_interpreted() is False:
-            return ("TRITON_INTERPRET=1 was set after genlm_fast's Triton kernels were compiled "
-                    "for the GPU (imported); set it at the start of the process")
+            return (
+                "TRITON_INTERPRET=1 was set after genlm_fast's Triton kernels were compiled "
+                "for the GPU (imported); set it at the start of the process"
+            )
     try:
         import triton  # noqa: F401
     except Exception as exc:  # noqa: BLE001  ImportError, or a broken install
@@ -92,8 +96,9 @@ def require_triton(device: torch.device):
     """Raise the error that says why the 'triton' backend cannot run on ``device``, if so."""
     reason = triton_unusable_reason(device)
     if reason:
-        raise RuntimeError(f"The 'triton' backend cannot run on this {torch.device(device).type} "
-                           f"tensor: {reason}.")
+        raise RuntimeError(
+            f"The 'triton' backend cannot run on this {torch.device(device).type} tensor: {reason}."
+        )
 
 
 def _extension_usable(kind: str, device: torch.device) -> bool:
@@ -136,9 +141,12 @@ def _fallback_message(device: torch.device) -> str:
             reasons.append(f"The {kind!r} kernels: {type(exc).__name__}: {exc}")
     if device.type == "cuda":
         reasons.append(f"The 'triton' kernels: {triton_unusable_reason(device)}")
-    return (f"genlm_fast: no fast trie kernel for device {device.type!r}; using the plain-torch "
-            "reference (slow). " + " ".join(r if r.endswith(".") else r + "." for r in reasons)
-            + " `python -m genlm_fast info` shows what is built.")
+    return (
+        f"genlm_fast: no fast trie kernel for device {device.type!r}; using the plain-torch "
+        "reference (slow). "
+        + " ".join(r if r.endswith(".") else r + "." for r in reasons)
+        + " `python -m genlm_fast info` shows what is built."
+    )
 
 
 def resolve_backend(backend: str, device, reduction: str = "log_mass") -> str:
@@ -163,11 +171,15 @@ def resolve_backend(backend: str, device, reduction: str = "log_mass") -> str:
         require_triton(device)
     if backend in ("cuda", "cpu"):
         if device.type != backend:
-            raise ValueError(f"The {backend!r} backend needs a {backend} tensor, got one on {device}.")
+            raise ValueError(
+                f"The {backend!r} backend needs a {backend} tensor, got one on {device}."
+            )
         from genlm_fast.ops import extension
 
         if not extension.has(backend):
-            raise RuntimeError(f"The {backend!r} backend is not built: {extension.why_missing(backend)}")
+            raise RuntimeError(
+                f"The {backend!r} backend is not built: {extension.why_missing(backend)}"
+            )
     return backend
 
 
@@ -205,15 +217,19 @@ def validate_values(values, layout: TrieLayout, exact_width: int | None = None):
     if values.dim() != 2:
         raise ValueError(f"expected a 2-D [batch, vocab] tensor, got shape {tuple(values.shape)}")
     if values.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"expected a floating-point tensor (float16/bfloat16/float32/float64), "
-                        f"got {values.dtype}")
+        raise TypeError(
+            f"expected a floating-point tensor (float16/bfloat16/float32/float64), "
+            f"got {values.dtype}"
+        )
     width = values.shape[1]
     if exact_width is not None and width != exact_width:
-        raise ValueError(f"expected rows of length {exact_width} (one entry per token id), "
-                         f"got {width}")
+        raise ValueError(
+            f"expected rows of length {exact_width} (one entry per token id), got {width}"
+        )
     if width < layout.num_columns:
-        raise ValueError(f"rows have {width} entries but the vocabulary needs at least "
-                         f"{layout.num_columns}")
+        raise ValueError(
+            f"rows have {width} entries but the vocabulary needs at least {layout.num_columns}"
+        )
 
 
 def row_check(values: torch.Tensor) -> torch.Tensor | None:
@@ -240,16 +256,22 @@ def raise_bad_row(values: torch.Tensor, row: int, reduction: str):
     """The error for a row that a row check or the CPU kernel rejected."""
     if reduction == "log_mass":
         v = float(values[row].amax())
-        what = ("contains NaN" if v != v else "contains +inf" if v > 0
-                else "has no finite logit (all -inf)")
+        what = (
+            "contains NaN"
+            if v != v
+            else "contains +inf"
+            if v > 0
+            else "has no finite logit (all -inf)"
+        )
         raise ValueError(f"logit row {row} {what}: log-masses would be undefined")
     if reduction == "sum" and not bool(values[row].isnan().any()):
         if bool(values[row].isposinf().any()) and bool(values[row].isneginf().any()):
-            raise ValueError(f"weight row {row} holds both +inf and -inf: their sum is "
-                             "undefined")
-        raise ValueError(f"weight row {row}: its finite weights sum past the float range to "
-                         f"both +inf and -inf, whose sum is undefined (largest magnitude "
-                         f"{float(values[row].abs().max()):.3g})")
+            raise ValueError(f"weight row {row} holds both +inf and -inf: their sum is undefined")
+        raise ValueError(
+            f"weight row {row}: its finite weights sum past the float range to "
+            f"both +inf and -inf, whose sum is undefined (largest magnitude "
+            f"{float(values[row].abs().max()):.3g})"
+        )
     raise ValueError(f"weight row {row} contains NaN")
 
 
@@ -261,10 +283,16 @@ def backend_checks_rows(backend: str, reduction: str, cuda_options=None) -> bool
     return module.CHECKS_ROWS
 
 
-def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
-                mode: str = "without_eos", backend: str = "auto",
-                exact_width: int | None = None,
-                float64_result: bool = False, cuda_options=None) -> tuple[torch.Tensor, str]:
+def trie_reduce(
+    values: torch.Tensor,
+    layout: TrieLayout,
+    reduction: str,
+    mode: str = "without_eos",
+    backend: str = "auto",
+    exact_width: int | None = None,
+    float64_result: bool = False,
+    cuda_options=None,
+) -> tuple[torch.Tensor, str]:
     """Per-node values ``[B, N]`` on ``values.device``; returns (result, backend used).
     ``float64_result``: float64 sum/max whatever the values' float dtype. ``cuda_options``
     (a ``cuda_backend.CudaOptions``): the variants of the CUDA launch, when the CUDA
@@ -282,8 +310,9 @@ def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
     # results are computed, then dropped with the error).
     own = backend_checks_rows(chosen, reduction, cuda_options)
     check = None if own else row_check(values)
-    out, backend_check = run_backend(values, layout, reduction, mode, chosen, float64_result,
-                                     cuda_options)
+    out, backend_check = run_backend(
+        values, layout, reduction, mode, chosen, float64_result, cuda_options
+    )
     check = backend_check if backend_check is not None else check
     if reduction == "sum" and out.shape[0]:
         # a row holding both +inf and -inf sums to NaN, at its root at least (which holds
@@ -291,13 +320,27 @@ def trie_reduce(values: torch.Tensor, layout: TrieLayout, reduction: str,
         root = out[:, layout.root]
         check = root if check is None else torch.where(torch.isnan(root), root, check)
     raise_bad_rows(values, check, reduction)
-    logger.debug("trie_reduce %s %s B=%d N=%d on %s via %s", reduction, mode,
-                 values.shape[0], layout.num_nodes, values.device, chosen)
+    logger.debug(
+        "trie_reduce %s %s B=%d N=%d on %s via %s",
+        reduction,
+        mode,
+        values.shape[0],
+        layout.num_nodes,
+        values.device,
+        chosen,
+    )
     return out, chosen
 
 
-def run_backend(values: torch.Tensor, layout: TrieLayout, reduction: str, mode: str,
-                backend: str, float64_result: bool = False, cuda_options=None):
+def run_backend(
+    values: torch.Tensor,
+    layout: TrieLayout,
+    reduction: str,
+    mode: str,
+    backend: str,
+    float64_result: bool = False,
+    cuda_options=None,
+):
     """Run one concrete backend on values :func:`trie_reduce` has validated (and checked
     row by row, unless the backend does that itself): (result, row_check or None), the
     backend contract's pair. ``tools.gpu.bench`` times this directly."""
@@ -308,12 +351,21 @@ def run_backend(values: torch.Tensor, layout: TrieLayout, reduction: str, mode: 
     # were made under torch.inference_mode()).
     values = values.detach().contiguous()
     if values.shape[0] == 0:
-        return torch.empty(0, layout.num_nodes,
-                           dtype=result_dtype(reduction, values.dtype, float64_result),
-                           device=values.device), None
+        return torch.empty(
+            0,
+            layout.num_nodes,
+            dtype=result_dtype(reduction, values.dtype, float64_result),
+            device=values.device,
+        ), None
     ml = layout.modes[mode]
     extra = {"options": cuda_options} if backend == "cuda" else {}
     return _backend_module(backend).trie_reduce(
-        values, layout.device_arrays(mode, values.device, backend), reduction,
-        num_nodes=layout.num_nodes, num_scratch=ml.num_scratch, tile=ml.tile,
-        float64_result=float64_result, **extra)
+        values,
+        layout.device_arrays(mode, values.device, backend),
+        reduction,
+        num_nodes=layout.num_nodes,
+        num_scratch=ml.num_scratch,
+        tile=ml.tile,
+        float64_result=float64_result,
+        **extra,
+    )

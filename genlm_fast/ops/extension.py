@@ -61,8 +61,18 @@ def _fingerprint(cflags, compiler: str | None) -> str:
             tools.append(f"{tool}@{os.path.getmtime(tool) if tool else ''}")
         except OSError:
             tools.append(str(tool))
-    digest.update(repr((cflags, tools, torch.__version__, os.environ.get("CXX"),
-                        os.environ.get("LDFLAGS"), os.environ.get("CPATH"))).encode())
+    digest.update(
+        repr(
+            (
+                cflags,
+                tools,
+                torch.__version__,
+                os.environ.get("CXX"),
+                os.environ.get("LDFLAGS"),
+                os.environ.get("CPATH"),
+            )
+        ).encode()
+    )
     return digest.hexdigest()
 
 
@@ -85,13 +95,16 @@ class _BuildLock:
         self.fd = None
 
     def __enter__(self):
-        self.fd = os.open(os.path.join(self.build_dir, "genlm_fast.lock"),
-                          os.O_RDWR | os.O_CREAT, 0o666)
+        self.fd = os.open(
+            os.path.join(self.build_dir, "genlm_fast.lock"), os.O_RDWR | os.O_CREAT, 0o666
+        )
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            logger.warning("genlm_fast: waiting for another process building the CPU kernels "
-                           "into %s", self.build_dir)
+            logger.warning(
+                "genlm_fast: waiting for another process building the CPU kernels into %s",
+                self.build_dir,
+            )
             fcntl.flock(self.fd, fcntl.LOCK_EX)
         leftover = os.path.join(self.build_dir, "lock")
         if os.path.exists(leftover):
@@ -106,8 +119,14 @@ class _BuildLock:
 
 
 # build failures not to remember: the next attempt may well succeed
-_TRANSIENT = ("Killed", "internal compiler error", "No space left", "Interrupted",
-              "Resource temporarily unavailable", "Cannot allocate memory")
+_TRANSIENT = (
+    "Killed",
+    "internal compiler error",
+    "No space left",
+    "Interrupted",
+    "Resource temporarily unavailable",
+    "Cannot allocate memory",
+)
 
 
 def _read(path: str) -> tuple[str | None, str]:
@@ -155,8 +174,14 @@ def summarize_error(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     text = lines[-1] if lines else ""
     for wanted in ("error:", "cannot find", "undefined reference", "error"):
-        found = [line for line in lines if wanted in line.lower() and not line.startswith(
-            ("Error building extension", "ninja:", "FAILED:", "[", "c++ ", "g++ "))]
+        found = [
+            line
+            for line in lines
+            if wanted in line.lower()
+            and not line.startswith(
+                ("Error building extension", "ninja:", "FAILED:", "[", "c++ ", "g++ ")
+            )
+        ]
         if found:
             text = found[0]
             break
@@ -171,12 +196,17 @@ def _jit_build(defines=()):
     sources = [os.path.join(csrc.CSRC, name) for name in csrc.CPU_SOURCES]
     missing = [s for s in sources if not os.path.exists(s)]
     if missing:
-        raise RuntimeError(f"the C++ sources are not available for a JIT build ({missing[0]} "
-                           "is missing); reinstall from a source checkout with `pip install -e .`")
+        raise RuntimeError(
+            f"the C++ sources are not available for a JIT build ({missing[0]} "
+            "is missing); reinstall from a source checkout with `pip install -e .`"
+        )
     compiler = csrc.configured_compiler()
     if compiler is None:
-        raise RuntimeError("no C++ compiler found ({} is not on PATH)".format(
-            f"CXX={os.environ['CXX']}" if os.environ.get("CXX") else "c++"))
+        raise RuntimeError(
+            "no C++ compiler found ({} is not on PATH)".format(
+                f"CXX={os.environ['CXX']}" if os.environ.get("CXX") else "c++"
+            )
+        )
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("ninja is not installed (`pip install ninja`)")
     variant = "".join(f"-{d}" for d in defines)
@@ -187,22 +217,30 @@ def _jit_build(defines=()):
     built = os.path.join(build_dir, "built.txt")  # the fingerprint of the module there
     failed = os.path.join(build_dir, "failed.txt")  # fingerprint and error of a failure
     library = os.path.join(build_dir, name + ".so")
-    if (os.path.isdir(build_dir) and not os.access(build_dir, os.W_OK)
-            and _read(built)[0] == fingerprint and os.path.exists(library)):
+    if (
+        os.path.isdir(build_dir)
+        and not os.access(build_dir, os.W_OK)
+        and _read(built)[0] == fingerprint
+        and os.path.exists(library)
+    ):
         # a read-only cache holding the module these sources build: load it as it is
         return _import_library(name, library), build_dir
     os.makedirs(build_dir, exist_ok=True)
     with _BuildLock(build_dir):
         seen, error = _read(failed)
         if seen == fingerprint:
-            raise RuntimeError(f"{error} (remembered from an earlier attempt with the same "
-                               f"sources, flags and compiler; delete {failed} to retry)")
+            raise RuntimeError(
+                f"{error} (remembered from an earlier attempt with the same "
+                f"sources, flags and compiler; delete {failed} to retry)"
+            )
         fresh = _read(built)[0] == fingerprint and os.path.exists(library)
         if fresh:
             logger.debug("genlm_fast: loading the CPU trie kernels from %s", build_dir)
         else:
-            logger.warning("genlm_fast: compiling the CPU trie kernels into %s (once; a minute "
-                           "or more)", build_dir)
+            logger.warning(
+                "genlm_fast: compiling the CPU trie kernels into %s (once; a minute or more)",
+                build_dir,
+            )
         try:
             _remove(built)
             # a compiler that would copy a static libstdc++ into the module: one in /usr/bin
@@ -212,9 +250,14 @@ def _jit_build(defines=()):
             if note:
                 logger.warning("genlm_fast: %s", note)
             with _environ_set("CXX", cxx if cxx != compiler else None):
-                module = cpp_extension.load(name=name, sources=sources, extra_cflags=cflags,
-                                            extra_ldflags=["-fopenmp"],
-                                            build_directory=build_dir, verbose=False)
+                module = cpp_extension.load(
+                    name=name,
+                    sources=sources,
+                    extra_cflags=cflags,
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=build_dir,
+                    verbose=False,
+                )
         except Exception as exc:
             summary = summarize_error(exc)
             if not any(t in summary for t in _TRANSIENT):
@@ -276,7 +319,8 @@ def load_module():
         if _module is None:
             _error = "; ".join(reasons) + (
                 ". Install a C++ compiler (g++ with OpenMP) and run `pip install -e . "
-                "--no-build-isolation` to get the fast CPU path.")
+                "--no-build-isolation` to get the fast CPU path."
+            )
             logger.info("genlm_fast: compiled trie kernels unavailable: %s", _error)
         _tried = True
         return _module
@@ -290,8 +334,10 @@ def _stale_reason(module) -> str:
     now = csrc.digest()
     if not stamp or now is None or stamp == now:
         return ""
-    return (f"genlm_fast._C was built from other sources than those in {csrc.CSRC} now; "
-            "rebuild it with `pip install -e . --no-build-isolation`")
+    return (
+        f"genlm_fast._C was built from other sources than those in {csrc.CSRC} now; "
+        "rebuild it with `pip install -e . --no-build-isolation`"
+    )
 
 
 def stale_reason() -> str:
@@ -341,6 +387,8 @@ def why_missing(kind: str) -> str:
     module = load_module()
     if module is None:
         return _error or "the extension could not be loaded"
-    return ("genlm_fast._C was built without CUDA kernels (the installing torch had no CUDA "
-            "or nvcc was not found); reinstall with a CUDA build of torch and CUDA_HOME set: "
-            "`pip install -e . --no-build-isolation`")
+    return (
+        "genlm_fast._C was built without CUDA kernels (the installing torch had no CUDA "
+        "or nvcc was not found); reinstall with a CUDA build of torch and CUDA_HOME set: "
+        "`pip install -e . --no-build-isolation`"
+    )

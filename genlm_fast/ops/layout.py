@@ -55,11 +55,30 @@ _SPANNING = ("span_node", "span_left", "span_right", "span_tile_lo", "span_tile_
 BACKEND_ARRAYS = {
     "reference": ("leaf_token", "leaf_start", "leaf_end"),
     "cpu": ("leaf_token", "leaf_start", "leaf_end", "parent"),
-    "triton": ("leaf_token", "tile_range_ptr", "tile_unit_end", "range_start", "range_end",
-               "range_dest", *_SPANNING),
-    "cuda": ("leaf_token", "tile_node_lo", "tile_run_ptr", "run_bounds", "node_src",
-             "tile_scratch_ptr", "scratch_src", "scratch_slot", "tile_fold_ptr",
-             "tile_fold_wait", "fold_bounds", "fold_node", *_SPANNING),
+    "triton": (
+        "leaf_token",
+        "tile_range_ptr",
+        "tile_unit_end",
+        "range_start",
+        "range_end",
+        "range_dest",
+        *_SPANNING,
+    ),
+    "cuda": (
+        "leaf_token",
+        "tile_node_lo",
+        "tile_run_ptr",
+        "run_bounds",
+        "node_src",
+        "tile_scratch_ptr",
+        "scratch_src",
+        "scratch_slot",
+        "tile_fold_ptr",
+        "tile_fold_wait",
+        "fold_bounds",
+        "fold_node",
+        *_SPANNING,
+    ),
 }
 
 
@@ -154,15 +173,17 @@ class TrieLayout:
         copied to the device once whichever backends read it; the backend may cache what it
         derives from them in the dict, under a key of its own."""
         if backend not in BACKEND_ARRAYS:
-            raise ValueError(f"unknown backend {backend!r}; expected one of "
-                             f"{tuple(BACKEND_ARRAYS)}")
+            raise ValueError(
+                f"unknown backend {backend!r}; expected one of {tuple(BACKEND_ARRAYS)}"
+            )
         device = torch.device(device)
         key = (mode, str(device), backend)
         cached = self._device_cache.get(key)
         if cached is None:
             ml = self.modes[mode]
-            cached = {name: self._device_array(mode, device, name)
-                      for name in BACKEND_ARRAYS[backend]}
+            cached = {
+                name: self._device_array(mode, device, name) for name in BACKEND_ARRAYS[backend]
+            }
             cached["num_columns"] = self.num_columns
             cached["span_narrow"] = span_class_end(ml, SPAN_NARROW_TILES)
             cached["span_warp"] = span_class_end(ml, SPAN_WARP_TILES)
@@ -203,7 +224,7 @@ def _number_postorder(parent, depth):
     n = len(parent)
     by_depth = np.argsort(depth, kind="stable")
     level_end = np.searchsorted(depth[by_depth], np.arange(int(depth.max()) + 2), side="left")
-    levels = [by_depth[level_end[d]:level_end[d + 1]] for d in range(1, len(level_end) - 1)]
+    levels = [by_depth[level_end[d] : level_end[d + 1]] for d in range(1, len(level_end) - 1)]
     size = np.ones(n, dtype=np.int64)
     for nodes in reversed(levels):  # deepest first: a node's size is final before it is added
         np.add.at(size, parent[nodes], size[nodes])
@@ -229,8 +250,11 @@ def build_structure(words, leaf_keys, add_eos_node=False, eos_key=None):
     Returns (parent, node_first, leaf_node, edge_key, eos_node) in post-order ids.
     """
     words = list(words)
-    if words and all(type(w) is bytes for w in words) and (
-            len(words) * max(map(len, words)) <= _MAX_PADDED_CELLS):
+    if (
+        words
+        and all(type(w) is bytes for w in words)
+        and (len(words) * max(map(len, words)) <= _MAX_PADDED_CELLS)
+    ):
         parent_old, depth_old, edge_keys, old_leaf = _creation_order_of_bytes(words, leaf_keys)
     else:
         parent_old, depth_old, edge_keys, old_leaf = _creation_order(words, leaf_keys)
@@ -285,8 +309,12 @@ def _creation_order(words, leaf_keys):
         edge_key_old.append(leaf_key)
         depth_old.append(depth_old[node] + 1)
         old_leaf.append(leaf)
-    return (np.asarray(parent_old, dtype=np.int64), np.asarray(depth_old, dtype=np.int64),
-            edge_key_old, np.asarray(old_leaf, dtype=np.int64))
+    return (
+        np.asarray(parent_old, dtype=np.int64),
+        np.asarray(depth_old, dtype=np.int64),
+        edge_key_old,
+        np.asarray(old_leaf, dtype=np.int64),
+    )
 
 
 def _creation_order_of_bytes(words, leaf_keys):
@@ -308,8 +336,9 @@ def _creation_order_of_bytes(words, leaf_keys):
     padded = np.full((count, max(longest, 1)), 256, dtype=np.uint16)
     flat = np.frombuffer(b"".join(map(words.__getitem__, order.tolist())), dtype=np.uint8)
     starts = np.cumsum(length) - length
-    padded[np.repeat(np.arange(count), length),
-           np.arange(flat.size) - np.repeat(starts, length)] = flat
+    padded[
+        np.repeat(np.arange(count), length), np.arange(flat.size) - np.repeat(starts, length)
+    ] = flat
     common = np.zeros(count, dtype=np.int64)  # common prefix with the word before, sorted
     if count > 1:
         differ = padded[1:] != padded[:-1]
@@ -408,7 +437,9 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node):
 
     r_start = np.concatenate([loc_start, tot_start, lp_start, rp_start])
     r_end = np.concatenate([loc_end, tot_end, lp_end, rp_end])
-    r_dest = np.concatenate([loc_dest, tot_dest, -1 - left_slot[has_left], -1 - right_slot[has_right]])
+    r_dest = np.concatenate(
+        [loc_dest, tot_dest, -1 - left_slot[has_left], -1 - right_slot[has_right]]
+    )
     r_tile = np.concatenate([loc_tile, t_ids, lp_start // tile, rp_start // tile])
     # by tile, unit ranges first (~80% of all ranges on real vocabularies: leaves and the
     # single-child chains above them); otherwise in the order above
@@ -421,17 +452,24 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node):
     owner = np.maximum(leaf_end - 1, 0) // tile  # non-decreasing in the node id
     node_lo = np.searchsorted(owner, np.arange(n_tiles + 1), side="left")
 
-    sources = _tile_sources(num_nodes, tile, n_tiles, r_start, r_end, r_dest, r_tile,
-                            tot_end - tot_start)
+    sources = _tile_sources(
+        num_nodes, tile, n_tiles, r_start, r_end, r_dest, r_tile, tot_end - tot_start
+    )
 
     def i32(a):
         return np.ascontiguousarray(a, dtype=np.int32)
 
     # spanning nodes sorted by how many whole tiles they sum, so a block of them loops alike
     span_order = np.argsort(hi_tile - lo_tile, kind="stable")
-    folds = tile_folds(n_tiles, span[span_order], lo_tile[span_order], hi_tile[span_order],
-                       left_slot[span_order], right_slot[span_order],
-                       _class_end((hi_tile - lo_tile)[span_order], SPAN_NARROW_TILES))
+    folds = tile_folds(
+        n_tiles,
+        span[span_order],
+        lo_tile[span_order],
+        hi_tile[span_order],
+        left_slot[span_order],
+        right_slot[span_order],
+        _class_end((hi_tile - lo_tile)[span_order], SPAN_NARROW_TILES),
+    )
     return ModeLayout(
         leaf_token=i32(token_column[order]),
         leaf_start=i32(leaf_start),
@@ -507,12 +545,17 @@ def tile_folds(n_tiles, node, lo_tile, hi_tile, left_slot, right_slot, narrow):
     wait = np.arange(n_tiles, dtype=np.int64)
     np.minimum.at(wait, owner, first)
     bounds = np.stack([lo_tile, hi_tile, left_slot, right_slot], axis=1)[:narrow][by_owner]
-    return {"tile_fold_ptr": fold_ptr, "tile_fold_wait": wait,
-            "fold_bounds": bounds.reshape(-1), "fold_node": node[:narrow][by_owner]}
+    return {
+        "tile_fold_ptr": fold_ptr,
+        "tile_fold_wait": wait,
+        "fold_bounds": bounds.reshape(-1),
+        "fold_node": node[:narrow][by_owner],
+    }
 
 
-def compile_layout(parent, node_first, leaf_node, token_column, edge_key, eos_node,
-                   eos_positions=()) -> TrieLayout:
+def compile_layout(
+    parent, node_first, leaf_node, token_column, edge_key, eos_node, eos_positions=()
+) -> TrieLayout:
     """Turn a numbered trie into a ``TrieLayout`` with a ``without_eos`` mode and, when
     the trie has an EOS node, a ``with_eos`` mode where ``eos_positions`` deposit there."""
     num_nodes = len(parent)
@@ -570,8 +613,10 @@ def load_cached(digest: str, cache_dir: str | None):
     except OSError:
         return None
     head = len(_CACHE_MAGIC) + 32
-    if (not data.startswith(_CACHE_MAGIC)
-            or hashlib.sha256(memoryview(data)[head:]).digest() != data[len(_CACHE_MAGIC):head]):
+    if (
+        not data.startswith(_CACHE_MAGIC)
+        or hashlib.sha256(memoryview(data)[head:]).digest() != data[len(_CACHE_MAGIC) : head]
+    ):
         return None
     try:
         layout = pickle.loads(memoryview(data)[head:])

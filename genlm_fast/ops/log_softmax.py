@@ -24,15 +24,17 @@ def resolve(backend: str, device) -> str:
     if backend == "auto":
         return "triton" if device.type == "cuda" and triton_usable(device) else "reference"
     if backend not in BACKENDS:
-        raise ValueError(f"unknown log_softmax_rows backend {backend!r}; expected 'auto' or "
-                         f"one of {BACKENDS}")
+        raise ValueError(
+            f"unknown log_softmax_rows backend {backend!r}; expected 'auto' or one of {BACKENDS}"
+        )
     if backend == "triton":
         require_triton(device)
     return backend
 
 
-def log_softmax_rows(logits: torch.Tensor, src, dst, out: torch.Tensor,
-                     backend: str = "auto") -> str:
+def log_softmax_rows(
+    logits: torch.Tensor, src, dst, out: torch.Tensor, backend: str = "auto"
+) -> str:
     """Write ``log_softmax(logits[src[i]])`` into ``out[dst[i]]`` for every i; returns the
     backend that ran. ``src``/``dst``: equal-length sequences of row indices (Python ints
     or 1-D integer tensors); ``dst`` entries must be distinct."""
@@ -66,11 +68,21 @@ def log_softmax_rows(logits: torch.Tensor, src, dst, out: torch.Tensor,
             logits = logits.contiguous()
         # the kernel writes unit-stride rows: a strided `out` gets a contiguous stand-in
         # (not empty_like, which would keep out's strides)
-        target = out if out.stride(1) == 1 else torch.empty(out.shape, dtype=out.dtype,
-                                                             device=out.device)
+        target = (
+            out
+            if out.stride(1) == 1
+            else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        )
         kernel._log_softmax_rows[(src.numel(),)](
-            logits, logits.stride(0), src.to(logits.device), dst.to(logits.device), target,
-            target.stride(0), logits.shape[1], BLOCK=TRITON_BLOCK)
+            logits,
+            logits.stride(0),
+            src.to(logits.device),
+            dst.to(logits.device),
+            target,
+            target.stride(0),
+            logits.shape[1],
+            BLOCK=TRITON_BLOCK,
+        )
         if target is not out:
             out[dst] = target[dst.to(out.device)]
     else:

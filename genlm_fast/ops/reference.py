@@ -25,14 +25,23 @@ def _segments(arrays):
         total = int(lengths.sum())
         owner = torch.repeat_interleave(torch.arange(len(start), device=start.device), lengths)
         offset = torch.arange(total, device=start.device) - torch.repeat_interleave(
-            torch.cumsum(lengths, 0) - lengths, lengths)
+            torch.cumsum(lengths, 0) - lengths, lengths
+        )
         positions = start[owner] + offset
         seg = arrays["_reference"] = (positions, lengths)
     return seg
 
 
-def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
-                num_scratch: int = 0, tile: int = 0, float64_result: bool = False):
+def trie_reduce(
+    values: torch.Tensor,
+    arrays: dict,
+    reduction: str,
+    *,
+    num_nodes: int,
+    num_scratch: int = 0,
+    tile: int = 0,
+    float64_result: bool = False,
+):
     """The backend contract of ``genlm_fast.ops.dispatch`` (tiles and scratch unused)."""
     positions, lengths = _segments(arrays)
     B = values.shape[0]
@@ -45,12 +54,14 @@ def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes
     if reduction == "sum":
         out = torch.segment_reduce(data, "sum", lengths=lens, axis=1, unsafe=True, initial=0.0)
     elif reduction == "max":
-        out = torch.segment_reduce(data, "max", lengths=lens, axis=1, unsafe=True,
-                                   initial=float("-inf"))
+        out = torch.segment_reduce(
+            data, "max", lengths=lens, axis=1, unsafe=True, initial=float("-inf")
+        )
         out = torch.where(lengths == 0, torch.zeros_like(out), out)
     else:  # log-sum-exp of log-probabilities, stabilised by each segment's max
-        peak = torch.segment_reduce(data, "max", lengths=lens, axis=1, unsafe=True,
-                                    initial=float("-inf"))
+        peak = torch.segment_reduce(
+            data, "max", lengths=lens, axis=1, unsafe=True, initial=float("-inf")
+        )
         owner = torch.repeat_interleave(torch.arange(num_nodes, device=x.device), lengths)
         safe_peak = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
         scaled = torch.exp(data - safe_peak[:, owner])

@@ -15,10 +15,16 @@ import shutil
 import subprocess
 import tempfile
 
-CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                    "csrc")
-CPU_SOURCES = ("bindings.cpp", "cpu_threads.cpp", "decoder_cpu.cpp", "linear_cpu.cpp",
-               "trie_reduce_cpu.cpp")
+CSRC = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "csrc"
+)
+CPU_SOURCES = (
+    "bindings.cpp",
+    "cpu_threads.cpp",
+    "decoder_cpu.cpp",
+    "linear_cpu.cpp",
+    "trie_reduce_cpu.cpp",
+)
 CUDA_SOURCES = ("trie_reduce_cuda.cu",)  # added, with -DWITH_CUDA, by a CUDA build only
 CXX_FLAGS = ("-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno")  # no -march: any x86-64
 _SUFFIXES = (".cpp", ".h", ".cu", ".cuh")
@@ -63,8 +69,9 @@ def needs_shared_libstdcxx(library: str) -> bool | None:
     if readelf is None:
         return None
     try:
-        dynamic = subprocess.run([readelf, "-d", library], capture_output=True, text=True,
-                                 timeout=60, check=False)
+        dynamic = subprocess.run(
+            [readelf, "-d", library], capture_output=True, text=True, timeout=60, check=False
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return "libstdc++.so" in dynamic.stdout if dynamic.returncode == 0 else None
@@ -86,8 +93,12 @@ def links_shared_libstdcxx(compiler: str) -> bool | None:
         with open(src, "w") as f:
             f.write(_PROBE)
         try:
-            built = subprocess.run([compiler, "-shared", "-fPIC", "-o", lib, src],
-                                   capture_output=True, timeout=120, check=False)
+            built = subprocess.run(
+                [compiler, "-shared", "-fPIC", "-o", lib, src],
+                capture_output=True,
+                timeout=120,
+                check=False,
+            )
         except (OSError, subprocess.SubprocessError):
             return None
         return needs_shared_libstdcxx(lib) if built.returncode == 0 else None
@@ -100,12 +111,17 @@ def choose_compilers(cxx: str) -> tuple[str, str | None, str | None]:
     /usr/bin links the shared one: then that, with its gcc/cc."""
     if links_shared_libstdcxx(cxx) is not False:
         return cxx, None, None
-    problem = (f"the C++ compiler {cxx} links libstdc++ statically into the extension, "
-               "beside torch's shared one: an error raised by the compiled kernels would "
-               "crash the process")
+    problem = (
+        f"the C++ compiler {cxx} links libstdc++ statically into the extension, "
+        "beside torch's shared one: an error raised by the compiled kernels would "
+        "crash the process"
+    )
     for name, c_name in (("g++", "gcc"), ("c++", "cc")):
         alt = os.path.join("/usr/bin", name)
-        if (os.path.exists(alt) and os.path.realpath(alt) != os.path.realpath(cxx)
-                and links_shared_libstdcxx(alt)):
+        if (
+            os.path.exists(alt)
+            and os.path.realpath(alt) != os.path.realpath(cxx)
+            and links_shared_libstdcxx(alt)
+        ):
             return alt, os.path.join("/usr/bin", c_name), f"{problem}; building with {alt} instead"
     return cxx, None, f"{problem}, and no compiler in /usr/bin links the shared one"

@@ -28,8 +28,11 @@ from genlm_fast.ops.layout import SPAN_NARROW_TILES
 
 CHECKS_ROWS = False  # the dispatcher checks every row before this backend runs
 
-_CODES = {"sum": kernels.REDUCE_SUM.value, "max": kernels.REDUCE_MAX.value,
-          "log_mass": kernels.REDUCE_LOG_MASS.value}
+_CODES = {
+    "sum": kernels.REDUCE_SUM.value,
+    "max": kernels.REDUCE_MAX.value,
+    "log_mass": kernels.REDUCE_LOG_MASS.value,
+}
 
 LSE_BLOCK = 1024  # elements per iteration of the row-normaliser kernel
 LSE_MAX_SPLIT = 64  # slices per row for the normaliser (a power of two)
@@ -96,28 +99,60 @@ def _row_lse_partials(values: torch.Tensor, acc_dtype: torch.dtype):
     pmax = torch.empty(B, split, dtype=acc_dtype, device=values.device)
     psum = torch.empty(B, split, dtype=acc_dtype, device=values.device)
     kernels._row_lse_partial[(B, split)](
-        values, pmax, psum, C, chunk,
-        SPLIT=split, BLOCK=block, ACC=_tl_dtype(acc_dtype), num_warps=4)
+        values,
+        pmax,
+        psum,
+        C,
+        chunk,
+        SPLIT=split,
+        BLOCK=block,
+        ACC=_tl_dtype(acc_dtype),
+        num_warps=4,
+    )
     return pmax, psum, split
 
 
-def trie_reduce(values: torch.Tensor, arrays: dict, reduction: str, *, num_nodes: int,
-                num_scratch: int, tile: int, float64_result: bool = False):
+def trie_reduce(
+    values: torch.Tensor,
+    arrays: dict,
+    reduction: str,
+    *,
+    num_nodes: int,
+    num_scratch: int,
+    tile: int,
+    float64_result: bool = False,
+):
     if float64_result:  # the kernels give float64 for float64 values
         values = values.double()
     B = values.shape[0]
-    out = torch.empty(B, num_nodes, dtype=result_dtype(reduction, values.dtype),
-                      device=values.device)
+    out = torch.empty(
+        B, num_nodes, dtype=result_dtype(reduction, values.dtype), device=values.device
+    )
     # rows are a grid's second axis, which CUDA caps at 65535: launch in row chunks
     for r0 in range(0, B, MAX_GRID_ROWS):
         r1 = min(B, r0 + MAX_GRID_ROWS)
-        _reduce_rows(values[r0:r1], out[r0:r1], arrays, reduction, num_nodes=num_nodes,
-                     num_scratch=num_scratch, tile=tile)
+        _reduce_rows(
+            values[r0:r1],
+            out[r0:r1],
+            arrays,
+            reduction,
+            num_nodes=num_nodes,
+            num_scratch=num_scratch,
+            tile=tile,
+        )
     return out, None
 
 
-def _reduce_rows(values: torch.Tensor, out: torch.Tensor, arrays: dict, reduction: str, *,
-                 num_nodes: int, num_scratch: int, tile: int) -> None:
+def _reduce_rows(
+    values: torch.Tensor,
+    out: torch.Tensor,
+    arrays: dict,
+    reduction: str,
+    *,
+    num_nodes: int,
+    num_scratch: int,
+    tile: int,
+) -> None:
     """Launch the kernels for at most MAX_GRID_ROWS contiguous rows, into ``out``."""
     device = values.device
     B, C = values.shape
@@ -145,31 +180,97 @@ def _reduce_rows(values: torch.Tensor, out: torch.Tensor, arrays: dict, reductio
         kind = tile_kernel(reduction, values.dtype)
         if kind == "dot":
             kernels._tile_ranges_dot[(n_tiles, _cdiv(B, DOT_ROWS))](
-                values, B, C, L, leaf_token, tile_range_ptr, arrays["tile_unit_end"],
-                arrays["range_start"], arrays["range_end"], arrays["range_dest"], out,
-                num_nodes, scratch, NS, pmax, psum,
-                LOG_MASS=(reduction == "log_mass"), SPLIT=split, TILE=tile, ROWS=DOT_ROWS,
-                RB=DOT_RB, UB=DOT_UB, SUB=DOT_SUB, ACC=_tl_dtype(acc_dtype),
-                FAST_MIN_MASS=kernels._FAST_MIN_MASS, LEVEL_GAP=kernels._LEVEL_GAP,
-                num_warps=DOT_WARPS)
+                values,
+                B,
+                C,
+                L,
+                leaf_token,
+                tile_range_ptr,
+                arrays["tile_unit_end"],
+                arrays["range_start"],
+                arrays["range_end"],
+                arrays["range_dest"],
+                out,
+                num_nodes,
+                scratch,
+                NS,
+                pmax,
+                psum,
+                LOG_MASS=(reduction == "log_mass"),
+                SPLIT=split,
+                TILE=tile,
+                ROWS=DOT_ROWS,
+                RB=DOT_RB,
+                UB=DOT_UB,
+                SUB=DOT_SUB,
+                ACC=_tl_dtype(acc_dtype),
+                FAST_MIN_MASS=kernels._FAST_MIN_MASS,
+                LEVEL_GAP=kernels._LEVEL_GAP,
+                num_warps=DOT_WARPS,
+            )
         elif kind == "max":
             kernels._tile_ranges_max[(n_tiles, _cdiv(B, MAX_ROWS))](
-                values, B, C, L, leaf_token, tile_range_ptr, arrays["tile_unit_end"],
-                arrays["range_start"], arrays["range_end"], arrays["range_dest"], out,
-                num_nodes, scratch, NS, TILE=tile, ROWS=MAX_ROWS, RB=MAX_RB, num_warps=MAX_WARPS)
+                values,
+                B,
+                C,
+                L,
+                leaf_token,
+                tile_range_ptr,
+                arrays["tile_unit_end"],
+                arrays["range_start"],
+                arrays["range_end"],
+                arrays["range_dest"],
+                out,
+                num_nodes,
+                scratch,
+                NS,
+                TILE=tile,
+                ROWS=MAX_ROWS,
+                RB=MAX_RB,
+                num_warps=MAX_WARPS,
+            )
         else:
             kernels._tile_ranges_dense[(n_tiles, B)](
-                values, C, L, leaf_token, tile_range_ptr, arrays["range_start"],
-                arrays["range_end"], arrays["range_dest"], out, num_nodes, scratch, NS,
-                pmax, psum,
-                REDUCTION=code, SPLIT=split, TILE=tile, RB=DENSE_RB,
-                ACC=_tl_dtype(acc_dtype), num_warps=4)
+                values,
+                C,
+                L,
+                leaf_token,
+                tile_range_ptr,
+                arrays["range_start"],
+                arrays["range_end"],
+                arrays["range_dest"],
+                out,
+                num_nodes,
+                scratch,
+                NS,
+                pmax,
+                psum,
+                REDUCTION=code,
+                SPLIT=split,
+                TILE=tile,
+                RB=DENSE_RB,
+                ACC=_tl_dtype(acc_dtype),
+                num_warps=4,
+            )
         if S > 0:
             narrow = arrays["span_narrow"]
             narrow_blocks = _cdiv(narrow, SPAN_BLOCK)
             kernels._spanning_nodes[(narrow_blocks + S - narrow, B)](
-                scratch, NS, out, num_nodes, S, narrow, narrow_blocks, arrays["span_node"],
-                arrays["span_left"], arrays["span_right"], arrays["span_tile_lo"],
-                arrays["span_tile_hi"], REDUCTION=code, SB=SPAN_BLOCK, TB=SPAN_TILES,
-                WIDE_TB=SPAN_WIDE_TILES, num_warps=4)
-
+                scratch,
+                NS,
+                out,
+                num_nodes,
+                S,
+                narrow,
+                narrow_blocks,
+                arrays["span_node"],
+                arrays["span_left"],
+                arrays["span_right"],
+                arrays["span_tile_lo"],
+                arrays["span_tile_hi"],
+                REDUCTION=code,
+                SB=SPAN_BLOCK,
+                TB=SPAN_TILES,
+                WIDE_TB=SPAN_WIDE_TILES,
+                num_warps=4,
+            )

@@ -35,8 +35,10 @@ def kernel(request, monkeypatch):
     if request.param == "avx512" and _cpu_has_avx512():
         _built()  # the CPU runs it: a missing build is a failure
     if request.param not in available_kernels():
-        pytest.skip(f"the {request.param} kernel does not run here (avx512: needs "
-                    "genlm_fast._C and AVX-512F; onednn: needs torch's oneDNN packed linear)")
+        pytest.skip(
+            f"the {request.param} kernel does not run here (avx512: needs "
+            "genlm_fast._C and AVX-512F; onednn: needs torch's oneDNN packed linear)"
+        )
     monkeypatch.setenv(cpu_linear.ENV, request.param)
     return request.param
 
@@ -48,14 +50,16 @@ def float64_linear(layer, x):
 
 def small_model(bias=True):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(37, 130, bias=bias), torch.nn.Tanh(),
-                               torch.nn.Linear(130, 9, bias=False))
+    return torch.nn.Sequential(
+        torch.nn.Linear(37, 130, bias=bias), torch.nn.Tanh(), torch.nn.Linear(130, 9, bias=False)
+    )
 
 
 # rows: one, a few, a full AVX-512 group (24) and one more, the small-batch limit (48) and
 # one more (then F.linear), in 2-D and 3-D, and none
-@pytest.mark.parametrize("shape", [(1, 37), (9, 37), (24, 37), (25, 37), (48, 37), (49, 37),
-                                   (3, 5, 37), (0, 37)])
+@pytest.mark.parametrize(
+    "shape", [(1, 37), (9, 37), (24, 37), (25, 37), (48, 37), (49, 37), (3, 5, 37), (0, 37)]
+)
 @pytest.mark.parametrize("bias", [True, False])
 def test_matches_float64(shape, bias, kernel):
     model = small_model(bias)
@@ -90,9 +94,20 @@ def _small_batch_isas():
 # in features: 1, an odd count, more than one chunk of k (256), SmolLM2's down size; rows
 # as above (24 and 25 are one and two AVX-512 groups; 49 rows are three groups of 16-17)
 @pytest.mark.parametrize("isa", _small_batch_isas())
-@pytest.mark.parametrize("rows,out_features,in_features", [
-    (1, 1, 1), (1, 15, 37), (7, 16, 300), (24, 17, 257), (25, 192, 576), (49, 33, 1536),
-    (16, 1536, 576), (3, 5, 0), (0, 5, 7)])
+@pytest.mark.parametrize(
+    "rows,out_features,in_features",
+    [
+        (1, 1, 1),
+        (1, 15, 37),
+        (7, 16, 300),
+        (24, 17, 257),
+        (25, 192, 576),
+        (49, 33, 1536),
+        (16, 1536, 576),
+        (3, 5, 0),
+        (0, 5, 7),
+    ],
+)
 @pytest.mark.parametrize("bias", [True, False])
 def test_small_batch_kernel_matches_float64(isa, rows, out_features, in_features, bias):
     module = _built()
@@ -180,9 +195,13 @@ def test_follows_weight_changes(kernel):
     with torch.no_grad():
         layer(x)  # packs
         layer.weight.mul_(-2.0)  # in place: the version counter moves
-        torch.testing.assert_close(layer(x).double(), float64_linear(layer, x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            layer(x).double(), float64_linear(layer, x), rtol=1e-5, atol=1e-5
+        )
         layer.weight = torch.nn.Parameter(torch.randn(24, 16))  # replaced
-        torch.testing.assert_close(layer(x).double(), float64_linear(layer, x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            layer(x).double(), float64_linear(layer, x), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_follows_edits_behind_the_version_counter(kernel):
@@ -194,8 +213,9 @@ def test_follows_edits_behind_the_version_counter(kernel):
     x = torch.randn(5, 40)
 
     def check():
-        torch.testing.assert_close(layer(x).double(), float64_linear(layer, x), rtol=1e-5,
-                                   atol=1e-5)
+        torch.testing.assert_close(
+            layer(x).double(), float64_linear(layer, x), rtol=1e-5, atol=1e-5
+        )
 
     with torch.no_grad():
         check()  # packs

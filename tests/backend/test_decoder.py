@@ -22,8 +22,10 @@ from genlm_fast.backend.llm import AsyncTransformer, NonFiniteLogitsError
 from genlm_fast.backend.llm import decoder as decoder_mod
 from genlm_fast.models import smollm2_path
 
-pytestmark = pytest.mark.skipif(decoder_mod.fused_available() is not None,
-                                reason=f"fused decoder: {decoder_mod.fused_available()}")
+pytestmark = pytest.mark.skipif(
+    decoder_mod.fused_available() is not None,
+    reason=f"fused decoder: {decoder_mod.fused_available()}",
+)
 
 V = 49157  # the SmolLM2 tokenizer's 49152 tokens and a few more: the LM head has a ragged panel
 ATOL = 2e-4  # float32 against float64 log-probabilities, on models this small
@@ -33,41 +35,102 @@ def tiny_config(family):
     import transformers as tf
 
     # head sizes that are and are not multiples of 16, biases, norms of every kind
-    common = {"vocab_size": V, "num_hidden_layers": 2, "max_position_embeddings": 64,
-              "initializer_range": 0.3, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    common = {
+        "vocab_size": V,
+        "num_hidden_layers": 2,
+        "max_position_embeddings": 64,
+        "initializer_range": 0.3,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
     if family == "llama":
-        return tf.LlamaConfig(**common, hidden_size=40, intermediate_size=72,
-                              num_attention_heads=4, num_key_value_heads=2)
+        return tf.LlamaConfig(
+            **common,
+            hidden_size=40,
+            intermediate_size=72,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
     if family == "llama-yarn":  # a rope variant that scales cos and sin
-        return tf.LlamaConfig(**common, hidden_size=64, intermediate_size=96,
-                              num_attention_heads=4, num_key_value_heads=1,
-                              rope_parameters={"rope_type": "yarn", "factor": 4.0,
-                                               "rope_theta": 10000.0,
-                                               "original_max_position_embeddings": 16})
+        return tf.LlamaConfig(
+            **common,
+            hidden_size=64,
+            intermediate_size=96,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 16,
+            },
+        )
     if family == "mistral":
-        return tf.MistralConfig(**common, hidden_size=64, intermediate_size=80,
-                                num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-                                sliding_window=6)
+        return tf.MistralConfig(
+            **common,
+            hidden_size=64,
+            intermediate_size=80,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=16,
+            sliding_window=6,
+        )
     if family == "qwen2":
-        return tf.Qwen2Config(**common, hidden_size=48, intermediate_size=64,
-                              num_attention_heads=3, num_key_value_heads=1,
-                              use_sliding_window=True, sliding_window=5, max_window_layers=1,
-                              tie_word_embeddings=False)
+        return tf.Qwen2Config(
+            **common,
+            hidden_size=48,
+            intermediate_size=64,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=1,
+            tie_word_embeddings=False,
+        )
     if family == "qwen3":
-        return tf.Qwen3Config(**common, hidden_size=32, intermediate_size=64, head_dim=24,
-                              num_attention_heads=2, num_key_value_heads=1)
+        return tf.Qwen3Config(
+            **common,
+            hidden_size=32,
+            intermediate_size=64,
+            head_dim=24,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
     if family == "gemma":
-        return tf.GemmaConfig(**common, hidden_size=48, intermediate_size=64, head_dim=32,
-                              num_attention_heads=2, num_key_value_heads=1,
-                              hidden_activation="gelu_pytorch_tanh")
+        return tf.GemmaConfig(
+            **common,
+            hidden_size=48,
+            intermediate_size=64,
+            head_dim=32,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            hidden_activation="gelu_pytorch_tanh",
+        )
     if family == "gemma2":
-        return tf.Gemma2Config(**common, hidden_size=48, intermediate_size=64, head_dim=16,
-                               num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
-                               query_pre_attn_scalar=20, attn_logit_softcapping=5.0,
-                               final_logit_softcapping=3.0)
+        return tf.Gemma2Config(
+            **common,
+            hidden_size=48,
+            intermediate_size=64,
+            head_dim=16,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=4,
+            query_pre_attn_scalar=20,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        )
     if family == "gpt2":
-        return tf.GPT2Config(vocab_size=V, n_embd=48, n_layer=2, n_head=3, n_positions=40,
-                             initializer_range=0.3, bos_token_id=1, eos_token_id=2)
+        return tf.GPT2Config(
+            vocab_size=V,
+            n_embd=48,
+            n_layer=2,
+            n_head=3,
+            n_positions=40,
+            initializer_range=0.3,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     raise ValueError(family)
 
 
@@ -80,7 +143,7 @@ def tiny_model(family, seed=0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
     with torch.no_grad():  # norms away from their initial ones and zeros
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.3)
     return model.eval()
@@ -129,8 +192,10 @@ def rounds(rng, B, prompt_lengths):
     """Contexts of SMC/beam-like decoding: prompts of different lengths (sharing a prefix),
     then rounds that add 1 or 2 tokens to every row, resample rows and branch."""
     shared = [rng.randrange(3, V - 5) for _ in range(3)]
-    rows = [shared + [rng.randrange(3, 49000) for _ in range(rng.choice(prompt_lengths))]
-            for _ in range(B)]
+    rows = [
+        shared + [rng.randrange(3, 49000) for _ in range(rng.choice(prompt_lengths))]
+        for _ in range(B)
+    ]
     out = [[list(r) for r in rows]]
     for step in range(4):
         grow = 1 if step % 2 == 0 else 2
@@ -290,8 +355,17 @@ def _load_state_dict(model):
     model.load_state_dict(state)
 
 
-@pytest.mark.parametrize("edit", [_edit_in_place, _edit_data, _edit_few_entries,
-                                  _replace_parameter, _load_state_dict, _announced])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        _edit_in_place,
+        _edit_data,
+        _edit_few_entries,
+        _replace_parameter,
+        _load_state_dict,
+        _announced,
+    ],
+)
 @pytest.mark.asyncio
 async def test_weights_changed_after_packing(edit, tokenizer):
     """An edit of the weights after the decoder packed them (in place, through .data,
@@ -325,8 +399,12 @@ async def test_peft_adapter_injected_then_merged(tokenizer):
         ctx = [5, 6, 7, 8]
         await lm.next_token_logprobs(ctx)
         torch.manual_seed(1)
-        wrapped = peft.get_peft_model(model, peft.LoraConfig(
-            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        wrapped = peft.get_peft_model(
+            model,
+            peft.LoraConfig(
+                r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+            ),
+        )
         wrapped.eval()
         want = torch.log_softmax(wrapped(torch.tensor([ctx + [9]])).logits[0, -1].double(), -1)
         row = await lm.next_token_logprobs(ctx + [9])
@@ -349,9 +427,15 @@ async def test_unknown_architecture_runs_transformers(tokenizer):
     import transformers as tf
 
     torch.manual_seed(0)
-    config = tf.GPTNeoXConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
-                              num_attention_heads=4, intermediate_size=64,
-                              max_position_embeddings=64, initializer_range=0.3)
+    config = tf.GPTNeoXConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+    )
     model = tf.AutoModelForCausalLM.from_config(config).eval()
     oracle = Oracle(model)
     lm = AsyncTransformer(model, tokenizer)

@@ -17,8 +17,10 @@ from genlm_fast.models import smollm2_path
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(decoder_mod.fused_available() is not None,
-                       reason=f"fused decoder: {decoder_mod.fused_available()}"),
+    pytest.mark.skipif(
+        decoder_mod.fused_available() is not None,
+        reason=f"fused decoder: {decoder_mod.fused_available()}",
+    ),
 ]
 
 TEXTS = [
@@ -79,12 +81,16 @@ def test_greedy_continuation_as_transformers(lm):
     for text in TEXTS[:3]:
         ctx = lm.tokenizer.encode(text)
         with torch.no_grad():
-            want = lm.model.generate(torch.tensor([ctx]), max_new_tokens=24, do_sample=False,
-                                     pad_token_id=lm.tokenizer.eos_token_id)[0, len(ctx):].tolist()
+            want = lm.model.generate(
+                torch.tensor([ctx]),
+                max_new_tokens=24,
+                do_sample=False,
+                pad_token_id=lm.tokenizer.eos_token_id,
+            )[0, len(ctx) :].tolist()
         got = list(ctx)
         for _ in range(24):
             got.append(int(lm.next_token_logprobs_sync(got).argmax()))
-        assert got[len(ctx):] == want, lm.tokenizer.decode(want)
+        assert got[len(ctx) :] == want, lm.tokenizer.decode(want)
 
 
 @pytest.mark.asyncio

@@ -47,16 +47,22 @@ def _requests(lm, rng):
 
     def context():
         base = rng.choice(prompts)
-        return base[: rng.randint(1, len(base))] + [rng.randrange(1000, 40000)
-                                                      for _ in range(rng.randint(0, 12))]
+        return base[: rng.randint(1, len(base))] + [
+            rng.randrange(1000, 40000) for _ in range(rng.randint(0, 12))
+        ]
 
     good = []
     for _ in range(N_LOGPROBS):
         ctx = context() if not good or rng.random() > 0.1 else list(rng.choice(good)[1][0])
         good.append(("logprobs", (ctx,), None))
     for _ in range(N_SAMPLES):
-        good.append(("sample", (context(), rng.randint(1, 4), eos, rng.choice([1.0, 0.7]),
-                                rng.randrange(2**32)), None))
+        good.append(
+            (
+                "sample",
+                (context(), rng.randint(1, 4), eos, rng.choice([1.0, 0.7]), rng.randrange(2**32)),
+                None,
+            )
+        )
     ctx = prompts[0]
     bad_kinds = [
         ("logprobs", ([],), (ValueError, "must not be empty")),
@@ -118,7 +124,7 @@ async def test_many_concurrent_requests_with_cancellations_and_bad_ones(lm):
 
     answers = await _alone(lm, good)
     cancelled = 0
-    for i, (kind, args, _) in enumerate(good):
+    for i, (kind, _args, _) in enumerate(good):
         got = results[i]
         if isinstance(got, asyncio.CancelledError):
             assert i in victims, f"request {i} ({kind}) was cancelled, nobody cancelled it"

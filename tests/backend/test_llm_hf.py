@@ -150,7 +150,13 @@ async def test_kv_reuse_equals_no_cache(lm, prompts, monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
         torch.testing.assert_close(c, b, rtol=0, atol=1e-4)
         for i, p in enumerate(particles):
-            p.append(int(torch.multinomial(a[i].exp(), 1, generator=torch.Generator().manual_seed(rng.randrange(10**6)))))
+            p.append(
+                int(
+                    torch.multinomial(
+                        a[i].exp(), 1, generator=torch.Generator().manual_seed(rng.randrange(10**6))
+                    )
+                )
+            )
         if step == 1:  # resample: particles now share prefixes, some identical
             particles = [list(particles[j]) for j in (0, 0, 1, 3)]
     assert max(pasts) > len(prompts[2])  # later steps started from stored key/values
@@ -161,7 +167,9 @@ async def test_kv_reuse_equals_no_cache(lm, prompts, monkeypatch):
     cached.cache_kv(prompts[3])
     row = await cached.next_token_logprobs(prompts[3] + [17])
     assert pasts[-1] == len(prompts[3])
-    torch.testing.assert_close(row, lm.next_token_logprobs_uncached(prompts[3] + [17]), rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        row, lm.next_token_logprobs_uncached(prompts[3] + [17]), rtol=0, atol=1e-4
+    )
 
 
 @pytest.mark.asyncio
@@ -178,14 +186,19 @@ async def test_kv_buffer_contents_never_leak(lm, prompts):
     for step in range(3):
         cached._kv_buffer = kept
         # pasts of 3 to ~14 positions in one forward: most rows have a masked gap
-        ctxs = [prompts[0] + [5 + step], prompts[2] + [7] * (step + 1),
-                prompts[1][:4] + [9, 11][: step + 1], prompts[2] + [8]]
+        ctxs = [
+            prompts[0] + [5 + step],
+            prompts[2] + [7] * (step + 1),
+            prompts[1][:4] + [9, 11][: step + 1],
+            prompts[2] + [8],
+        ]
         got = await cached.batch_next_token_logprobs(ctxs)
         assert cached._kv_buffer is kept  # the buffer was taken, used and given back
         assert not torch.isnan(got).any()
         # (float32 noise of two different batchings: up to ~1.2e-4 on unlikely tokens)
-        torch.testing.assert_close(got, plain.batch_next_token_logprobs_sync(ctxs),
-                                   rtol=0, atol=5e-4)
+        torch.testing.assert_close(
+            got, plain.batch_next_token_logprobs_sync(ctxs), rtol=0, atol=5e-4
+        )
         kept.fill_(float("nan"))  # the states stored from it must be copies
     # memory: a buffer over the limit is not kept, and clear_kv_cache drops the kept one
     cached._give_back_kv_buffer(torch.empty(cached._KV_BUFFER_KEEP_BYTES // 4 + 1))
@@ -202,10 +215,12 @@ async def test_random_smc_workloads_match_no_kv_reuse(lm, prompts):
     rng = random.Random(7)
     plain = sharing(lm, kv_cache_tokens=0, batch_size=64)
     for trial in range(3):
-        cached = sharing(lm, kv_cache_tokens=rng.choice([40, 16384]),
-                         batch_size=rng.choice([4, 20]))
-        particles = [list(rng.choice(prompts)[: rng.randint(2, 12)])
-                     for _ in range(rng.randint(1, 9))]
+        cached = sharing(
+            lm, kv_cache_tokens=rng.choice([40, 16384]), batch_size=rng.choice([4, 20])
+        )
+        particles = [
+            list(rng.choice(prompts)[: rng.randint(2, 12)]) for _ in range(rng.randint(1, 9))
+        ]
         for _ in range(4):
             rows = await asyncio.gather(*(cached.next_token_logprobs(p) for p in particles))
             want = plain.batch_next_token_logprobs_sync(particles)
@@ -274,11 +289,14 @@ async def test_logits_hook_on_device(lm, prompts):
     assert logits.device == lm.device and logits.shape[0] == 2
     logprobs = await lm.batch_next_token_logprobs(ctxs)
     # (computed again, from stored key/values: equal up to float32 rounding)
-    torch.testing.assert_close(torch.log_softmax(logits.float(), -1).cpu(), logprobs, rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        torch.log_softmax(logits.float(), -1).cpu(), logprobs, rtol=0, atol=1e-4
+    )
     one = await lm.next_token_logits(prompts[1])
     assert one.dim() == 1 and one.device == lm.device
     # a trie consumes logits and log-probabilities alike
     import genlm_fast.backend.trie as trie_mod
+
     trie = trie_mod.TokenCharacterTrie(lm.byte_vocab)
     torch.testing.assert_close(
         trie.batch_log_mass(logits).cpu(), trie.batch_log_mass(logprobs).cpu(), rtol=0, atol=1e-4
@@ -293,10 +311,13 @@ async def test_callers_own_their_rows(lm, prompts):
 @pytest.mark.asyncio
 async def test_sampling_matches_genlm(lm, prompts):
     import genlm.backend.llm as genlm_llm
+
     theirs = genlm_llm.AsyncTransformer(lm.model, lm.tokenizer)
     eos = [lm.tokenizer.eos_token_id]
     ours = await lm.batch_sample([prompts[0], prompts[1]], max_tokens=2, eos_token_ids=eos, seed=5)
-    ref = await theirs.batch_sample([prompts[0], prompts[1]], max_tokens=2, eos_token_ids=eos, seed=5)
+    ref = await theirs.batch_sample(
+        [prompts[0], prompts[1]], max_tokens=2, eos_token_ids=eos, seed=5
+    )
     assert ours == ref
     theirs.model = None
 
@@ -332,9 +353,14 @@ async def test_lora_adapter(model_dir, lora_setup):
     for row, want, b in zip(mixed[:2], expect, base):
         torch.testing.assert_close(row, want, rtol=0, atol=1e-4)
         assert (row - b).abs().max() > 1e-2  # the adapter really changes the answer
-    torch.testing.assert_close(mixed[3], lm.next_token_logprobs_uncached(ctxs[1] + [9]), rtol=0, atol=1e-4)
     torch.testing.assert_close(
-        mixed[5], lm.next_token_logprobs_uncached(ctxs[1] + [9], lora_name="adapter"), rtol=0, atol=1e-4
+        mixed[3], lm.next_token_logprobs_uncached(ctxs[1] + [9]), rtol=0, atol=1e-4
+    )
+    torch.testing.assert_close(
+        mixed[5],
+        lm.next_token_logprobs_uncached(ctxs[1] + [9], lora_name="adapter"),
+        rtol=0,
+        atol=1e-4,
     )
     # base answers are unaffected by the adapter being loaded
     for c, b in zip(ctxs, base):
@@ -350,18 +376,24 @@ async def test_lora_adapter(model_dir, lora_setup):
     # float32 noise of two implementations)
     other = AsyncTransformer(lm.model, lm.tokenizer)
     for _ in range(2):
-        torch.testing.assert_close(other.next_token_logprobs_uncached(ctxs[0]), base[0],
-                                   rtol=0, atol=1e-4)
-        torch.testing.assert_close(lm.next_token_logprobs_uncached(ctxs[0]), expect[0],
-                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            other.next_token_logprobs_uncached(ctxs[0]), base[0], rtol=0, atol=1e-4
+        )
+        torch.testing.assert_close(
+            lm.next_token_logprobs_uncached(ctxs[0]), expect[0], rtol=0, atol=1e-4
+        )
     # reloading the default adapter replaces it and keeps it the default
     lm.add_new_lora(path, "adapter")
-    torch.testing.assert_close(lm.next_token_logprobs_uncached(ctxs[1]), expect[1], rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        lm.next_token_logprobs_uncached(ctxs[1]), expect[1], rtol=0, atol=1e-4
+    )
     lm.clear_lora()
     torch.testing.assert_close(await lm.next_token_logprobs(ctxs[0]), base[0], rtol=0, atol=0)
     # reloading under the same name replaces it; removing forgets it
     lm.add_new_lora(path, "adapter")
-    torch.testing.assert_close(lm.next_token_logprobs_sync(ctxs[1], lora_name="adapter"), expect[1], rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        lm.next_token_logprobs_sync(ctxs[1], lora_name="adapter"), expect[1], rtol=0, atol=1e-4
+    )
     lm.remove_lora("adapter")
     with pytest.raises(UnknownLoraError):
         lm.next_token_logprobs_sync(ctxs[0], lora_name="adapter")
@@ -381,8 +413,10 @@ async def test_bad_input_and_faults(lm, prompts, model_dir, monkeypatch, tmp_pat
         await lm.next_token_logprobs([])
     # a 0-d tensor item (ctx + [logps.argmax()]) is its int, as genlm has it
     argmax = (await lm.next_token_logprobs(prompts[0])).argmax()
-    torch.testing.assert_close(await lm.next_token_logprobs(prompts[0] + [argmax]),
-                               await lm.next_token_logprobs(prompts[0] + [int(argmax)]))
+    torch.testing.assert_close(
+        await lm.next_token_logprobs(prompts[0] + [argmax]),
+        await lm.next_token_logprobs(prompts[0] + [int(argmax)]),
+    )
     with pytest.raises(ValueError, match="vocabulary"):
         await lm.next_token_logprobs(prompts[0] + [V])
     with pytest.raises(ValueError, match="vocabulary"):
@@ -439,8 +473,8 @@ async def test_bad_input_and_faults(lm, prompts, model_dir, monkeypatch, tmp_pat
 
 def test_a_shared_model_is_unpacked_only_when_its_last_lm_closes(model_dir, monkeypatch):
     """Two AsyncTransformers over one model that runs transformers' forward (here: the fused
-    decoder refuses it): closing one leaves the other on the packed CPU linear kernels; closing the last gives the caller's model its own layers
-    back."""
+    decoder refuses it): closing one leaves the other on the packed CPU linear kernels;
+    closing the last gives the caller's model its own layers back."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from genlm_fast.backend.llm import hf

@@ -125,8 +125,9 @@ async def test_real_model_caches_hold_their_bounds():
     lm = AsyncTransformer.from_name(smollm2_path(), cache_size=64, kv_cache_tokens=100_000)
     per_position = lm.kv_bytes_per_token
     budget = 150 * per_position + per_position // 2  # bytes, not a whole number of positions
-    bounded = AsyncTransformer(lm.model, lm.tokenizer, cache_size=64, kv_cache_tokens=100_000,
-                               kv_cache_bytes=budget)
+    bounded = AsyncTransformer(
+        lm.model, lm.tokenizer, cache_size=64, kv_cache_tokens=100_000, kv_cache_bytes=budget
+    )
     try:
         rng = random.Random(3)
         for _ in range(5):  # short SMC-shaped runs, new prompts each
@@ -146,14 +147,20 @@ async def test_real_model_caches_hold_their_bounds():
         # evicting changed no answer: the last contexts, against a lone uncached forward
         for p in particles[:3]:
             bounded.clear_cache()
-            torch.testing.assert_close(await bounded.next_token_logprobs(p),
-                                       bounded.next_token_logprobs_uncached(p),
-                                       rtol=0, atol=1e-4)
+            torch.testing.assert_close(
+                await bounded.next_token_logprobs(p),
+                bounded.next_token_logprobs_uncached(p),
+                rtol=0,
+                atol=1e-4,
+            )
         # a zero budget turns key/value reuse off
         off = AsyncTransformer(lm.model, lm.tokenizer, kv_cache_bytes=0)
-        torch.testing.assert_close(off.next_token_logprobs_sync(particles[0]),
-                                   lm.next_token_logprobs_uncached(particles[0]),
-                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            off.next_token_logprobs_sync(particles[0]),
+            lm.next_token_logprobs_uncached(particles[0]),
+            rtol=0,
+            atol=1e-4,
+        )
         assert off._kv_tries == {}
         off.cleanup()
         for bad in (-1, 1.5, "1GB", True, float("inf")):
@@ -246,10 +253,21 @@ def test_clear_cache_and_cleanup_give_memory_back():
     of what loading it took: 1.35 GB here, the weights and their packed copy; the rest is
     the allocator's and the imported modules'), and a second model, loaded, used and
     closed, leaves no more behind than the first."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _MEMORY_CHILD], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=ROOT, check=False)
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEMORY_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(proc.stdout.strip().splitlines()[-1])
     grown = m["filled"] - m["loaded"]

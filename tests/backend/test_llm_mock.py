@@ -86,6 +86,7 @@ def random_contexts(rng, n, vocab_size, dup_every=5):
 
 def test_matches_genlm_mock(tokenizer, vocab_size):
     import genlm.backend.llm as genlm_llm
+
     theirs = genlm_llm.MockAsyncLM(tokenizer)
     ours = make(tokenizer)
     assert len(ours.byte_vocab) == len(theirs.byte_vocab)
@@ -114,6 +115,7 @@ async def test_genlm_control_over_the_mock(tokenizer):
 @pytest.mark.asyncio
 async def test_sample_matches_genlm(tokenizer):
     import genlm.backend.llm as genlm_llm
+
     theirs = genlm_llm.MockAsyncLM(tokenizer)
     ours = make(tokenizer)
     prompts = [[10, 20, 30], [7], [400, 401]]
@@ -135,12 +137,17 @@ async def test_sample_accepts_every_context_form(tokenizer):
     and batch_sample (a tensor is one context, not a list of 0-d tensors). The draws
     are genlm's on the same context as a list."""
     import genlm.backend.llm as genlm_llm
+
     theirs = genlm_llm.MockAsyncLM(tokenizer)
     ours = make(tokenizer)
     prompt = [10, 20, 30]
     want = await theirs.sample(prompt, 5, [50256], seed=4)
-    forms = [torch.tensor(prompt), torch.tensor(prompt, dtype=torch.int32),
-             np.array(prompt), tuple(prompt)]
+    forms = [
+        torch.tensor(prompt),
+        torch.tensor(prompt, dtype=torch.int32),
+        np.array(prompt),
+        tuple(prompt),
+    ]
     for form in forms:
         assert await ours.sample(form, 5, [50256], seed=4) == want
     assert await ours.batch_sample(forms, 5, [50256], seed=4) == [want] * len(forms)
@@ -262,7 +269,9 @@ async def test_random_cancellations(tokenizer, vocab_size):
     assert survivors >= len(ctxs) - len(victims)
     # nothing left behind: the model keeps working
     assert not lm._pending and lm._timer is None
-    torch.testing.assert_close(await lm.next_token_logprobs([4, 5, 6]), expected([4, 5, 6], vocab_size))
+    torch.testing.assert_close(
+        await lm.next_token_logprobs([4, 5, 6]), expected([4, 5, 6], vocab_size)
+    )
 
 
 @pytest.mark.asyncio
@@ -270,8 +279,9 @@ async def test_cancelled_waiters_leave_the_queue_at_once(tokenizer, vocab_size):
     """A waiter cancelled before its batch runs is gone from the queue at once: its row goes
     when nobody else waits for it, and the timer when nothing is left queued."""
     lm = make(tokenizer, batch_size=100, timeout=30.0, flush_when_idle=False)
-    first, twin, other = (asyncio.ensure_future(lm.next_token_logprobs(c))
-                          for c in ([1, 2], [1, 2], [3]))
+    first, twin, other = (
+        asyncio.ensure_future(lm.next_token_logprobs(c)) for c in ([1, 2], [1, 2], [3])
+    )
     await asyncio.sleep(0)
     assert len(lm._pending) == 2 and lm._queued == 3 and lm._timer is not None
     first.cancel()
@@ -310,8 +320,7 @@ async def test_cancelling_one_of_two_identical_waiters(tokenizer, vocab_size):
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("call", ["batch_next_token_logprobs", "batch_next_token_logits"])
-async def test_a_batch_call_cancelled_at_once_leaves_nothing_running(tokenizer, vocab_size,
-                                                                     call):
+async def test_a_batch_call_cancelled_at_once_leaves_nothing_running(tokenizer, vocab_size, call):
     """Cancelled before its first step ends (its contexts queued, not yet gathered), a batch
     call takes its queries with it: no forward runs for it later and no task is left
     behind (a query left running would log a bad context's error as never retrieved)."""
@@ -417,9 +426,7 @@ async def test_identical_queries_fill_a_batch(tokenizer, vocab_size):
     waiting for the timer."""
     lm = make(tokenizer, batch_size=5, timeout=60.0, flush_when_idle=False)
     ctxs = [[4, 4]] * 3 + [[5]] * 2
-    rows = await asyncio.wait_for(
-        asyncio.gather(*(lm.next_token_logprobs(c) for c in ctxs)), 10
-    )
+    rows = await asyncio.wait_for(asyncio.gather(*(lm.next_token_logprobs(c) for c in ctxs)), 10)
     for ctx, row in zip(ctxs, rows):
         torch.testing.assert_close(row, expected(ctx, vocab_size))
     assert lm.stats["batches"] == 1 and lm.stats["rows"] == 2
@@ -485,8 +492,7 @@ async def test_idle_flush_waits_for_coroutines_that_can_still_run(tokenizer, voc
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("flush_when_idle", [True, False])
-async def test_batch_calls_made_together_share_one_forward(tokenizer, vocab_size,
-                                                           flush_when_idle):
+async def test_batch_calls_made_together_share_one_forward(tokenizer, vocab_size, flush_when_idle):
     """genlm-control's product of two prompted LMs asks both at once (a gather of two batch
     calls, each a few awaits deep): one model call answers both, with no wait for the timer,
     even while another coroutine keeps the event loop busy (the loop is never idle)."""
@@ -534,8 +540,9 @@ async def test_two_models_both_flush_when_idle(tokenizer, vocab_size):
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("flush_when_idle", [True, False])
-async def test_queries_behind_a_timer_with_and_without_idle_flush(tokenizer, vocab_size,
-                                                                 flush_when_idle):
+async def test_queries_behind_a_timer_with_and_without_idle_flush(
+    tokenizer, vocab_size, flush_when_idle
+):
     """A query that waits on a timer (or I/O) first: with flush_when_idle the loop idles
     meanwhile, so the earlier query runs alone; without it, genlm's rule, both share the
     batch the timeout closes."""
@@ -547,7 +554,8 @@ async def test_queries_behind_a_timer_with_and_without_idle_flush(tokenizer, voc
 
     start = time.perf_counter()
     early_row, late_row = await asyncio.wait_for(
-        asyncio.gather(lm.next_token_logprobs([1, 1]), late()), 10)
+        asyncio.gather(lm.next_token_logprobs([1, 1]), late()), 10
+    )
     elapsed = time.perf_counter() - start
     torch.testing.assert_close(early_row, expected([1, 1], vocab_size))
     torch.testing.assert_close(late_row, expected([2, 2], vocab_size))
@@ -621,8 +629,7 @@ def test_abandoned_queries_on_a_live_loop_do_not_block_another(tokenizer, vocab_
         with pytest.raises(RuntimeError, match="another event loop"):
             asyncio.run(ask([9, 12]))
         lm.batch_evaluate_queries()
-        torch.testing.assert_close(first.run_until_complete(waiting),
-                                   expected([9, 11], vocab_size))
+        torch.testing.assert_close(first.run_until_complete(waiting), expected([9, 11], vocab_size))
     finally:
         first.close()
 
@@ -684,8 +691,10 @@ def test_threads_each_with_its_own_loop_share_one_model(tokenizer, vocab_size):
 
         async def run():
             for _ in range(100):
-                ctxs = [[rng.randrange(vocab_size) for _ in range(rng.randrange(1, 4))]
-                        for _ in range(2)]
+                ctxs = [
+                    [rng.randrange(vocab_size) for _ in range(rng.randrange(1, 4))]
+                    for _ in range(2)
+                ]
                 for ctx, row in zip(ctxs, await asyncio.gather(*map(one, ctxs))):
                     torch.testing.assert_close(row, expected(ctx, vocab_size))
 
@@ -729,8 +738,8 @@ def test_cleanup_waits_for_a_forward_running_in_another_thread(tokenizer, vocab_
 
     lm = SlowMock(tokenizer)
     worker = threading.Thread(
-        target=lambda: result.setdefault("row", lm.next_token_logprobs_sync([3, 4])),
-        daemon=True)
+        target=lambda: result.setdefault("row", lm.next_token_logprobs_sync([3, 4])), daemon=True
+    )
     worker.start()
     assert started.wait(10)
     lm.cleanup()
@@ -753,9 +762,20 @@ async def test_bad_contexts(tokenizer, vocab_size):
         lm.next_token_logprobs_sync([-1])
     with pytest.raises(ValueError, match="vocabulary"):
         await lm.batch_next_token_logprobs([[1], [vocab_size + 5]])
-    for bad in ("hello", [1.5, 2], [[1, 2]], [True, 1], None, 3, [1, "2"],
-                [torch.tensor(1.0)], [torch.tensor(True)], [torch.tensor([1])],
-                [np.array(2.0)], [np.bool_(True)]):
+    for bad in (
+        "hello",
+        [1.5, 2],
+        [[1, 2]],
+        [True, 1],
+        None,
+        3,
+        [1, "2"],
+        [torch.tensor(1.0)],
+        [torch.tensor(True)],
+        [torch.tensor([1])],
+        [np.array(2.0)],
+        [np.bool_(True)],
+    ):
         with pytest.raises(TypeError, match="token_ids"):
             await lm.next_token_logprobs(bad)
         with pytest.raises(TypeError, match="token_ids"):
@@ -776,8 +796,18 @@ async def test_bad_contexts(tokenizer, vocab_size):
             lm.batch_next_token_logprobs_sync(bad)
         with pytest.raises(TypeError, match="list of token_ids contexts"):
             await lm.batch_sample(bad, 2, [0])
-    for bad in (0, 0.0, -1.0, float("inf"), float("nan"), None, True, "1",
-                torch.tensor([0.5, 0.5]), torch.tensor(float("nan"))):
+    for bad in (
+        0,
+        0.0,
+        -1.0,
+        float("inf"),
+        float("nan"),
+        None,
+        True,
+        "1",
+        torch.tensor([0.5, 0.5]),
+        torch.tensor(float("nan")),
+    ):
         # 0 divided by zero (torch's 'probability tensor contains inf'), -1 sampled from
         # the inverted distribution
         with pytest.raises(ValueError, match="temperature must be a positive"):
@@ -864,33 +894,42 @@ def test_pickling_or_copying_names_the_model(tokenizer):
     lm = make(tokenizer)
     lm.next_token_logprobs_sync([1])
     holder = {"particle": [1, 2], "model": lm}  # what an app's state may look like
-    for attempt in (lambda: pickle.dumps(lm), lambda: copy.deepcopy(lm), lambda: copy.copy(lm),
-                    lambda: copy.deepcopy(holder), lambda: pickle.dumps(holder)):
+    for attempt in (
+        lambda: pickle.dumps(lm),
+        lambda: copy.deepcopy(lm),
+        lambda: copy.copy(lm),
+        lambda: copy.deepcopy(holder),
+        lambda: pickle.dumps(holder),
+    ):
         with pytest.raises(TypeError, match="MockAsyncLM cannot be pickled or copied"):
             attempt()
     assert copy.copy(holder)["model"] is lm  # a shallow copy shares the model, as ever
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"batch_size": 0}, "batch_size must be a positive integer"),
-    ({"batch_size": 2.5}, "batch_size must be a positive integer"),
-    ({"batch_size": "3"}, "batch_size must be a positive integer"),
-    ({"batch_size": True}, "batch_size must be a positive integer"),
-    ({"timeout": -1}, "timeout must be a finite non-negative"),
-    ({"timeout": float("nan")}, "timeout must be a finite non-negative"),
-    ({"timeout": float("inf")}, "timeout must be a finite non-negative"),
-    ({"timeout": None}, "timeout must be a finite non-negative"),
-    ({"timeout": "0.1"}, "timeout must be a finite non-negative"),
-    ({"cache_size": 1.5}, "cache_size must be an integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"batch_size": 0}, "batch_size must be a positive integer"),
+        ({"batch_size": 2.5}, "batch_size must be a positive integer"),
+        ({"batch_size": "3"}, "batch_size must be a positive integer"),
+        ({"batch_size": True}, "batch_size must be a positive integer"),
+        ({"timeout": -1}, "timeout must be a finite non-negative"),
+        ({"timeout": float("nan")}, "timeout must be a finite non-negative"),
+        ({"timeout": float("inf")}, "timeout must be a finite non-negative"),
+        ({"timeout": None}, "timeout must be a finite non-negative"),
+        ({"timeout": "0.1"}, "timeout must be a finite non-negative"),
+        ({"cache_size": 1.5}, "cache_size must be an integer"),
+    ],
+)
 def test_constructor_checks(tokenizer, kwargs, message):
     with pytest.raises(ValueError, match=message):
         MockAsyncLM(tokenizer, **kwargs)
 
 
 def test_constructor_accepts_numpy_numbers(tokenizer, vocab_size):
-    lm = MockAsyncLM(tokenizer, batch_size=np.int64(4), timeout=np.float32(0.01),
-                     cache_size=np.int32(8))
+    lm = MockAsyncLM(
+        tokenizer, batch_size=np.int64(4), timeout=np.float32(0.01), cache_size=np.int32(8)
+    )
     assert (lm.batch_size, lm.timeout, lm.cache_size) == (4, pytest.approx(0.01), 8)
     torch.testing.assert_close(lm.next_token_logprobs_sync([3]), expected([3], vocab_size))
 

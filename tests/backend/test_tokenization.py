@@ -13,14 +13,13 @@ import pickle
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import genlm.backend.tokenization as ref
 import pytest
 import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-import genlm.backend.tokenization as ref
-from tests import vocabs
 from genlm_fast.backend.tokenization import (
     ByteDecoderError,
     ByteVocabError,
@@ -30,6 +29,7 @@ from genlm_fast.backend.tokenization import (
     decode_vocab,
     get_byte_vocab,
 )
+from tests import vocabs
 
 FALLBACKS = ["tokenizer", "latin1", "replace"]
 
@@ -98,14 +98,10 @@ def sp_bytefallback_tok():
 
     The corpus has no emoji, so emoji must go through the byte pieces.
     """
-    normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-    )
+    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     base = Tokenizer(models.BPE(unk_token="<unk>"))
     base.normalizer = normalizer
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SP_SPECIALS, show_progress=False
-    )
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SP_SPECIALS, show_progress=False)
     base.train_from_iterator(CORPUS, trainer)
     state = json.loads(base.to_str())["model"]
     learned = sorted(state["vocab"], key=state["vocab"].get)
@@ -133,9 +129,7 @@ def sp_bytefallback_tok():
         ]
     )
     t.add_special_tokens(SP_SPECIALS)
-    return _wrap(
-        t, "local-sp-bytefallback", unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
+    return _wrap(t, "local-sp-bytefallback", unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
 @pytest.fixture(scope="session")
@@ -144,9 +138,7 @@ def metaspace_tok():
     t = Tokenizer(models.BPE(unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     t.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>"], show_progress=False
-    )
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"], show_progress=False)
     t.train_from_iterator(CORPUS + [EMOJI_LINE], trainer)
     return _wrap(t, "local-metaspace", unk_token="<unk>")
 
@@ -298,8 +290,7 @@ def test_token_against_bytes_with_a_token_id_attribute(other):
     """Compared, hashed and converted as genlm's Token does: by content, both ways round."""
     ours, theirs = Token(1, b"a"), ref.Token(1, b"a")
     for x, y in ((ours, other), (other, ours)):
-        for op in (operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
-                   operator.ge):
+        for op in (operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge):
             expected = op(theirs, other) if x is ours else op(other, theirs)
             assert op(x, y) == expected == op(bytes(x), bytes(y)), (op, x, y)
     assert Token.is_plain_bytes(other) == ref.Token.is_plain_bytes(other) is True
@@ -455,6 +446,7 @@ def test_no_backend_fallback_matches_reference(name, attrs, request):
 
 def test_default_byte_decoder_matches_reference():
     from genlm.backend.tokenization.bytes import _get_default_byte_decoder
+
     from genlm_fast.backend.tokenization.bytes import _gpt2_byte_decoder
 
     assert _gpt2_byte_decoder() == _get_default_byte_decoder()

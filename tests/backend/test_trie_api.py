@@ -41,12 +41,20 @@ def trie_pairs(words):
     """(ours, genlm's) for each of the three tries over ``words``, on the CPU."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return [(TokenCharacterTrie(ours(words), cache=False),
-                 ref_trie.TokenCharacterTrie(theirs(words))),
-                (ParallelTokenCharacterTrie(ours(words), device="cpu", cache=False),
-                 ref_trie.ParallelTokenCharacterTrie(theirs(words), device="cpu")),
-                (TokenByteTrie(ours(words), device="cpu", cache=False),
-                 ref_bytes.TokenByteTrie(theirs(words), device="cpu"))]
+        return [
+            (
+                TokenCharacterTrie(ours(words), cache=False),
+                ref_trie.TokenCharacterTrie(theirs(words)),
+            ),
+            (
+                ParallelTokenCharacterTrie(ours(words), device="cpu", cache=False),
+                ref_trie.ParallelTokenCharacterTrie(theirs(words), device="cpu"),
+            ),
+            (
+                TokenByteTrie(ours(words), device="cpu", cache=False),
+                ref_bytes.TokenByteTrie(theirs(words), device="cpu"),
+            ),
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +67,12 @@ def gpt2_reference_tries(gpt2):
     words = [t.byte_string for t in gpt2]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return (ref_trie.TokenCharacterTrie(theirs(words)),
-                ref_bytes.TokenByteTrie(theirs(words), device="cpu",
-                                        eos_byte_strings=[b"<|endoftext|>"]))
+        return (
+            ref_trie.TokenCharacterTrie(theirs(words)),
+            ref_bytes.TokenByteTrie(
+                theirs(words), device="cpu", eos_byte_strings=[b"<|endoftext|>"]
+            ),
+        )
 
 
 # ------------------------------------------------------------------ structure
@@ -80,13 +91,24 @@ def test_character_trie_structure_matches_genlm(words):
     assert [list(j) for j in mine.jump] == [list(j) for j in ref.jump]
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"eos_byte_strings": [b"<eos>"]},
-                                    {"atomic_byte_strings": [b"abc"], "eot_sentinel": b"T"}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"eos_byte_strings": [b"<eos>"]}, {"atomic_byte_strings": [b"abc"], "eot_sentinel": b"T"}],
+)
 def test_byte_trie_structure_matches_genlm(kwargs):
     mine = TokenByteTrie(ours(SMALL), device="cpu", cache=False, **kwargs)
     ref = ref_bytes.TokenByteTrie(theirs(SMALL), device="cpu", **kwargs)
-    for attr in ("root", "eos_node", "children", "node2prefix", "word2leaf", "leaf2word",
-                 "leaf2token_id", "eos_token_ids", "lookup"):
+    for attr in (
+        "root",
+        "eos_node",
+        "children",
+        "node2prefix",
+        "word2leaf",
+        "leaf2word",
+        "leaf2token_id",
+        "eos_token_ids",
+        "lookup",
+    ):
         assert getattr(mine, attr) == getattr(ref, attr), attr
     assert {n: mine.prefix_of(n) for n in range(mine.num_nodes)} == ref.node2prefix
     np.testing.assert_array_equal(mine.token_id_to_leaf, ref.token_id_to_leaf)
@@ -94,10 +116,22 @@ def test_byte_trie_structure_matches_genlm(kwargs):
 
 
 def test_old_keyword_names_are_accepted():
-    new = TokenByteTrie(ours(SMALL), device="cpu", eos_byte_strings=[b"<eos>"],
-                        atomic_byte_strings=[b"abc"], eot_sentinel=b"T", cache=False)
-    old = TokenByteTrie(ours(SMALL), device="cpu", eos_tokens=[b"<eos>"],
-                        atomic_tokens=[b"abc"], eot_token=b"T", cache=False)
+    new = TokenByteTrie(
+        ours(SMALL),
+        device="cpu",
+        eos_byte_strings=[b"<eos>"],
+        atomic_byte_strings=[b"abc"],
+        eot_sentinel=b"T",
+        cache=False,
+    )
+    old = TokenByteTrie(
+        ours(SMALL),
+        device="cpu",
+        eos_tokens=[b"<eos>"],
+        atomic_tokens=[b"abc"],
+        eot_token=b"T",
+        cache=False,
+    )
     assert new.children == old.children and new.eos_token_ids == old.eos_token_ids
     with pytest.raises(TypeError, match="either"):
         TokenByteTrie(ours(SMALL), eos_tokens=[b"a"], eos_byte_strings=[b"a"])
@@ -140,8 +174,10 @@ def test_eot_sentinel_is_the_callers_own_object_and_is_never_pickled(tmp_path):
         pass
 
     first, second = Sentinel(), Sentinel()
-    tries = [TokenByteTrie(ours(SMALL), device="cpu", eot_sentinel=s, cache_dir=str(tmp_path))
-             for s in (first, second)]  # the second reads the layout the first cached
+    tries = [
+        TokenByteTrie(ours(SMALL), device="cpu", eot_sentinel=s, cache_dir=str(tmp_path))
+        for s in (first, second)
+    ]  # the second reads the layout the first cached
     assert list(tmp_path.iterdir()), "the layout was not cached"
     for sentinel, mine in zip((first, second), tries):
         ref = ref_bytes.TokenByteTrie(theirs(SMALL), device="cpu", eot_sentinel=sentinel)
@@ -248,9 +284,11 @@ def test_gpt2_values_match_genlm(gpt2, gpt2_reference_tries):
     p32 = torch.tensor(probs, dtype=torch.float32)
     # the mode as our enum, its string, or genlm.bytes' enum (genlm modules imported before
     # the drop-in)
-    for ours_mode, ref_mode in [(TrieMode.WITH_EOS, ref_bytes.TrieMode.WITH_EOS),
-                                (ref_bytes.TrieMode.WITH_EOS, ref_bytes.TrieMode.WITH_EOS),
-                                ("without_eos", ref_bytes.TrieMode.WITHOUT_EOS)]:
+    for ours_mode, ref_mode in [
+        (TrieMode.WITH_EOS, ref_bytes.TrieMode.WITH_EOS),
+        (ref_bytes.TrieMode.WITH_EOS, ref_bytes.TrieMode.WITH_EOS),
+        ("without_eos", ref_bytes.TrieMode.WITHOUT_EOS),
+    ]:
         got_b = byte.batch_weight_sum(p32, mode=ours_mode)
         assert isinstance(got_b, torch.Tensor) and got_b.device.type == "cpu"
         want_b = ref_byte.batch_weight_sum(p32, mode=ref_mode)
@@ -364,15 +402,18 @@ def test_numpy_views_are_read_as_numpy_reads_them():
     ws = np.array([4.0, 3.0, 2.0, 1.0])[::-1]
     rows = np.arange(8.0).reshape(2, 4)[::-1]
     want, want_rows = ref.weight_sum(ws), ref.batch_weight_sum(rows)
-    for trie in (TokenCharacterTrie(ours(words), cache=False),
-                 ParallelTokenCharacterTrie(ours(words), device="cpu", cache=False)):
+    for trie in (
+        TokenCharacterTrie(ours(words), cache=False),
+        ParallelTokenCharacterTrie(ours(words), device="cpu", cache=False),
+    ):
         np.testing.assert_allclose(trie.weight_sum(ws), want, rtol=1e-6)
         np.testing.assert_allclose(trie.weight_sum(ws.astype(">f8")), want, rtol=1e-6)
         np.testing.assert_allclose(trie.batch_weight_sum(rows), want_rows, rtol=1e-6)
     byte = TokenByteTrie(ours(words), device="cpu", cache=False)
     ref_byte = ref_bytes.TokenByteTrie(theirs(words), device="cpu")
-    torch.testing.assert_close(byte.batch_weight_sum(rows),
-                               ref_byte.batch_weight_sum(np.ascontiguousarray(rows)))
+    torch.testing.assert_close(
+        byte.batch_weight_sum(rows), ref_byte.batch_weight_sum(np.ascontiguousarray(rows))
+    )
     logits = np.array([0.5, -1.0, 2.0, 0.0])
     torch.testing.assert_close(byte.log_mass(logits[::-1]), byte.log_mass(logits[::-1].copy()))
 
@@ -389,10 +430,12 @@ def test_a_row_of_0d_tensors_is_one_row_as_in_genlm():
     ref_byte = ref_bytes.TokenByteTrie(theirs(words), device="cpu")
     np.testing.assert_allclose(par.weight_sum(row), ref_par.weight_sum(list(torch.tensor(plain))))
     np.testing.assert_allclose(par.weight_sum(row), par.weight_sum(plain))
-    torch.testing.assert_close(byte.weight_max(list(torch.tensor(plain))),
-                               ref_byte.weight_max(list(torch.tensor(plain))))
-    torch.testing.assert_close(byte.batch_weight_sum([row, plain]),
-                               byte.batch_weight_sum([plain, plain]))
+    torch.testing.assert_close(
+        byte.weight_max(list(torch.tensor(plain))), ref_byte.weight_max(list(torch.tensor(plain)))
+    )
+    torch.testing.assert_close(
+        byte.batch_weight_sum([row, plain]), byte.batch_weight_sum([plain, plain])
+    )
     char = TokenCharacterTrie(ours(words), cache=False)
     np.testing.assert_allclose(char.weight_sum(row), char.weight_sum(plain))
     with pytest.raises(ValueError, match="batch item 0 must be a 1-D"):  # not all 0-d: rows
@@ -409,19 +452,27 @@ def test_a_batch_is_any_iterable_of_rows_as_genlm_loops_over_it():
     pairs = trie_pairs(SMALL)
     for mine, ref in pairs:
         want = np.asarray(ref.batch_weight_sum(list(rows)), dtype=np.float64)
-        for batch in (map(np.asarray, rows), (r for r in rows), deque(rows),
-                      dict(enumerate(rows)).values()):
+        for batch in (
+            map(np.asarray, rows),
+            (r for r in rows),
+            deque(rows),
+            dict(enumerate(rows)).values(),
+        ):
             got = mine.batch_weight_sum(batch)
             np.testing.assert_allclose(np.asarray(got, dtype=np.float64), want, rtol=1e-6)
         mixed = [torch.tensor(0.5, dtype=torch.bfloat16)] + rows[0, 1:].tolist()
         plain = [0.5] + rows[0, 1:].tolist()
-        np.testing.assert_allclose(np.asarray(mine.weight_sum(mixed), dtype=np.float64),
-                                   np.asarray(ref.weight_sum(plain), dtype=np.float64),
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(mine.weight_sum(mixed), dtype=np.float64),
+            np.asarray(ref.weight_sum(plain), dtype=np.float64),
+            rtol=1e-6,
+        )
         eight = torch.from_numpy(rows[0]).to(torch.float8_e5m2)  # read as float32, exactly
-        np.testing.assert_allclose(np.asarray(mine.weight_sum(eight), dtype=np.float64),
-                                   np.asarray(ref.weight_sum(eight.float()), dtype=np.float64),
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(mine.weight_sum(eight), dtype=np.float64),
+            np.asarray(ref.weight_sum(eight.float()), dtype=np.float64),
+            rtol=1e-6,
+        )
         for bad in ("abc", 3.0, {0: rows[0]}):
             with pytest.raises(TypeError, match=f"got {type(bad).__name__}"):
                 mine.batch_weight_sum(bad)
@@ -457,12 +508,14 @@ def test_the_sequential_trie_reads_the_first_V_weights_as_genlm():
 
     for got, row in zip(asyncio.run(run_async()), wide):
         np.testing.assert_allclose(got, ref.weight_sum(row[:V]))
-    for strict in (ParallelTokenCharacterTrie(ours(SMALL), device="cpu", cache=False),
-                   TokenByteTrie(ours(SMALL), device="cpu", cache=False)):
+    for strict in (
+        ParallelTokenCharacterTrie(ours(SMALL), device="cpu", cache=False),
+        TokenByteTrie(ours(SMALL), device="cpu", cache=False),
+    ):
         with pytest.raises(ValueError, match=rf"length {V} \(one entry per token id\)"):
             strict.weight_sum(wide[0])
     with pytest.raises(ValueError, match="length 10 .*got 9"):  # shorter: genlm reads past its end
-        mine.weight_sum(wide[0, :V - 1])
+        mine.weight_sum(wide[0, : V - 1])
 
 
 def test_a_vocabulary_may_be_any_iterable_of_tokens():
@@ -499,14 +552,25 @@ def test_integer_and_bool_weights_are_taken_as_genlm_takes_them():
     # (test_weight_max_allows_negative_log_weights)
     counts = np.arange(V, dtype=np.int64) * 7 % 11
     mask = np.arange(V) % 3 == 0
-    forms = [counts, torch.from_numpy(counts), counts.tolist(), mask, torch.from_numpy(mask),
-             counts.astype(np.int16), torch.from_numpy(counts).to(torch.uint8)]
+    forms = [
+        counts,
+        torch.from_numpy(counts),
+        counts.tolist(),
+        mask,
+        torch.from_numpy(mask),
+        counts.astype(np.int16),
+        torch.from_numpy(counts).to(torch.uint8),
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        refs = [ref_trie.TokenCharacterTrie(theirs(SMALL)),
-                ref_trie.ParallelTokenCharacterTrie(theirs(SMALL), device="cpu")]
-    mine = [TokenCharacterTrie(ours(SMALL), cache=False),
-            ParallelTokenCharacterTrie(ours(SMALL), device="cpu", cache=False)]
+        refs = [
+            ref_trie.TokenCharacterTrie(theirs(SMALL)),
+            ref_trie.ParallelTokenCharacterTrie(theirs(SMALL), device="cpu"),
+        ]
+    mine = [
+        TokenCharacterTrie(ours(SMALL), cache=False),
+        ParallelTokenCharacterTrie(ours(SMALL), device="cpu", cache=False),
+    ]
     ref_byte = ref_bytes.TokenByteTrie(theirs(SMALL), device="cpu")
     byte = TokenByteTrie(ours(SMALL), device="cpu", cache=False)
     for ws in forms:
@@ -516,8 +580,9 @@ def test_integer_and_bool_weights_are_taken_as_genlm_takes_them():
                 got = getattr(trie, op)(ws)
                 assert got.dtype == getattr(ref, op)(floats).dtype
                 np.testing.assert_allclose(got, getattr(ref, op)(ws), rtol=1e-6)
-            np.testing.assert_allclose(trie.batch_weight_sum([ws, ws]),
-                                       ref.batch_weight_sum([floats, floats]), rtol=1e-6)
+            np.testing.assert_allclose(
+                trie.batch_weight_sum([ws, ws]), ref.batch_weight_sum([floats, floats]), rtol=1e-6
+            )
         for op in ("weight_sum", "weight_max"):
             got = getattr(byte, op)(ws)
             assert got.dtype == torch.float32
@@ -526,8 +591,11 @@ def test_integer_and_bool_weights_are_taken_as_genlm_takes_them():
     async def run_async():
         atrie = AsyncTokenByteTrie(byte)
         try:
-            return await asyncio.gather(atrie.weight_sum(counts), atrie.weight_sum(counts * 0.5),
-                                        atrie.weight_max(torch.from_numpy(mask)))
+            return await asyncio.gather(
+                atrie.weight_sum(counts),
+                atrie.weight_sum(counts * 0.5),
+                atrie.weight_max(torch.from_numpy(mask)),
+            )
         finally:
             await atrie.cleanup()
 
@@ -623,8 +691,9 @@ def test_layout_cache_tells_vocabularies_apart(tmp_path, variant):
         for kwargs, tids in zip(configs, ids):
             vocab = [Token(t, w) for t, w in zip(tids, words)]
             mine = TokenByteTrie(vocab, device="cpu", cache_dir=str(tmp_path), **kwargs)
-            ref = ref_bytes.TokenByteTrie([RefToken(t, w) for t, w in zip(tids, words)],
-                                          device="cpu", **kwargs)
+            ref = ref_bytes.TokenByteTrie(
+                [RefToken(t, w) for t, w in zip(tids, words)], device="cpu", **kwargs
+            )
             assert mine.children == ref.children, kwargs
             np.testing.assert_array_equal(mine.token_id_to_leaf, ref.token_id_to_leaf)
             eos = set(kwargs.get("eos_byte_strings", ()))
@@ -633,7 +702,11 @@ def test_layout_cache_tells_vocabularies_apart(tmp_path, variant):
             for mode in (TrieMode.WITHOUT_EOS, TrieMode.WITH_EOS):
                 want = oracle.reduce(
                     oracle.members(mine, eos_positions, with_eos=mode == TrieMode.WITH_EOS),
-                    mine.num_nodes, rows, "sum", columns=tids)
+                    mine.num_nodes,
+                    rows,
+                    "sum",
+                    columns=tids,
+                )
                 got = mine.batch_weight_sum(torch.from_numpy(rows), mode=mode)
                 oracle.assert_close(got.numpy(), want, "sum", f"{variant} {kwargs} {mode}")
     assert len(list(tmp_path.glob("*.pkl"))) == len(configs)
@@ -643,6 +716,7 @@ def _foreign_pickle_with_a_valid_checksum(data):
     import hashlib
 
     from genlm_fast.ops import layout as layout_mod
+
     payload = pickle.dumps({"root": 0})
     return layout_mod._CACHE_MAGIC + hashlib.sha256(payload).digest() + payload
 
@@ -651,6 +725,7 @@ def _one_array_rewritten(data):
     """A damaged file that still unpickles to a TrieLayout: the leaf order reversed in
     place (only the checksum can tell it from a good file)."""
     from genlm_fast.ops import layout as layout_mod
+
     head = len(layout_mod._CACHE_MAGIC) + 32
     arr = pickle.loads(data[head:]).modes["without_eos"].leaf_token
     raw = arr.tobytes()
@@ -658,16 +733,27 @@ def _one_array_rewritten(data):
     return data.replace(raw, arr[::-1].tobytes())
 
 
-@pytest.mark.parametrize("damage", [
-    lambda data: data[: len(data) // 2],                                      # truncated
-    lambda data: data[:-100] + bytes([data[-100] ^ 0x10]) + data[-99:],       # one bit flipped
-    lambda data: b"\xff\xfe not a layout",                                    # garbage
-    lambda data: b"",                                                          # empty
-    lambda data: pickle.dumps(7),                                              # old/foreign format
-    _foreign_pickle_with_a_valid_checksum,                                     # wrong object
-    _one_array_rewritten,                                                      # loads, wrong
-], ids=["truncated", "bit-flip", "garbage", "empty", "foreign-pickle", "wrong-object",
-        "array-rewritten"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[: len(data) // 2],  # truncated
+        lambda data: data[:-100] + bytes([data[-100] ^ 0x10]) + data[-99:],  # one bit flipped
+        lambda data: b"\xff\xfe not a layout",  # garbage
+        lambda data: b"",  # empty
+        lambda data: pickle.dumps(7),  # old/foreign format
+        _foreign_pickle_with_a_valid_checksum,  # wrong object
+        _one_array_rewritten,  # loads, wrong
+    ],
+    ids=[
+        "truncated",
+        "bit-flip",
+        "garbage",
+        "empty",
+        "foreign-pickle",
+        "wrong-object",
+        "array-rewritten",
+    ],
+)
 def test_damaged_layout_cache_is_rebuilt(tmp_path, damage):
     from genlm_fast.ops.layout import TrieLayout, load_cached
 
@@ -693,7 +779,9 @@ def test_layout_cache_key_covers_format_version_and_tile(tmp_path, monkeypatch, 
     assert len(list(tmp_path.glob("*.pkl"))) == 1
     monkeypatch.setattr(layout_mod, setting, getattr(layout_mod, setting) * 2)
     TokenByteTrie(vocab, device="cpu", cache_dir=str(tmp_path))
-    assert len(list(tmp_path.glob("*.pkl"))) == 2, f"a layout cached under another {setting} was reused"
+    assert len(list(tmp_path.glob("*.pkl"))) == 2, (
+        f"a layout cached under another {setting} was reused"
+    )
 
 
 def test_llama3_layout_is_cached_on_disk(tmp_path):
@@ -724,8 +812,10 @@ async def test_async_batches_and_answers_every_caller():
 
     rows = [torch.rand(len(SMALL)) for _ in range(40)]
     modes = [TrieMode.WITH_EOS if i % 2 else None for i in range(40)]
-    results = await asyncio.gather(*[atrie.weight_sum(r, m) for r, m in zip(rows, modes)],
-                                   *[atrie.weight_max(r) for r in rows[:5]])
+    results = await asyncio.gather(
+        *[atrie.weight_sum(r, m) for r, m in zip(rows, modes)],
+        *[atrie.weight_max(r) for r in rows[:5]],
+    )
     for r, m, got in zip(rows, modes, results):
         torch.testing.assert_close(got, trie.weight_sum(r, m))
     for r, got in zip(rows[:5], results[40:]):
@@ -747,8 +837,9 @@ async def test_async_errors_reach_their_own_callers_and_loop_survives():
     assert good[atrie.trie.root] == len(SMALL)
 
     # a cancelled caller does not disturb the others
-    tasks = [asyncio.ensure_future(atrie.weight_sum(np.full(len(SMALL), float(i))))
-             for i in range(20)]
+    tasks = [
+        asyncio.ensure_future(atrie.weight_sum(np.full(len(SMALL), float(i)))) for i in range(20)
+    ]
     tasks[3].cancel()
     tasks[11].cancel()
     done = await asyncio.gather(*tasks, return_exceptions=True)
@@ -768,8 +859,9 @@ async def test_async_malformed_requests_fail_alone():
     import asyncio
 
     V = len(SMALL)
-    atrie = AsyncTokenByteTrie.from_vocab(ours(SMALL), device="cpu",
-                                          eos_byte_strings=[b"<eos>"], cache=False)
+    atrie = AsyncTokenByteTrie.from_vocab(
+        ours(SMALL), device="cpu", eos_byte_strings=[b"<eos>"], cache=False
+    )
     ref = ref_bytes.TokenByteTrie(theirs(SMALL), device="cpu", eos_byte_strings=[b"<eos>"])
     rng = np.random.default_rng(0)
     good = [torch.tensor(rng.random(V), dtype=torch.float32) for _ in range(30)]
@@ -791,26 +883,28 @@ async def test_async_malformed_requests_fail_alone():
         (atrie.weight_sum(torch.ones(V), mode="sideways"), ValueError, "mode"),
         (atrie.weight_sum("abc"), TypeError, "got str"),
     ]
-    requests = ([atrie.weight_sum(w, TrieMode.WITH_EOS if i % 2 else None)
-                 for i, w in enumerate(good)]
-                + [atrie.weight_max(w) for w in good[:5]]
-                + [atrie.log_mass(x, TrieMode.WITH_EOS) for x in logits]
-                + [atrie.log_mass(torch.cat([logits[0], torch.zeros(3)]))])  # padded: fine
+    requests = (
+        [atrie.weight_sum(w, TrieMode.WITH_EOS if i % 2 else None) for i, w in enumerate(good)]
+        + [atrie.weight_max(w) for w in good[:5]]
+        + [atrie.log_mass(x, TrieMode.WITH_EOS) for x in logits]
+        + [atrie.log_mass(torch.cat([logits[0], torch.zeros(3)]))]
+    )  # padded: fine
     outcomes = await asyncio.gather(*requests, *[b for b, _, _ in bad], return_exceptions=True)
-    answers, errors = outcomes[:len(requests)], outcomes[len(requests):]
+    answers, errors = outcomes[: len(requests)], outcomes[len(requests) :]
     assert not [a for a in answers if isinstance(a, BaseException)], answers
-    modes = [ref_bytes.TrieMode.WITH_EOS if i % 2 else ref_bytes.TrieMode.WITHOUT_EOS
-             for i in range(len(good))]
+    modes = [
+        ref_bytes.TrieMode.WITH_EOS if i % 2 else ref_bytes.TrieMode.WITHOUT_EOS
+        for i in range(len(good))
+    ]
     for w, mode, got in zip(good, modes, answers):
         torch.testing.assert_close(got, ref.weight_sum(w, mode=mode))
-    for w, got in zip(good[:5], answers[len(good):]):
+    for w, got in zip(good[:5], answers[len(good) :]):
         torch.testing.assert_close(got, ref.weight_max(w))
-    for x, got in zip(logits, answers[len(good) + 5:]):
+    for x, got in zip(logits, answers[len(good) + 5 :]):
         want = ref.weight_sum(torch.softmax(x, 0), mode=ref_bytes.TrieMode.WITH_EOS)
         keep = want > 0
         torch.testing.assert_close(got[keep], torch.log(want[keep]), rtol=0, atol=1e-5)
-    padded = torch.log(ref.weight_sum(torch.softmax(torch.cat([logits[0], torch.zeros(3)]),
-                                                    0)[:V]))
+    padded = torch.log(ref.weight_sum(torch.softmax(torch.cat([logits[0], torch.zeros(3)]), 0)[:V]))
     torch.testing.assert_close(answers[-1], padded, rtol=0, atol=1e-5)
     for (_, kind, message), error in zip(bad, errors):
         assert isinstance(error, kind) and re.search(message, str(error)), repr(error)
@@ -820,8 +914,9 @@ async def test_async_malformed_requests_fail_alone():
     ref_char = ref_trie.TokenCharacterTrie(theirs(SMALL))
     rows = [rng.random(V) for _ in range(8)]
     futures = [await char._queue_request(r, "sum") for r in rows]
-    got = await asyncio.gather(*futures, char.weight_sum(np.full(V, np.nan)),
-                               return_exceptions=True)
+    got = await asyncio.gather(
+        *futures, char.weight_sum(np.full(V, np.nan)), return_exceptions=True
+    )
     for r, g in zip(rows, got):
         np.testing.assert_allclose(g, ref_char.weight_sum(r), rtol=1e-12)
     assert isinstance(got[-1], ValueError) and "NaN" in str(got[-1])
@@ -873,9 +968,14 @@ async def test_async_batch_interrupted_by_a_base_exception_fails_its_waiters():
     atrie._batcher._run_batch = interrupted
     V = len(SMALL)
     rows = [torch.rand(V) for _ in range(4)]
-    got = await asyncio.wait_for(asyncio.gather(
-        *(atrie.weight_sum(r) for r in rows[:3]), atrie.weight_max(rows[3]),
-        return_exceptions=True), 10)
+    got = await asyncio.wait_for(
+        asyncio.gather(
+            *(atrie.weight_sum(r) for r in rows[:3]),
+            atrie.weight_max(rows[3]),
+            return_exceptions=True,
+        ),
+        10,
+    )
     for error in got:
         assert isinstance(error, RuntimeError) and "interrupted (Interrupt)" in str(error)
     want = TokenByteTrie(ours(SMALL), device="cpu", cache=False).weight_sum(rows[0])
@@ -989,10 +1089,10 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match=r"sum past the float range.*magnitude 1\.7e\+308"):
         # no inf given: the subtrees' sums overflow, "a" to +inf, "b" to -inf
         TokenCharacterTrie(ours([b"a", b"ab", b"b", b"ba"]), cache=False).weight_sum(
-            np.array([1.7e308, 1.7e308, -1.7e308, -1.7e308]))
+            np.array([1.7e308, 1.7e308, -1.7e308, -1.7e308])
+        )
     with pytest.raises(ValueError, match=r"both \+inf and -inf"):
-        TokenCharacterTrie(ours([b"a", b"b"]), cache=False).weight_sum(
-            np.array([np.inf, -np.inf]))
+        TokenCharacterTrie(ours([b"a", b"b"]), cache=False).weight_sum(np.array([np.inf, -np.inf]))
     with pytest.raises(ValueError, match="not in vocabulary"):
         TokenByteTrie(ours(SMALL), eos_byte_strings=[b"nope"])
     with pytest.raises(ValueError, match="Invalid device"):

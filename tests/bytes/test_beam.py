@@ -50,7 +50,7 @@ GPT2_EOS = b"<|endoftext|>"
 
 def peaked(scores):
     """Uniform [0, 1) scores -> logits of a peaked distribution (a few dozen likely tokens)."""
-    return 60.0 * scores ** 64
+    return 60.0 * scores**64
 
 
 class PeakedMock(MockAsyncLM):
@@ -106,9 +106,11 @@ class RefTries:
         key = frozenset(params.eos_byte_strings)
         if key not in self.tries:
             self.tries[key] = ref_bytes.AsyncTokenByteTrie.from_vocab(
-                self.llm.byte_vocab, eos_byte_strings=params.eos_byte_strings)
-        state = ref_bytes.LazyTrieState.initial(self.llm, self.tries[key],
-                                                mode=RefTrieMode.WITH_EOS)
+                self.llm.byte_vocab, eos_byte_strings=params.eos_byte_strings
+            )
+        state = ref_bytes.LazyTrieState.initial(
+            self.llm, self.tries[key], mode=RefTrieMode.WITH_EOS
+        )
         return ref_bytes.ByteBeamState([await state.materialize()], params)
 
 
@@ -173,17 +175,24 @@ MOCK_CASES = [
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("K,eos,threshold,prompt,continuation", MOCK_CASES)
-async def test_mock_trajectories_agree(mock, ref_mock, ref_tries, K, eos, threshold, prompt,
-                                       continuation):
+async def test_mock_trajectories_agree(
+    mock, ref_mock, ref_tries, K, eos, threshold, prompt, continuation
+):
     eos_strings = [GPT2_EOS] if eos else None
     ours, _ = await trajectory(
-        await ByteBeamState.initial(mock, BeamParams(K=K, prune_threshold=threshold,
-                                                     eos_byte_strings=eos_strings)),
-        prompt, continuation)
+        await ByteBeamState.initial(
+            mock, BeamParams(K=K, prune_threshold=threshold, eos_byte_strings=eos_strings)
+        ),
+        prompt,
+        continuation,
+    )
     ref, _ = await trajectory(
-        await ref_tries.initial(ref_bytes.BeamParams(K=K, prune_threshold=threshold,
-                                                     eos_byte_strings=eos_strings)),
-        prompt, continuation)
+        await ref_tries.initial(
+            ref_bytes.BeamParams(K=K, prune_threshold=threshold, eos_byte_strings=eos_strings)
+        ),
+        prompt,
+        continuation,
+    )
     compare(ours, ref, tol=2e-4, logz_tol=1e-3, what=f"K={K} eos={eos}")
     if eos:  # after prefill, EOS is an outcome of its own
         assert all(np.isfinite(lp[EOS]) for lp, _ in ours)
@@ -196,30 +205,38 @@ async def test_mock_healing_agrees(mock, ref_mock, ref_tries, monkeypatch, capsy
     prompt, continuation = b"internat", b"xion al"
     ours_calls = heal_spy(monkeypatch, fast_beam_module)
     ref_calls = heal_spy(monkeypatch, ref_beam_module)
-    ours, _ = await trajectory(await ByteBeamState.initial(mock, BeamParams(K=1)), prompt,
-                               continuation)
-    ref, _ = await trajectory(await ref_tries.initial(ref_bytes.BeamParams(K=1)), prompt,
-                              continuation)
+    ours, _ = await trajectory(
+        await ByteBeamState.initial(mock, BeamParams(K=1)), prompt, continuation
+    )
+    ref, _ = await trajectory(
+        await ref_tries.initial(ref_bytes.BeamParams(K=1)), prompt, continuation
+    )
     compare(ours, ref, tol=2e-4, logz_tol=1e-3, what="healing")
     assert ours_calls == ref_calls
     assert any(ok for _, ok in ours_calls), "the case was meant to exercise healing"
     # verbose healing tells what it did
-    beam = await (await ByteBeamState.initial(mock, BeamParams(K=1, verbose=True))).prefill(
-        prompt)
+    beam = await (await ByteBeamState.initial(mock, BeamParams(K=1, verbose=True))).prefill(prompt)
     await (beam << continuation[0])
     out = capsys.readouterr().out
     assert "[heal] SUCCESS" in out and "Candidates:" in out
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("options", [{"heal": False}, {"heal_max_backoff": 0},
-                                     {"heal_max_backoff": 2}, {"heal_max_splits": 0},
-                                     {"heal_max_splits": 1}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"heal": False},
+        {"heal_max_backoff": 0},
+        {"heal_max_backoff": 2},
+        {"heal_max_splits": 0},
+        {"heal_max_splits": 1},
+    ],
+)
 async def test_mock_healing_options_agree(mock, ref_mock, ref_tries, options):
     ours = await (await ByteBeamState.initial(mock, BeamParams(K=1, **options))).prefill(
-        b"internat")
-    ref = await (await ref_tries.initial(ref_bytes.BeamParams(K=1, **options))).prefill(
-        b"internat")
+        b"internat"
+    )
+    ref = await (await ref_tries.initial(ref_bytes.BeamParams(K=1, **options))).prefill(b"internat")
     ours, ref = await (ours.prune() << ord("x")), await (ref.prune() << ord("x"))
     assert len(ours) == len(ref)
     assert ours.logZ == pytest.approx(ref.logZ, abs=1e-3)
@@ -236,23 +253,31 @@ async def test_mock_healing_options_agree(mock, ref_mock, ref_tries, options):
 async def test_runs_on_a_genlm_backend_model(mock, ref_mock):
     # a genlm app may keep genlm.backend's LM: its Tokens and log-probabilities are used
     # as they are (no raw logits there: log-probabilities are valid logits)
-    ours, _ = await trajectory(await ByteBeamState.initial(mock, BeamParams(K=3)), b"The c",
-                               b"at sat")
-    on_ref, _ = await trajectory(await ByteBeamState.initial(ref_mock, BeamParams(K=3)),
-                                 b"The c", b"at sat")
+    ours, _ = await trajectory(
+        await ByteBeamState.initial(mock, BeamParams(K=3)), b"The c", b"at sat"
+    )
+    on_ref, _ = await trajectory(
+        await ByteBeamState.initial(ref_mock, BeamParams(K=3)), b"The c", b"at sat"
+    )
     compare(on_ref, ours, tol=1e-5, logz_tol=1e-5, what="genlm.backend model")
 
 
 @pytest.mark.asyncio
 async def test_takes_genlm_bytes_beam_params(mock):
     # parameters an app built with genlm.bytes (imported before the drop-in) mean the same
-    options = {"K": 2, "prune_threshold": 0.01, "eos_byte_strings": [GPT2_EOS],
-               "heal_max_backoff": 3}
-    ours, _ = await trajectory(await ByteBeamState.initial(mock, BeamParams(**options)),
-                               b"The c", b"at")
+    options = {
+        "K": 2,
+        "prune_threshold": 0.01,
+        "eos_byte_strings": [GPT2_EOS],
+        "heal_max_backoff": 3,
+    }
+    ours, _ = await trajectory(
+        await ByteBeamState.initial(mock, BeamParams(**options)), b"The c", b"at"
+    )
     theirs_params = ref_bytes.BeamParams(**options)
-    via_genlm, _ = await trajectory(await ByteBeamState.initial(mock, theirs_params),
-                                    b"The c", b"at")
+    via_genlm, _ = await trajectory(
+        await ByteBeamState.initial(mock, theirs_params), b"The c", b"at"
+    )
     compare(via_genlm, ours, tol=0, logz_tol=0, what="genlm.bytes BeamParams")
     for bad in ({"K": 2}, 2, None):
         with pytest.raises(TypeError, match="params must be a BeamParams"):
@@ -287,9 +312,12 @@ async def test_state_level_api_agrees(mock, ref_mock, ref_tries):
     mass = state.mass
     assert (mass.dtype, mass.ndim, mass.shape) == (rstate.mass.dtype, 1, rstate.mass.shape)
     assert mass.max() == pytest.approx(float(rstate.mass.max()), abs=1e-4)
-    for got, want in ((mass - 1, rstate.mass - 1), (2 * mass, 2 * rstate.mass),
-                      (np.asarray(mass.tolist()), rstate.mass), (mass.astype(np.float64),
-                                                                 rstate.mass)):
+    for got, want in (
+        (mass - 1, rstate.mass - 1),
+        (2 * mass, 2 * rstate.mass),
+        (np.asarray(mass.tolist()), rstate.mass),
+        (mass.astype(np.float64), rstate.mass),
+    ):
         np.testing.assert_allclose(np.asarray(got)[finite], want[finite], atol=2e-4)
     with pytest.raises(AttributeError, match="no attribute 'pool_size'"):
         _ = mass.pool_size
@@ -348,19 +376,31 @@ async def test_one_lm_batch_one_kernel_one_transfer_per_step(mock, monkeypatch, 
     beam = await beam.prefill(b"The cat")
     steps = 0
     for b in b" sat on the mat":
-        before = (count.lm_calls, count.kernels, stats["gathers"], stats["gathered_values"],
-                  stats["lookahead_hits"])
+        before = (
+            count.lm_calls,
+            count.kernels,
+            stats["gathers"],
+            stats["gathered_values"],
+            stats["lookahead_hits"],
+        )
         # the contexts of every token that can end at a hypothesis: all in one LM batch
         # (but for those whose logits the last prefill step computed ahead)
-        contexts = {tuple(s.lm_state.context) + (int(t),)
-                    for s in beam.states if s._extend is None for _, t in s.get_all_EOT()}
+        contexts = {
+            tuple(s.lm_state.context) + (int(t),)
+            for s in beam.states
+            if s._extend is None
+            for _, t in s.get_all_EOT()
+        }
         # each hypothesis reads its node and the node's children (at most the root's)
         budget = (len(beam.states) + len(contexts)) * (len(trie.children[trie.root]) + 1)
         await beam.logp_next()
         beam = await (beam.prune() << b)
-        lm, kernels, gathers, values = (count.lm_calls - before[0], count.kernels - before[1],
-                                        stats["gathers"] - before[2],
-                                        stats["gathered_values"] - before[3])
+        lm, kernels, gathers, values = (
+            count.lm_calls - before[0],
+            count.kernels - before[1],
+            stats["gathers"] - before[2],
+            stats["gathered_values"] - before[3],
+        )
         ahead = stats["lookahead_hits"] - before[4]
         assert kernels == (1 if contexts else 0) and lm == (1 if len(contexts) > ahead else 0)
         if lm:
@@ -481,14 +521,18 @@ async def test_beam_over_logp_only_lm_states(mock, ref_mock, ref_tries):
     bos = [mock.tokenizer.bos_token_id]
     trie = (await ByteBeamState.initial(mock, BeamParams(K=3))).states[0].trie
     state = LazyTrieState(LogpOnlyState(mock, bos), trie, trie.trie.root, 0.0)
-    ours, _ = await trajectory(ByteBeamState([await state.materialize()], BeamParams(K=3)),
-                               b"The c", b"at sat")
+    ours, _ = await trajectory(
+        ByteBeamState([await state.materialize()], BeamParams(K=3)), b"The c", b"at sat"
+    )
     ref_trie = (await ref_tries.initial(ref_bytes.BeamParams(K=3))).states[0].trie
-    ref_state = ref_bytes.LazyTrieState(LogpOnlyState(ref_mock, bos), ref_trie,
-                                        ref_trie.trie.root, 0.0)
+    ref_state = ref_bytes.LazyTrieState(
+        LogpOnlyState(ref_mock, bos), ref_trie, ref_trie.trie.root, 0.0
+    )
     ref, _ = await trajectory(
         ref_bytes.ByteBeamState([await ref_state.materialize()], ref_bytes.BeamParams(K=3)),
-        b"The c", b"at sat")
+        b"The c",
+        b"at sat",
+    )
     compare(ours, ref, tol=2e-4, logz_tol=1e-3, what="logp-only LM states")
 
 
@@ -507,11 +551,17 @@ async def test_adapter_switch_during_a_step_is_not_remembered(tokenizer):
     ours_lp = np.asarray((await ours.logp_next()).ps, dtype=np.float64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref = await (await RefTries(RefAdapterB(tokenizer)).initial(
-            ref_bytes.BeamParams(K=3))).prefill(b"Hell")
+        ref = await (
+            await RefTries(RefAdapterB(tokenizer)).initial(ref_bytes.BeamParams(K=3))
+        ).prefill(b"Hell")
         ref_lp = np.asarray((await ref.logp_next()).ps, dtype=np.float64)
-    compare([(ours_lp, float(ours.logZ))], [(ref_lp, float(ref.logZ))], tol=2e-4,
-            logz_tol=1e-3, what="after an adapter switch")
+    compare(
+        [(ours_lp, float(ours.logZ))],
+        [(ref_lp, float(ref.logZ))],
+        tol=2e-4,
+        logz_tol=1e-3,
+        what="after an adapter switch",
+    )
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -607,8 +657,13 @@ async def test_bad_prefill(mock):
         await beam.prefill([257])
     ok = await beam.prefill(bytearray(b"Hi"))
     # any iterable of ints 0..255, as genlm-bytes reads it
-    for same in ([72, 105], np.array([72, 105]), np.frombuffer(b"Hi", dtype=np.uint8),
-                 (b for b in b"Hi"), torch.tensor([72, 105])):
+    for same in (
+        [72, 105],
+        np.array([72, 105]),
+        np.frombuffer(b"Hi", dtype=np.uint8),
+        (b for b in b"Hi"),
+        torch.tensor([72, 105]),
+    ):
         assert (await beam.prefill(same)).logZ == pytest.approx(ok.logZ)
     with pytest.raises(TypeError, match="prefill expects bytes"):
         await beam.prefill(np.array([72.0, 105.0]))
@@ -656,8 +711,7 @@ def test_imports_without_display_packages():
         "from genlm_fast.bytes.util import format_table\n"
         "print(format_table([[1, 2]], headings=['a', 'b']))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=False)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert "<table>" in out.stdout
 
@@ -710,10 +764,14 @@ async def test_smollm2_agrees(lms, smol_ref_tries, K, eos, prompt, continuation,
     eos_strings = [IM_END] if eos else None
     ours, beam = await trajectory(
         await ByteBeamState.initial(ours_lm, BeamParams(K=K, eos_byte_strings=eos_strings)),
-        prompt, continuation)
+        prompt,
+        continuation,
+    )
     ref, ref_beam = await trajectory(
         await smol_ref_tries.initial(ref_bytes.BeamParams(K=K, eos_byte_strings=eos_strings)),
-        prompt, continuation)
+        prompt,
+        continuation,
+    )
     compare(ours, ref, what=f"SmolLM2 K={K} eos={eos}")
     assert len(beam) == len(ref_beam)
     if eos_likely:  # EOS is a real outcome here, and its probability agrees (compare)
@@ -728,10 +786,12 @@ async def test_smollm2_healing_agrees(lms, smol_ref_tries, monkeypatch):
     ref_calls = heal_spy(monkeypatch, ref_beam_module)
     # with K=1 the beam sits inside " Paris" at " Pari"; no token continues " Parix"
     prompt, continuation = b"The capital of France is Parix", b" and"
-    ours, _ = await trajectory(await ByteBeamState.initial(ours_lm, BeamParams(K=1)), prompt,
-                               continuation)
-    ref, _ = await trajectory(await smol_ref_tries.initial(ref_bytes.BeamParams(K=1)), prompt,
-                              continuation)
+    ours, _ = await trajectory(
+        await ByteBeamState.initial(ours_lm, BeamParams(K=1)), prompt, continuation
+    )
+    ref, _ = await trajectory(
+        await smol_ref_tries.initial(ref_bytes.BeamParams(K=1)), prompt, continuation
+    )
     compare(ours, ref, what="SmolLM2 healing")
     assert ours_calls == ref_calls and (ord("x"), True) in ours_calls
 
@@ -855,8 +915,11 @@ async def test_state_next_byte_and_extensions_with_duplicate_tokens(mode):
         assert np.array_equal(np.isfinite(got), finite), prefix
         np.testing.assert_allclose(got[finite], want[finite], atol=1e-5, err_msg=repr(prefix))
         # the path weight is the log-mass of the prefix (the root holds all the mass)
-        mass = sum(np.exp(logp[i]) for i, t in enumerate(DUP_VOCAB)
-                   if t.startswith(prefix) and (t not in counted_eos or not prefix))
+        mass = sum(
+            np.exp(logp[i])
+            for i, t in enumerate(DUP_VOCAB)
+            if t.startswith(prefix) and (t not in counted_eos or not prefix)
+        )
         assert abs(s.weight - np.log(mass)) <= 1e-5, prefix
         exts = s.extend_all()
         ids = sorted(i for i, t in enumerate(DUP_VOCAB) if t == prefix and t not in counted_eos)
@@ -878,8 +941,9 @@ class _ContextLM:
         self.V, self.seed, self.masked = V, seed, tuple(masked)
 
     def logp64(self, context):
-        s = (self.seed * 1000003
-             + sum((i + 1) * (t + 1) * 7919 for i, t in enumerate(context))) % 2**32
+        s = (
+            self.seed * 1000003 + sum((i + 1) * (t + 1) * 7919 for i, t in enumerate(context))
+        ) % 2**32
         row = np.random.RandomState(s).randn(self.V) * 2.0
         row[list(self.masked)] = -np.inf
         return row - np.logaddexp.reduce(row)
@@ -893,14 +957,18 @@ async def tiny_beams(vocab, params, seed=0, masked=(), eos=()):
     from genlm.backend.tokenization import Token as RefToken
 
     lm = _ContextLM(len(vocab), seed, masked)
-    trie = AsyncTokenByteTrie.from_vocab([Token(i, b) for i, b in enumerate(vocab)],
-                                         eos_byte_strings=set(eos), device="cpu")
+    trie = AsyncTokenByteTrie.from_vocab(
+        [Token(i, b) for i, b in enumerate(vocab)], eos_byte_strings=set(eos), device="cpu"
+    )
     ref_trie = ref_bytes.AsyncTokenByteTrie.from_vocab(
-        [RefToken(i, b) for i, b in enumerate(vocab)], eos_byte_strings=set(eos))
+        [RefToken(i, b) for i, b in enumerate(vocab)], eos_byte_strings=set(eos)
+    )
     ours = LazyTrieState(LogpOnlyState(lm, [0]), trie, trie.trie.root, 0.0)
     ref = ref_bytes.LazyTrieState(LogpOnlyState(lm, [0]), ref_trie, ref_trie.trie.root, 0.0)
-    return (ByteBeamState([await ours.materialize()], BeamParams(**params)),
-            ref_bytes.ByteBeamState([await ref.materialize()], ref_bytes.BeamParams(**params)))
+    return (
+        ByteBeamState([await ours.materialize()], BeamParams(**params)),
+        ref_bytes.ByteBeamState([await ref.materialize()], ref_bytes.BeamParams(**params)),
+    )
 
 
 def hypotheses(beam):
@@ -919,46 +987,72 @@ async def agree_on_tiny_vocab(ours, ref, text, what):
             return i
         ours, ref = await (ours << b), await (ref << b)
         assert hypotheses(ours) == hypotheses(ref), f"{what}: after byte {i}"
-        np.testing.assert_allclose([s.weight for s in ours], [s.weight for s in ref],
-                                   atol=1e-4, err_msg=f"{what}: after byte {i}")
+        np.testing.assert_allclose(
+            [s.weight for s in ours],
+            [s.weight for s in ref],
+            atol=1e-4,
+            err_msg=f"{what}: after byte {i}",
+        )
         # genlm-bytes' logp_next turns a zero-probability hypothesis into NaNs for the whole
         # distribution; such a hypothesis adds no mass, so the answer is that of the
         # reference beam without it
         alive = [s for s in ref.states if np.isfinite(s.weight)]
         if alive:
             lp = np.asarray((await ours.logp_next()).ps, dtype=np.float64)
-            lq = np.asarray((await ref_bytes.ByteBeamState(alive, ref.params).logp_next()).ps,
-                            dtype=np.float64)
+            lq = np.asarray(
+                (await ref_bytes.ByteBeamState(alive, ref.params).logp_next()).ps, dtype=np.float64
+            )
             assert not np.isnan(lq).any(), f"{what}: the reference's answer after byte {i}"
-            np.testing.assert_allclose(np.exp(lp), np.exp(lq), atol=1e-5,
-                                       err_msg=f"{what}: next byte after byte {i}")
+            np.testing.assert_allclose(
+                np.exp(lp), np.exp(lq), atol=1e-5, err_msg=f"{what}: next byte after byte {i}"
+            )
     return len(text)
 
 
 TINY_HEAL_CASES = [
     # id, vocab (token 0: BOS), text, params, LM seed
     # "abc" sits inside "abcd"; reading "x" commits "a", then splits twice (b|c|x)
-    ("two-splits", [b"<s>", b"a", b"b", b"c", b"x", b"abcd", b"bb"], b"abcx",
-     {"K": 1}, 0),
-    ("two-splits-max1", [b"<s>", b"a", b"b", b"c", b"x", b"abcd", b"bb"], b"abcx",
-     {"K": 1, "heal_max_splits": 1}, 0),
-    ("two-splits-max2", [b"<s>", b"a", b"b", b"c", b"x", b"abcd", b"bb"], b"abcx",
-     {"K": 1, "heal_max_splits": 2}, 0),
+    ("two-splits", [b"<s>", b"a", b"b", b"c", b"x", b"abcd", b"bb"], b"abcx", {"K": 1}, 0),
+    (
+        "two-splits-max1",
+        [b"<s>", b"a", b"b", b"c", b"x", b"abcd", b"bb"],
+        b"abcx",
+        {"K": 1, "heal_max_splits": 1},
+        0,
+    ),
+    (
+        "two-splits-max2",
+        [b"<s>", b"a", b"b", b"c", b"x", b"abcd", b"bb"],
+        b"abcx",
+        {"K": 1, "heal_max_splits": 2},
+        0,
+    ),
     # duplicate tokens (b"a" and b"b" twice): healing commits the first of each
     ("duplicates", [b"<s>", b"a", b"b", b"abz", b"x", b"a", b"b"], b"abx", {"K": 1}, 0),
     # after the split at b"b" no token starts with b"x": healing fails, the beam is empty
     ("split-cannot-read", [b"<s>", b"a", b"b", b"abz", b"z"], b"abx", {"K": 1}, 0),
     # a beam of several hypotheses, none can read the byte: the first (heaviest) that heals
-    ("several-first-fails", [b"<s>", b"a", b"aax", b"axb", b"ba", b"bca", b"bxx", b"xcb",
-                             b"xcx", b"xx", b"xxb"], b"xxaaxcx", {"K": 2}, 1171),
-    ("several-both-heal", [b"<s>", b"a", b"aa", b"aaa", b"b", b"bcc", b"bcx", b"bxb", b"cc",
-                           b"cxa", b"xc"], b"xcbccbxc", {"K": 2}, 172),
+    (
+        "several-first-fails",
+        [b"<s>", b"a", b"aax", b"axb", b"ba", b"bca", b"bxx", b"xcb", b"xcx", b"xx", b"xxb"],
+        b"xxaaxcx",
+        {"K": 2},
+        1171,
+    ),
+    (
+        "several-both-heal",
+        [b"<s>", b"a", b"aa", b"aaa", b"b", b"bcc", b"bcx", b"bxb", b"cc", b"cxa", b"xc"],
+        b"xcbccbxc",
+        {"K": 2},
+        172,
+    ),
 ]
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("what,vocab,text,params,seed", TINY_HEAL_CASES,
-                         ids=[c[0] for c in TINY_HEAL_CASES])
+@pytest.mark.parametrize(
+    "what,vocab,text,params,seed", TINY_HEAL_CASES, ids=[c[0] for c in TINY_HEAL_CASES]
+)
 async def test_tiny_vocab_healing_agrees(monkeypatch, what, vocab, text, params, seed):
     # Token healing, step by step against genlm-bytes on tiny vocabularies built for it:
     # several splits (and heal_max_splits), duplicate tokens at the commit and at a split,
@@ -973,30 +1067,162 @@ TINY_OPTION_CASES = [
     # id, vocab, EOS strings, masked token ids (probability zero), prefill, then read, params,
     # LM seed (cases found by a fuzzer against genlm-bytes, each pins the behaviour named)
     # the prune threshold of extensions counts the extensions themselves in logZ
-    ("threshold-extensions", [b"<s>", b"a", b"xac", b"xxc", b"cbb", b"ba", b"cbc", b"xa",
-                              b"xc", b"bxx", b"bxx", b"ba", b"a", b"<e>"], [b"<e>"], (),
-     b"axaca", b"xaa", {"K": 3, "prune_threshold": 0.05, "heal_max_splits": 2}, 0),
+    (
+        "threshold-extensions",
+        [
+            b"<s>",
+            b"a",
+            b"xac",
+            b"xxc",
+            b"cbb",
+            b"ba",
+            b"cbc",
+            b"xa",
+            b"xc",
+            b"bxx",
+            b"bxx",
+            b"ba",
+            b"a",
+            b"<e>",
+        ],
+        [b"<e>"],
+        (),
+        b"axaca",
+        b"xaa",
+        {"K": 3, "prune_threshold": 0.05, "heal_max_splits": 2},
+        0,
+    ),
     # heal_max_backoff=0 (with a threshold, after a prefill): only k = len(partial)
-    ("threshold-backoff-0", [b"<s>", b"a", b"aa", b"cxx", b"cbb", b"xa", b"xax", b"ab", b"c",
-                             b"bc", b"xax", b"xa", b"xax", b"<e>"], [b"<e>"], (),
-     b"cxxxaxcx", b"ax", {"K": 2, "prune_threshold": 0.1, "heal_max_backoff": 0}, 23),
+    (
+        "threshold-backoff-0",
+        [
+            b"<s>",
+            b"a",
+            b"aa",
+            b"cxx",
+            b"cbb",
+            b"xa",
+            b"xax",
+            b"ab",
+            b"c",
+            b"bc",
+            b"xax",
+            b"xa",
+            b"xax",
+            b"<e>",
+        ],
+        [b"<e>"],
+        (),
+        b"cxxxaxcx",
+        b"ax",
+        {"K": 2, "prune_threshold": 0.1, "heal_max_backoff": 0},
+        23,
+    ),
     # the EOS string is an ordinary token's bytes: healing inside prefill keeps the beam's
     # mode (EOS tokens count as ordinary tokens there)
-    ("eos-token-bytes-prefill-heal", [b"<s>", b"a", b"cca", b"bab", b"c", b"bxa", b"cbx", b"ab",
-                                      b"xbb", b"bb", b"bab", b"bxa", b"cbx", b"<e>"], [b"bab"],
-     (), b"bxacba", b"bcbxc", {"K": 2, "prune_threshold": 0.2, "heal_max_splits": 0}, 5),
+    (
+        "eos-token-bytes-prefill-heal",
+        [
+            b"<s>",
+            b"a",
+            b"cca",
+            b"bab",
+            b"c",
+            b"bxa",
+            b"cbx",
+            b"ab",
+            b"xbb",
+            b"bb",
+            b"bab",
+            b"bxa",
+            b"cbx",
+            b"<e>",
+        ],
+        [b"bab"],
+        (),
+        b"bxacba",
+        b"bcbxc",
+        {"K": 2, "prune_threshold": 0.2, "heal_max_splits": 0},
+        5,
+    ),
     # tokens of probability zero: prune() drops hypotheses of weight -inf
-    ("zero-probability-prune", [b"<s>", b"a", b"cbc", b"cx", b"ac", b"x", b"aab", b"ab", b"ba",
-                                b"cac", b"cx", b"cbc", b"cx", b"<e>"], [b"<e>"], [8, 13],
-     b"", b"abcxaba", {"K": 2, "heal_max_splits": 2}, 35),
+    (
+        "zero-probability-prune",
+        [
+            b"<s>",
+            b"a",
+            b"cbc",
+            b"cx",
+            b"ac",
+            b"x",
+            b"aab",
+            b"ab",
+            b"ba",
+            b"cac",
+            b"cx",
+            b"cbc",
+            b"cx",
+            b"<e>",
+        ],
+        [b"<e>"],
+        [8, 13],
+        b"",
+        b"abcxaba",
+        {"K": 2, "heal_max_splits": 2},
+        35,
+    ),
     # ... and so does extend(): no extension of weight -inf joins the beam
-    ("zero-probability-extend", [b"<s>", b"a", b"axc", b"xc", b"ac", b"bxa", b"ca", b"cac",
-                                 b"cxa", b"b", b"ca", b"cxa", b"ac", b"<e>"], [b"<e>"], [11, 12],
-     b"acxacaacc", b"a", {"K": 2, "heal_max_splits": 1}, 6),
+    (
+        "zero-probability-extend",
+        [
+            b"<s>",
+            b"a",
+            b"axc",
+            b"xc",
+            b"ac",
+            b"bxa",
+            b"ca",
+            b"cac",
+            b"cxa",
+            b"b",
+            b"ca",
+            b"cxa",
+            b"ac",
+            b"<e>",
+        ],
+        [b"<e>"],
+        [11, 12],
+        b"acxacaacc",
+        b"a",
+        {"K": 2, "heal_max_splits": 1},
+        6,
+    ),
     # healing tries k = len(partial) first: it commits a token of probability zero there
-    ("zero-probability-heal", [b"<s>", b"a", b"ccb", b"acx", b"xb", b"abx", b"bc", b"ab", b"c",
-                               b"aaa", b"aaa", b"xb", b"ccb", b"<e>"], [b"<e>"], [7, 8],
-     b"", b"xbabacx", {"K": 3, "heal_max_backoff": 1}, 12),
+    (
+        "zero-probability-heal",
+        [
+            b"<s>",
+            b"a",
+            b"ccb",
+            b"acx",
+            b"xb",
+            b"abx",
+            b"bc",
+            b"ab",
+            b"c",
+            b"aaa",
+            b"aaa",
+            b"xb",
+            b"ccb",
+            b"<e>",
+        ],
+        [b"<e>"],
+        [7, 8],
+        b"",
+        b"xbabacx",
+        {"K": 3, "heal_max_backoff": 1},
+        12,
+    ),
 ]
 
 
@@ -1004,10 +1230,12 @@ TINY_OPTION_CASES = [
 # NaN shares there (and drop those hypotheses), which numpy warns about
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.asyncio
-@pytest.mark.parametrize("what,vocab,eos,masked,prompt,text,params,seed", TINY_OPTION_CASES,
-                         ids=[c[0] for c in TINY_OPTION_CASES])
-async def test_tiny_vocab_beam_options_agree(what, vocab, eos, masked, prompt, text, params,
-                                             seed):
+@pytest.mark.parametrize(
+    "what,vocab,eos,masked,prompt,text,params,seed",
+    TINY_OPTION_CASES,
+    ids=[c[0] for c in TINY_OPTION_CASES],
+)
+async def test_tiny_vocab_beam_options_agree(what, vocab, eos, masked, prompt, text, params, seed):
     # prune thresholds, heal limits, EOS strings and zero-probability tokens, against
     # genlm-bytes: prefill, then byte by byte
     ours, ref = await tiny_beams(vocab, params, seed, masked, eos)

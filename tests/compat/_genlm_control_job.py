@@ -80,8 +80,9 @@ async def _score(potential, contexts):
 async def _smc(sampler, n_particles, max_tokens):
     import numpy as np
 
-    sequences = await sampler.smc(n_particles=n_particles, ess_threshold=0.5,
-                                  max_tokens=max_tokens, verbosity=0)
+    sequences = await sampler.smc(
+        n_particles=n_particles, ess_threshold=0.5, max_tokens=max_tokens, verbosity=0
+    )
     return {
         "contexts": [_context_key(c) for c in sequences.contexts],
         "log_weights": [float(w) for w in np.asarray(sequences.log_weights)],
@@ -133,8 +134,9 @@ async def byte_level(llm, out_dir, to_score):
         result["smc"] = await _smc(sampler, n_particles=2, max_tokens=7)
         result["smc_scores"] = await _score(potential, result["smc"]["contexts"])
         if to_score is not None:
-            result["other_smc_scores"] = await _score(potential,
-                                                      to_score["byte"]["smc"]["contexts"])
+            result["other_smc_scores"] = await _score(
+                potential, to_score["byte"]["smc"]["contexts"]
+            )
     return result
 
 
@@ -156,8 +158,10 @@ async def main(out_dir, dropin, to_score):
     start = time.perf_counter()
     llm = backend_llm.load_model_by_name(smollm2_path(quiet=True), backend="hf")
     seconds["load"] = time.perf_counter() - start
-    result = {"backend_module": type(llm).__module__,
-              "bytes_module": genlm.bytes.ByteBeamState.__module__}
+    result = {
+        "backend_module": type(llm).__module__,
+        "bytes_module": genlm.bytes.ByteBeamState.__module__,
+    }
     for level, run in (("token", token_level), ("byte", byte_level)):
         start = time.perf_counter()
         result[level] = await run(llm, out_dir, to_score)

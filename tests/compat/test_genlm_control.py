@@ -25,14 +25,13 @@ import os
 import subprocess
 import sys
 
-import numpy as np
-import pytest
-
 # genlm-control (and regex, its dependency for partial matches) and the real genlm-backend
 # and genlm-bytes, the references: all installed by scripts/setup.sh, never skipped
 import genlm.backend  # noqa: F401
 import genlm.bytes  # noqa: F401
 import genlm.control  # noqa: F401
+import numpy as np
+import pytest
 import regex
 
 from tests.compat import _genlm_control_job as job
@@ -45,11 +44,21 @@ REGEX = {"token": job.TOKEN_REGEX, "byte": job.BYTE_REGEX}
 
 
 def _run_job(out_dir, *args):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-W", "ignore", job.__file__, str(out_dir), *args],
-                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
-                          check=False)
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", job.__file__, str(out_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out_dir / "result.json") as f:
         return json.load(f)
@@ -90,8 +99,9 @@ def test_next_token_weights_match_the_real_packages(runs, level):
         finite = np.isfinite(want)
         np.testing.assert_array_equal(np.isfinite(have), finite, err_msg=tag)
         np.testing.assert_array_equal(have[~finite], want[~finite], err_msg=tag)  # -inf: both
-        np.testing.assert_allclose(have[finite], want[finite], rtol=0,
-                                   atol=TOLERANCE[level]["logw"], err_msg=tag)
+        np.testing.assert_allclose(
+            have[finite], want[finite], rtol=0, atol=TOLERANCE[level]["logw"], err_msg=tag
+        )
     for key in ("greedy_prefix", "greedy_complete"):
         assert dropin[key] == pytest.approx(real[key], abs=TOLERANCE[level]["sequence"]), key
 
@@ -111,10 +121,15 @@ def test_smc_samples_are_valid_and_scored_alike(runs, level):
             if context and context[-1] == "EOS" and np.isfinite(log_weight):
                 assert regex.fullmatch(pattern, text), text
     # the drop-in's samples, scored by genlm_fast and by the real packages
-    np.testing.assert_allclose(dropin["smc_scores"], real["other_smc_scores"], rtol=0,
-                               atol=TOLERANCE[level]["sequence"])
+    np.testing.assert_allclose(
+        dropin["smc_scores"], real["other_smc_scores"], rtol=0, atol=TOLERANCE[level]["sequence"]
+    )
     # both runs seed their RNGs alike, so they draw the same particles unless a draw falls
     # within ~1e-4 of a decision boundary; then their SMC log weights must agree too
     if dropin["smc"]["contexts"] == real["smc"]["contexts"]:
-        np.testing.assert_allclose(dropin["smc"]["log_weights"], real["smc"]["log_weights"],
-                                   rtol=0, atol=TOLERANCE[level]["sequence"])
+        np.testing.assert_allclose(
+            dropin["smc"]["log_weights"],
+            real["smc"]["log_weights"],
+            rtol=0,
+            atol=TOLERANCE[level]["sequence"],
+        )

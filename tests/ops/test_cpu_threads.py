@@ -122,8 +122,10 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity")
-                    else True, reason="contention needs two CPUs to share")
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
+    reason="contention needs two CPUs to share",
+)
 def test_a_busy_neighbour_takes_a_cpu_from_the_team_and_gives_it_back():
     """A process pinned to two CPUs, beside a busy loop pinned to one of them: the kernels'
     team and torch's threads (after follow_contention) drop to one, and come back to two
@@ -131,10 +133,18 @@ def test_a_busy_neighbour_takes_a_cpu_from_the_team_and_gives_it_back():
     the busy loop's own share: the others' reading rises by most of a CPU while it runs."""
     import json
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT,
-                                                                    os.environ.get("PYTHONPATH")])))
-    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
-                         timeout=120, env=env, cwd=ROOT, check=True)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+        check=True,
+    )
     r = json.loads(out.stdout.strip().splitlines()[-1])
     before, during, after = r["before"], r["during"], r["after"]
     assert before["affinity_cpus"] == 2 and before["contention_known"]

@@ -320,7 +320,7 @@ def _find_launch_end(src: str, start: int) -> int:
         elif src[i] == ")":
             depth -= 1
             if depth == 0:
-                assert src[i + 1] == ";", src[start:i + 2]
+                assert src[i + 1] == ";", src[start : i + 2]
                 return i + 2
     raise AssertionError("unbalanced launch arguments")
 
@@ -329,32 +329,45 @@ def emulated_source(src: str) -> str:
     """The .cu with its CUDA-only constructs replaced by the emulator's (see HARNESS)."""
     optional = {r"\bgridDim\b", r"\bblockDim\b", r"__longlong_as_double\("}
     rewrites = [
-        (r"\bthreadIdx\b", "emu::tid"), (r"\bblockIdx\b", "emu::bid"),
-        (r"\bblockDim\b", "emu::bdim"), (r"\bgridDim\b", "emu::gdim"),
+        (r"\bthreadIdx\b", "emu::tid"),
+        (r"\bblockIdx\b", "emu::bid"),
+        (r"\bblockDim\b", "emu::bdim"),
+        (r"\bgridDim\b", "emu::gdim"),
         (r"__syncthreads\(\)", "emu::syncthreads()"),
         (r"__shfl_xor_sync\(", "emu::shfl_xor("),
         (r"__stcs\(", "emu::stcs("),
         (r"__longlong_as_double\(", "emu::longlong_as_double("),
         (r"cudaGetLastError\(\)", "emu::get_last_error()"),
-        (r"extern __shared__ (\w+) (\w+)\[\];",
-         r"\1* \2 = reinterpret_cast<\1*>(emu::blk->shmem);"),
+        (
+            r"extern __shared__ (\w+) (\w+)\[\];",
+            r"\1* \2 = reinterpret_cast<\1*>(emu::blk->shmem);",
+        ),
         (r"cudaMemsetAsync\(", "emu::memset_async("),
         (r"cudaMemset2DAsync\(", "emu::memset2d_async("),
         (r"std::this_thread::yield\(\)", "emu::backoff()"),
-        (r"constexpr int64_t kMaxGridY = 65535;", "static const int64_t& kMaxGridY = emu::max_grid_y;"),
-        (r"constexpr int64_t kRowPassTargetBlocks = 1024;",
-         "static const int64_t& kRowPassTargetBlocks = emu::row_pass_blocks;"),
+        (
+            r"constexpr int64_t kMaxGridY = 65535;",
+            "static const int64_t& kMaxGridY = emu::max_grid_y;",
+        ),
+        (
+            r"constexpr int64_t kRowPassTargetBlocks = 1024;",
+            "static const int64_t& kRowPassTargetBlocks = emu::row_pass_blocks;",
+        ),
     ]
     for pattern, repl in rewrites:
         src, count = re.subn(pattern, repl, src)
-        assert count or pattern in optional, f"the CUDA source no longer contains {pattern!r}: update the emulator"
+        assert count or pattern in optional, (
+            f"the CUDA source no longer contains {pattern!r}: update the emulator"
+        )
     # static shared arrays: one of each per block (blocks may run at once)
     declarations = iter(range(1 << 30))
     src, count = re.subn(
         r"__shared__ ([\w:]+) (\w+)((?:\[[^\]]+\])+);",
-        lambda m: (f"{m[1]} (&{m[2]}){m[3]} = "
-                   f"emu::shared_array<{m[1]} {m[3]}>({next(declarations)});"),
-        src)
+        lambda m: (
+            f"{m[1]} (&{m[2]}){m[3]} = emu::shared_array<{m[1]} {m[3]}>({next(declarations)});"
+        ),
+        src,
+    )
     assert count and "__shared__" not in src, "a __shared__ declaration the emulator cannot read"
     out, pos, launches = [], 0, 0
     while True:
@@ -365,15 +378,16 @@ def emulated_source(src: str) -> str:
         j = src.index(">>>", i)
         end = _find_launch_end(src, j + 3)
         kernel = src[stmt:i].strip()
-        config = src[i + 3:j]
-        args = src[j + 4:end - 2]
+        config = src[i + 3 : j]
+        args = src[j + 4 : end - 2]
         indent = src[stmt:i][: len(src[stmt:i]) - len(src[stmt:i].lstrip())]
         out.append(src[pos:stmt])
         out.append(f"{indent}emu::launch({config}, [&]() {{ {kernel}({args}); }});")
         pos = end
         launches += 1
-    assert launches == 1, \
+    assert launches == 1, (
         f"expected the one launch statement of trie_reduce_cuda.cu (enqueue), found {launches}"
+    )
     out.append(src[pos:])
     return "".join(out)
 
@@ -382,10 +396,17 @@ def _cuda_include_dirs():
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         return None
-    dry = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull], capture_output=True,
-                         text=True, timeout=120, check=False)
-    dirs = re.findall(r'-I"?([^"\s]+)', "".join(
-        line for line in dry.stderr.splitlines() if line.startswith("#$ INCLUDES=")))
+    dry = subprocess.run(
+        [nvcc, "--dryrun", "-c", "-x", "cu", os.devnull],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    dirs = re.findall(
+        r'-I"?([^"\s]+)',
+        "".join(line for line in dry.stderr.splitlines() if line.startswith("#$ INCLUDES=")),
+    )
     return [d for d in dirs if os.path.exists(os.path.join(d, "cuda_fp16.h"))] or None
 
 
@@ -404,10 +425,22 @@ def build_emulator(build_dir: str) -> str:
     with open(main, "w") as f:
         f.write(HARNESS.replace("EMULATED_SOURCE", "emulated.cu.h"))
     exe = os.path.join(build_dir, "trie_reduce_cuda_emulated")
-    cmd = [cxx, "-std=c++20", "-O1", "-g", "-pthread", "-fsanitize=address,undefined",
-           "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
-           *(f"-I{d}" for d in includes), f"-I{os.path.dirname(CU)}", f"-I{build_dir}",
-           main, "-o", exe]
+    cmd = [
+        cxx,
+        "-std=c++20",
+        "-O1",
+        "-g",
+        "-pthread",
+        "-fsanitize=address,undefined",
+        "-fno-sanitize-recover=undefined",
+        "-fno-omit-frame-pointer",
+        *(f"-I{d}" for d in includes),
+        f"-I{os.path.dirname(CU)}",
+        f"-I{build_dir}",
+        main,
+        "-o",
+        exe,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return exe
@@ -418,12 +451,25 @@ def emulator(tmp_path_factory):
     return build_emulator(str(tmp_path_factory.mktemp("cuda_emu")))
 
 
-def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
-                 mode: str = "without_eos", max_grid_y: int = 65535, tile: int | None = None,
-                 span_narrow: int | None = None, span_warp: int | None = None,
-                 stage: bool = True, column_leaf: np.ndarray | None = None,
-                 row_pass_blocks: int = 0, resident_blocks: int = 1,
-                 stats: dict | None = None, fold: bool = False, row_check: bool = False):
+def run_emulated(
+    exe,
+    tmp_dir,
+    values: torch.Tensor,
+    layout,
+    reduction: str,
+    mode: str = "without_eos",
+    max_grid_y: int = 65535,
+    tile: int | None = None,
+    span_narrow: int | None = None,
+    span_warp: int | None = None,
+    stage: bool = True,
+    column_leaf: np.ndarray | None = None,
+    row_pass_blocks: int = 0,
+    resident_blocks: int = 1,
+    stats: dict | None = None,
+    fold: bool = False,
+    row_check: bool = False,
+):
     """(launch status, emulator errors, launches, result, scratch): the CUDA kernels' result
     for ``values`` (what cuda_backend.trie_reduce would return) and their per-row scratch
     (log_mass: the row max and log(sum exp(x - max)) in its last two columns). Spanning
@@ -444,32 +490,78 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
     tile = ml.tile if tile is None else tile
     span_narrow = span_class_end(ml, SPAN_NARROW_TILES) if span_narrow is None else span_narrow
     span_warp = span_class_end(ml, SPAN_WARP_TILES) if span_warp is None else span_warp
-    folds = tile_folds(len(ml.tile_node_lo) - 1, ml.span_node, ml.span_tile_lo, ml.span_tile_hi,
-                       ml.span_left, ml.span_right, min(span_narrow, len(ml.span_node)))
+    folds = tile_folds(
+        len(ml.tile_node_lo) - 1,
+        ml.span_node,
+        ml.span_tile_lo,
+        ml.span_tile_hi,
+        ml.span_left,
+        ml.span_right,
+        min(span_narrow, len(ml.span_node)),
+    )
     values = values.contiguous()
     B, C = values.shape
     out_double = values.dtype == torch.float64 and reduction != "log_mass"
     stride = ml.num_scratch + 2
     out = np.full((B, layout.num_nodes), np.nan, dtype=np.float64 if out_double else np.float32)
     scratch = np.full((B, stride), np.nan)
-    raw = values.view(torch.int16).numpy() if values.dtype in (torch.float16, torch.bfloat16) \
+    raw = (
+        values.view(torch.int16).numpy()
+        if values.dtype in (torch.float16, torch.bfloat16)
         else values.numpy()
-    staged = np.full(raw.shape, np.nan if raw.dtype.kind == "f" else -1, dtype=raw.dtype) \
-        if B >= STAGE_MIN_ROWS and stage else raw[:0]  # int16 -1: a NaN in float16, bfloat16
-    header = np.array([DTYPES[values.dtype], B, C, layout.num_nodes, stride, tile,
-                       int(out_double), REDUCTION[reduction], row_pass_blocks, max_grid_y,
-                       span_narrow, span_warp, resident_blocks, int(fold), int(row_check)],
-                      dtype=np.int64)
+    )
+    staged = (
+        np.full(raw.shape, np.nan if raw.dtype.kind == "f" else -1, dtype=raw.dtype)
+        if B >= STAGE_MIN_ROWS and stage
+        else raw[:0]
+    )  # int16 -1: a NaN in float16, bfloat16
+    header = np.array(
+        [
+            DTYPES[values.dtype],
+            B,
+            C,
+            layout.num_nodes,
+            stride,
+            tile,
+            int(out_double),
+            REDUCTION[reduction],
+            row_pass_blocks,
+            max_grid_y,
+            span_narrow,
+            span_warp,
+            resident_blocks,
+            int(fold),
+            int(row_check),
+        ],
+        dtype=np.int64,
+    )
     if column_leaf is None:
         column_leaf = np.full(layout.num_columns, -1, dtype=np.int32)
         column_leaf[ml.leaf_token] = np.arange(len(ml.leaf_token), dtype=np.int32)
-    arrays = [raw, staged, ml.leaf_token, np.asarray(column_leaf, dtype=np.int32),
-              ml.tile_node_lo, ml.tile_run_ptr, ml.run_bounds, ml.node_src, ml.tile_scratch_ptr,
-              ml.scratch_src, ml.scratch_slot,
-              *(np.asarray(folds[name], dtype=np.int32)
-                for name in ("tile_fold_ptr", "tile_fold_wait", "fold_bounds", "fold_node")),
-              ml.span_node, ml.span_left, ml.span_right, ml.span_tile_lo, ml.span_tile_hi,
-              scratch, out]
+    arrays = [
+        raw,
+        staged,
+        ml.leaf_token,
+        np.asarray(column_leaf, dtype=np.int32),
+        ml.tile_node_lo,
+        ml.tile_run_ptr,
+        ml.run_bounds,
+        ml.node_src,
+        ml.tile_scratch_ptr,
+        ml.scratch_src,
+        ml.scratch_slot,
+        *(
+            np.asarray(folds[name], dtype=np.int32)
+            for name in ("tile_fold_ptr", "tile_fold_wait", "fold_bounds", "fold_node")
+        ),
+        ml.span_node,
+        ml.span_left,
+        ml.span_right,
+        ml.span_tile_lo,
+        ml.span_tile_hi,
+        scratch,
+        out,
+    ]
     path_in = os.path.join(tmp_dir, "in.bin")
     path_out = os.path.join(tmp_dir, "out.bin")
     with open(path_in, "wb") as f:
@@ -478,10 +570,14 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
             b = np.ascontiguousarray(a).tobytes()
             f.write(np.int64(len(b)).tobytes())
             f.write(b)
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0",
-               UBSAN_OPTIONS="print_stacktrace=1")
-    proc = subprocess.run([exe, path_in, path_out], capture_output=True, text=True, timeout=600,
-                          env=env, check=False)
+    env = dict(
+        os.environ,
+        ASAN_OPTIONS="detect_leaks=0:abort_on_error=0",
+        UBSAN_OPTIONS="print_stacktrace=1",
+    )
+    proc = subprocess.run(
+        [exe, path_in, path_out], capture_output=True, text=True, timeout=600, env=env, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "EMULATOR ERROR" not in proc.stderr, proc.stderr
     with open(path_out, "rb") as f:
@@ -494,8 +590,13 @@ def run_emulated(exe, tmp_dir, values: torch.Tensor, layout, reduction: str,
 
 
 def reference(values, layout, reduction, mode="without_eos"):
-    out, _ = dispatch.trie_reduce(values.double() if values.dtype != torch.float64 else values,
-                                  layout, reduction, mode=mode, backend="reference")
+    out, _ = dispatch.trie_reduce(
+        values.double() if values.dtype != torch.float64 else values,
+        layout,
+        reduction,
+        mode=mode,
+        backend="reference",
+    )
     return out.numpy()
 
 
@@ -506,9 +607,11 @@ def assert_matches(got, want, reduction, label=""):
     assert not np.isnan(got).any(), f"{label}: NaN (a node never written, or a bad lse)"
     got = got.astype(np.float64)
     if reduction == "max":
-        np.testing.assert_array_equal(got, want.astype(got.dtype if got.dtype == want.dtype
-                                                      else np.float32).astype(np.float64),
-                                      err_msg=label)
+        np.testing.assert_array_equal(
+            got,
+            want.astype(got.dtype if got.dtype == want.dtype else np.float32).astype(np.float64),
+            err_msg=label,
+        )
         return
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want), err_msg=label)
     fin = np.isfinite(want)
@@ -521,8 +624,9 @@ def assert_matches(got, want, reduction, label=""):
 
 def make_trie(words, eos=()):
     vocab = [Token(i, w) for i, w in enumerate(words)]
-    return TokenByteTrie(vocab, device="cpu", eos_byte_strings=list(eos), cache=False,
-                         kernel_backend="reference")
+    return TokenByteTrie(
+        vocab, device="cpu", eos_byte_strings=list(eos), cache=False, kernel_backend="reference"
+    )
 
 
 def make_values(rng, B, C, reduction, spread=10.0, neg_inf=0.0, dtype=torch.float32):
@@ -539,9 +643,24 @@ def make_values(rng, B, C, reduction, spread=10.0, neg_inf=0.0, dtype=torch.floa
     return torch.from_numpy(rows).to(dtype)
 
 
-def check(emulator, tmp_path, words, reduction, *, B=3, extra=0, eos=(), spread=10.0,
-          neg_inf=0.0, dtype=torch.float32, seed=0, max_grid_y=65535, rows=None, stage=True,
-          **options):
+def check(
+    emulator,
+    tmp_path,
+    words,
+    reduction,
+    *,
+    B=3,
+    extra=0,
+    eos=(),
+    spread=10.0,
+    neg_inf=0.0,
+    dtype=torch.float32,
+    seed=0,
+    max_grid_y=65535,
+    rows=None,
+    stage=True,
+    **options,
+):
     trie = make_trie(words, eos)
     layout = trie.layout
     rng = np.random.default_rng(seed)
@@ -549,9 +668,9 @@ def check(emulator, tmp_path, words, reduction, *, B=3, extra=0, eos=(), spread=
     x = rows if rows is not None else make_values(rng, B, C, reduction, spread, neg_inf, dtype)
     modes = ["without_eos"] + (["with_eos"] if "with_eos" in layout.modes and eos else [])
     for mode in modes:
-        status, errors, launches, got, _ = run_emulated(emulator, str(tmp_path), x, layout,
-                                                       reduction, mode, max_grid_y, stage=stage,
-                                                       **options)
+        status, errors, launches, got, _ = run_emulated(
+            emulator, str(tmp_path), x, layout, reduction, mode, max_grid_y, stage=stage, **options
+        )
         assert status == 0, f"launch failed with cudaError {status}"
         assert errors == 0
         want = reference(x, layout, reduction, mode)
@@ -565,8 +684,15 @@ def check(emulator, tmp_path, words, reduction, *, B=3, extra=0, eos=(), spread=
 def test_emulated_source_rewrites_every_cuda_construct():
     with open(CU) as f:
         src = emulated_source(f.read())
-    for construct in ("<<<", ">>>", "__syncthreads", "__shfl", "threadIdx", "blockIdx",
-                      "__shared__"):
+    for construct in (
+        "<<<",
+        ">>>",
+        "__syncthreads",
+        "__shfl",
+        "threadIdx",
+        "blockIdx",
+        "__shared__",
+    ):
         assert construct not in src, construct
 
 
@@ -585,10 +711,19 @@ def test_random_tries(emulator, tmp_path, reduction, options):
         n = int(rng.choice([1, 2, 40, 63, 64, 65, 300, 700]))
         words = [bytes(rng.integers(97, 100, size=rng.integers(0, 7))) for _ in range(n)]
         eos = {words[0]} if case % 2 else ()
-        check(emulator, tmp_path, words, reduction, B=int(rng.integers(1, 4)),
-              extra=7 if reduction == "log_mass" and case % 3 == 0 else 0, eos=eos,
-              spread=[1.0, 50.0, 400.0][case % 3], neg_inf=0.3 if case >= 3 else 0.0,
-              seed=case, **options)
+        check(
+            emulator,
+            tmp_path,
+            words,
+            reduction,
+            B=int(rng.integers(1, 4)),
+            extra=7 if reduction == "log_mass" and case % 3 == 0 else 0,
+            eos=eos,
+            spread=[1.0, 50.0, 400.0][case % 3],
+            neg_inf=0.3 if case >= 3 else 0.0,
+            seed=case,
+            **options,
+        )
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
@@ -603,13 +738,23 @@ def test_layouts_of_smaller_tiles(emulator, tmp_path, monkeypatch, reduction, ti
     rng = np.random.default_rng(tile)
     words = [bytes(rng.integers(97, 100, size=rng.integers(0, 6))) for _ in range(150)]
     assert make_trie(words).layout.modes["without_eos"].tile == tile
-    check(emulator, tmp_path, words, reduction, B=B, eos={words[1]}, spread=30.0, neg_inf=0.2,
-          extra=3 if reduction == "log_mass" else 0)
+    check(
+        emulator,
+        tmp_path,
+        words,
+        reduction,
+        B=B,
+        eos={words[1]},
+        spread=30.0,
+        neg_inf=0.2,
+        extra=3 if reduction == "log_mass" else 0,
+    )
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
-@pytest.mark.parametrize("shape", ["one_token", "empty_token", "deep_chain", "wide_fanout",
-                                   "duplicates"])
+@pytest.mark.parametrize(
+    "shape", ["one_token", "empty_token", "deep_chain", "wide_fanout", "duplicates"]
+)
 def test_shapes_that_hurt(emulator, tmp_path, reduction, shape):
     words = {
         "one_token": [b"x"],
@@ -619,8 +764,16 @@ def test_shapes_that_hurt(emulator, tmp_path, reduction, shape):
         + [bytes([a, b]) for a in range(0, 256, 5) for b in range(0, 256, 7)],
         "duplicates": [b"ab", b"ab", b"a", b"ab", b"", b"", b"abc", b"b"] * 13,
     }[shape]
-    check(emulator, tmp_path, words, reduction, B=2, spread=30.0, neg_inf=0.2,
-          extra=5 if reduction == "log_mass" else 0)
+    check(
+        emulator,
+        tmp_path,
+        words,
+        reduction,
+        B=2,
+        spread=30.0,
+        neg_inf=0.2,
+        extra=5 if reduction == "log_mass" else 0,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
@@ -708,13 +861,25 @@ def test_long_node_blocks_and_tiles_owning_none(emulator, tmp_path, reduction, d
     WITH_EOS all deposit on the EOS node, one node over several tiles: tiles that own no
     node at all, only their total goes to scratch), and float64 (double shared arrays)."""
     rng = np.random.default_rng(3)
-    words = ([b"q" * 1500] + [b"dd"] * 200
-             + [bytes(rng.integers(97, 100, size=rng.integers(1, 5))) for _ in range(300)])
+    words = (
+        [b"q" * 1500]
+        + [b"dd"] * 200
+        + [bytes(rng.integers(97, 100, size=rng.integers(1, 5))) for _ in range(300)]
+    )
     modes = make_trie(words, eos=[b"dd"]).layout.modes
     assert np.diff(modes["without_eos"].tile_node_lo).max() > 1500
     assert (np.diff(modes["with_eos"].tile_node_lo) == 0).any()
-    check(emulator, tmp_path, words, reduction, B=3, dtype=dtype, neg_inf=0.2, eos=[b"dd"],
-          extra=3 if reduction == "log_mass" else 0)
+    check(
+        emulator,
+        tmp_path,
+        words,
+        reduction,
+        B=3,
+        dtype=dtype,
+        neg_inf=0.2,
+        eos=[b"dd"],
+        extra=3 if reduction == "log_mass" else 0,
+    )
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
@@ -730,10 +895,17 @@ def test_tiles_past_their_shared_index_slices(emulator, tmp_path, reduction, B):
     assert np.diff(mode.tile_node_lo).max() > SHARED_IDS
     ptr = mode.tile_scratch_ptr
     t = int(np.argmax(np.diff(ptr)))
-    past = mode.scratch_src[ptr[t] + TILE_THREADS:ptr[t + 1]]
+    past = mode.scratch_src[ptr[t] + TILE_THREADS : ptr[t + 1]]
     assert len(past) and len(np.unique(past)) > 1
-    check(emulator, tmp_path, words, reduction, B=B, spread=3.0,
-          extra=2 if reduction == "log_mass" else 0)
+    check(
+        emulator,
+        tmp_path,
+        words,
+        reduction,
+        B=B,
+        spread=3.0,
+        extra=2 if reduction == "log_mass" else 0,
+    )
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
@@ -765,19 +937,39 @@ def test_spanning_nodes_by_fold_warp_and_block(emulator, tmp_path, reduction):
     # all by block on one row (-inf tiles; for sum the scaled row), the others on every row
     one = slice(1, 2) if reduction != "sum" else slice(2, 3)
     every = slice(None)
-    for (split, warp_end), rows in [((0, 0), one), ((0, S), every), ((narrow, S), every),
-                                    ((S, S), every), ((narrow, narrow), every),
-                                    ((max(narrow - 24, 0), S - 1), every)]:
-        status, errors, _, got, _ = run_emulated(emulator, str(tmp_path), x[rows], layout,
-                                                 reduction, span_narrow=split,
-                                                 span_warp=warp_end, fold=True)
+    for (split, warp_end), rows in [
+        ((0, 0), one),
+        ((0, S), every),
+        ((narrow, S), every),
+        ((S, S), every),
+        ((narrow, narrow), every),
+        ((max(narrow - 24, 0), S - 1), every),
+    ]:
+        status, errors, _, got, _ = run_emulated(
+            emulator,
+            str(tmp_path),
+            x[rows],
+            layout,
+            reduction,
+            span_narrow=split,
+            span_warp=warp_end,
+            fold=True,
+        )
         assert status == 0 and errors == 0
-        assert_matches(got, want[rows], reduction,
-                       f"{reduction}, span_narrow={split}, span_warp={warp_end}")
+        assert_matches(
+            got, want[rows], reduction, f"{reduction}, span_narrow={split}, span_warp={warp_end}"
+        )
     for split, warp_end in [(S + 1, S + 1), (0, S + 1), (narrow, narrow - 1)]:
-        status, _, launches, _, _ = run_emulated(emulator, str(tmp_path), x, layout,
-                                                 reduction, span_narrow=split,
-                                                 span_warp=warp_end, fold=True)
+        status, _, launches, _, _ = run_emulated(
+            emulator,
+            str(tmp_path),
+            x,
+            layout,
+            reduction,
+            span_narrow=split,
+            span_warp=warp_end,
+            fold=True,
+        )
         assert status != 0 and launches == 0  # a split out of order or past S is refused
 
 
@@ -801,17 +993,24 @@ def test_spanning_nodes_of_many_chunks(emulator, tmp_path, monkeypatch, reductio
     if reduction != "sum":
         leaf_columns = ml.leaf_token  # in leaf order: stretches of whole tiles
         for k, lo in enumerate(range(0, len(leaf_columns), 96)):
-            x[0, leaf_columns[lo:lo + 48]] = -np.inf  # 24 tiles without mass
-            x[0, leaf_columns[lo + 48:lo + 96]] += [-300.0, 0.0, 150.0][k % 3]
+            x[0, leaf_columns[lo : lo + 48]] = -np.inf  # 24 tiles without mass
+            x[0, leaf_columns[lo + 48 : lo + 96]] += [-300.0, 0.0, 150.0][k % 3]
     want = reference(x, layout, reduction)
-    for split, warp_end, fold in [(S, S, True), (S, S, False), (0, S, False),
-                                  (0, S - 3, False)]:
-        status, errors, _, got, _ = run_emulated(emulator, str(tmp_path), x, layout,
-                                                 reduction, span_narrow=split,
-                                                 span_warp=warp_end, fold=fold)
+    for split, warp_end, fold in [(S, S, True), (S, S, False), (0, S, False), (0, S - 3, False)]:
+        status, errors, _, got, _ = run_emulated(
+            emulator,
+            str(tmp_path),
+            x,
+            layout,
+            reduction,
+            span_narrow=split,
+            span_warp=warp_end,
+            fold=fold,
+        )
         assert status == 0 and errors == 0
-        assert_matches(got, want, reduction,
-                       f"{reduction}, span_narrow={split}, span_warp={warp_end}")
+        assert_matches(
+            got, want, reduction, f"{reduction}, span_narrow={split}, span_warp={warp_end}"
+        )
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
@@ -833,17 +1032,35 @@ def test_folds_wait_for_the_tiles_before_them(emulator, tmp_path, monkeypatch, r
     S, narrow = len(ml.span_node), span_class_end(ml, SPAN_NARROW_TILES)
     assert 0 < narrow < S and (np.diff(ml.tile_fold_ptr) > 0).mean() > 0.5
     spins = 0
-    for B, split, max_grid_y in [(3, narrow, 65535), (STAGE_MIN_ROWS, narrow, 65535),
-                                 (3, S, 65535), (5, narrow, 2), (31, narrow, 16)]:
+    for B, split, max_grid_y in [
+        (3, narrow, 65535),
+        (STAGE_MIN_ROWS, narrow, 65535),
+        (3, S, 65535),
+        (5, narrow, 2),
+        (31, narrow, 16),
+    ]:
         x = make_values(rng, B, layout.num_columns, reduction, spread=30.0, neg_inf=0.1)
         stats = {}
         status, errors, _, got, _ = run_emulated(
-            emulator, str(tmp_path), x, layout, reduction, span_narrow=split,
-            span_warp=max(split, span_class_end(ml, SPAN_WARP_TILES)), max_grid_y=max_grid_y,
-            resident_blocks=6, stats=stats, fold=True)
+            emulator,
+            str(tmp_path),
+            x,
+            layout,
+            reduction,
+            span_narrow=split,
+            span_warp=max(split, span_class_end(ml, SPAN_WARP_TILES)),
+            max_grid_y=max_grid_y,
+            resident_blocks=6,
+            stats=stats,
+            fold=True,
+        )
         assert status == 0 and errors == 0
-        assert_matches(got, reference(x, layout, reduction), reduction,
-                       f"{reduction}, B={B}, span_narrow={split}, max_grid_y={max_grid_y}")
+        assert_matches(
+            got,
+            reference(x, layout, reduction),
+            reduction,
+            f"{reduction}, B={B}, span_narrow={split}, max_grid_y={max_grid_y}",
+        )
         spins += stats["spins"]
     assert spins > 0
 
@@ -865,13 +1082,15 @@ def test_folds_give_what_the_span_pass_gives(emulator, tmp_path, monkeypatch, re
         x = make_values(rng, B, layout.num_columns, reduction, spread=30.0, neg_inf=0.1)
         results = []
         for fold in (True, False):
-            status, errors, _, got, _ = run_emulated(emulator, str(tmp_path), x, layout,
-                                                     reduction, fold=fold)
+            status, errors, _, got, _ = run_emulated(
+                emulator, str(tmp_path), x, layout, reduction, fold=fold
+            )
             assert status == 0 and errors == 0
             results.append(got)
         np.testing.assert_array_equal(results[0], results[1])
-        assert_matches(results[1], reference(x, layout, reduction), reduction,
-                       f"{reduction}, B={B}, folds off")
+        assert_matches(
+            results[1], reference(x, layout, reduction), reduction, f"{reduction}, B={B}, folds off"
+        )
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
@@ -887,6 +1106,7 @@ def test_rows_are_chunked_below_the_grid_limit(emulator, tmp_path, reduction):
     ml = make_trie(words).layout.modes["without_eos"]
     assert 0 < span_class_end(ml, SPAN_NARROW_TILES) == len(ml.span_node)
     lse = reduction == "log_mass"
+
     def kernels(rows, fold=False, row_check=False):
         row_pass = lse or rows >= STAGE_MIN_ROWS or row_check
         return row_pass + lse + 1 + (not fold)
@@ -928,17 +1148,26 @@ def staged_and_not(emulator, tmp_path, x, layout, reduction, label, **kwargs):
     runs = {}
     for stage in (True, False):
         status, errors, launches, got, scratch = run_emulated(
-            emulator, str(tmp_path), x, layout, reduction, stage=stage, **kwargs)
+            emulator, str(tmp_path), x, layout, reduction, stage=stage, **kwargs
+        )
         assert status == 0 and errors == 0
         assert_matches(got, want, reduction, f"{label}/stage={stage}")
         runs[stage] = (launches, got, scratch)
     return runs
 
 
-@pytest.mark.parametrize("reduction,dtype,B", [
-    ("sum", torch.float32, 40), ("max", torch.float32, 40), ("log_mass", torch.float32, 40),
-    ("log_mass", torch.bfloat16, 40), ("sum", torch.float64, 40), ("sum", torch.float64, 16),
-    ("max", torch.float64, 19)])
+@pytest.mark.parametrize(
+    "reduction,dtype,B",
+    [
+        ("sum", torch.float32, 40),
+        ("max", torch.float32, 40),
+        ("log_mass", torch.float32, 40),
+        ("log_mass", torch.bfloat16, 40),
+        ("sum", torch.float64, 40),
+        ("sum", torch.float64, 16),
+        ("max", torch.float64, 19),
+    ],
+)
 def test_staged_rows_give_what_the_input_rows_give(emulator, tmp_path, reduction, dtype, B):
     """B >= 8: (a1) stages the rows, a tile block's rows side by side and the columns in
     leaf order, and the tile kernel gathers from there (without the workspace: from the
@@ -949,12 +1178,12 @@ def test_staged_rows_give_what_the_input_rows_give(emulator, tmp_path, reduction
     Both ways match the reference; sum and max read the same values, so they agree bit for
     bit, and staging takes one launch more for them (the row pass), none for log_mass (its
     row pass runs either way, for the lse)."""
-    words = [bytes(np.random.default_rng(i).integers(97, 101, size=1 + i % 5))
-             for i in range(220)]
+    words = [bytes(np.random.default_rng(i).integers(97, 101, size=1 + i % 5)) for i in range(220)]
     layout = make_trie(words).layout
     rng = np.random.default_rng(11)
-    x = make_values(rng, B, layout.num_columns + 37, reduction, spread=15.0,
-                    neg_inf=0.1, dtype=dtype)
+    x = make_values(
+        rng, B, layout.num_columns + 37, reduction, spread=15.0, neg_inf=0.1, dtype=dtype
+    )
     runs = staged_and_not(emulator, tmp_path, x, layout, reduction, f"{reduction}/{dtype}")
     got = {stage: run[1] for stage, run in runs.items()}
     launches = {stage: run[0] for stage, run in runs.items()}
@@ -964,11 +1193,18 @@ def test_staged_rows_give_what_the_input_rows_give(emulator, tmp_path, reduction
 
 
 @pytest.mark.parametrize("row_pass_blocks", [1, 3])
-@pytest.mark.parametrize("reduction,dtype,B", [
-    ("sum", torch.float32, 8), ("log_mass", torch.float32, 40), ("log_mass", torch.bfloat16, 16),
-    ("max", torch.float64, 40), ("sum", torch.float64, 19), ("log_mass", torch.float64, 8)])
-def test_row_pass_blocks_of_many_rounds(emulator, tmp_path, reduction, dtype, B,
-                                        row_pass_blocks):
+@pytest.mark.parametrize(
+    "reduction,dtype,B",
+    [
+        ("sum", torch.float32, 8),
+        ("log_mass", torch.float32, 40),
+        ("log_mass", torch.bfloat16, 16),
+        ("max", torch.float64, 40),
+        ("sum", torch.float64, 19),
+        ("log_mass", torch.float64, 8),
+    ],
+)
+def test_row_pass_blocks_of_many_rounds(emulator, tmp_path, reduction, dtype, B, row_pass_blocks):
     """(a1) reads its slice in rounds, each round's loads issued before the round before is
     staged, through two shared buffers: with the device taken as holding 1 or 3 blocks at
     once, each block reads 2 to 27 rounds (float32: 512, 256 or 128 columns a round at 8, 16
@@ -976,14 +1212,21 @@ def test_row_pass_blocks_of_many_rounds(emulator, tmp_path, reduction, dtype, B,
     blocks of rows, and 1,500 columns past the vocabulary, which no leaf reads. Staged and not, the
     result is the reference's (sum and max: bit for bit the same both ways), and so is each
     row's lse."""
-    words = [bytes(np.random.default_rng(i).integers(97, 101, size=1 + i % 5))
-             for i in range(220)]
+    words = [bytes(np.random.default_rng(i).integers(97, 101, size=1 + i % 5)) for i in range(220)]
     layout = make_trie(words).layout
     rng = np.random.default_rng(B)
-    x = make_values(rng, B, layout.num_columns + 1500, reduction, spread=15.0,
-                    neg_inf=0.1, dtype=dtype)
-    runs = staged_and_not(emulator, tmp_path, x, layout, reduction, f"{reduction}/{dtype}",
-                          row_pass_blocks=row_pass_blocks)
+    x = make_values(
+        rng, B, layout.num_columns + 1500, reduction, spread=15.0, neg_inf=0.1, dtype=dtype
+    )
+    runs = staged_and_not(
+        emulator,
+        tmp_path,
+        x,
+        layout,
+        reduction,
+        f"{reduction}/{dtype}",
+        row_pass_blocks=row_pass_blocks,
+    )
     got = {stage: run[1] for stage, run in runs.items()}
     lse = {stage: run[2][:, -2] + run[2][:, -1] for stage, run in runs.items()}  # the pair
     if reduction == "log_mass":
@@ -999,8 +1242,7 @@ def test_staged_rows_follow_each_modes_leaf_order(emulator, tmp_path, monkeypatc
     tokens' leaves under the EOS node), so each mode stages the columns at its own leaf
     positions, from the column_leaf cuda_backend builds for it (through dispatch, the
     kernels emulated); a column past the vocabulary is staged nowhere."""
-    words = [bytes(np.random.default_rng(i).integers(97, 100, size=1 + i % 4))
-             for i in range(90)]
+    words = [bytes(np.random.default_rng(i).integers(97, 100, size=1 + i % 4)) for i in range(90)]
     words = list(dict.fromkeys(words))
     trie = make_trie(words, eos=[words[3], words[40]])
     orders = {m: trie.layout.modes[m].leaf_token for m in ("without_eos", "with_eos")}
@@ -1012,8 +1254,12 @@ def test_staged_rows_follow_each_modes_leaf_order(emulator, tmp_path, monkeypatc
         for mode in orders:
             got, used = dispatch.trie_reduce(x, trie.layout, reduction, mode=mode)
             assert used == "cuda"
-            assert_matches(got.numpy(), reference(x, trie.layout, reduction, mode), reduction,
-                           f"{reduction}/{mode}")
+            assert_matches(
+                got.numpy(),
+                reference(x, trie.layout, reduction, mode),
+                reduction,
+                f"{reduction}/{mode}",
+            )
 
 
 @pytest.mark.parametrize("B", [1, 3])
@@ -1034,8 +1280,17 @@ def test_a_real_vocabulary_slice(emulator, tmp_path):
     enc = quicktok.get_encoding("llama3")
     words = [enc.decode_single_token_bytes(i) for i in range(2000)]
     for reduction in ("sum", "max", "log_mass"):
-        check(emulator, tmp_path, words, reduction, B=2, eos={words[-1]}, spread=20.0,
-              neg_inf=0.01, extra=17 if reduction == "log_mass" else 0)
+        check(
+            emulator,
+            tmp_path,
+            words,
+            reduction,
+            B=2,
+            eos={words[-1]},
+            spread=20.0,
+            neg_inf=0.01,
+            extra=17 if reduction == "log_mass" else 0,
+        )
 
 
 def test_bad_arguments_are_refused_before_any_launch(emulator, tmp_path):
@@ -1044,15 +1299,17 @@ def test_bad_arguments_are_refused_before_any_launch(emulator, tmp_path):
     trie = make_trie([b"a", b"b"])
     x = torch.zeros(1, 2)
     # a tile the kernels refuse (its shared memory would pass the limit)
-    status, _, launches, _, _ = run_emulated(emulator, str(tmp_path), x, trie.layout, "sum",
-                                             tile=100000)
+    status, _, launches, _, _ = run_emulated(
+        emulator, str(tmp_path), x, trie.layout, "sum", tile=100000
+    )
     assert status == 1 and launches == 0  # cudaErrorInvalidValue
     # 8 rows (staged): the row pass would write leaf positions past a row block's C * 8
     # values; the same call with the right column_leaf runs
     x = torch.zeros(8, 2)
     for column_leaf, want in (([0, 1, -1], 1), ([0, 1], 0)):
-        status, _, launches, _, _ = run_emulated(emulator, str(tmp_path), x, trie.layout, "sum",
-                                                 column_leaf=np.array(column_leaf))
+        status, _, launches, _, _ = run_emulated(
+            emulator, str(tmp_path), x, trie.layout, "sum", column_leaf=np.array(column_leaf)
+        )
         assert status == want and (launches == 0) == (want == 1)
 
 
@@ -1085,8 +1342,9 @@ def test_row_lse_flags_exactly_the_bad_rows(emulator, tmp_path, stage):
     bad = [1, 2, 3, 4, 5, 8]
     for dtype in (torch.float32, torch.float16, torch.float64):
         x = torch.from_numpy(rows).to(dtype)
-        status, errors, _, got, scratch = run_emulated(emulator, str(tmp_path), x, trie.layout,
-                                                       "log_mass", stage=stage)
+        status, errors, _, got, scratch = run_emulated(
+            emulator, str(tmp_path), x, trie.layout, "log_mass", stage=stage
+        )
         assert status == 0 and errors == 0
         row_max, log_sum = scratch[:, -2], scratch[:, -1]
         assert np.flatnonzero(~np.isfinite(log_sum)).tolist() == bad, (dtype, log_sum)
@@ -1123,9 +1381,9 @@ def test_row_check_of_sum_and_max_flags_exactly_the_nan_rows(emulator, tmp_path,
     for dtype in (torch.float32, torch.float64):
         x = torch.from_numpy(rows).to(dtype)
         for reduction in ("sum", "max"):
-            status, errors, _, got, scratch = run_emulated(emulator, str(tmp_path), x,
-                                                           trie.layout, reduction, stage=stage,
-                                                           row_check=True)
+            status, errors, _, got, scratch = run_emulated(
+                emulator, str(tmp_path), x, trie.layout, reduction, stage=stage, row_check=True
+            )
             assert status == 0 and errors == 0
             check = scratch[:, -1]
             assert np.flatnonzero(np.isnan(check)).tolist() == bad, (dtype, reduction, check)
@@ -1141,14 +1399,24 @@ def use_emulated_binding(monkeypatch, emulator, tmp_path, layout):
 
     class EmulatedBinding:
         @staticmethod
-        def trie_reduce_cuda(values, leaf_token, column_leaf, *args, fold=False,
-                             row_check=False):
+        def trie_reduce_cuda(values, leaf_token, column_leaf, *args, fold=False, row_check=False):
             scratch, reduction = args[18], args[19]
-            mode = next(m for m, ml in layout.modes.items()
-                        if np.array_equal(ml.leaf_token, leaf_token.numpy()))
+            mode = next(
+                m
+                for m, ml in layout.modes.items()
+                if np.array_equal(ml.leaf_token, leaf_token.numpy())
+            )
             status, errors, _, out, filled = run_emulated(
-                emulator, str(tmp_path), values, layout, reduction, mode=mode,
-                column_leaf=column_leaf.numpy(), fold=fold, row_check=row_check)
+                emulator,
+                str(tmp_path),
+                values,
+                layout,
+                reduction,
+                mode=mode,
+                column_leaf=column_leaf.numpy(),
+                fold=fold,
+                row_check=row_check,
+            )
             assert status == 0 and errors == 0
             scratch.copy_(torch.from_numpy(filled.copy()))
             return torch.from_numpy(out.copy())
@@ -1157,8 +1425,13 @@ def use_emulated_binding(monkeypatch, emulator, tmp_path, layout):
     monkeypatch.setattr(extension, "load_module", lambda: EmulatedBinding)
     # "auto" takes the CUDA backend; an explicit one (the tests' reference) is kept
     real_resolve = dispatch.resolve_backend
-    monkeypatch.setattr(dispatch, "resolve_backend", lambda backend, device, reduction:
-                        "cuda" if backend == "auto" else real_resolve(backend, device, reduction))
+    monkeypatch.setattr(
+        dispatch,
+        "resolve_backend",
+        lambda backend, device, reduction: (
+            "cuda" if backend == "auto" else real_resolve(backend, device, reduction)
+        ),
+    )
 
 
 def test_dispatcher_names_bad_rows_from_the_cuda_row_pass(emulator, tmp_path, monkeypatch):
@@ -1176,18 +1449,24 @@ def test_dispatcher_names_bad_rows_from_the_cuda_row_pass(emulator, tmp_path, mo
     rows = rng.standard_normal((4, 43)) * 10
     # 9 rows: staged, in the leaf order of the column_leaf that cuda_backend builds
     staged_rows = torch.from_numpy(rng.standard_normal((9, 43)) * 10).float()
-    want = {B: reference(x, layout, "log_mass")
-            for B, x in ((4, torch.from_numpy(rows).float()), (9, staged_rows))}
+    want = {
+        B: reference(x, layout, "log_mass")
+        for B, x in ((4, torch.from_numpy(rows).float()), (9, staged_rows))
+    }
     # sum and max: staged (9 rows) or read for the check alone (3)
     weights = {B: torch.from_numpy(rng.random((B, 43))).float() for B in (3, 9)}
-    want_weights = {(B, reduction): reference(w, layout, reduction)
-                    for B, w in weights.items() for reduction in ("sum", "max")}
+    want_weights = {
+        (B, reduction): reference(w, layout, reduction)
+        for B, w in weights.items()
+        for reduction in ("sum", "max")
+    }
 
     use_emulated_binding(monkeypatch, emulator, tmp_path, layout)
     passes = []
     real_row_check = dispatch.row_check
-    monkeypatch.setattr(dispatch, "row_check",
-                        lambda values: passes.append(values.shape) or real_row_check(values))
+    monkeypatch.setattr(
+        dispatch, "row_check", lambda values: passes.append(values.shape) or real_row_check(values)
+    )
 
     out, used = dispatch.trie_reduce(torch.from_numpy(rows).float(), layout, "log_mass")
     assert used == "cuda" and passes == []
@@ -1195,9 +1474,11 @@ def test_dispatcher_names_bad_rows_from_the_cuda_row_pass(emulator, tmp_path, mo
     out, used = dispatch.trie_reduce(staged_rows, layout, "log_mass")
     assert used == "cuda" and passes == []
     assert_matches(out.numpy(), want[9], "log_mass")
-    for value, message in [(np.nan, "logit row 2 contains NaN"),
-                           (np.inf, r"logit row 2 contains \+inf"),
-                           (-np.inf, r"logit row 2 has no finite logit \(all -inf\)")]:
+    for value, message in [
+        (np.nan, "logit row 2 contains NaN"),
+        (np.inf, r"logit row 2 contains \+inf"),
+        (-np.inf, r"logit row 2 has no finite logit \(all -inf\)"),
+    ]:
         bad = rows.copy()
         if value == -np.inf:
             bad[2] = -np.inf

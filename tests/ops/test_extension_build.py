@@ -54,14 +54,15 @@ def layout_named(name):
         if name == "one":
             _LAYOUTS[name] = make_layout([b"a"], eos_positions=[0])
         elif name == "seven":
-            _LAYOUTS[name] = make_layout([b"ab", b"a", b"", b"abc", b"b", b"ab", b"ba"],
-                                         eos_positions=[2, 4])
+            _LAYOUTS[name] = make_layout(
+                [b"ab", b"a", b"", b"abc", b"b", b"ab", b"ba"], eos_positions=[2, 4]
+            )
         elif name == "random":
             words = random_words(rng, 300)
             _LAYOUTS[name] = make_layout(words, rng.choice(len(words), 5, replace=False))
         elif name == "permuted":  # token columns: a permutation inside a wider row
             words = random_words(rng, 150, alphabet=b"xyz", max_len=9)
-            cols = rng.permutation(len(words) + 40)[:len(words)]
+            cols = rng.permutation(len(words) + 40)[: len(words)]
             _LAYOUTS[name] = make_layout(words, eos_positions=[0, 3], token_column=cols)
         elif name == "big":  # > 32768 nodes: B < threads takes the split-row path
             words = random_words(rng, 7000, alphabet=b"abcdefghijklmnop", max_len=10)
@@ -133,8 +134,9 @@ def test_a_prebuilt_module_older_than_csrc_is_reported(tmp_path):
     (tmp_path / "_C.sources").write_text(sources.digest() + "\n")
     assert extension._stale_reason(module) == ""
     (tmp_path / "_C.sources").write_text("0" * 64 + "\n")
-    assert "rebuild it with `pip install -e . --no-build-isolation`" in \
-        extension._stale_reason(module)
+    assert "rebuild it with `pip install -e . --no-build-isolation`" in extension._stale_reason(
+        module
+    )
     edited = tmp_path / "csrc"
     shutil.copytree(sources.CSRC, edited)
     before = sources.digest(str(edited))
@@ -216,8 +218,10 @@ def test_a_failed_jit_build_is_remembered_across_processes(tmp_path, monkeypatch
 def test_no_compiler_fails_fast_with_a_clear_reason(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("GENLM_FAST_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
-    with caplog.at_level("WARNING", logger="genlm_fast.ops"), \
-            pytest.raises(RuntimeError, match="no C\\+\\+ compiler found"):
+    with (
+        caplog.at_level("WARNING", logger="genlm_fast.ops"),
+        pytest.raises(RuntimeError, match="no C\\+\\+ compiler found"),
+    ):
         extension._jit_build(defines=("GF_TEST_NO_COMPILER",))
     assert "compiling" not in caplog.text  # no "about a minute" announcement for nothing
 
@@ -251,14 +255,17 @@ def test_jit_cache_folder_names_the_python_abi_and_torch():
 
 
 def test_fallback_warning_says_why_and_how(monkeypatch):
-    """"auto" ending on the reference warns once, with the reason the compiled kernels are
+    """ "auto" ending on the reference warns once, with the reason the compiled kernels are
     missing and a command that builds them (plain `pip install -e .` builds in isolation,
     without torch, so without the kernels)."""
     from genlm_fast.ops import dispatch
 
     monkeypatch.setattr(extension, "has", lambda kind: False)
-    monkeypatch.setattr(extension, "why_missing", lambda kind: "REASON-XYZ; run `pip install "
-                        "-e . --no-build-isolation`")
+    monkeypatch.setattr(
+        extension,
+        "why_missing",
+        lambda kind: "REASON-XYZ; run `pip install -e . --no-build-isolation`",
+    )
     monkeypatch.setattr(dispatch, "_warned", set())
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -278,8 +285,9 @@ def test_auto_on_a_gpu_picks_the_first_available(monkeypatch, built):
     from genlm_fast.ops import dispatch
 
     monkeypatch.setattr(dispatch, "triton_usable", lambda device: "triton" in built)
-    monkeypatch.setattr(dispatch, "_extension_usable",
-                        lambda kind, device: kind == "cuda" and "cuda" in built)
+    monkeypatch.setattr(
+        dispatch, "_extension_usable", lambda kind, device: kind == "cuda" and "cuda" in built
+    )
     monkeypatch.setattr(dispatch, "_warned", set())
     assert dispatch.GPU_PREFERENCE == ("cuda", "triton")
     for reduction in dispatch.REDUCTIONS:
@@ -336,8 +344,9 @@ def test_matches_reference(name, mode, reduction, dtype):
         x = random_values(rng, layout, B, reduction, dtype, extra_columns=3)
         out, used = trie_reduce(x, layout, reduction, mode, backend="cpu")
         assert used == "cpu"
-        expected_dtype = torch.float64 if (dtype == torch.float64 and reduction != "log_mass") \
-            else torch.float32
+        expected_dtype = (
+            torch.float64 if (dtype == torch.float64 and reduction != "log_mass") else torch.float32
+        )
         assert out.dtype == expected_dtype
         assert_matches(out, reference(x, layout, reduction, mode))
 
@@ -373,7 +382,7 @@ def test_log_mass_hundreds_of_nats_down(mode):
     ml = layout.modes[mode]
     deep_nodes = np.nonzero(ml.leaf_end - ml.leaf_start >= 3)[0]
     node = int(deep_nodes[len(deep_nodes) // 3])
-    deep = set(ml.leaf_token[ml.leaf_start[node]:ml.leaf_end[node]].tolist())
+    deep = set(ml.leaf_token[ml.leaf_start[node] : ml.leaf_end[node]].tolist())
     cols = torch.tensor(sorted(deep))
     x[0, cols] = -800.0 + torch.from_numpy(rng.standard_normal(len(cols)))
     x[1, cols] = -1e9  # a "mask" value instead of -inf: still finite mass
@@ -444,8 +453,9 @@ def test_split_row_and_row_parallel_paths(reduction, mode):
     ref = reference(x, layout, reduction, mode)
     for threads in (1, 2, 3, 4):
         for rows in (slice(0, 1), slice(1, 2), slice(2, 3), slice(0, 5)):
-            out = cpu_backend.run_kernel(module, x[rows].contiguous(), arrays, reduction,
-                                           check=True, num_threads=threads)
+            out = cpu_backend.run_kernel(
+                module, x[rows].contiguous(), arrays, reduction, check=True, num_threads=threads
+            )
             assert_matches(out, ref[rows])
     # a NaN row is found by every path (the split-row one checks its column slices)
     bad = x.clone()
@@ -453,9 +463,9 @@ def test_split_row_and_row_parallel_paths(reduction, mode):
     for threads in (1, 2, 3, 4):
         for rows, name in ((slice(3, 4), 0), (slice(0, 5), 3)):
             with pytest.raises(ValueError, match=f"row {name} contains NaN"):
-                cpu_backend.run_kernel(module, bad[rows].contiguous(), arrays, reduction,
-                                         num_threads=threads)
-
+                cpu_backend.run_kernel(
+                    module, bad[rows].contiguous(), arrays, reduction, num_threads=threads
+                )
 
 
 def test_large_results_reuse_memory_only_once_released():
@@ -511,27 +521,56 @@ def test_result_pool_keeps_the_most_recent_sizes():
     module.empty_output_cache()
     assert module.output_cache_sizes() == []
 
+
 # --------------------------------------------------------------------------- bad input
 
 
 def test_raw_function_rejects_bad_input():
     layout = layout_named("seven")
     module, arrays, cpu = raw_cpu(layout)
-    parent, node_of_leaf, leaf_token, empty = (arrays["parent"], cpu["node_of_leaf"],
-                                            arrays["leaf_token"], cpu["empty"])
+    parent, node_of_leaf, leaf_token, empty = (
+        arrays["parent"],
+        cpu["node_of_leaf"],
+        arrays["leaf_token"],
+        cpu["empty"],
+    )
     x = torch.randn(2, layout.num_columns)
 
-    runs = {k: cpu[k] for k in ("run_end", "run_depth", "run_child_slot", "run_join_slot",
-                                "run_leaf", "run_of")}
+    runs = {
+        k: cpu[k]
+        for k in ("run_end", "run_depth", "run_child_slot", "run_join_slot", "run_leaf", "run_of")
+    }
     max_depth = cpu["max_depth"]
     assert runs["run_end"].numel() < layout.num_nodes  # the layout has links to merge
 
-    def call(values=x, reduction="sum", par=parent, ln=node_of_leaf, lt=leaf_token, em=empty,
-             max_dep=max_depth, **changed):
+    def call(
+        values=x,
+        reduction="sum",
+        par=parent,
+        ln=node_of_leaf,
+        lt=leaf_token,
+        em=empty,
+        max_dep=max_depth,
+        **changed,
+    ):
         r = {**runs, **changed}
-        return module.trie_reduce_cpu(values, par, ln, lt, em, r["run_end"], r["run_depth"],
-                                      r["run_child_slot"], r["run_join_slot"], r["run_leaf"],
-                                      r["run_of"], max_dep, reduction, True, 0)
+        return module.trie_reduce_cpu(
+            values,
+            par,
+            ln,
+            lt,
+            em,
+            r["run_end"],
+            r["run_depth"],
+            r["run_child_slot"],
+            r["run_join_slot"],
+            r["run_leaf"],
+            r["run_of"],
+            max_dep,
+            reduction,
+            True,
+            0,
+        )
 
     out, bad_row = call()
     assert out.shape == (2, layout.num_nodes) and bad_row == -1
@@ -546,10 +585,22 @@ def test_raw_function_rejects_bad_input():
     with pytest.raises(RuntimeError, match="float16, bfloat16, float32 or float64"):
         call(values=x.long(), reduction="log_mass")
     with pytest.raises(RuntimeError, match="float64_result is for sum and max"):
-        module.trie_reduce_cpu(x, parent, node_of_leaf, leaf_token, empty, *runs.values(),
-                               max_depth, "log_mass", True, 0, True)
-    wide, _ = module.trie_reduce_cpu(x, parent, node_of_leaf, leaf_token, empty,
-                                     *runs.values(), max_depth, "sum", True, 0, True)
+        module.trie_reduce_cpu(
+            x,
+            parent,
+            node_of_leaf,
+            leaf_token,
+            empty,
+            *runs.values(),
+            max_depth,
+            "log_mass",
+            True,
+            0,
+            True,
+        )
+    wide, _ = module.trie_reduce_cpu(
+        x, parent, node_of_leaf, leaf_token, empty, *runs.values(), max_depth, "sum", True, 0, True
+    )
     assert wide.dtype == torch.float64
     assert torch.equal(wide, call(values=x.double())[0])
     with pytest.raises(RuntimeError, match="'parent' must be int32"):
@@ -584,8 +635,11 @@ def test_raw_function_rejects_bad_input():
         call(run_join_slot=(join - (max_depth + 1) * first_run).to(torch.int32))
     later = int(torch.nonzero(join <= max_depth)[0])  # a run that joins earlier siblings
     with pytest.raises(RuntimeError, match=f"run {later} has .* run_join_slot {max_depth + 1}"):
-        call(run_join_slot=torch.where(torch.arange(len(join)) == later, max_depth + 1,
-                                       join).to(torch.int32))
+        call(
+            run_join_slot=torch.where(torch.arange(len(join)) == later, max_depth + 1, join).to(
+                torch.int32
+            )
+        )
     with pytest.raises(RuntimeError, match="run_leaf must start at 0"):
         call(run_leaf=(leaf + 1).to(torch.int32))
     with_leaves = int(torch.nonzero(leaf[1:] > leaf[:-1])[0])  # a run with a leaf
@@ -596,16 +650,26 @@ def test_raw_function_rejects_bad_input():
     # runs 0 and 1 merged into one: node end[0] starts its own run, it is no link
     merged_of = (run_of - (run_of >= 1).to(torch.int32)).to(torch.int32)
     with pytest.raises(RuntimeError, match="not the single-child parent"):
-        call(run_end=end[1:].contiguous(), run_depth=depth[1:].contiguous(),
-             run_child_slot=child[1:].contiguous(), run_join_slot=join[1:].contiguous(),
-             run_leaf=torch.cat([leaf[:1], leaf[2:]]).contiguous(), run_of=merged_of)
+        call(
+            run_end=end[1:].contiguous(),
+            run_depth=depth[1:].contiguous(),
+            run_child_slot=child[1:].contiguous(),
+            run_join_slot=join[1:].contiguous(),
+            run_leaf=torch.cat([leaf[:1], leaf[2:]]).contiguous(),
+            run_of=merged_of,
+        )
     with pytest.raises(RuntimeError, match="non-decreasing"):
         call(ln=node_of_leaf.flip(0).contiguous())
     with pytest.raises(RuntimeError, match="node_of_leaf has"):
         call(ln=node_of_leaf[:-1].contiguous())
     # rows the kernel rejects are reported, not raised: the first one's index comes back
-    for reduction, value in (("sum", "nan"), ("max", "nan"), ("log_mass", "nan"),
-                             ("log_mass", "inf"), ("log_mass", "all -inf")):
+    for reduction, value in (
+        ("sum", "nan"),
+        ("max", "nan"),
+        ("log_mass", "nan"),
+        ("log_mass", "inf"),
+        ("log_mass", "all -inf"),
+    ):
         bad = torch.randn(3, layout.num_columns + 5)
         if value == "all -inf":
             bad[1] = float("-inf")
@@ -626,8 +690,9 @@ def test_backend_rejects_narrow_rows_after_checking_once():
     cpu_backend.trie_reduce(wide, arrays, "sum", num_nodes=layout.num_nodes)
     assert cpu_backend.cpu_arrays(arrays)["checked"]
     with pytest.raises(ValueError, match="at least"):
-        cpu_backend.trie_reduce(wide[:, :-1].contiguous(), arrays, "sum",
-                                num_nodes=layout.num_nodes)
+        cpu_backend.trie_reduce(
+            wide[:, :-1].contiguous(), arrays, "sum", num_nodes=layout.num_nodes
+        )
 
 
 # --------------------------------------------------------------------------- baseline build
@@ -639,8 +704,9 @@ def _static_libstdcxx_compiler(tmp_path):
     gxx = shutil.which("g++")
     if gxx is None or shutil.which("readelf") is None:
         return None
-    archive = subprocess.run([gxx, "-print-file-name=libstdc++.a"], capture_output=True,
-                             text=True, check=False).stdout.strip()
+    archive = subprocess.run(
+        [gxx, "-print-file-name=libstdc++.a"], capture_output=True, text=True, check=False
+    ).stdout.strip()
     if not os.path.isabs(archive):
         return None
     fake = tmp_path / "static-g++"
@@ -718,9 +784,14 @@ def test_baseline_build_matches_reference(tmp_path, monkeypatch, caplog):
                     ref = reference(x, layout, reduction, mode)
                     # 15 rows: blocks of 8, 4, 2 and 1 rows; one row on 2 threads: split
                     for rows, threads in ((slice(0, 15), 1), (slice(2, 3), 2)):
-                        out = cpu_backend.run_kernel(module, x[rows].contiguous(), arrays,
-                                                       reduction, check=True,
-                                                       num_threads=threads)
+                        out = cpu_backend.run_kernel(
+                            module,
+                            x[rows].contiguous(),
+                            arrays,
+                            reduction,
+                            check=True,
+                            num_threads=threads,
+                        )
                         assert_matches(out, ref[rows])
     # a read-only cache that holds this build is loaded as it is, without a compiler (in a
     # new process: an extension module initialises once per process)
@@ -736,8 +807,9 @@ os.access = lambda path, mode: False if mode == os.W_OK else writable(path, mode
 module, where = extension._jit_build(defines=("GF_BASELINE_ONLY",))
 print(where, hasattr(module, "trie_reduce_cpu"))
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          check=False, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [where, "True"]
 
@@ -782,17 +854,22 @@ def test_cuda_dependent_kernels_wait_before_touching_results(tmp_path):
     ptx = {}
     for arch in ("sm_90", "sm_80"):
         out = tmp_path / f"{arch}.ptx"
-        proc = subprocess.run([nvcc, "-std=c++17", "-O3", f"-arch={arch}", "-ptx", src, "-o",
-                               str(out)], capture_output=True, text=True, timeout=600,
-                              check=False)
+        proc = subprocess.run(
+            [nvcc, "-std=c++17", "-O3", f"-arch={arch}", "-ptx", src, "-o", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
         assert proc.returncode == 0, proc.stderr
         ptx[arch] = out.read_text()
     assert "griddepcontrol" not in ptx["sm_80"]
     entries = re.split(r"\n(?=(?:\.visible )?\.entry )", ptx["sm_90"])[1:]
     seen = set()
     for body in entries:
-        name = re.search(r"(row_lse_merge_kernel|row_pass_kernel|tile_kernel|span_kernel)",
-                         body).group(1)
+        name = re.search(
+            r"(row_lse_merge_kernel|row_pass_kernel|tile_kernel|span_kernel)", body
+        ).group(1)
         seen.add(name)
         wait = body.find("griddepcontrol.wait")
         first_store = re.search(r"st\.global", body).start()
@@ -822,17 +899,36 @@ def test_cuda_bindings_compile(tmp_path):
     if cxx is None or nvcc is None:
         pytest.skip("needs a C++ compiler and nvcc's CUDA toolkit (for cuda_runtime_api.h)")
     # a CPU torch's cpp_extension.CUDA_HOME is None: ask nvcc where its headers are
-    dry = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull], capture_output=True,
-                         text=True, timeout=120, check=False)
-    cuda_includes = re.findall(r'-I"?([^"\s]+)', "".join(
-        line for line in dry.stderr.splitlines() if line.startswith("#$ INCLUDES=")))
+    dry = subprocess.run(
+        [nvcc, "--dryrun", "-c", "-x", "cu", os.devnull],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    cuda_includes = re.findall(
+        r'-I"?([^"\s]+)',
+        "".join(line for line in dry.stderr.splitlines() if line.startswith("#$ INCLUDES=")),
+    )
     assert cuda_includes, dry.stderr
     shim = tmp_path / "c10" / "cuda" / "impl"
     shim.mkdir(parents=True)
     (shim / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    includes = [str(tmp_path), *cpp_extension.include_paths(), *cuda_includes,
-                sysconfig.get_paths()["include"], os.path.join(REPO, "csrc")]
-    cmd = [cxx, "-std=c++17", "-fsyntax-only", "-DWITH_CUDA", "-DTORCH_EXTENSION_NAME=_C",
-           *(f"-I{p}" for p in includes), os.path.join(REPO, "csrc", "bindings.cpp")]
+    includes = [
+        str(tmp_path),
+        *cpp_extension.include_paths(),
+        *cuda_includes,
+        sysconfig.get_paths()["include"],
+        os.path.join(REPO, "csrc"),
+    ]
+    cmd = [
+        cxx,
+        "-std=c++17",
+        "-fsyntax-only",
+        "-DWITH_CUDA",
+        "-DTORCH_EXTENSION_NAME=_C",
+        *(f"-I{p}" for p in includes),
+        os.path.join(REPO, "csrc", "bindings.cpp"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]

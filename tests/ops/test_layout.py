@@ -19,8 +19,11 @@ from genlm_fast.ops import layout
 from genlm_fast.ops.layout import SPAN_NARROW_TILES, span_class_end
 from tests.vocabs import byte_vocab
 
-WORDS = st.lists(st.binary(max_size=9) | st.sampled_from([b"", b"a", b"ab", b"abc", b"\xff"]),
-                 min_size=1, max_size=40)
+WORDS = st.lists(
+    st.binary(max_size=9) | st.sampled_from([b"", b"a", b"ab", b"abc", b"\xff"]),
+    min_size=1,
+    max_size=40,
+)
 
 
 def both_paths(words, add_eos_node):
@@ -45,8 +48,9 @@ def test_bytes_path_equals_the_insertion_loop(words, add_eos_node):
     assert_same(*both_paths(words, add_eos_node))
 
 
-@pytest.mark.parametrize("words", [[b""], [b"", b""], [b"a" * 200, b"a" * 3, b"a"],
-                                   [bytes([i]) for i in range(256)]])
+@pytest.mark.parametrize(
+    "words", [[b""], [b"", b""], [b"a" * 200, b"a" * 3, b"a"], [bytes([i]) for i in range(256)]]
+)
 def test_bytes_path_edge_cases(words):
     assert_same(*both_paths(words, True))
 
@@ -103,23 +107,23 @@ def evaluate_sources(ml, num_nodes, weights):
     out = np.full(num_nodes, np.nan)
     scratch = np.full(ml.num_scratch, np.nan)
     leaf_w = np.zeros(len(ml.tile_node_lo) * ml.tile)  # whole tiles
-    leaf_w[:len(ml.leaf_token)] = weights[ml.leaf_token]
+    leaf_w[: len(ml.leaf_token)] = weights[ml.leaf_token]
     tile = ml.tile
     n_tiles = len(ml.tile_node_lo) - 1
     folds = ml.fold_bounds.reshape(-1, 4)
     assert len(ml.tile_fold_ptr) == n_tiles + 1 and len(ml.tile_fold_wait) == n_tiles
     written = np.full(ml.num_scratch, -1)  # the tile that wrote each scratch slot
     for t in range(n_tiles):
-        leaves = leaf_w[t * tile:(t + 1) * tile]
-        bounds = ml.run_bounds[ml.tile_run_ptr[t]:ml.tile_run_ptr[t + 1]]
+        leaves = leaf_w[t * tile : (t + 1) * tile]
+        bounds = ml.run_bounds[ml.tile_run_ptr[t] : ml.tile_run_ptr[t + 1]]
         # nested ranges of 2+ leaves but the whole tile: at most tile - 2
         assert len(bounds) <= max(tile - 2, 0)
         n_leaves = min(tile, len(ml.leaf_token) - t * tile)
-        runs = [leaves[b & 0xFFFF:b >> 16].sum() for b in bounds]
+        runs = [leaves[b & 0xFFFF : b >> 16].sum() for b in bounds]
         assert all(2 <= (b >> 16) - (b & 0xFFFF) < n_leaves for b in bounds)
         source = np.zeros(2 * tile)  # [2 * tile - 1]: the empty value
         source[:tile] = leaves
-        source[tile:tile + len(runs)] = runs
+        source[tile : tile + len(runs)] = runs
         if n_leaves >= 2:
             source[2 * tile - 2] = leaves.sum()
         nodes = slice(ml.tile_node_lo[t], ml.tile_node_lo[t + 1])
@@ -147,18 +151,26 @@ def evaluate_sources(ml, num_nodes, weights):
 
 def _spanning_nodes(ml, out, scratch, first=0):
     """Writes the spanning nodes [first, S) from their pieces and whole tiles."""
-    for node, left, right, lo, hi in zip(ml.span_node[first:], ml.span_left[first:],
-                                         ml.span_right[first:], ml.span_tile_lo[first:],
-                                         ml.span_tile_hi[first:]):
+    for node, left, right, lo, hi in zip(
+        ml.span_node[first:],
+        ml.span_left[first:],
+        ml.span_right[first:],
+        ml.span_tile_lo[first:],
+        ml.span_tile_hi[first:],
+    ):
         parts = list(scratch[lo:hi]) + [scratch[s] for s in (left, right) if s >= 0]
         out[node] = np.sum(parts)
     return out
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(words=st.lists(st.binary(max_size=12).map(lambda b: bytes(x % 3 + 97 for x in b)),
-                      min_size=1, max_size=400),
-       n_eos=st.integers(0, 2), tile=st.sampled_from([1, 2, 8, 64]))
+@given(
+    words=st.lists(
+        st.binary(max_size=12).map(lambda b: bytes(x % 3 + 97 for x in b)), min_size=1, max_size=400
+    ),
+    n_eos=st.integers(0, 2),
+    tile=st.sampled_from([1, 2, 8, 64]),
+)
 def test_tile_decomposition_gives_every_node(words, n_eos, tile):
     """Every node is written once, by a local range or as a spanning node, and the sums
     agree with the float64 oracle, read as ranges (Triton) or as sources (CUDA); within each
@@ -170,8 +182,13 @@ def test_tile_decomposition_gives_every_node(words, n_eos, tile):
     eos = sorted(set(words[:n_eos]))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(layout, "TILE", tile)
-        trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device="cpu",
-                             eos_byte_strings=eos, cache=False, kernel_backend="reference")
+        trie = TokenByteTrie(
+            [Token(i, w) for i, w in enumerate(words)],
+            device="cpu",
+            eos_byte_strings=eos,
+            cache=False,
+            kernel_backend="reference",
+        )
     weights = np.random.default_rng(len(words)).random(len(words))
     eos_positions = [i for i, w in enumerate(words) if w in set(eos)]
     for mode, ml in trie.layout.modes.items():
@@ -193,15 +210,23 @@ def test_tile_decomposition_gives_every_node(words, n_eos, tile):
         assert node_lo[-1] == trie.layout.num_nodes and (np.diff(node_lo) >= 0).all()
         # a spanning node is in the block of the tile of its last leaf
         last_tile = (ml.leaf_end[ml.span_node] - 1) // tile
-        assert ((node_lo[last_tile] <= ml.span_node) & (ml.span_node < node_lo[last_tile + 1])).all()
+        assert (
+            (node_lo[last_tile] <= ml.span_node) & (ml.span_node < node_lo[last_tile + 1])
+        ).all()
         dests = np.concatenate([ml.range_dest[ml.range_dest >= 0], ml.span_node])
         np.testing.assert_array_equal(np.sort(dests), np.arange(trie.layout.num_nodes))
-        want = oracle.reduce(oracle.members(trie, eos_positions, with_eos=mode == "with_eos"),
-                             trie.layout.num_nodes, weights[None], "sum")[0]
-        np.testing.assert_allclose(evaluate_tiles(ml, trie.layout.num_nodes, weights), want,
-                                   rtol=1e-12, atol=0)
-        np.testing.assert_allclose(evaluate_sources(ml, trie.layout.num_nodes, weights), want,
-                                   rtol=1e-12, atol=0)
+        want = oracle.reduce(
+            oracle.members(trie, eos_positions, with_eos=mode == "with_eos"),
+            trie.layout.num_nodes,
+            weights[None],
+            "sum",
+        )[0]
+        np.testing.assert_allclose(
+            evaluate_tiles(ml, trie.layout.num_nodes, weights), want, rtol=1e-12, atol=0
+        )
+        np.testing.assert_allclose(
+            evaluate_sources(ml, trie.layout.num_nodes, weights), want, rtol=1e-12, atol=0
+        )
 
 
 def test_each_column_feeds_at_most_one_leaf():
@@ -215,8 +240,9 @@ def test_each_column_feeds_at_most_one_leaf():
     for columns in ([0, 1, 0], [0, -1, 2]):
         with pytest.raises(ValueError, match="token columns must be distinct and non-negative"):
             layout.compile_layout(parent, first, leaf_node, columns, edge_key, eos_node)
-    built = layout.compile_layout(parent, first, leaf_node, [7, 2, 5], edge_key, eos_node,
-                                  eos_positions=[2])
+    built = layout.compile_layout(
+        parent, first, leaf_node, [7, 2, 5], edge_key, eos_node, eos_positions=[2]
+    )
     for ml in built.modes.values():
         assert sorted(ml.leaf_token.tolist()) == [2, 5, 7]
 
@@ -233,12 +259,20 @@ def test_each_backend_gets_the_arrays_it_reads_and_no_other():
     from genlm_fast.ops import cpu_backend, cuda_backend, extension, reference, triton_backend
 
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(300)]
-    trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device="cpu",
-                         eos_byte_strings=[words[5]], cache=False)
+    trie = TokenByteTrie(
+        [Token(i, w) for i, w in enumerate(words)],
+        device="cpu",
+        eos_byte_strings=[words[5]],
+        cache=False,
+    )
     lay = trie.layout
     scalars = {"num_columns", "span_narrow", "span_warp"}
-    modules = {"reference": reference, "cpu": cpu_backend, "triton": triton_backend,
-               "cuda": cuda_backend}
+    modules = {
+        "reference": reference,
+        "cpu": cpu_backend,
+        "triton": triton_backend,
+        "cuda": cuda_backend,
+    }
     assert set(layout.BACKEND_ARRAYS) == set(modules)
 
     class Recording(dict):
@@ -275,8 +309,14 @@ def test_each_backend_gets_the_arrays_it_reads_and_no_other():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 try:
-                    module.trie_reduce(x, Recording(arrays), "sum", num_nodes=lay.num_nodes,
-                                       num_scratch=ml.num_scratch, tile=ml.tile)
+                    module.trie_reduce(
+                        x,
+                        Recording(arrays),
+                        "sum",
+                        num_nodes=lay.num_nodes,
+                        num_scratch=ml.num_scratch,
+                        tile=ml.tile,
+                    )
                 finally:
                     if backend == "cuda":
                         patch.undo()

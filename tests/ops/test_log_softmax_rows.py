@@ -74,8 +74,15 @@ def test_half_precision_logits(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype,offset", [(torch.float32, 5000.0), (torch.float32, 60000.0),
-                                          (torch.float16, 5000.0), (torch.float16, 60000.0)])
+@pytest.mark.parametrize(
+    "dtype,offset",
+    [
+        (torch.float32, 5000.0),
+        (torch.float32, 60000.0),
+        (torch.float16, 5000.0),
+        (torch.float16, 60000.0),
+    ],
+)
 def test_large_logit_offset(backend, dtype, offset):
     """A big common offset (a small temperature; fp16 logits near their top): lse ~ offset
     must not be rounded to one float32 (half an ulp of 60000 is 2e-3)."""
@@ -120,8 +127,11 @@ def test_strided_output_buffer(backend, layout):
     V, slots = 37, 4
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(5)) * 6
     device = device_for(backend)
-    base = torch.full((V, slots), 7.0, device=device) if layout == "transposed" \
+    base = (
+        torch.full((V, slots), 7.0, device=device)
+        if layout == "transposed"
         else torch.full((slots, 2 * V), 7.0, device=device)
+    )
     out = base.t() if layout == "transposed" else base[:, ::2]
     assert out.stride(1) != 1
     assert log_softmax_rows(logits.to(device), [2, 0], [3, 1], out, backend=backend) == backend

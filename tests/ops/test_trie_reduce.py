@@ -28,8 +28,10 @@ BACKENDS = [
     "reference",
     "cpu",
     "triton",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                  reason="needs a CUDA device")),
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ),
 ]
 REDUCTIONS = ["sum", "max", "log_mass"]
 
@@ -70,11 +72,16 @@ def check_trie(trie, rows, reduction, backend, mode=None, eos_positions=()):
     trie.kernel_backend = backend
     x = torch.from_numpy(rows).to(device_for(backend))
     if reduction == "log_mass":
-        got = trie.batch_log_mass(x, mode=mode) if isinstance(trie, TokenByteTrie) \
+        got = (
+            trie.batch_log_mass(x, mode=mode)
+            if isinstance(trie, TokenByteTrie)
             else trie.batch_log_mass(x)
+        )
         assert got.dtype == torch.float32 and got.device == x.device
     elif isinstance(trie, TokenByteTrie):
-        got = trie.batch_weight_sum(x, mode=mode) if reduction == "sum" else trie.batch_weight_max(x)
+        got = (
+            trie.batch_weight_sum(x, mode=mode) if reduction == "sum" else trie.batch_weight_max(x)
+        )
     else:
         got = trie.batch_weight_sum(x) if reduction == "sum" else trie.batch_weight_max(x)
     assert trie.last_kernel_backend == backend
@@ -84,8 +91,11 @@ def check_trie(trie, rows, reduction, backend, mode=None, eos_positions=()):
 
 # ------------------------------------------------------------------ random tries
 
-words_strategy = st.lists(st.binary(min_size=0, max_size=9).map(lambda b: bytes(x % 4 + 97 for x in b)),
-                          min_size=1, max_size=160)
+words_strategy = st.lists(
+    st.binary(min_size=0, max_size=9).map(lambda b: bytes(x % 4 + 97 for x in b)),
+    min_size=1,
+    max_size=160,
+)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -102,9 +112,14 @@ def test_random_byte_tries(backend, reduction, words, data):
     eos_positions = [i for i, w in enumerate(words) if w in set(eos)]
     B = data.draw(st.sampled_from([1, 2, 3]))
     extra = data.draw(st.sampled_from([0, 0, 7])) if reduction == "log_mass" else 0
-    rows = make_rows(rng, B, len(words) + extra, reduction,
-                     spread=data.draw(st.sampled_from([1.0, 50.0, 400.0])),
-                     neg_inf=data.draw(st.sampled_from([0.0, 0.3])))
+    rows = make_rows(
+        rng,
+        B,
+        len(words) + extra,
+        reduction,
+        spread=data.draw(st.sampled_from([1.0, 50.0, 400.0])),
+        neg_inf=data.draw(st.sampled_from([0.0, 0.3])),
+    )
     modes = [TrieMode.WITHOUT_EOS, TrieMode.WITH_EOS] if reduction != "max" else [None]
     for mode in modes:
         check_trie(trie, rows, reduction, backend, mode, eos_positions)
@@ -120,8 +135,9 @@ def test_shapes_that_hurt(backend, reduction, shape):
     elif shape == "deep_chain":  # one path 300 bytes deep: crosses several tiles
         words = [b"z" * k for k in range(1, 301)]
     elif shape == "wide_fanout":  # every 1- and 2-byte string: fan-out 256 at the root
-        words = [bytes([a]) for a in range(256)] + [bytes([a, b]) for a in range(0, 256, 5)
-                                                     for b in range(0, 256, 7)]
+        words = [bytes([a]) for a in range(256)] + [
+            bytes([a, b]) for a in range(0, 256, 5) for b in range(0, 256, 7)
+        ]
     else:
         words = [b"ab", b"ab", b"a", b"ab", b"", b"", b"abc", b"b"] * 13
     trie = char_trie(words, backend)
@@ -144,15 +160,18 @@ def test_float64_result_of_float32_values(backend, reduction):
     for B in (1, 3, 8, 19):
         rows = make_rows(rng, B, len(words), reduction, neg_inf=0.1)
         x = torch.from_numpy(rows).to(device_for(backend))
-        got, used = dispatch.trie_reduce(x, trie._layout, reduction, backend=backend,
-                                         float64_result=True)
+        got, used = dispatch.trie_reduce(
+            x, trie._layout, reduction, backend=backend, float64_result=True
+        )
         assert used == backend and got.dtype == torch.float64 and got.device == x.device
         want, _ = dispatch.trie_reduce(x.double(), trie._layout, reduction, backend=backend)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-        half, _ = dispatch.trie_reduce(x.half(), trie._layout, reduction, backend=backend,
-                                       float64_result=True)
-        want_half, _ = dispatch.trie_reduce(x.half().double(), trie._layout, reduction,
-                                            backend=backend)
+        half, _ = dispatch.trie_reduce(
+            x.half(), trie._layout, reduction, backend=backend, float64_result=True
+        )
+        want_half, _ = dispatch.trie_reduce(
+            x.half().double(), trie._layout, reduction, backend=backend
+        )
         torch.testing.assert_close(half, want_half, rtol=0, atol=0)
         # and the float64 results against the float64 oracle (to double rounding)
         pairs = oracle.members(trie)
@@ -169,13 +188,17 @@ def test_float64_result_of_float32_values(backend, reduction):
 def test_inference_mode_then_grad_tracking_rows(backend, reduction):
     """A trie first used under torch.inference_mode() (its index tensors are made there)
     later takes rows that require grad: plain results, equal to the oracle's."""
-    trie = TokenByteTrie([Token(i, w) for i, w in enumerate([b"a", b"ab", b"b", b"abc"])],
-                         device=device_for(backend))
+    trie = TokenByteTrie(
+        [Token(i, w) for i, w in enumerate([b"a", b"ab", b"b", b"abc"])], device=device_for(backend)
+    )
     trie.kernel_backend = backend
     rows = make_rows(np.random.default_rng(3), 3, 4, reduction)
     x = torch.from_numpy(rows).to(device_for(backend))
-    op = {"sum": trie.batch_weight_sum, "max": trie.batch_weight_max,
-          "log_mass": trie.batch_log_mass}[reduction]
+    op = {
+        "sum": trie.batch_weight_sum,
+        "max": trie.batch_weight_max,
+        "log_mass": trie.batch_log_mass,
+    }[reduction]
     with torch.inference_mode():
         first = op(x)
     got = op(x.clone().requires_grad_(True))
@@ -188,8 +211,9 @@ def test_inference_mode_then_grad_tracking_rows(backend, reduction):
 def test_log_mass_hundreds_of_nats(backend):
     """genlm-bytes 0.2.0 underflows to -inf here (it exponentiates first); we must not."""
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(90)]
-    trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device=device_for(backend),
-                         cache=False)
+    trie = TokenByteTrie(
+        [Token(i, w) for i, w in enumerate(words)], device=device_for(backend), cache=False
+    )
     rows = np.zeros((2, 90), dtype=np.float32)
     rows[0] = np.linspace(0, -900, 90)  # leaf log-probs down to -900
     rows[1] = -1000.0
@@ -212,8 +236,9 @@ def test_log_mass_logits_far_from_zero(backend, dtype):
     probability 1)."""
     rng = np.random.default_rng(11)
     words = [bytes(rng.integers(97, 100, size=rng.integers(1, 5))) for _ in range(70)]
-    trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device=device_for(backend),
-                         cache=False)
+    trie = TokenByteTrie(
+        [Token(i, w) for i, w in enumerate(words)], device=device_for(backend), cache=False
+    )
     V = len(words)
     rows = np.zeros((5, V))
     rows[0, :] = -np.inf
@@ -239,8 +264,9 @@ def test_log_mass_logits_far_from_zero(backend, dtype):
 def test_log_mass_low_precision_logits(backend, dtype):
     rng = np.random.default_rng(3)
     words = [bytes(rng.integers(97, 100, size=rng.integers(1, 6))) for _ in range(150)]
-    trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device=device_for(backend),
-                         cache=False)
+    trie = TokenByteTrie(
+        [Token(i, w) for i, w in enumerate(words)], device=device_for(backend), cache=False
+    )
     logits = torch.from_numpy(make_rows(rng, 2, 160, "log_mass", spread=8.0)).to(dtype)
     want = oracle.reduce(oracle.members(trie), trie.num_nodes, logits.float().numpy(), "log_mass")
     trie.kernel_backend = backend
@@ -258,8 +284,9 @@ def test_batches_of_eight_rows_and_more(backend, reduction):
     vocabulary, -inf logits; log_mass also from float16 and bfloat16 logits."""
     rng = np.random.default_rng(8)
     words = [bytes(rng.integers(97, 101, size=rng.integers(1, 7))) for _ in range(130)]
-    trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device=device_for(backend),
-                         cache=False)
+    trie = TokenByteTrie(
+        [Token(i, w) for i, w in enumerate(words)], device=device_for(backend), cache=False
+    )
     extra = 9 if reduction == "log_mass" else 0
     for B in (8, 19, 40):
         rows = make_rows(rng, B, len(words) + extra, reduction, spread=40.0, neg_inf=0.1)
@@ -268,8 +295,9 @@ def test_batches_of_eight_rows_and_more(backend, reduction):
     if reduction == "log_mass":
         for dtype in (torch.float16, torch.bfloat16):
             logits = torch.from_numpy(rows).to(dtype)
-            want = oracle.reduce(oracle.members(trie), trie.num_nodes, logits.float().numpy(),
-                                 "log_mass")
+            want = oracle.reduce(
+                oracle.members(trie), trie.num_nodes, logits.float().numpy(), "log_mass"
+            )
             got = trie.batch_log_mass(logits.to(device_for(backend)))
             assert trie.last_kernel_backend == backend
             oracle.assert_close(got.cpu().numpy(), want, "log_mass", f"{backend}/{dtype}")
@@ -296,8 +324,9 @@ def test_bad_rows_are_named(backend, reduction, value, message):
     (log_mass takes wider rows), in a batch of 4 rows or of 9 (CUDA stages those); and
     +inf weights are no error for sum and max, but +inf and -inf in one sum are."""
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(40)]
-    trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device=device_for(backend),
-                         cache=False)
+    trie = TokenByteTrie(
+        [Token(i, w) for i, w in enumerate(words)], device=device_for(backend), cache=False
+    )
     trie.kernel_backend = backend
     rng = np.random.default_rng(5)
     width = 43 if reduction == "log_mass" else 40
@@ -329,8 +358,9 @@ def test_rows_one_short_or_one_long_are_named(backend):
     must have exactly its length: a clear error on every backend (no read past the row,
     no silently ignored column), and the exact width works (against the oracle)."""
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(40)]
-    trie = TokenByteTrie([Token(i, w) for i, w in enumerate(words)], device=device_for(backend),
-                         cache=False)
+    trie = TokenByteTrie(
+        [Token(i, w) for i, w in enumerate(words)], device=device_for(backend), cache=False
+    )
     trie.kernel_backend = backend
     dev = device_for(backend)
     with pytest.raises(ValueError, match="needs at least 40"):
@@ -367,10 +397,22 @@ def test_real_vocabularies(backend, name, B):
     rng = np.random.default_rng(11)
     V = len(vocab)
     for reduction in REDUCTIONS:
-        rows = make_rows(rng, B, V + (17 if reduction == "log_mass" else 0), reduction,
-                         spread=60.0 if reduction == "log_mass" else 5.0, neg_inf=0.01)
-        check_trie(trie, rows, reduction, backend, TrieMode.WITH_EOS if reduction != "max" else None,
-                   eos_positions)
+        rows = make_rows(
+            rng,
+            B,
+            V + (17 if reduction == "log_mass" else 0),
+            reduction,
+            spread=60.0 if reduction == "log_mass" else 5.0,
+            neg_inf=0.01,
+        )
+        check_trie(
+            trie,
+            rows,
+            reduction,
+            backend,
+            TrieMode.WITH_EOS if reduction != "max" else None,
+            eos_positions,
+        )
 
 
 CUDA_VARIANTS = {"fold": {"fold": True}, "row_check": {"row_check": True}}
@@ -392,10 +434,22 @@ def test_cuda_launch_variants(monkeypatch, variant):
     eos_positions = [i for i, t in enumerate(vocab) if t.byte_string in set(eos)]
     rng = np.random.default_rng(12)
     for reduction, B in itertools.product(REDUCTIONS, (1, 8, 33)):
-        rows = make_rows(rng, B, len(vocab) + (5 if reduction == "log_mass" else 0), reduction,
-                         spread=60.0 if reduction == "log_mass" else 5.0, neg_inf=0.01)
-        check_trie(trie, rows, reduction, "cuda",
-                   TrieMode.WITH_EOS if reduction != "max" else None, eos_positions)
+        rows = make_rows(
+            rng,
+            B,
+            len(vocab) + (5 if reduction == "log_mass" else 0),
+            reduction,
+            spread=60.0 if reduction == "log_mass" else 5.0,
+            neg_inf=0.01,
+        )
+        check_trie(
+            trie,
+            rows,
+            reduction,
+            "cuda",
+            TrieMode.WITH_EOS if reduction != "max" else None,
+            eos_positions,
+        )
     for reduction, value, message in BAD_ROWS:
         test_bad_rows_are_named("cuda", reduction, value, message)
 
@@ -408,8 +462,9 @@ def test_gpu_character_trie_results_are_pinned_host_arrays():
     memory, its own (two calls do not share a block while both arrays live), the oracle's
     values."""
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(40)]
-    trie = ParallelTokenCharacterTrie([Token(i, w) for i, w in enumerate(words)],
-                                      device="cuda", cache=False)
+    trie = ParallelTokenCharacterTrie(
+        [Token(i, w) for i, w in enumerate(words)], device="cuda", cache=False
+    )
     rows = make_rows(np.random.default_rng(4), 3, len(words), "sum")
     first = trie.batch_weight_sum(torch.from_numpy(rows).cuda())
     second = trie.batch_weight_sum(torch.from_numpy(rows[::-1].copy()).cuda())

@@ -42,8 +42,9 @@ def layout_named(name):
         if name == "one":
             _LAYOUTS[name] = make_layout([b"a"], eos_positions=[0])
         elif name == "seven":
-            _LAYOUTS[name] = make_layout([b"ab", b"a", b"", b"abc", b"b", b"ab", b"ba"],
-                                         eos_positions=[2, 4])
+            _LAYOUTS[name] = make_layout(
+                [b"ab", b"a", b"", b"abc", b"b", b"ab", b"ba"], eos_positions=[2, 4]
+            )
         elif name == "random":  # a few hundred tokens: tiles, spanning nodes, pieces
             words = random_words(rng, 260)
             eos = rng.choice(len(words), size=5, replace=False)
@@ -52,7 +53,7 @@ def layout_named(name):
             _LAYOUTS[name] = make_layout(random_words(rng, 2500, max_len=8))
         elif name == "permuted":  # token columns a permutation of a wider row
             words = random_words(rng, 150, alphabet=b"xyz", max_len=9)
-            cols = rng.permutation(len(words) + 40)[:len(words)]
+            cols = rng.permutation(len(words) + 40)[: len(words)]
             _LAYOUTS[name] = make_layout(words, eos_positions=[0, 3], token_column=cols)
         else:
             raise KeyError(name)
@@ -81,14 +82,16 @@ def _max(t):
 def assert_matches(got, want, reduction, in_dtype=torch.float32):
     """Tolerances of the task: sum rel 1e-5 (mass >= 1e-30), log_mass abs 1e-4 (>= -80,
     rel 1e-5 below), max exact, -inf exactly where the reference has -inf, never NaN."""
-    expect_dtype = torch.float64 if (in_dtype == torch.float64 and reduction != "log_mass") \
-        else torch.float32
+    expect_dtype = (
+        torch.float64 if (in_dtype == torch.float64 and reduction != "log_mass") else torch.float32
+    )
     assert got.dtype == expect_dtype
     assert got.shape == want.shape
     g = got.double()
     assert not torch.isnan(g).any(), "NaN in the output"
-    assert torch.equal(torch.isinf(g) & (g < 0), torch.isinf(want) & (want < 0)), \
+    assert torch.equal(torch.isinf(g) & (g < 0), torch.isinf(want) & (want < 0)), (
         "-inf pattern differs from the reference"
+    )
     assert torch.equal(torch.isinf(g) & (g > 0), torch.isinf(want) & (want > 0))
     fin = torch.isfinite(want)
     if reduction == "sum":
@@ -145,9 +148,14 @@ def test_spanning_nodes_narrow_and_wide(reduction):
     arrays = layout.device_arrays("without_eos", DEVICE, "triton")
     assert arrays["span_narrow"] == narrow
     for split in sorted({0, narrow // 2, narrow, len(counts)}):
-        got, _ = triton_backend.trie_reduce(x.to(DEVICE), {**arrays, "span_narrow": split},
-                                            reduction, num_nodes=layout.num_nodes,
-                                            num_scratch=ml.num_scratch, tile=ml.tile)
+        got, _ = triton_backend.trie_reduce(
+            x.to(DEVICE),
+            {**arrays, "span_narrow": split},
+            reduction,
+            num_nodes=layout.num_nodes,
+            num_scratch=ml.num_scratch,
+            tile=ml.tile,
+        )
         assert_matches(got.cpu(), want, reduction)
 
 
@@ -232,7 +240,11 @@ def test_log_mass_spanning_node_of_whole_tiles_far_below_the_max(monkeypatch, pa
         b_node = layout.parent[b_node]
     ml = layout.modes["without_eos"]
     k = list(ml.span_node).index(b_node)  # b"b" spans whole tiles, no pieces
-    assert ml.span_left[k] == -1 and ml.span_right[k] == -1 and ml.span_tile_hi[k] - ml.span_tile_lo[k] == 2
+    assert (
+        ml.span_left[k] == -1
+        and ml.span_right[k] == -1
+        and ml.span_tile_hi[k] - ml.span_tile_lo[k] == 2
+    )
     x = torch.zeros(2, len(words))
     x[:, TILE:] = torch.linspace(-300.0, -200.0, 2 * TILE)
     x[1, TILE:] -= 300.0
@@ -252,8 +264,9 @@ def test_log_mass_low_and_high_precision_logits(dtype):
 
 
 @pytest.mark.parametrize("path", ["dot", "dense"])
-@pytest.mark.parametrize("dtype,offset", [(torch.float32, 6000.0), (torch.float32, 20000.0),
-                                          (torch.float16, 60000.0)])
+@pytest.mark.parametrize(
+    "dtype,offset", [(torch.float32, 6000.0), (torch.float32, 20000.0), (torch.float16, 60000.0)]
+)
 def test_log_mass_large_logit_offset(monkeypatch, path, dtype, offset):
     """Logits with a big common offset (logits / a small temperature; fp16 logits near the
     top of their range): the row normaliser is ~offset, and rounding it to one float32
@@ -339,8 +352,11 @@ def test_dense_path(monkeypatch, reduction):
         assert_matches(got, want, reduction)
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="emulates TF32 inside the CPU interpreter; on a "
-                    "GPU the real tensor cores run the other tests")
+@pytest.mark.skipif(
+    DEVICE == "cuda",
+    reason="emulates TF32 inside the CPU interpreter; on a "
+    "GPU the real tensor cores run the other tests",
+)
 @pytest.mark.parametrize("reduction", ["sum", "log_mass"])
 def test_product_under_tf32_truncation(monkeypatch, reduction):
     """The interpreter's tl.dot is exact fp32; GPUs may truncate fp32 operands to TF32.

@@ -61,9 +61,7 @@ def close(a, b, atol=1e-3, floor=-20.0):
 
 @pytest.fixture(scope="module")
 def lm():
-    model = AsyncVirtualLM.from_name(
-        smollm2_path(), engine_opts=ENGINE_OPTS, batch_size=64
-    )
+    model = AsyncVirtualLM.from_name(smollm2_path(), engine_opts=ENGINE_OPTS, batch_size=64)
     yield model
     model.cleanup()
 
@@ -117,10 +115,7 @@ def test_many_concurrent_prompts_each_get_their_row(lm, contexts):
     8 sequences at a time): every one gets the row of its own context."""
     rng = random.Random(1)
     prompts = [
-        [
-            rng.randrange(len(lm.byte_vocab))
-            for _ in range(rng.choice([1, 5, 33, 90, 150, 300]))
-        ]
+        [rng.randrange(len(lm.byte_vocab)) for _ in range(rng.choice([1, 5, 33, 90, 150, 300]))]
         for _ in range(24)
     ] + contexts[:8]
     lm.clear_cache()
@@ -263,8 +258,7 @@ def test_hundreds_of_requests_with_random_cancellations(lm):
     pending."""
     rng = random.Random(5)
     distinct = [
-        [rng.randrange(len(lm.byte_vocab)) for _ in range(rng.randrange(1, 24))]
-        for _ in range(200)
+        [rng.randrange(len(lm.byte_vocab)) for _ in range(rng.randrange(1, 24))] for _ in range(200)
     ]
     dups = [list(distinct[rng.randrange(199)]) for _ in range(40)]
     ctxs = distinct + dups
@@ -321,9 +315,7 @@ def test_parallel_engine_rows_come_back(lm, contexts, parallel, monkeypatch):
     the sampling rank's rows must come back, each the row of its own context, equal to
     the single-worker engine's (within 1e-3: the pipeline run is compiled, the module's
     engine eager; a misplaced row would be off by whole nats)."""
-    ranks = parallel.get("tensor_parallel_size", 1) * parallel.get(
-        "pipeline_parallel_size", 1
-    )
+    ranks = parallel.get("tensor_parallel_size", 1) * parallel.get("pipeline_parallel_size", 1)
     import vllm.envs
 
     # vLLM caches its environment once an engine has started (here: the module's);
@@ -338,9 +330,7 @@ def test_parallel_engine_rows_come_back(lm, contexts, parallel, monkeypatch):
         expected = lm.batch_next_token_logprobs_sync(contexts)
 
         async def together():
-            return await asyncio.gather(
-                *(par.next_token_logprobs(c) for c in contexts)
-            )
+            return await asyncio.gather(*(par.next_token_logprobs(c) for c in contexts))
 
         rows = asyncio.run(together())
         assert par.stats["batches"] == 1  # one engine call for all of them
@@ -402,9 +392,7 @@ def test_load_model_by_name_vllm():
     )
     try:
         assert isinstance(model, AsyncVirtualLM)
-        row = model.next_token_logprobs_sync(
-            model.tokenizer.encode("The capital of France is")
-        )
+        row = model.next_token_logprobs_sync(model.tokenizer.encode("The capital of France is"))
         assert model.str_vocab[int(row.argmax())] == " Paris"
     finally:
         model.cleanup()
@@ -432,9 +420,7 @@ def _write_lora(path, config, rank=8, alpha=16, seed=0):
             base = f"base_model.model.model.layers.{layer}.self_attn.{mod}"
             tensors[f"{base}.lora_A.weight"] = a
             tensors[f"{base}.lora_B.weight"] = b
-            deltas[f"model.layers.{layer}.self_attn.{mod}.weight"] = (alpha / rank) * (
-                b @ a
-            )
+            deltas[f"model.layers.{layer}.self_attn.{mod}.weight"] = (alpha / rank) * (b @ a)
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
@@ -460,9 +446,7 @@ def test_lora_pass_through(tmp_path):
     """LoRA through vLLM's LoRARequest on CPU, against the adapter merged by hand."""
     from transformers import AutoModelForCausalLM
 
-    ref_model = AutoModelForCausalLM.from_pretrained(
-        smollm2_path(), dtype=torch.float32
-    )
+    ref_model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
     deltas = _write_lora(str(tmp_path / "lora"), ref_model.config)
     ctx = [1, 504, 3458, 282, 4649, 314]
     with torch.no_grad():

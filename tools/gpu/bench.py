@@ -72,22 +72,61 @@ INDEX_ARRAYS = {
     # the same tiles: the Triton kernels read their local ranges, csrc/trie_reduce_cuda.cu
     # the tiles' sources (runs, each owned node's source, the scratch values'; from 8 rows
     # on, staged, column_leaf of the same size instead of leaf_token)
-    "triton": ("leaf_token", "tile_range_ptr", "tile_unit_end", "range_start", "range_end",
-               "range_dest") + SPAN_ARRAYS,
-    "cuda": ("leaf_token", "tile_node_lo", "tile_run_ptr", "run_bounds", "node_src",
-             "tile_scratch_ptr", "scratch_src", "scratch_slot", "tile_fold_ptr", "tile_fold_wait",
-             "fold_bounds", "fold_node") + SPAN_ARRAYS,
+    "triton": (
+        "leaf_token",
+        "tile_range_ptr",
+        "tile_unit_end",
+        "range_start",
+        "range_end",
+        "range_dest",
+    )
+    + SPAN_ARRAYS,
+    "cuda": (
+        "leaf_token",
+        "tile_node_lo",
+        "tile_run_ptr",
+        "run_bounds",
+        "node_src",
+        "tile_scratch_ptr",
+        "scratch_src",
+        "scratch_slot",
+        "tile_fold_ptr",
+        "tile_fold_wait",
+        "fold_bounds",
+        "fold_node",
+    )
+    + SPAN_ARRAYS,
     # the CPU kernel's (genlm_fast/ops/cpu_backend.py): the layout's parent and leaf_token,
     # and the arrays it derives once per layout (cpu_backend.cpu_arrays)
-    "cpu": ("parent", "leaf_token", "node_of_leaf", "empty", "run_end", "run_depth",
-            "run_child_slot", "run_join_slot", "run_leaf", "run_of"),
+    "cpu": (
+        "parent",
+        "leaf_token",
+        "node_of_leaf",
+        "empty",
+        "run_end",
+        "run_depth",
+        "run_child_slot",
+        "run_join_slot",
+        "run_leaf",
+        "run_of",
+    ),
 }
 # peak HBM bandwidth, GB/s (vendor figures), matched against the device name in order
 # (GH200 before H200, which its name contains: GH200 96 GB HBM3 is 4000 GB/s, the 144 GB
 # HBM3e part 4900; --peak-gbs overrides)
-PEAKS = ((r"GH200.*(144|HBM3e)", 4900.0), (r"GH200", 4000.0), (r"H200", 4800.0),
-         (r"H100.*(PCIe|PCI-E)", 2000.0), (r"H100.*NVL", 3900.0), (r"H100", 3350.0), (r"A100.*80", 2039.0), (r"A100", 1555.0),
-         (r"L40S", 864.0), (r"A10G?\b", 600.0), (r"L4\b", 300.0))
+PEAKS = (
+    (r"GH200.*(144|HBM3e)", 4900.0),
+    (r"GH200", 4000.0),
+    (r"H200", 4800.0),
+    (r"H100.*(PCIe|PCI-E)", 2000.0),
+    (r"H100.*NVL", 3900.0),
+    (r"H100", 3350.0),
+    (r"A100.*80", 2039.0),
+    (r"A100", 1555.0),
+    (r"L40S", 864.0),
+    (r"A10G?\b", 600.0),
+    (r"L4\b", 300.0),
+)
 # the project's GPU goals (Llama-3): kernels' share of peak HBM bandwidth for batch_log_mass at
 # B=64, and the speedup over the reference's batch_weight_sum device time at B=32
 GOAL_PEAK_OP, GOAL_PEAK_B, GOAL_PEAK_FRAC = "log_mass", 64, 0.70
@@ -99,12 +138,18 @@ DRY_RUN_BATCHES = [1, 32]
 # fastest of the H200 sweep of 2026-11-26 (bench/results/gpu-h200-2026-11-26-2.md); these
 # are their neighbours. ROWS >= 16 for tl.dot.
 TRITON_SWEEP = {
-    "dot": [{"DOT_ROWS": rows, "DOT_WARPS": warps} for rows, warps in
-            ((16, 2), (16, 4), (16, 8), (32, 4))]
-           + [{"DOT_ROWS": 16, "DOT_WARPS": 4, "DOT_UB": 32, "DOT_RB": 32},
-              {"DOT_ROWS": 16, "DOT_WARPS": 4, "DOT_UB": 128, "DOT_RB": 128}],
-    "max": [{"MAX_ROWS": rows, "MAX_WARPS": warps, "MAX_RB": rb} for rows, warps, rb in
-            ((4, 4, 32), (8, 2, 32), (8, 4, 32), (8, 4, 64), (16, 4, 32))],
+    "dot": [
+        {"DOT_ROWS": rows, "DOT_WARPS": warps}
+        for rows, warps in ((16, 2), (16, 4), (16, 8), (32, 4))
+    ]
+    + [
+        {"DOT_ROWS": 16, "DOT_WARPS": 4, "DOT_UB": 32, "DOT_RB": 32},
+        {"DOT_ROWS": 16, "DOT_WARPS": 4, "DOT_UB": 128, "DOT_RB": 128},
+    ],
+    "max": [
+        {"MAX_ROWS": rows, "MAX_WARPS": warps, "MAX_RB": rb}
+        for rows, warps, rb in ((4, 4, 32), (8, 2, 32), (8, 4, 32), (8, 4, 64), (16, 4, 32))
+    ],
 }
 
 
@@ -165,9 +210,11 @@ def load_vocab(name: str, vocab_file: str | None, limit: int | None = None):
             label = name
         except Exception as e:
             if limit is None:
-                raise SystemExit(f"cannot load vocabulary {name!r} ({type(e).__name__}: {e}); "
-                                 "create a file elsewhere with `python -m tools.gpu.bench --dump-vocab "
-                                 "PATH` and pass --vocab-file PATH") from e
+                raise SystemExit(
+                    f"cannot load vocabulary {name!r} ({type(e).__name__}: {e}); "
+                    "create a file elsewhere with `python -m tools.gpu.bench --dump-vocab "
+                    "PATH` and pass --vocab-file PATH"
+                ) from e
             pairs, label = _synthetic_pairs(limit), "synthetic"
     if limit is not None and len(pairs) > limit:
         pairs, label = pairs[:limit], f"{label}[:{limit}]"
@@ -279,15 +326,19 @@ class Reference:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     trie = ParallelTokenCharacterTrie(
-                        [RefToken(t.token_id, t.byte_string) for t in vocab], device=device.type)
+                        [RefToken(t.token_id, t.byte_string) for t in vocab], device=device.type
+                    )
                 import numpy as np
 
                 # node-wise comparisons need genlm's numbering: genlm_fast's TokenByteTrie is
                 # genlm's character trie plus an EOS node numbered just before the root
-                if (len(trie.children) != layout.num_nodes - 1 or not np.array_equal(
-                        np.asarray(trie.idx_to_leaf)[:, 1], np.asarray(layout.leaf_node))):
-                    raise ValueError("it numbers the trie's nodes differently from genlm_fast "
-                                     "(a genlm_fast bug: tests/ should have caught it)")
+                if len(trie.children) != layout.num_nodes - 1 or not np.array_equal(
+                    np.asarray(trie.idx_to_leaf)[:, 1], np.asarray(layout.leaf_node)
+                ):
+                    raise ValueError(
+                        "it numbers the trie's nodes differently from genlm_fast "
+                        "(a genlm_fast bug: tests/ should have caught it)"
+                    )
                 self.trie, self.M, self.positions = trie, trie.M, trie.positions
                 self.src, self.dst = trie.src_indices, trie.dst_indices
                 self.source = "genlm.backend ParallelTokenCharacterTrie (installed package)"
@@ -296,8 +347,10 @@ class Reference:
         if self.source is None:
             self.trie = None
             self.M, self.positions, self.src, self.dst = self._ancestor_matrix(layout, device)
-            self.source = ("inline re-implementation of genlm.backend's ParallelTokenCharacterTrie "
-                           f"algorithm ({why})")
+            self.source = (
+                "inline re-implementation of genlm.backend's ParallelTokenCharacterTrie "
+                f"algorithm ({why})"
+            )
         self.num_nodes = self.M.shape[1]
         # the oracle's columns: genlm's character trie has no EOS node; genlm_fast's
         # TokenByteTrie numbers one just before the root (empty in without_eos mode)
@@ -342,8 +395,13 @@ class Reference:
 
         leaf = ws[:, self.positions]
         out = torch.zeros(ws.shape[0], self.num_nodes, device=ws.device, dtype=ws.dtype)
-        return out.scatter_reduce_(1, self.dst.expand(ws.shape[0], -1), leaf[:, self.src],
-                                   reduce="amax", include_self=False)
+        return out.scatter_reduce_(
+            1,
+            self.dst.expand(ws.shape[0], -1),
+            leaf[:, self.src],
+            reduce="amax",
+            include_self=False,
+        )
 
     def device_log_mass(self, logits):
         """log_softmax, exp, the sparse product, log: the reference's log-mass, on the device."""
@@ -365,8 +423,13 @@ class Reference:
             ws = probs.double()
             leaf = ws[:, self.positions]
             out = torch.zeros(ws.shape[0], self.num_nodes, device=ws.device, dtype=torch.float64)
-            out.scatter_reduce_(1, self.dst.expand(ws.shape[0], -1), leaf[:, self.src],
-                                reduce="amax", include_self=False)
+            out.scatter_reduce_(
+                1,
+                self.dst.expand(ws.shape[0], -1),
+                leaf[:, self.src],
+                reduce="amax",
+                include_self=False,
+            )
             return out.cpu().numpy()
         ws = torch.softmax(logits.double(), dim=-1) if op == "log_mass" else probs.double()
         out = torch.sparse.mm(ws[:, self.positions], self._M64).cpu().numpy()
@@ -382,12 +445,15 @@ class Reference:
         if self.char_trie_columns:
             return want
         n = want.shape[1]
-        return np.concatenate([want[:, : n - 2], want[:, n - 1:]], axis=1)
+        return np.concatenate([want[:, : n - 2], want[:, n - 1 :]], axis=1)
 
     def api_sum(self, ws):
         """The full reference call (row loop, device work, copy to host) when available."""
-        return self.trie.batch_weight_sum(ws) if self.trie is not None else \
-            self.device_sum(ws).cpu().numpy()
+        return (
+            self.trie.batch_weight_sum(ws)
+            if self.trie is not None
+            else self.device_sum(ws).cpu().numpy()
+        )
 
 
 # --------------------------------------------------------------------------- the run
@@ -433,8 +499,10 @@ def io_bytes(x, op: str, num_nodes: int) -> tuple[int, int]:
     from genlm_fast.ops import dispatch
 
     out_dtype = dispatch.result_dtype(op, x.dtype)  # float32 for float32 inputs
-    return (x.shape[0] * x.shape[1] * x.element_size(),
-            x.shape[0] * num_nodes * torch.empty((), dtype=out_dtype).element_size())
+    return (
+        x.shape[0] * x.shape[1] * x.element_size(),
+        x.shape[0] * num_nodes * torch.empty((), dtype=out_dtype).element_size(),
+    )
 
 
 def kernel_call(backend, values, layout, reduction, mode="without_eos", cuda_options=None):
@@ -445,8 +513,9 @@ def kernel_call(backend, values, layout, reduction, mode="without_eos", cuda_opt
     layout.device_arrays(mode, values.device, backend)  # built outside the timed calls
 
     def fn():
-        return dispatch.run_backend(values, layout, reduction, mode, backend,
-                                    cuda_options=cuda_options)[0]
+        return dispatch.run_backend(
+            values, layout, reduction, mode, backend, cuda_options=cuda_options
+        )[0]
 
     return fn
 
@@ -460,8 +529,9 @@ def checked_call(values, layout, reduction, cuda_options=None):
     layout.device_arrays("without_eos", values.device, "cuda")
 
     def fn():
-        return dispatch.trie_reduce(values, layout, reduction, backend="cuda",
-                                    cuda_options=cuda_options)[0]
+        return dispatch.trie_reduce(
+            values, layout, reduction, backend="cuda", cuda_options=cuda_options
+        )[0]
 
     return fn
 
@@ -495,30 +565,38 @@ def run(args) -> tuple[list[dict], dict]:
     device = torch.device("cpu" if dry else "cuda")
     if not dry and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on a GPU machine, or use --dry-run-cpu")
-    label, vocab = load_vocab(args.vocab, args.vocab_file,
-                             limit=args.limit or (DRY_RUN_TOKENS if dry else None))
+    label, vocab = load_vocab(
+        args.vocab, args.vocab_file, limit=args.limit or (DRY_RUN_TOKENS if dry else None)
+    )
     available = dispatch.available_backends(device)
     wanted = args.backends or (available if dry else list(GPU_BACKENDS))
     backends = [b for b in wanted if b in available]
     skipped = [b for b in wanted if b not in available]
     if not backends:
         raise SystemExit(f"none of {wanted} is available on {device} (available: {available})")
-    print(f"vocabulary {label}: {len(vocab)} tokens; device {device}; backends {backends}"
-          + (f" (not available: {skipped})" if skipped else ""), flush=True)
+    print(
+        f"vocabulary {label}: {len(vocab)} tokens; device {device}; backends {backends}"
+        + (f" (not available: {skipped})" if skipped else ""),
+        flush=True,
+    )
 
     t = time.perf_counter()
     tries = {b: TokenByteTrie(vocab, device=device.type, kernel_backend=b) for b in backends}
     build_s = time.perf_counter() - t
     # genlm.backend's API (numpy on the host) for the like-for-like full-call comparison
-    drop_in = {b: ParallelTokenCharacterTrie(vocab, device=device.type, kernel_backend=b)
-               for b in backends}
+    drop_in = {
+        b: ParallelTokenCharacterTrie(vocab, device=device.type, kernel_backend=b) for b in backends
+    }
     layout = next(iter(tries.values())).layout
     N = layout.num_nodes
     t = time.perf_counter()
     ref = Reference(vocab, layout, device, inline=args.inline_reference)
     ref_build_s = time.perf_counter() - t
-    print(f"{N} nodes; genlm_fast tries built in {build_s:.2f} s; reference ({ref.source}) in "
-          f"{ref_build_s:.2f} s", flush=True)
+    print(
+        f"{N} nodes; genlm_fast tries built in {build_s:.2f} s; reference ({ref.source}) in "
+        f"{ref_build_s:.2f} s",
+        flush=True,
+    )
 
     how = timer_name(device)
     if device.type == "cuda":
@@ -536,8 +614,9 @@ def run(args) -> tuple[list[dict], dict]:
             "max": bench_ms(lambda p=probs: ref.device_max(p), device, how),
             "log_mass": bench_ms(lambda z=logits: ref.device_log_mass(z), device, how),
         }
-        ref_api_ms = (bench_ms(lambda p=probs: ref.api_sum(p), device, how)
-                      if B == SPEEDUP_B else None)
+        ref_api_ms = (
+            bench_ms(lambda p=probs: ref.api_sum(p), device, how) if B == SPEEDUP_B else None
+        )
         for op in args.ops:
             x = logits if op == "log_mass" else probs
             want = ref.oracle(op, logits, probs)
@@ -550,10 +629,15 @@ def run(args) -> tuple[list[dict], dict]:
                 try:  # verify first; a wrong or failing backend is reported, never timed
                     got = api(x)
                     assert trie.last_kernel_backend == b, (trie.last_kernel_backend, b)
-                    err = K.check_result(got, want, op, byte_trie=in_byte_trie,
-                                         label=f"{b} {op} B={B}")
-                    err = max(err, K.check_result(kfn(), want, op, byte_trie=in_byte_trie,
-                                                  label=f"{b} kernels {op} B={B}"))
+                    err = K.check_result(
+                        got, want, op, byte_trie=in_byte_trie, label=f"{b} {op} B={B}"
+                    )
+                    err = max(
+                        err,
+                        K.check_result(
+                            kfn(), want, op, byte_trie=in_byte_trie, label=f"{b} kernels {op} B={B}"
+                        ),
+                    )
                     del got
                     host_fn = None
                     if op == "sum" and B == SPEEDUP_B:  # genlm's API: numpy on the host
@@ -561,8 +645,9 @@ def run(args) -> tuple[list[dict], dict]:
                         host = host_fn(x)
                         assert drop_in[b].last_kernel_backend == b
                         assert isinstance(host, np.ndarray), type(host)
-                        K.check_result(host, ref.char_columns(want), op,
-                                       label=f"{b} drop-in {op} B={B}")
+                        K.check_result(
+                            host, ref.char_columns(want), op, label=f"{b} drop-in {op} B={B}"
+                        )
                         del host
                 except Exception as e:  # noqa: BLE001
                     failures.append(f"{b} {op} B={B}: {type(e).__name__}: {e}")
@@ -571,19 +656,31 @@ def run(args) -> tuple[list[dict], dict]:
                     continue
                 api_ms = bench_ms(lambda f=api, v=x: f(v), device, how)
                 kernel_ms = bench_ms(kfn, device, how)
-                host_ms = (bench_ms(lambda f=host_fn, v=x: f(v), device, how)
-                           if host_fn is not None else None)
+                host_ms = (
+                    bench_ms(lambda f=host_fn, v=x: f(v), device, how)
+                    if host_fn is not None
+                    else None
+                )
                 idx = index_bytes(layout, b, device=device)
                 moved = traffic_in + traffic_out + idx
                 gbs = moved / (kernel_ms * 1e-3) / 1e9
                 api_gbs = moved / (api_ms * 1e-3) / 1e9
                 row = {
-                    "backend": b, "op": op, "B": B, "api_ms": api_ms, "kernel_ms": kernel_ms,
-                    "read_MB": traffic_in / 1e6, "write_MB": traffic_out / 1e6,
-                    "index_MB": idx / 1e6, "moved_MB": moved / 1e6, "GBs": gbs,
+                    "backend": b,
+                    "op": op,
+                    "B": B,
+                    "api_ms": api_ms,
+                    "kernel_ms": kernel_ms,
+                    "read_MB": traffic_in / 1e6,
+                    "write_MB": traffic_out / 1e6,
+                    "index_MB": idx / 1e6,
+                    "moved_MB": moved / 1e6,
+                    "GBs": gbs,
                     "peak_frac": gbs / peak if peak else None,
-                    "api_GBs": api_gbs, "api_peak_frac": api_gbs / peak if peak else None,
-                    "ref_ms": ref_ms[op], "speedup": ref_ms[op] / kernel_ms,
+                    "api_GBs": api_gbs,
+                    "api_peak_frac": api_gbs / peak if peak else None,
+                    "ref_ms": ref_ms[op],
+                    "speedup": ref_ms[op] / kernel_ms,
                     "ref_api_ms": ref_api_ms if op == "sum" else None,
                     "host_api_ms": host_ms,
                     "speedup_api": (ref_api_ms / host_ms) if (ref_api_ms and host_ms) else None,
@@ -593,42 +690,65 @@ def run(args) -> tuple[list[dict], dict]:
                     try:  # a profiler problem must not cost the session its timings
                         row["breakdown"] = kernel_breakdown(kfn, device)
                     except Exception as e:  # noqa: BLE001
-                        print(f"{b} {op} B={B}: no kernel breakdown: {type(e).__name__}: {e}",
-                              flush=True)
+                        print(
+                            f"{b} {op} B={B}: no kernel breakdown: {type(e).__name__}: {e}",
+                            flush=True,
+                        )
                 rows.append(row)
-                print(f"{b:9s} {op:8s} B={B:<4d} api {api_ms:9.4f} ms  kernels "
-                      f"{kernel_ms:9.4f} ms  {gbs:8.1f} GB/s"
-                      + (f" ({100 * gbs / peak:.0f}% of peak)" if peak else "")
-                      + f"  ref {ref_ms[op]:.4f} ms -> {row['speedup']:.1f}x", flush=True)
+                print(
+                    f"{b:9s} {op:8s} B={B:<4d} api {api_ms:9.4f} ms  kernels "
+                    f"{kernel_ms:9.4f} ms  {gbs:8.1f} GB/s"
+                    + (f" ({100 * gbs / peak:.0f}% of peak)" if peak else "")
+                    + f"  ref {ref_ms[op]:.4f} ms -> {row['speedup']:.1f}x",
+                    flush=True,
+                )
     info = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "git commit": K.git_commit(),
         "device": dev_name,
-        "peak HBM bandwidth used": (f"{peak:g} GB/s" + (" (--peak-gbs)" if args.peak_gbs else
-                                                        " (detected from the device name)"))
-        if peak else "unknown (pass --peak-gbs)",
+        "peak HBM bandwidth used": (
+            f"{peak:g} GB/s"
+            + (" (--peak-gbs)" if args.peak_gbs else " (detected from the device name)")
+        )
+        if peak
+        else "unknown (pass --peak-gbs)",
         "torch": torch.__version__,
         "CUDA (torch build)": torch.version.cuda or "-",
         "triton": K.dist_version("triton"),
         "python": platform.python_version(),
         "vocabulary": f"{label}: {len(vocab)} tokens, {N} nodes (genlm_fast TokenByteTrie)",
-        "backends": ", ".join(backends) + (f" (not available: {', '.join(skipped)})" if skipped else ""),
-        "timer": {"do_bench": "triton.testing.do_bench, median, L2 flushed",
-                  "cuda_events": "CUDA events, median of 50, L2 flushed",
-                  "perf_counter": "time.perf_counter, median"}[how],
+        "backends": ", ".join(backends)
+        + (f" (not available: {', '.join(skipped)})" if skipped else ""),
+        "timer": {
+            "do_bench": "triton.testing.do_bench, median, L2 flushed",
+            "cuda_events": "CUDA events, median of 50, L2 flushed",
+            "perf_counter": "time.perf_counter, median",
+        }[how],
         "reference": ref.source,
-        "oracle": "float64, from the reference's ancestor matrix" + (
-            " (genlm.backend's own: independent of genlm_fast's layout)" if ref.trie is not None
-            else " (rebuilt from genlm_fast's layout)"),
+        "oracle": "float64, from the reference's ancestor matrix"
+        + (
+            " (genlm.backend's own: independent of genlm_fast's layout)"
+            if ref.trie is not None
+            else " (rebuilt from genlm_fast's layout)"
+        ),
         "index arrays counted": "; ".join(
             f"{b}: {' + '.join(INDEX_ARRAYS.get(b, INDEX_ARRAYS['triton']))}"
-            + ("" if b in INDEX_ARRAYS else " (assumed: same as triton)") for b in backends),
+            + ("" if b in INDEX_ARRAYS else " (assumed: same as triton)")
+            for b in backends
+        ),
         "genlm-backend": K.dist_version("genlm-backend"),
     }
     if failures:
         info["FAILED (not timed)"] = "; ".join(failures)
-    context = {"vocab": vocab, "layout": layout, "ref": ref, "device": device, "how": how,
-               "peak": peak, "backends": backends}
+    context = {
+        "vocab": vocab,
+        "layout": layout,
+        "ref": ref,
+        "device": device,
+        "how": how,
+        "peak": peak,
+        "backends": backends,
+    }
     return rows, info, context
 
 
@@ -668,8 +788,9 @@ def triton_sweep(args, context) -> list[dict]:
         want = ref.oracle(op, logits, probs)
         x = (logits if op == "log_mass" else probs).contiguous()
         kind = tb.tile_kernel(op, x.dtype)
-        moved = sum(io_bytes(x, op, layout.num_nodes)) + index_bytes(layout, "triton",
-                                                                     device=device)
+        moved = sum(io_bytes(x, op, layout.num_nodes)) + index_bytes(
+            layout, "triton", device=device
+        )
         for config in TRITON_SWEEP.get(kind, []):
             label = ", ".join(f"{k}={v}" for k, v in config.items())
             default = all(getattr(tb, k) == v for k, v in config.items())
@@ -678,19 +799,28 @@ def triton_sweep(args, context) -> list[dict]:
                 kfn = kernel_call("triton", x, layout, op)
                 try:  # a configuration that fails to compile or to verify is reported
                     row["max_rel_err"] = K.check_result(
-                        kfn(), want, op, byte_trie=ref.char_trie_columns,
-                        label=f"triton {op} B={B} {label}")
+                        kfn(),
+                        want,
+                        op,
+                        byte_trie=ref.char_trie_columns,
+                        label=f"triton {op} B={B} {label}",
+                    )
                     row["kernel_ms"] = bench_ms(kfn, device, how)
                 except Exception as e:  # noqa: BLE001
                     row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
             if "kernel_ms" in row:
                 row["GBs"] = moved / (row["kernel_ms"] * 1e-3) / 1e9
                 row["peak_frac"] = row["GBs"] / peak if peak else None
-                print(f"sweep triton {op:8s} B={B:<4d} {label:45s} {row['kernel_ms']:9.4f} ms "
-                      f"{row['GBs']:8.1f} GB/s" + (" (default)" if default else ""), flush=True)
+                print(
+                    f"sweep triton {op:8s} B={B:<4d} {label:45s} {row['kernel_ms']:9.4f} ms "
+                    f"{row['GBs']:8.1f} GB/s" + (" (default)" if default else ""),
+                    flush=True,
+                )
             else:
-                print(f"sweep triton {op:8s} B={B:<4d} {label:45s} FAILED: {row['failed']}",
-                      flush=True)
+                print(
+                    f"sweep triton {op:8s} B={B:<4d} {label:45s} FAILED: {row['failed']}",
+                    flush=True,
+                )
             out.append(row)
     return out
 
@@ -711,8 +841,18 @@ def _bench_input(context, op: str, B: int):
 # off: the dispatcher's amax pass) changes no value, and what it saves is outside the
 # kernels: timed through the dispatcher, as a public call runs.
 CUDA_VARIANTS = {
-    "fold": ((("sum", 1), ("sum", 32), ("max", 64), ("log_mass", 1), ("log_mass", 8),
-              ("log_mass", 64), ("log_mass", 128)), "kernels"),
+    "fold": (
+        (
+            ("sum", 1),
+            ("sum", 32),
+            ("max", 64),
+            ("log_mass", 1),
+            ("log_mass", 8),
+            ("log_mass", 64),
+            ("log_mass", 128),
+        ),
+        "kernels",
+    ),
     "row_check": ((("sum", 1), ("sum", 8), ("sum", 32), ("max", 64)), "dispatch"),
 }
 
@@ -738,19 +878,29 @@ def variant_comparison(context, names) -> list[dict]:
             try:
                 for state, on in (("off", False), ("on", True)):
                     options = CudaOptions(**{name: on})
-                    fn = (kernel_call("cuda", values, context["layout"], op,
-                                      cuda_options=options) if how == "kernels"
-                          else checked_call(values, context["layout"], op, options))
+                    fn = (
+                        kernel_call("cuda", values, context["layout"], op, cuda_options=options)
+                        if how == "kernels"
+                        else checked_call(values, context["layout"], op, options)
+                    )
                     row[f"{state}_result"] = fn()
                     row[f"{state}_ms"] = bench_ms(fn, context["device"], context["how"])
                 off, on = row.pop("off_result"), row.pop("on_result")
                 assert torch.equal(off, on), f"{name} off and on disagree"
             except Exception as e:  # noqa: BLE001
-                row = {"variant": name, "op": op, "B": B, "timed": how,
-                       "failed": f"{type(e).__name__}: {e}"}
+                row = {
+                    "variant": name,
+                    "op": op,
+                    "B": B,
+                    "timed": how,
+                    "failed": f"{type(e).__name__}: {e}",
+                }
             out.append(row)
-            print(f"{name} {op:8s} B={B:<4d} " + (row.get("failed") or
-                  f"off {row['off_ms']:.4f} ms, on {row['on_ms']:.4f} ms"), flush=True)
+            print(
+                f"{name} {op:8s} B={B:<4d} "
+                + (row.get("failed") or f"off {row['off_ms']:.4f} ms, on {row['on_ms']:.4f} ms"),
+                flush=True,
+            )
     return out
 
 
@@ -785,10 +935,12 @@ def memory_floors(context) -> list[dict]:
             # (each timed in this round of the loop: its tensors bound now)
             ("write [B, N] once (fill_)", out_bytes, lambda result=result: result.fill_(1.0)),
             ("read [B, V'] once (amax per row)", in_bytes, lambda x=x: torch.amax(x, dim=1)),
-            ("read and write [B, V'] (copy_)", 2 * in_bytes,
-             lambda x=x, copy=copy: copy.copy_(x)),
-            ("gather [B, V'] into [B, N] (index_select)", in_bytes + out_bytes,
-             lambda x=x, result=result: torch.index_select(x, 1, node_column, out=result)),
+            ("read and write [B, V'] (copy_)", 2 * in_bytes, lambda x=x, copy=copy: copy.copy_(x)),
+            (
+                "gather [B, V'] into [B, N] (index_select)",
+                in_bytes + out_bytes,
+                lambda x=x, result=result: torch.index_select(x, 1, node_column, out=result),
+            ),
         ]
         try:  # a Triton problem here must not cost the session torch's floors
             cases += _tile_pattern_cases(result, tile_node_lo, ml.tile, L, out_bytes)
@@ -797,8 +949,17 @@ def memory_floors(context) -> list[dict]:
         for name, moved, fn in cases:
             ms = bench_ms(fn, device, how)
             gbs = moved / (ms * 1e-3) / 1e9
-            out.append({"op": op, "B": B, "floor": name, "MB": moved / 1e6, "ms": ms,
-                        "GBs": gbs, "peak_frac": gbs / peak if peak else None})
+            out.append(
+                {
+                    "op": op,
+                    "B": B,
+                    "floor": name,
+                    "MB": moved / 1e6,
+                    "ms": ms,
+                    "GBs": gbs,
+                    "peak_frac": gbs / peak if peak else None,
+                }
+            )
             print(f"floor {op:8s} B={B:<4d} {name:45s} {ms:9.4f} ms {gbs:8.1f} GB/s", flush=True)
     return out
 
@@ -814,16 +975,25 @@ def _tile_pattern_cases(result, tile_node_lo, tile: int, L: int, out_bytes: int)
     staged = torch.rand(B * L, generator=torch.Generator().manual_seed(0)).to(result.device)
     cases = []
     for name, moved, kwargs in (
-            ("write [B, N] as the tile blocks do (32 rows x a tile's ids)", out_bytes, {}),
-            ("write [B, N] as blocks of 4 tiles would", out_bytes, {"tiles": 4}),
-            ("read the staged [B, L], write [B, N], as the tile blocks do",
-             staged.numel() * 4 + out_bytes, {"staged": staged})):
+        ("write [B, N] as the tile blocks do (32 rows x a tile's ids)", out_bytes, {}),
+        ("write [B, N] as blocks of 4 tiles would", out_bytes, {"tiles": 4}),
+        (
+            "read the staged [B, L], write [B, N], as the tile blocks do",
+            staged.numel() * 4 + out_bytes,
+            {"staged": staged},
+        ),
+    ):
         result.fill_(float("nan"))
         tile_floors.tile_pattern(result, tile_node_lo, tile, L, **kwargs)
         want = tile_floors.expected(B, N, tile_node_lo, tile, L, kwargs.get("staged"))
         torch.testing.assert_close(result.cpu(), want, rtol=1e-4, atol=0.0, msg=name)
-        cases.append((name, moved, lambda kw=kwargs: tile_floors.tile_pattern(
-            result, tile_node_lo, tile, L, **kw)))
+        cases.append(
+            (
+                name,
+                moved,
+                lambda kw=kwargs: tile_floors.tile_pattern(result, tile_node_lo, tile, L, **kw),
+            )
+        )
     return cases
 
 
@@ -834,23 +1004,34 @@ def _f(x, fmt):
 def table(rows, info, command: str, sweep_rows=(), variant_rows=(), floor_rows=()) -> str:
     lines = ["# genlm_fast GPU trie kernels", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in info.items()]
-    lines += ["", f"Command: `{command}`", "",
-              ("api ms: the public call (`TokenByteTrie.batch_log_mass` / `batch_weight_sum` / "
-              "`batch_weight_max`, validation included, result on the device); kernel ms: the "
-              "backend's kernels alone. Traffic: input read once (B x V' x 4 B), output written "
-              "once (B x N x 4 B), index arrays read once; GB/s = traffic / kernel ms (api GB/s: "
-              "/ api ms). ref ms: the "
-              "reference's device work (sum: `sparse.mm(ws[:, positions], M)`; max: its "
-              "`scatter_reduce` amax; log_mass: log_softmax, exp, sparse.mm, log); speedup = "
-              "ref ms / kernel ms. Every result was checked against the float64 oracle first "
-              "(max rel err = worst relative error of a node mass >= 1e-30)."), "",
-              ("| backend | op | B | api ms | kernel ms | MB read | MB written | MB index | GB/s "
-               "| % of peak | api GB/s | api % of peak | ref ms | speedup | max rel err |"),
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        f"Command: `{command}`",
+        "",
+        (
+            "api ms: the public call (`TokenByteTrie.batch_log_mass` / `batch_weight_sum` / "
+            "`batch_weight_max`, validation included, result on the device); kernel ms: the "
+            "backend's kernels alone. Traffic: input read once (B x V' x 4 B), output written "
+            "once (B x N x 4 B), index arrays read once; GB/s = traffic / kernel ms (api GB/s: "
+            "/ api ms). ref ms: the "
+            "reference's device work (sum: `sparse.mm(ws[:, positions], M)`; max: its "
+            "`scatter_reduce` amax; log_mass: log_softmax, exp, sparse.mm, log); speedup = "
+            "ref ms / kernel ms. Every result was checked against the float64 oracle first "
+            "(max rel err = worst relative error of a node mass >= 1e-30)."
+        ),
+        "",
+        (
+            "| backend | op | B | api ms | kernel ms | MB read | MB written | MB index | GB/s "
+            "| % of peak | api GB/s | api % of peak | ref ms | speedup | max rel err |"
+        ),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         if "failed" in r:
-            lines.append(f"| {r['backend']} | {r['op']} | {r['B']} | FAILED verification: "
-                         f"{r['failed']} |" + " |" * 11)
+            lines.append(
+                f"| {r['backend']} | {r['op']} | {r['B']} | FAILED verification: "
+                f"{r['failed']} |" + " |" * 11
+            )
             continue
         frac = "-" if r["peak_frac"] is None else f"{100 * r['peak_frac']:.0f}%"
         api_frac = "-" if r.get("api_peak_frac") is None else f"{100 * r['api_peak_frac']:.0f}%"
@@ -859,73 +1040,114 @@ def table(rows, info, command: str, sweep_rows=(), variant_rows=(), floor_rows=(
             f"| {r['backend']} | {r['op']} | {r['B']} | {r['api_ms']:.4f} | "
             f"{_f(r['kernel_ms'], '.4f')} | {r['read_MB']:.2f} | {r['write_MB']:.2f} | "
             f"{r['index_MB']:.2f} | {r['GBs']:.0f} | {frac} | {_f(r.get('api_GBs'), '.0f')} | "
-            f"{api_frac} | {_f(r['ref_ms'], '.4f')} | {speedup} | {r['max_rel_err']:.1e} |")
-    lines += ["", f"Speedup at B={SPEEDUP_B} vs the reference's batch_weight_sum:", "",
-              ("| backend | kernels vs ref device time | full call vs full call (both return "
-               "numpy on the host: genlm's and genlm_fast's `ParallelTokenCharacterTrie`) |"),
-              "|---|---:|---:|"]
+            f"{api_frac} | {_f(r['ref_ms'], '.4f')} | {speedup} | {r['max_rel_err']:.1e} |"
+        )
+    lines += [
+        "",
+        f"Speedup at B={SPEEDUP_B} vs the reference's batch_weight_sum:",
+        "",
+        (
+            "| backend | kernels vs ref device time | full call vs full call (both return "
+            "numpy on the host: genlm's and genlm_fast's `ParallelTokenCharacterTrie`) |"
+        ),
+        "|---|---:|---:|",
+    ]
     for r in rows:
         if r["op"] == "sum" and r["B"] == SPEEDUP_B and "failed" not in r:
-            lines.append(f"| {r['backend']} | {_f(r['speedup'], '.1f')}x ({_f(r['ref_ms'], '.3f')} ms vs "
-                         f"{_f(r['kernel_ms'], '.3f')} ms) | {_f(r['speedup_api'], '.1f')}x "
-                         f"({_f(r['ref_api_ms'], '.3f')} ms vs {_f(r.get('host_api_ms'), '.3f')} ms) |")
+            lines.append(
+                f"| {r['backend']} | {_f(r['speedup'], '.1f')}x ({_f(r['ref_ms'], '.3f')} ms vs "
+                f"{_f(r['kernel_ms'], '.3f')} ms) | {_f(r['speedup_api'], '.1f')}x "
+                f"({_f(r['ref_api_ms'], '.3f')} ms vs {_f(r.get('host_api_ms'), '.3f')} ms) |"
+            )
     broken_down = [r for r in rows if r.get("breakdown")]
     if broken_down:
-        lines += ["", f"Where the kernel time goes at B={broken_down[0]['B']} (torch.profiler, "
-                  "20 calls back to back; ms per call):", "",
-                  "| backend | op | kernel | ms |", "|---|---|---|---:|"]
+        lines += [
+            "",
+            f"Where the kernel time goes at B={broken_down[0]['B']} (torch.profiler, "
+            "20 calls back to back; ms per call):",
+            "",
+            "| backend | op | kernel | ms |",
+            "|---|---|---|---:|",
+        ]
         for r in broken_down:
             for name, ms in r["breakdown"][:6]:
                 lines.append(f"| {r['backend']} | {r['op']} | `{name}` | {ms:.4f} |")
-    lines += ["", "Goals (Llama-3 vocabulary):", "",
-              "| goal | backend | measured | met |", "|---|---|---:|---|"]
+    lines += [
+        "",
+        "Goals (Llama-3 vocabulary):",
+        "",
+        "| goal | backend | measured | met |",
+        "|---|---|---:|---|",
+    ]
     for r in goals(rows):
         lines.append(f"| {r['goal']} | {r['backend']} | {r['measured']} | {r['met']} |")
     if floor_rows:
-        lines += ["", "Memory floors at the goals' shapes (torch's own kernels, then Triton "
-                  "kernels moving the same bytes in the CUDA tile kernel's pattern with no "
-                  "reduction, tools/gpu/tile_floors.py; same timer; `memory_floors`): what the "
-                  "memory system gives a kernel of that traffic:", "",
-                  "| op | B | floor | MB moved | ms | GB/s | % of peak |",
-                  "|---|---:|---|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "Memory floors at the goals' shapes (torch's own kernels, then Triton "
+            "kernels moving the same bytes in the CUDA tile kernel's pattern with no "
+            "reduction, tools/gpu/tile_floors.py; same timer; `memory_floors`): what the "
+            "memory system gives a kernel of that traffic:",
+            "",
+            "| op | B | floor | MB moved | ms | GB/s | % of peak |",
+            "|---|---:|---|---:|---:|---:|---:|",
+        ]
         for r in floor_rows:
             frac = "-" if r["peak_frac"] is None else f"{100 * r['peak_frac']:.0f}%"
-            lines.append(f"| {r['op']} | {r['B']} | {r['floor']} | {r['MB']:.2f} | "
-                         f"{r['ms']:.4f} | {r['GBs']:.0f} | {frac} |")
+            lines.append(
+                f"| {r['op']} | {r['B']} | {r['floor']} | {r['MB']:.2f} | "
+                f"{r['ms']:.4f} | {r['GBs']:.0f} | {frac} |"
+            )
     if variant_rows:
-        lines += ["", "The CUDA launch's variants (`--variants`: fields of `CudaOptions`, off "
-                  "by default), each off and on, the others off; the kernels alone, or through "
-                  "the dispatcher (validation and row check included); the two results checked "
-                  "to agree bit for bit first:", "",
-                  "| variant | op | B | timed | off ms | on ms | off / on | goal, off / on |",
-                  "|---|---|---:|---|---:|---:|---:|---|"]
+        lines += [
+            "",
+            "The CUDA launch's variants (`--variants`: fields of `CudaOptions`, off "
+            "by default), each off and on, the others off; the kernels alone, or through "
+            "the dispatcher (validation and row check included); the two results checked "
+            "to agree bit for bit first:",
+            "",
+            "| variant | op | B | timed | off ms | on ms | off / on | goal, off / on |",
+            "|---|---|---:|---|---:|---:|---:|---|",
+        ]
         for r in variant_rows:
             head = f"| {r['variant']} | {r['op']} | {r['B']} | {r['timed']} |"
             if "failed" in r:
                 lines.append(f"{head} FAILED: {r['failed']} | | | |")
             else:
-                lines.append(f"{head} {r['off_ms']:.4f} | {r['on_ms']:.4f} | "
-                             f"{r['off_ms'] / r['on_ms']:.3f} | {variant_goal(r, rows)} |")
+                lines.append(
+                    f"{head} {r['off_ms']:.4f} | {r['on_ms']:.4f} | "
+                    f"{r['off_ms'] / r['on_ms']:.3f} | {variant_goal(r, rows)} |"
+                )
     if sweep_rows:
-        lines += ["", "Triton tile-kernel configurations (`--sweep`; constants of "
-                  "`genlm_fast.ops.triton_backend`; kernels alone, each checked against the "
-                  "oracle first; fastest per op in bold):", "",
-                  "| op | B | tile kernel | configuration | kernel ms | GB/s | % of peak | "
-                  "max rel err |", "|---|---:|---|---|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "Triton tile-kernel configurations (`--sweep`; constants of "
+            "`genlm_fast.ops.triton_backend`; kernels alone, each checked against the "
+            "oracle first; fastest per op in bold):",
+            "",
+            "| op | B | tile kernel | configuration | kernel ms | GB/s | % of peak | max rel err |",
+            "|---|---:|---|---|---:|---:|---:|---:|",
+        ]
         timed = [r for r in sweep_rows if "kernel_ms" in r]
-        best = {op: min(r["kernel_ms"] for r in timed if r["op"] == op)
-                for op in {r["op"] for r in timed}}
+        best = {
+            op: min(r["kernel_ms"] for r in timed if r["op"] == op)
+            for op in {r["op"] for r in timed}
+        }
         for r in sweep_rows:
             config = r["config"] + (" (default)" if r["default"] else "")
             if "failed" in r:
-                lines.append(f"| {r['op']} | {r['B']} | {r['kernel']} | {config} | FAILED: "
-                             f"{r['failed']} | | | |")
+                lines.append(
+                    f"| {r['op']} | {r['B']} | {r['kernel']} | {config} | FAILED: "
+                    f"{r['failed']} | | | |"
+                )
                 continue
             ms = f"{r['kernel_ms']:.4f}"
             ms = f"**{ms}**" if r["kernel_ms"] == best[r["op"]] else ms
             frac = "-" if r["peak_frac"] is None else f"{100 * r['peak_frac']:.0f}%"
-            lines.append(f"| {r['op']} | {r['B']} | {r['kernel']} | {config} | {ms} | "
-                         f"{r['GBs']:.0f} | {frac} | {r['max_rel_err']:.1e} |")
+            lines.append(
+                f"| {r['op']} | {r['B']} | {r['kernel']} | {config} | {ms} | "
+                f"{r['GBs']:.0f} | {frac} | {r['max_rel_err']:.1e} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -936,8 +1158,11 @@ def variant_goal(variant_row, rows) -> str:
     op, B = variant_row["op"], variant_row["B"]
     if variant_row["timed"] != "kernels":
         return "-"
-    main = [r for r in rows if r["backend"] == "cuda" and r["op"] == op and r["B"] == B
-            and "failed" not in r]
+    main = [
+        r
+        for r in rows
+        if r["backend"] == "cuda" and r["op"] == op and r["B"] == B and "failed" not in r
+    ]
     if not main:
         return "-"
     off, on = variant_row["off_ms"], variant_row["on_ms"]
@@ -959,50 +1184,87 @@ def goals(rows) -> list[dict]:
         mine = [r for r in rows if r["backend"] == backend and "failed" not in r]
         peak_rows = [r for r in mine if r["op"] == GOAL_PEAK_OP and r["B"] == GOAL_PEAK_B]
         frac = peak_rows[0]["peak_frac"] if peak_rows else None
-        out.append({"goal": f"batch_{GOAL_PEAK_OP} B={GOAL_PEAK_B}: kernels >= "
-                            f"{100 * GOAL_PEAK_FRAC:.0f}% of peak HBM bandwidth",
-                    "backend": backend,
-                    "measured": "-" if frac is None else f"{100 * frac:.0f}%",
-                    "met": "-" if frac is None else ("yes" if frac >= GOAL_PEAK_FRAC else "NO")})
+        out.append(
+            {
+                "goal": f"batch_{GOAL_PEAK_OP} B={GOAL_PEAK_B}: kernels >= "
+                f"{100 * GOAL_PEAK_FRAC:.0f}% of peak HBM bandwidth",
+                "backend": backend,
+                "measured": "-" if frac is None else f"{100 * frac:.0f}%",
+                "met": "-" if frac is None else ("yes" if frac >= GOAL_PEAK_FRAC else "NO"),
+            }
+        )
         sum_rows = [r for r in mine if r["op"] == "sum" and r["B"] == SPEEDUP_B]
         sp = sum_rows[0]["speedup"] if sum_rows else None
-        out.append({"goal": f"batch_weight_sum B={SPEEDUP_B}: >= {GOAL_SPEEDUP:g}x the "
-                            "reference's device time",
-                    "backend": backend,
-                    "measured": "-" if sp is None else f"{sp:.1f}x",
-                    "met": "-" if sp is None else ("yes" if sp >= GOAL_SPEEDUP else "NO")})
+        out.append(
+            {
+                "goal": f"batch_weight_sum B={SPEEDUP_B}: >= {GOAL_SPEEDUP:g}x the "
+                "reference's device time",
+                "backend": backend,
+                "measured": "-" if sp is None else f"{sp:.1f}x",
+                "met": "-" if sp is None else ("yes" if sp >= GOAL_SPEEDUP else "NO"),
+            }
+        )
     return out
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.gpu.bench", description="Time the fused trie kernels on a GPU "
-        "(bytes moved, bandwidth, speedup vs genlm.backend's ParallelTokenCharacterTrie).")
-    parser.add_argument("--out", default=None,
-                        help="markdown output (default bench/results/gpu-<device>-<date>.md)")
+        prog="python -m tools.gpu.bench",
+        description="Time the fused trie kernels on a GPU "
+        "(bytes moved, bandwidth, speedup vs genlm.backend's ParallelTokenCharacterTrie).",
+    )
+    parser.add_argument(
+        "--out", default=None, help="markdown output (default bench/results/gpu-<device>-<date>.md)"
+    )
     parser.add_argument("--vocab", default="llama3", help="quicktok encoding (default llama3)")
     parser.add_argument("--vocab-file", default=None, help="a vocabulary written by --dump-vocab")
-    parser.add_argument("--dump-vocab", metavar="PATH", default=None,
-                        help="write --vocab's tokens to PATH (for machines without quicktok) and exit")
+    parser.add_argument(
+        "--dump-vocab",
+        metavar="PATH",
+        default=None,
+        help="write --vocab's tokens to PATH (for machines without quicktok) and exit",
+    )
     parser.add_argument("--limit", type=int, default=None, help="use only the first N tokens")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=list(DEFAULT_BATCHES))
     parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
-    parser.add_argument("--backends", nargs="+", default=None,
-                        help="backends to time (default: triton and cuda, those available)")
-    parser.add_argument("--peak-gbs", type=float, default=None,
-                        help="peak HBM bandwidth in GB/s (default: from the device name)")
-    parser.add_argument("--inline-reference", action="store_true",
-                        help="use the inline reference even when genlm.backend imports")
-    parser.add_argument("--dry-run-cpu", action="store_true",
-                        help=f"run the same code path on CPU (reference/cpu/triton-interpreter "
-                        f"backends, first {DRY_RUN_TOKENS} tokens, B in {DRY_RUN_BATCHES}) to test this "
-                        "script")
-    parser.add_argument("--variants", nargs="+", choices=sorted(CUDA_VARIANTS), default=[],
-                        help="then time the CUDA backend with each of these launch variants "
-                        "(CudaOptions) off and on (a section of the table)")
-    parser.add_argument("--sweep", action="store_true",
-                        help="then time the Triton tile kernels in every TRITON_SWEEP "
-                        "configuration (a section of the table)")
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        default=None,
+        help="backends to time (default: triton and cuda, those available)",
+    )
+    parser.add_argument(
+        "--peak-gbs",
+        type=float,
+        default=None,
+        help="peak HBM bandwidth in GB/s (default: from the device name)",
+    )
+    parser.add_argument(
+        "--inline-reference",
+        action="store_true",
+        help="use the inline reference even when genlm.backend imports",
+    )
+    parser.add_argument(
+        "--dry-run-cpu",
+        action="store_true",
+        help=f"run the same code path on CPU (reference/cpu/triton-interpreter "
+        f"backends, first {DRY_RUN_TOKENS} tokens, B in {DRY_RUN_BATCHES}) to test this "
+        "script",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=sorted(CUDA_VARIANTS),
+        default=[],
+        help="then time the CUDA backend with each of these launch variants "
+        "(CudaOptions) off and on (a section of the table)",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="then time the Triton tile kernels in every TRITON_SWEEP "
+        "configuration (a section of the table)",
+    )
     args = parser.parse_args(argv)
 
     if args.dump_vocab:

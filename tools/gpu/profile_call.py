@@ -28,8 +28,9 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="cuda", help="cuda (default) or triton")
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--vocab", default="llama3", help="quicktok encoding (default llama3)")
-    parser.add_argument("--fold", action="store_true",
-                        help="the CUDA launch's fold variant (CudaOptions.fold)")
+    parser.add_argument(
+        "--fold", action="store_true", help="the CUDA launch's fold variant (CudaOptions.fold)"
+    )
     parser.add_argument("--dry-run-cpu", action="store_true")
     args = parser.parse_args(argv)
 
@@ -42,8 +43,7 @@ def main(argv=None) -> int:
 
     device = "cpu" if args.dry_run_cpu else "cuda"
     backend = "triton" if args.dry_run_cpu else args.backend
-    label, vocab = load_vocab(args.vocab, None,
-                              limit=DRY_RUN_TOKENS if args.dry_run_cpu else None)
+    label, vocab = load_vocab(args.vocab, None, limit=DRY_RUN_TOKENS if args.dry_run_cpu else None)
     layout = TokenByteTrie(vocab, device=device, kernel_backend=backend).layout
     logits, probs = K.make_inputs(len(vocab), args.batch)
     x = (logits if args.op == "log_mass" else probs).to(device).contiguous()
@@ -53,8 +53,11 @@ def main(argv=None) -> int:
         out = call()
     if device == "cuda":
         torch.cuda.synchronize()
-    print(f"{label}: {layout.num_nodes} nodes; {args.calls} calls of {backend} {args.op} "
-          f"B={args.batch} -> {tuple(out.shape)}", flush=True)
+    print(
+        f"{label}: {layout.num_nodes} nodes; {args.calls} calls of {backend} {args.op} "
+        f"B={args.batch} -> {tuple(out.shape)}",
+        flush=True,
+    )
     return 0
 
 

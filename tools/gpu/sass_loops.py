@@ -27,12 +27,17 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-TRITON_KERNELS = ("_tile_ranges_dot log_mass/fp32", "_tile_ranges_dot sum/fp32",
-                  "_tile_ranges_max max/fp32")
+TRITON_KERNELS = (
+    "_tile_ranges_dot log_mass/fp32",
+    "_tile_ranges_dot sum/fp32",
+    "_tile_ranges_max max/fp32",
+)
 # tile_kernel<T, Out, RED, ROWS> instances (mangled-name fragments): float log_mass, sum, max
-CUDA_KERNELS = {"tile_kernel<float, log_mass, 32>": "tile_kernelIfLi2ELi32E",
-                "tile_kernel<float, sum, 32>": "tile_kernelIfLi0ELi32E",
-                "tile_kernel<float, max, 32>": "tile_kernelIfLi1ELi32E"}
+CUDA_KERNELS = {
+    "tile_kernel<float, log_mass, 32>": "tile_kernelIfLi2ELi32E",
+    "tile_kernel<float, sum, 32>": "tile_kernelIfLi0ELi32E",
+    "tile_kernel<float, max, 32>": "tile_kernelIfLi1ELi32E",
+}
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")
@@ -51,11 +56,11 @@ def loops(sass: str) -> list[tuple[int, int]]:
     labels, line_of, found = {}, [], []
     last_line = 0
     for text in sass.splitlines():
-        if (m := _LINE.search(text)):
+        if m := _LINE.search(text):
             last_line = int(m.group(1))
-        if (m := _LABEL.match(text)):
+        if m := _LABEL.match(text):
             labels[m.group(1)] = len(line_of)
-        elif (m := _INSTR.match(text)):
+        elif m := _INSTR.match(text):
             line_of.append(last_line)
             b = _BRANCH.search(m.group(2))
             if b and b.group(1) in labels and "BRA.DIV" not in m.group(2):
@@ -86,8 +91,12 @@ def triton_sass(name: str) -> str:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
             f.flush()
-            return subprocess.run([str(_toolchain() / "nvdisasm"), "-c", "-g", f.name],
-                                  capture_output=True, text=True, check=True).stdout
+            return subprocess.run(
+                [str(_toolchain() / "nvdisasm"), "-c", "-g", f.name],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
     raise KeyError(name)
 
 
@@ -97,10 +106,26 @@ def cuda_sass() -> str:
         raise RuntimeError("nvcc is not on PATH")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
-        subprocess.run([nvcc, "-std=c++17", "-O3", "-lineinfo", "-arch=sm_90", "-cubin",
-                        str(REPO / "csrc" / "trie_reduce_cuda.cu"), "-o", cubin], check=True)
-        return subprocess.run([str(_toolchain() / "nvdisasm"), "-c", "-g", cubin],
-                              capture_output=True, text=True, check=True).stdout
+        subprocess.run(
+            [
+                nvcc,
+                "-std=c++17",
+                "-O3",
+                "-lineinfo",
+                "-arch=sm_90",
+                "-cubin",
+                str(REPO / "csrc" / "trie_reduce_cuda.cu"),
+                "-o",
+                cubin,
+            ],
+            check=True,
+        )
+        return subprocess.run(
+            [str(_toolchain() / "nvdisasm"), "-c", "-g", cubin],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
 
 
 def main(argv=None) -> int:

@@ -27,9 +27,18 @@ from tools.gpu import bench as gpu
 @pytest.mark.slow
 def test_dry_run_verifies_times_and_writes_the_table(tmp_path):
     out = tmp_path / "gpu.md"
-    status = gpu.main(["--dry-run-cpu", "--limit", "300",
-                       "--batch-sizes", "1", str(gpu.SPEEDUP_B),
-                       "--out", str(out)])
+    status = gpu.main(
+        [
+            "--dry-run-cpu",
+            "--limit",
+            "300",
+            "--batch-sizes",
+            "1",
+            str(gpu.SPEEDUP_B),
+            "--out",
+            str(out),
+        ]
+    )
     assert status == 0
     text = out.read_text()
     for backend in ("reference", "cpu", "triton"):
@@ -55,17 +64,26 @@ def test_dry_run_verifies_times_and_writes_the_table(tmp_path):
     V = 300  # --limit: every token is a column, and a leaf
     N = int(re.search(r"300 tokens, (\d+) nodes", text).group(1))
     for op, B in ((gpu.GOAL_PEAK_OP, gpu.GOAL_PEAK_B), ("sum", gpu.SPEEDUP_B)):
-        moved = {line.split(" | ")[2]: float(line.split(" | ")[3])
-                 for line in floors if line.startswith(f"| {op} | {B} |")}
-        assert moved == pytest.approx({
-            "write [B, N] once (fill_)": B * N * 4 / 1e6,
-            "read [B, V'] once (amax per row)": B * V * 4 / 1e6,
-            "read and write [B, V'] (copy_)": 2 * B * V * 4 / 1e6,
-            "gather [B, V'] into [B, N] (index_select)": B * (V + N) * 4 / 1e6,
-            "write [B, N] as the tile blocks do (32 rows x a tile's ids)": B * N * 4 / 1e6,
-            "write [B, N] as blocks of 4 tiles would": B * N * 4 / 1e6,
-            "read the staged [B, L], write [B, N], as the tile blocks do":
-                B * (V + N) * 4 / 1e6}, abs=0.006), moved
+        moved = {
+            line.split(" | ")[2]: float(line.split(" | ")[3])
+            for line in floors
+            if line.startswith(f"| {op} | {B} |")
+        }
+        assert moved == pytest.approx(
+            {
+                "write [B, N] once (fill_)": B * N * 4 / 1e6,
+                "read [B, V'] once (amax per row)": B * V * 4 / 1e6,
+                "read and write [B, V'] (copy_)": 2 * B * V * 4 / 1e6,
+                "gather [B, V'] into [B, N] (index_select)": B * (V + N) * 4 / 1e6,
+                "write [B, N] as the tile blocks do (32 rows x a tile's ids)": B * N * 4 / 1e6,
+                "write [B, N] as blocks of 4 tiles would": B * N * 4 / 1e6,
+                "read the staged [B, L], write [B, N], as the tile blocks do": B
+                * (V + N)
+                * 4
+                / 1e6,
+            },
+            abs=0.006,
+        ), moved
 
 
 @pytest.mark.slow
@@ -73,22 +91,50 @@ def test_sweep_verifies_each_configuration_and_restores_the_defaults(tmp_path, m
     from genlm_fast.ops import triton_backend as tb
 
     defaults = (tb.DOT_ROWS, tb.DOT_WARPS, tb.MAX_ROWS)
-    monkeypatch.setattr(gpu, "TRITON_SWEEP", {
-        "dot": [{"DOT_ROWS": tb.DOT_ROWS, "DOT_WARPS": tb.DOT_WARPS}, {"DOT_ROWS": 32},
-                {"DOT_UB": 0}],  # a chunk of 0 unit ranges cannot launch: reported, not fatal
-        "max": [{"MAX_ROWS": 32, "MAX_WARPS": 8}],
-    })
+    monkeypatch.setattr(
+        gpu,
+        "TRITON_SWEEP",
+        {
+            "dot": [
+                {"DOT_ROWS": tb.DOT_ROWS, "DOT_WARPS": tb.DOT_WARPS},
+                {"DOT_ROWS": 32},
+                {"DOT_UB": 0},
+            ],  # a chunk of 0 unit ranges cannot launch: reported, not fatal
+            "max": [{"MAX_ROWS": 32, "MAX_WARPS": 8}],
+        },
+    )
     out = tmp_path / "gpu.md"
-    assert gpu.main(["--dry-run-cpu", "--limit", "120", "--batch-sizes", "2",
-                     "--backends", "triton", "--ops", "sum", "max", "--sweep",
-                     "--out", str(out)]) == 0
+    assert (
+        gpu.main(
+            [
+                "--dry-run-cpu",
+                "--limit",
+                "120",
+                "--batch-sizes",
+                "2",
+                "--backends",
+                "triton",
+                "--ops",
+                "sum",
+                "max",
+                "--sweep",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert (tb.DOT_ROWS, tb.DOT_WARPS, tb.MAX_ROWS) == defaults
     sweep = out.read_text().split("Triton tile-kernel configurations")[1]
-    rows = [line for line in sweep.splitlines() if line.startswith("| sum |")
-            or line.startswith("| max |")]
+    rows = [
+        line
+        for line in sweep.splitlines()
+        if line.startswith("| sum |") or line.startswith("| max |")
+    ]
     assert len(rows) == 4, rows
-    assert f"| sum | 2 | dot | DOT_ROWS={tb.DOT_ROWS}, DOT_WARPS={tb.DOT_WARPS} (default) |" \
-        in sweep
+    assert (
+        f"| sum | 2 | dot | DOT_ROWS={tb.DOT_ROWS}, DOT_WARPS={tb.DOT_WARPS} (default) |" in sweep
+    )
     assert "| sum | 2 | dot | DOT_ROWS=32 |" in sweep  # timed: it passed the oracle
     assert "| sum | 2 | dot | DOT_UB=0 | FAILED: " in sweep
     assert "| max | 2 | max | MAX_ROWS=32, MAX_WARPS=8 | **" in sweep  # the only one: fastest
@@ -109,12 +155,18 @@ def test_triton_config_sets_and_restores_constants():
 # --------------------------------------------------------------------------- fast checks
 
 
-@pytest.mark.parametrize("key,name", [
-    ("void genlm_fast::cuda::(anonymous namespace)::tile_kernel<float, float, 2, 8>"
-     "(float const*, int const*, long)", "tile_kernel<float, float, 2, 8>"),
-    ("_tile_ranges_max", "_tile_ranges_max"),
-    ("aten::index", "aten::index"),
-])
+@pytest.mark.parametrize(
+    "key,name",
+    [
+        (
+            "void genlm_fast::cuda::(anonymous namespace)::tile_kernel<float, float, 2, 8>"
+            "(float const*, int const*, long)",
+            "tile_kernel<float, float, 2, 8>",
+        ),
+        ("_tile_ranges_max", "_tile_ranges_max"),
+        ("aten::index", "aten::index"),
+    ],
+)
 def test_kernel_names_keep_the_kernel(key, name):
     assert gpu.kernel_name(key) == name
 
@@ -191,12 +243,19 @@ def test_index_bytes_count_the_arrays_each_backend_reads(small, monkeypatch):
         gpu.index_bytes(layout, "triton")
 
 
-@pytest.mark.parametrize(("name", "gbs"), [
-    ("NVIDIA H100 80GB HBM3", 3350.0), ("NVIDIA H100 PCIe", 2000.0),
-    ("NVIDIA H100 NVL", 3900.0), ("NVIDIA H200", 4800.0), ("NVIDIA GH200 480GB", 4000.0),
-    ("NVIDIA GH200 144G HBM3e", 4900.0), ("NVIDIA H200 NVL", 4800.0),
-    ("Tesla T4", None),
-])
+@pytest.mark.parametrize(
+    ("name", "gbs"),
+    [
+        ("NVIDIA H100 80GB HBM3", 3350.0),
+        ("NVIDIA H100 PCIe", 2000.0),
+        ("NVIDIA H100 NVL", 3900.0),
+        ("NVIDIA H200", 4800.0),
+        ("NVIDIA GH200 480GB", 4000.0),
+        ("NVIDIA GH200 144G HBM3e", 4900.0),
+        ("NVIDIA H200 NVL", 4800.0),
+        ("Tesla T4", None),
+    ],
+)
 def test_peak_bandwidth_by_device_name(name, gbs):
     assert gpu.detect_peak(name, None) == gbs
     assert gpu.detect_peak(name, 1234.0) == 1234.0
@@ -209,8 +268,9 @@ def test_goals_verdicts():
         {"backend": "cuda", "op": "log_mass", "B": 64, "peak_frac": None, "speedup": 2.0},
         {"backend": "cuda", "op": "sum", "B": 32, "failed": "x"},
     ]
-    got = {(g["backend"], g["goal"].split(":")[0]): (g["measured"], g["met"])
-           for g in gpu.goals(rows)}
+    got = {
+        (g["backend"], g["goal"].split(":")[0]): (g["measured"], g["met"]) for g in gpu.goals(rows)
+    }
     assert got[("triton", "batch_log_mass B=64")] == ("71%", "yes")
     assert got[("triton", "batch_weight_sum B=32")] == ("9.9x", "NO")
     assert got[("cuda", "batch_log_mass B=64")] == ("-", "-")  # no peak known
@@ -246,19 +306,33 @@ def test_variant_comparison_times_each_variant_off_and_on_and_checks_them(monkey
             if reduction == "log_mass" and B == 64 and options.fold:
                 return torch.ones(1)  # the fold disagrees with the span pass here
             return torch.zeros(1)
+
         fn.on = options.fold or options.row_check
         return fn
 
-    monkeypatch.setattr(gpu, "kernel_call", lambda backend, values, layout, reduction,
-                        mode="without_eos", cuda_options=None:
-                        stand_in("kernels", reduction, values.shape[0], cuda_options))
-    monkeypatch.setattr(gpu, "checked_call", lambda values, layout, reduction,
-                        cuda_options=None:
-                        stand_in("dispatch", reduction, values.shape[0], cuda_options))
+    monkeypatch.setattr(
+        gpu,
+        "kernel_call",
+        lambda backend, values, layout, reduction, mode="without_eos", cuda_options=None: stand_in(
+            "kernels", reduction, values.shape[0], cuda_options
+        ),
+    )
+    monkeypatch.setattr(
+        gpu,
+        "checked_call",
+        lambda values, layout, reduction, cuda_options=None: stand_in(
+            "dispatch", reduction, values.shape[0], cuda_options
+        ),
+    )
     monkeypatch.setattr(gpu, "_bench_input", lambda context, op, B: torch.zeros(B, 10))
     monkeypatch.setattr(gpu, "bench_ms", lambda fn, device, how: 0.4 if fn.on else 0.5)
-    context = {"backends": ["cuda"], "device": torch.device("cuda"), "how": "cuda_events",
-               "vocab": [b"a"] * 10, "layout": None}
+    context = {
+        "backends": ["cuda"],
+        "device": torch.device("cuda"),
+        "how": "cuda_events",
+        "vocab": [b"a"] * 10,
+        "layout": None,
+    }
     names = ["fold", "row_check"]
     assert sorted(gpu.CUDA_VARIANTS) == names
     rows = gpu.variant_comparison(context, names)
@@ -267,15 +341,32 @@ def test_variant_comparison_times_each_variant_off_and_on_and_checks_them(monkey
     # each variant toggled alone, through the path it is timed on
     assert {(how, op, B, options) for how, op, B, options in seen} == {
         (gpu.CUDA_VARIANTS[name][1], op, B, CudaOptions(**{name: on}))
-        for name in names for op, B in gpu.CUDA_VARIANTS[name][0] for on in (False, True)}
+        for name in names
+        for op, B in gpu.CUDA_VARIANTS[name][0]
+        for on in (False, True)
+    }
     failed = [r for r in rows if "failed" in r]
     assert [(r["variant"], r["op"], r["B"]) for r in failed] == [("fold", "log_mass", 64)]
     assert "fold off and on disagree" in failed[0]["failed"]
     # the goals' shapes also get the goal's measure both ways, from the main table's CUDA row
-    main = [{"backend": "cuda", "op": "sum", "B": gpu.SPEEDUP_B, "ref_ms": 5.0,
-             "kernel_ms": 0.45, "peak_frac": 0.1},
-            {"backend": "cuda", "op": gpu.GOAL_PEAK_OP, "B": gpu.GOAL_PEAK_B, "ref_ms": 1.0,
-             "kernel_ms": 0.5, "peak_frac": 0.2}]
+    main = [
+        {
+            "backend": "cuda",
+            "op": "sum",
+            "B": gpu.SPEEDUP_B,
+            "ref_ms": 5.0,
+            "kernel_ms": 0.45,
+            "peak_frac": 0.1,
+        },
+        {
+            "backend": "cuda",
+            "op": gpu.GOAL_PEAK_OP,
+            "B": gpu.GOAL_PEAK_B,
+            "ref_ms": 1.0,
+            "kernel_ms": 0.5,
+            "peak_frac": 0.2,
+        },
+    ]
     by_case = {(r["variant"], r["op"], r["B"]): r for r in rows}
     assert gpu.variant_goal(by_case["fold", "sum", 32], main) == "10.0x / 12.5x the reference"
     # (the goals are on the kernels' time: none for a variant timed through the dispatcher)
@@ -285,7 +376,8 @@ def test_variant_comparison_times_each_variant_off_and_on_and_checks_them(monkey
     text = gpu.table([], {}, "cmd", variant_rows=rows)
     assert "| fold | sum | 32 | kernels | 0.5000 | 0.4000 | 1.250 | - |" in text
     assert "| row_check | sum | 8 | dispatch | 0.5000 | 0.4000 | 1.250 | - |" in text
-    assert ("| fold | log_mass | 64 | kernels | FAILED: AssertionError: fold off and on "
-            "disagree |") in text
+    assert (
+        "| fold | log_mass | 64 | kernels | FAILED: AssertionError: fold off and on disagree |"
+    ) in text
     assert gpu.variant_comparison({**context, "backends": ["triton"]}, ["fold"]) == []
     assert gpu.variant_comparison(context, []) == []

@@ -50,8 +50,15 @@ def test_every_tile_kernel_is_found_and_has_loops():
     # makes interpreter objects, which do not compile
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "tools.gpu.sass_loops"], capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=900, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.gpu.sass_loops"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=900,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     names = list(sass_loops.TRITON_KERNELS) + list(sass_loops.CUDA_KERNELS)

@@ -14,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-CRASHING_TESTS = '''
+CRASHING_TESTS = """
 import ctypes
 import pytest
 
@@ -36,7 +36,7 @@ def test_e_last():
 
 def test_f_fails():
     assert 1 + 1 == 3, "a failure's report is kept"
-'''
+"""
 
 
 def stand_in(tmp_path, name: str, body: str) -> Path:
@@ -57,23 +57,42 @@ def test_a_crash_costs_only_the_tests_not_yet_run(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     script = (REPO / "tools" / "gpu" / "session.sh").read_text()
-    run_tests = script[script.index("native_stack() {"):script.index("\nrun_bench() {")]
+    run_tests = script[script.index("native_stack() {") : script.index("\nrun_bench() {")]
     # a gdb that does nothing: the real one would rerun each crash (slow, not what is tested)
     bin_dir = stand_in(tmp_path, "gdb", "exit 0")
-    env = {**os.environ, "OUT": str(out), "PY": sys.executable, "TEST_PATHS": "tests",
-           "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "PY": sys.executable,
+        "TEST_PATHS": "tests",
+        "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
+    }
     env.pop("PYTEST_ADDOPTS", None)
-    proc = subprocess.run(["bash", "-c", run_tests + "\nrun_tests"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["bash", "-c", run_tests + "\nrun_tests"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 1, log  # two crashed, one failed
     assert "test_demo.py::test_b_crashes killed pytest" in log
     assert "test_demo.py::test_d_crashes_too killed pytest" in log
     done = (out / "tests-done.txt").read_text().split()
     # each test ran exactly once, in three attempts, the crashing ones excepted
-    assert sorted(done) == sorted(f"tests/test_demo.py::{t}" for t in (
-        "test_a_before[0]", "test_a_before[1]", "test_a_before[2]", "test_c_between",
-        "test_e_last", "test_f_fails"))
+    assert sorted(done) == sorted(
+        f"tests/test_demo.py::{t}"
+        for t in (
+            "test_a_before[0]",
+            "test_a_before[1]",
+            "test_a_before[2]",
+            "test_c_between",
+            "test_e_last",
+            "test_f_fails",
+        )
+    )
     assert (out / "tests-ops-3.xml").exists()
     # failures are kept as they happen (a run stopped by its timeout prints no summary)
     failures = (out / "tests-done.txt.failures").read_text()
@@ -87,19 +106,24 @@ def test_without_gdb_the_crash_report_has_the_native_stack(tmp_path):
     """The GPU machine may have no gdb: tools/gpu/segv_stack.c (built with cc, preloaded)
     puts the C stack of the crashing test into crash.txt, after the Python one."""
     script = (REPO / "tools" / "gpu" / "session.sh").read_text()
-    native_stack = script[script.index("native_stack() {"):script.index("\nrun_tests() {")]
+    native_stack = script[script.index("native_stack() {") : script.index("\nrun_tests() {")]
     (tmp_path / "tools").symlink_to(REPO / "tools")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_demo.py").write_text(CRASHING_TESTS)
     env = {**os.environ, "PY": sys.executable, "GDB": "no-such-gdb"}
     env.pop("PYTEST_ADDOPTS", None)
-    proc = subprocess.run(["bash", "-c", native_stack + "\nnative_stack "
-                           "tests/test_demo.py::test_b_crashes"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["bash", "-c", native_stack + "\nnative_stack tests/test_demo.py::test_b_crashes"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     report = proc.stdout
     assert "Fatal Python error: Segmentation fault" in report, proc.stdout + proc.stderr
     assert 'test_demo.py", line 10 in test_b_crashes' in report  # the Python stack
-    stack = report[report.index("== native stack"):]
+    stack = report[report.index("== native stack") :]
     assert "_ctypes" in stack and "libpython" in stack, stack  # the C frames down to ctypes
 
 
@@ -110,18 +134,31 @@ def test_outputs_come_back_as_at_most_8_files(tmp_path):
     import tarfile
 
     script = (REPO / "tools" / "gpu" / "session.sh").read_text()
-    bundle = script[script.index("bundle_outputs() {"):script.index("\ntrap bundle_outputs")]
+    bundle = script[script.index("bundle_outputs() {") : script.index("\ntrap bundle_outputs")]
     out = tmp_path / "out"
     out.mkdir()
     kept = ["gpu-2026-11-26.md", "tests-ops.log", "env.txt", "crash.txt"]
-    packed = ["install.log", "bench-gpu.log", "sm90-compile.txt", "ncu-log_mass-B64.txt",
-              "ncu-sum-B32.txt", "tests-done.txt", "tests-done.txt.failures",
-              "tests-ops-1.xml", "tests-ops-2.xml"]
+    packed = [
+        "install.log",
+        "bench-gpu.log",
+        "sm90-compile.txt",
+        "ncu-log_mass-B64.txt",
+        "ncu-sum-B32.txt",
+        "tests-done.txt",
+        "tests-done.txt.failures",
+        "tests-ops-1.xml",
+        "tests-ops-2.xml",
+    ]
     for name in kept + packed:
         (out / name).write_text(f"contents of {name}\n")
-    proc = subprocess.run(["bash", "-c", bundle + "\nbundle_outputs"], cwd=tmp_path,
-                          env={**os.environ, "OUT": str(out)}, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        ["bash", "-c", bundle + "\nbundle_outputs"],
+        cwd=tmp_path,
+        env={**os.environ, "OUT": str(out)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == sorted(kept + ["logs.tar.gz"])
     with tarfile.open(out / "logs.tar.gz") as tar:
@@ -137,25 +174,35 @@ def test_profile_skips_two_calls_of_each_shape_and_keeps_the_caches_for_the_traf
     caches left as the kernels before left them; the stall reasons of log_mass's tile and
     span kernels (2 a call); the same two with the fold variant (profile_call --fold)."""
     script = (REPO / "tools" / "gpu" / "session.sh").read_text()
-    run_profile = script[script.index("run_profile() {"):script.index("\nrun_bench() {")]
+    run_profile = script[script.index("run_profile() {") : script.index("\nrun_bench() {")]
     bin_dir = stand_in(tmp_path, "ncu", 'echo "$@"')
     out = tmp_path / "out"
     out.mkdir()
-    env = {**os.environ, "OUT": str(out), "PY": "python3",
-           "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
-    proc = subprocess.run(["bash", "-c", run_profile + "\nrun_profile"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "PY": "python3",
+        "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
+    }
+    proc = subprocess.run(
+        ["bash", "-c", run_profile + "\nrun_profile"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     def args(name):
         return (out / name).read_text().split()
 
     for name, skip, count, kernels in (
-            ("ncu-log_mass-B64.txt", 6, 3, "row_pass|tile_kernel|span_kernel"),
-            ("ncu-sum-B32.txt", 6, 3, "row_pass|tile_kernel|span_kernel"),
-            ("ncu-pipeline-log_mass-B64.txt", 8, 4,
-             "row_pass|row_lse_merge|tile_kernel|span_kernel"),
-            ("ncu-pipeline-sum-B32.txt", 6, 3, "row_pass|row_lse_merge|tile_kernel|span_kernel")):
+        ("ncu-log_mass-B64.txt", 6, 3, "row_pass|tile_kernel|span_kernel"),
+        ("ncu-sum-B32.txt", 6, 3, "row_pass|tile_kernel|span_kernel"),
+        ("ncu-pipeline-log_mass-B64.txt", 8, 4, "row_pass|row_lse_merge|tile_kernel|span_kernel"),
+        ("ncu-pipeline-sum-B32.txt", 6, 3, "row_pass|row_lse_merge|tile_kernel|span_kernel"),
+    ):
         a = args(name)
         assert a[a.index("--launch-skip") + 1] == str(skip), (name, a)
         assert a[a.index("--launch-count") + 1] == str(count), (name, a)

@@ -26,9 +26,21 @@ IDS = 256  # node ids a program writes per step (Llama-3: 201 a tile on average)
 
 
 @triton.jit
-def _tile_pattern_kernel(staged_ptr, out_ptr, tile_node_lo_ptr, n_tiles, B, C, N, L,
-                         TILE: tl.constexpr, ROWS: tl.constexpr, IDS: tl.constexpr,
-                         TILES: tl.constexpr, READ: tl.constexpr):
+def _tile_pattern_kernel(
+    staged_ptr,
+    out_ptr,
+    tile_node_lo_ptr,
+    n_tiles,
+    B,
+    C,
+    N,
+    L,
+    TILE: tl.constexpr,
+    ROWS: tl.constexpr,
+    IDS: tl.constexpr,
+    TILES: tl.constexpr,
+    READ: tl.constexpr,
+):
     first_row = tl.program_id(1) * ROWS
     rows = tl.minimum(B - first_row, ROWS)
     r = tl.arange(0, ROWS)
@@ -42,8 +54,12 @@ def _tile_pattern_kernel(staged_ptr, out_ptr, tile_node_lo_ptr, n_tiles, B, C, N
                 # the tile's stretch of the staged rows: [L][rows] from first_row * C
                 p = tl.arange(0, TILE)
                 base = t * TILE
-                src = (staged_ptr + first_row.to(tl.int64) * C + (base + p[:, None]) * rows
-                       + r[None, :])
+                src = (
+                    staged_ptr
+                    + first_row.to(tl.int64) * C
+                    + (base + p[:, None]) * rows
+                    + r[None, :]
+                )
                 x = tl.load(src, mask=((base + p[:, None]) < L) & row_ok[None, :], other=0.0)
                 value = tl.sum(x, axis=0)
             lo = tl.load(tile_node_lo_ptr + t)
@@ -51,12 +67,23 @@ def _tile_pattern_kernel(staged_ptr, out_ptr, tile_node_lo_ptr, n_tiles, B, C, N
             block = value[:, None] + tl.zeros([ROWS, IDS], tl.float32)
             for i0 in range(lo, hi, IDS):
                 ids = i0 + tl.arange(0, IDS)
-                tl.store(out_rows[:, None] + ids[None, :], block,
-                         mask=row_ok[:, None] & (ids[None, :] < hi), eviction_policy="evict_first")
+                tl.store(
+                    out_rows[:, None] + ids[None, :],
+                    block,
+                    mask=row_ok[:, None] & (ids[None, :] < hi),
+                    eviction_policy="evict_first",
+                )
 
 
-def tile_pattern(out: torch.Tensor, tile_node_lo: torch.Tensor, tile: int, L: int, *,
-                 tiles: int = 1, staged: torch.Tensor | None = None) -> None:
+def tile_pattern(
+    out: torch.Tensor,
+    tile_node_lo: torch.Tensor,
+    tile: int,
+    L: int,
+    *,
+    tiles: int = 1,
+    staged: torch.Tensor | None = None,
+) -> None:
     """Write ``out`` [B, N] float32 in the tile kernel's pattern (see the module docstring);
     ``staged`` [B * C] float32 (C >= L), laid out as the row pass stages: read first."""
     B, N = out.shape
@@ -65,13 +92,27 @@ def tile_pattern(out: torch.Tensor, tile_node_lo: torch.Tensor, tile: int, L: in
     if staged is not None and C < L:
         raise ValueError(f"staged holds {C} columns a row, fewer than the {L} leaves")
     grid = (triton.cdiv(n_tiles, tiles), triton.cdiv(B, ROWS))
-    _tile_pattern_kernel[grid](staged if staged is not None else out, out, tile_node_lo,
-                               n_tiles, B, C, N, L, TILE=tile, ROWS=ROWS, IDS=IDS,
-                               TILES=tiles, READ=staged is not None, num_warps=8)
+    _tile_pattern_kernel[grid](
+        staged if staged is not None else out,
+        out,
+        tile_node_lo,
+        n_tiles,
+        B,
+        C,
+        N,
+        L,
+        TILE=tile,
+        ROWS=ROWS,
+        IDS=IDS,
+        TILES=tiles,
+        READ=staged is not None,
+        num_warps=8,
+    )
 
 
-def expected(B: int, N: int, tile_node_lo, tile: int, L: int,
-             staged: torch.Tensor | None = None) -> torch.Tensor:
+def expected(
+    B: int, N: int, tile_node_lo, tile: int, L: int, staged: torch.Tensor | None = None
+) -> torch.Tensor:
     """What ``tile_pattern`` writes, in plain torch: ones, or each row's sum of the staged
     stretch of the tile that owns the node."""
     lo = torch.as_tensor(tile_node_lo, dtype=torch.int64).cpu()
@@ -86,7 +127,7 @@ def expected(B: int, N: int, tile_node_lo, tile: int, L: int,
     sums = torch.zeros(B, n_tiles, dtype=torch.float64)
     for first in range(0, B, ROWS):
         rows = min(B - first, ROWS)
-        block = stretch[first * C:first * C + L * rows].view(L, rows)  # [L][rows]
+        block = stretch[first * C : first * C + L * rows].view(L, rows)  # [L][rows]
         pad = torch.zeros(n_tiles * tile - L, rows, dtype=torch.float64)
-        sums[first:first + rows] = torch.cat([block, pad]).view(n_tiles, tile, rows).sum(1).T
+        sums[first : first + rows] = torch.cat([block, pad]).view(n_tiles, tile, rows).sum(1).T
     return sums[:, owner].float()

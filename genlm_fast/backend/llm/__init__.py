@@ -20,8 +20,8 @@ from genlm_fast.backend.llm.checks import (
     QueriesResetError,
     UnknownLoraError,
 )
-from genlm_fast.backend.llm.mock import MockAsyncLM
 from genlm_fast.backend.llm.hf import AsyncTransformer
+from genlm_fast.backend.llm.mock import MockAsyncLM
 
 __all__ = [
     "AsyncLM",
@@ -60,15 +60,28 @@ def _not_supported(name, reason):
     def refuse(*args, **kwargs):
         raise BackendNotProvidedError(reason)
 
-    return type(name, (), {"__init__": refuse, "from_name": classmethod(refuse),
-                           "__doc__": f"Stand-in: {reason}", "__module__": __name__})
+    return type(
+        name,
+        (),
+        {
+            "__init__": refuse,
+            "from_name": classmethod(refuse),
+            "__doc__": f"Stand-in: {reason}",
+            "__module__": __name__,
+        },
+    )
 
 
-AsyncMlxLM = _not_supported("AsyncMlxLM", "genlm_fast does not support the MLX backend; "
-                            "use AsyncTransformer, or genlm.backend for MLX")
-AsyncSGLTransformer = _not_supported("AsyncSGLTransformer", "genlm_fast does not support "
-                                     "the SGLang backend; use AsyncTransformer or "
-                                     "AsyncVirtualLM, or genlm.backend for SGLang")
+AsyncMlxLM = _not_supported(
+    "AsyncMlxLM",
+    "genlm_fast does not support the MLX backend; use AsyncTransformer, or genlm.backend for MLX",
+)
+AsyncSGLTransformer = _not_supported(
+    "AsyncSGLTransformer",
+    "genlm_fast does not support "
+    "the SGLang backend; use AsyncTransformer or "
+    "AsyncVirtualLM, or genlm.backend for SGLang",
+)
 
 
 def __getattr__(name):

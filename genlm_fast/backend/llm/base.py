@@ -103,8 +103,7 @@ class AsyncLM(ABC):
 
     async def batch_next_token_logprobs(self, token_ids_list, lora_name=None):
         """`next_token_logprobs` of several contexts, stacked into ``[B, V]``."""
-        contexts = context_list(token_ids_list, "batch_next_token_logprobs",
-                                allow_empty=False)
+        contexts = context_list(token_ids_list, "batch_next_token_logprobs", allow_empty=False)
         rows = await asyncio.gather(
             *(self.next_token_logprobs(ids, lora_name=lora_name) for ids in contexts)
         )
@@ -112,8 +111,7 @@ class AsyncLM(ABC):
 
     def batch_next_token_logprobs_sync(self, token_ids_list, lora_name=None):
         """Blocking form of `batch_next_token_logprobs`."""
-        contexts = context_list(token_ids_list, "batch_next_token_logprobs_sync",
-                                allow_empty=False)
+        contexts = context_list(token_ids_list, "batch_next_token_logprobs_sync", allow_empty=False)
         return torch.stack(
             [self.next_token_logprobs_sync(ids, lora_name=lora_name) for ids in contexts]
         )
@@ -128,8 +126,7 @@ class AsyncLM(ABC):
 
     async def batch_next_token_logits(self, token_ids_list, lora_name=None):
         """`next_token_logits` of several contexts, stacked into ``[B, V]``."""
-        contexts = context_list(token_ids_list, "batch_next_token_logits",
-                                allow_empty=False)
+        contexts = context_list(token_ids_list, "batch_next_token_logits", allow_empty=False)
         rows = await asyncio.gather(
             *(self.next_token_logits(ids, lora_name=lora_name) for ids in contexts)
         )

@@ -48,14 +48,21 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
             Defaults to True; False waits for ``batch_size`` or ``timeout`` only, as genlm.
     """
 
-    def __init__(self, tokenizer, batch_size=20, timeout=0.02, cache_size=1024,
-                 flush_when_idle=True):
+    def __init__(
+        self, tokenizer, batch_size=20, timeout=0.02, cache_size=1024, flush_when_idle=True
+    ):
         super().__init__(tokenizer)
-        if (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
-                or batch_size < 1):
+        if (
+            isinstance(batch_size, bool)
+            or not isinstance(batch_size, numbers.Integral)
+            or batch_size < 1
+        ):
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
-                or not 0 <= float(timeout) < float("inf")):
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, numbers.Real)
+            or not 0 <= float(timeout) < float("inf")
+        ):
             # NaN would never fire the timer: a batch that does not fill would hang
             raise ValueError(
                 f"timeout must be a finite non-negative number of seconds, got {timeout!r}"
@@ -220,9 +227,12 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
         """Log probabilities for several contexts, ``[B, V']``, in as few calls as possible."""
         self._check_open()
         lora = self._resolve_lora(lora_name)
-        all_ids = [self._check_context(t)
-                   for t in context_list(token_ids_list, "batch_next_token_logprobs_sync",
-                                         allow_empty=False)]
+        all_ids = [
+            self._check_context(t)
+            for t in context_list(
+                token_ids_list, "batch_next_token_logprobs_sync", allow_empty=False
+            )
+        ]
         found = {}
         todo = []
         for ids in all_ids:
@@ -243,8 +253,9 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
     async def batch_next_token_logprobs(self, token_ids_list, lora_name=None):
         """Log probabilities for several contexts, ``[B, V']``, via the auto-batcher."""
         self._check_open()
-        token_ids_list = context_list(token_ids_list, "batch_next_token_logprobs",
-                                      allow_empty=False)
+        token_ids_list = context_list(
+            token_ids_list, "batch_next_token_logprobs", allow_empty=False
+        )
         return await self._whole_batch(self._logprobs_of, token_ids_list, lora_name)
 
     async def next_token_logits(self, token_ids, lora_name=None):
@@ -266,8 +277,7 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
     async def batch_next_token_logits(self, token_ids_list, lora_name=None):
         """Unnormalized logits ``[B, V']`` on the model's device, via the auto-batcher."""
         self._check_open()
-        token_ids_list = context_list(token_ids_list, "batch_next_token_logits",
-                                      allow_empty=False)
+        token_ids_list = context_list(token_ids_list, "batch_next_token_logits", allow_empty=False)
         return await self._whole_batch(self._logits_of, token_ids_list, lora_name)
 
     # A batch call evaluates once this many event-loop passes in a row added no query to
@@ -319,9 +329,7 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
         """Fail waiting queries, drop caches and the model; later calls raise."""
         if self._closed:
             return
-        self._fail_pending(
-            QueriesResetError("query dropped because the model was cleaned up")
-        )
+        self._fail_pending(QueriesResetError("query dropped because the model was cleaned up"))
         self._closed = True
         with self._lock:
             self._outputs.clear()

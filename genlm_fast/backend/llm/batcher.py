@@ -103,7 +103,6 @@ def _running_loop():
         return None
 
 
-
 class AutoBatcher:
     """The waiting queries of a `BatchedAsyncLM` and when they are evaluated.
 
@@ -112,18 +111,22 @@ class AutoBatcher:
     ``_evaluate(lora, rows, want_logprobs)`` and ``_check_open()``.
     """
 
-
     def _enqueue(self, lora, ids, wants_logprobs, future=None):
         """Queue one query; returns the future its answer goes to (``future``, a future of
         the running loop, when given, else a new one)."""
         loop = asyncio.get_running_loop()
         if future is not None and future.get_loop() is not loop:
-            raise ValueError("the query's future belongs to another event loop than the "
-                             "running one; create it with loop.create_future()")
+            raise ValueError(
+                "the query's future belongs to another event loop than the "
+                "running one; create it with loop.create_future()"
+            )
         with self._lock:
             if self._pending and self._loop is not loop:
-                if (self._loop is not None and not self._loop.is_closed()
-                        and any(row.live() for row in self._pending.values())):
+                if (
+                    self._loop is not None
+                    and not self._loop.is_closed()
+                    and any(row.live() for row in self._pending.values())
+                ):
                     raise RuntimeError(
                         f"this {type(self).__name__} has queries pending on another "
                         "event loop; use one event loop at a time"
@@ -261,16 +264,21 @@ class AutoBatcher:
         """The queries waiting for the next batch, one `PendingQuery` per caller (genlm's
         ``queries`` list; identical contexts share one row of the batch)."""
         with self._lock:
-            return [PendingQuery(row.ids, fut, row.lora)
-                    for row in self._pending.values() for fut, _ in row.waiters]
+            return [
+                PendingQuery(row.ids, fut, row.lora)
+                for row in self._pending.values()
+                for fut, _ in row.waiters
+            ]
 
     @queries.setter
     def queries(self, value):
         # genlm code empties the queue by assigning []; any caller still waiting is told
         # (QueriesResetError), as by reset_async_queries
         if len(value):
-            raise ValueError("queries can only be emptied (assign []); queue queries with "
-                             "next_token_logprobs or add_query")
+            raise ValueError(
+                "queries can only be emptied (assign []); queue queries with "
+                "next_token_logprobs or add_query"
+            )
         self.reset_async_queries()
 
     def reset_async_queries(self):

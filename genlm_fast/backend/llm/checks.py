@@ -39,8 +39,9 @@ def context_list(token_ids_list, method: str, allow_empty: bool = True) -> list:
             if not contexts and not allow_empty:
                 raise ValueError(f"{method} needs at least one context, got an empty list")
             return contexts
-    raise TypeError(f"{method} expects a list of token_ids contexts, got "
-                    f"{type(token_ids_list).__name__}")
+    raise TypeError(
+        f"{method} expects a list of token_ids contexts, got {type(token_ids_list).__name__}"
+    )
 
 
 def check_temperature(temperature) -> float:
@@ -49,8 +50,11 @@ def check_temperature(temperature) -> float:
     number."""
     if isinstance(temperature, (torch.Tensor, np.ndarray)) and temperature.ndim == 0:
         temperature = temperature.item()
-    if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)
-            or not 0 < float(temperature) < float("inf")):
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, numbers.Real)
+        or not 0 < float(temperature) < float("inf")
+    ):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     return float(temperature)
 
@@ -61,12 +65,18 @@ def check_sampling(max_tokens, eos_token_ids, seed):
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral):
         raise TypeError(f"max_tokens must be an int, got {max_tokens!r}")
     if isinstance(eos_token_ids, (str, bytes)) or not isinstance(
-            eos_token_ids, (Iterable, torch.Tensor, np.ndarray)):
-        raise TypeError("eos_token_ids must be a collection of token ids (possibly empty), "
-                        f"got {eos_token_ids!r}")
+        eos_token_ids, (Iterable, torch.Tensor, np.ndarray)
+    ):
+        raise TypeError(
+            "eos_token_ids must be a collection of token ids (possibly empty), "
+            f"got {eos_token_ids!r}"
+        )
     eos = set()
-    for t in (eos_token_ids.tolist() if isinstance(eos_token_ids, (torch.Tensor, np.ndarray))
-              else eos_token_ids):
+    for t in (
+        eos_token_ids.tolist()
+        if isinstance(eos_token_ids, (torch.Tensor, np.ndarray))
+        else eos_token_ids
+    ):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
             raise TypeError(f"eos_token_ids must hold ints, found {t!r}")
         eos.add(int(t))
@@ -97,8 +107,7 @@ def check_finite_logits(logits, contexts):
     holds a NaN or +inf, or only -inf (a -inf logit alone is a token of probability 0)."""
     if bool(torch.isfinite(logits).all()):
         return
-    bad = (torch.isnan(logits).any(1) | torch.isposinf(logits).any(1)
-           | torch.isneginf(logits).all(1))
+    bad = torch.isnan(logits).any(1) | torch.isposinf(logits).any(1) | torch.isneginf(logits).all(1)
     rows = bad.nonzero().flatten().tolist()
     if not rows:
         return
@@ -176,7 +185,5 @@ def check_token_ids(token_ids, vocab_size=None, allow_empty=False):
         lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"token id {bad} is outside the model's vocabulary [0, {vocab_size})"
-            )
+            raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {vocab_size})")
     return ids

@@ -44,8 +44,13 @@ import os
 import torch
 import torch.nn.functional as F
 
-__all__ = ["pack_linear_layers", "unpack_linear_layers", "forget_packed_weights",
-           "available_kernels", "SMALL_BATCH_ROWS"]
+__all__ = [
+    "pack_linear_layers",
+    "unpack_linear_layers",
+    "forget_packed_weights",
+    "available_kernels",
+    "SMALL_BATCH_ROWS",
+]
 
 logger = logging.getLogger("genlm_fast.backend")
 
@@ -79,8 +84,9 @@ def _onednn_works() -> bool:
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
     got = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
     want = F.linear(x.double(), w.double(), b.double())
-    return got.shape == want.shape and bool(torch.allclose(got.double(), want, rtol=1e-5,
-                                                           atol=1e-4))
+    return got.shape == want.shape and bool(
+        torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+    )
 
 
 def available_kernels() -> list[str]:
@@ -88,8 +94,9 @@ def available_kernels() -> list[str]:
     for kernel in KERNELS:
         if kernel not in _available:
             try:
-                _available[kernel] = (_small_batch_module() is not None if kernel == "avx512"
-                                      else _onednn_works())
+                _available[kernel] = (
+                    _small_batch_module() is not None if kernel == "avx512" else _onednn_works()
+                )
             except (AttributeError, RuntimeError) as exc:  # op missing from this build
                 logger.info("CPU linear kernel %s unavailable (%s)", kernel, exc)
                 _available[kernel] = False
@@ -107,9 +114,11 @@ def _chosen_kernel():
     if choice == "auto":
         return runs[0] if runs else None
     if choice not in runs:
-        raise ValueError(f"{ENV}={choice}: that kernel does not run here (available: "
-                         f"{', '.join(runs) or 'none'}; 'avx512' needs genlm_fast._C and a CPU "
-                         "with AVX-512F)")
+        raise ValueError(
+            f"{ENV}={choice}: that kernel does not run here (available: "
+            f"{', '.join(runs) or 'none'}; 'avx512' needs genlm_fast._C and a CPU "
+            "with AVX-512F)"
+        )
     return choice
 
 
@@ -147,9 +156,12 @@ class _Packed:
         return (_no_packed_copy, ())
 
     def matches(self, weight: torch.Tensor) -> bool:
-        return (self.weight is weight and self.version == _version(weight)
-                and self.data_ptr == weight.data_ptr()
-                and torch.equal(self.probe, self.snapshot))
+        return (
+            self.weight is weight
+            and self.version == _version(weight)
+            and self.data_ptr == weight.data_ptr()
+            and torch.equal(self.probe, self.snapshot)
+        )
 
 
 def _no_packed_copy():
@@ -159,11 +171,19 @@ def _no_packed_copy():
 def _packed_forward(self, kernel, x):
     w, bias = self.weight, self.bias
     state = self.__dict__.get(_PACK)
-    if (x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu"
-            or w.device.type != "cpu" or x.numel() == 0 or not w.is_contiguous()
-            or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"))
-            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (
-                bias is not None and bias.requires_grad)))):
+    if (
+        x.dtype != torch.float32
+        or w.dtype != torch.float32
+        or x.device.type != "cpu"
+        or w.device.type != "cpu"
+        or x.numel() == 0
+        or not w.is_contiguous()
+        or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"))
+        or (
+            torch.is_grad_enabled()
+            and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad))
+        )
+    ):
         if state is not None and not state.matches(w):
             # The weight moved on (model.to(dtype) or to(device), say): drop the stale copy
             # now, and with it the old weight storage its snapshot keeps alive, rather than
@@ -178,8 +198,11 @@ def _packed_forward(self, kernel, x):
         state = self.__dict__[_PACK] = _Packed(w, kernel)
     if kernel == "avx512":
         y = state.module.linear_small_batch(
-            x.reshape(rows, x.shape[-1]).contiguous(), state.packed,
-            None if bias is None else bias.detach().contiguous(), w.shape[0])
+            x.reshape(rows, x.shape[-1]).contiguous(),
+            state.packed,
+            None if bias is None else bias.detach().contiguous(),
+            w.shape[0],
+        )
         return y.view(*x.shape[:-1], w.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x, state.packed, bias, "none", [], "")
 
@@ -199,8 +222,11 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
         return 0
     count = 0
     for module in model.modules():
-        if (type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
-                and module.weight.device.type == "cpu"):
+        if (
+            type(module) is torch.nn.Linear
+            and module.weight.dtype == torch.float32
+            and module.weight.device.type == "cpu"
+        ):
             # a partial of a module-level function, not a bound method: the module must still
             # pickle (torch.save(model)) and deep-copy, with its copy bound to the copy
             module.forward = functools.partial(_packed_forward, module, kernel)

@@ -45,10 +45,14 @@ _ONE_PLUS_WEIGHT = {"gemma", "gemma2"}  # RMSNorm scales by (1 + weight)
 _EMBEDDINGS = {"Embedding", "GemmaTextScaledWordEmbedding", "Gemma2TextScaledWordEmbedding"}
 # transformers' activation modules by what they compute
 _ACTIVATIONS = {
-    "SiLUActivation": "silu", "SiLU": "silu",
-    "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh",
+    "SiLUActivation": "silu",
+    "SiLU": "silu",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "NewGELUActivation": "gelu_tanh",
     "FastGELUActivation": "gelu_tanh",
-    "GELUActivation": "gelu_erf", "GELU": "gelu_erf",
+    "GELUActivation": "gelu_erf",
+    "GELU": "gelu_erf",
     "ReLU": "relu",
 }
 
@@ -119,7 +123,8 @@ def _linear(module, what, out_features=None, in_features=None):
         raise Unsupported(f"{what} is a {_kind(module)}, not a torch.nn.Linear")
     w = module.weight
     if (out_features is not None and w.shape[0] != out_features) or (
-            in_features is not None and w.shape[1] != in_features):
+        in_features is not None and w.shape[1] != in_features
+    ):
         raise Unsupported(f"{what} has shape {tuple(w.shape)}")
     return w, module.bias
 
@@ -153,8 +158,10 @@ def describe(model) -> _Arch:
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
     if family not in FAMILIES:
-        raise Unsupported(f"architecture {family or _kind(model)!r} is not one the fused decoder "
-                          f"knows ({', '.join(FAMILIES)})")
+        raise Unsupported(
+            f"architecture {family or _kind(model)!r} is not one the fused decoder "
+            f"knows ({', '.join(FAMILIES)})"
+        )
     cls, norm_cls = FAMILIES[family]
     if _kind(model) != cls:
         raise Unsupported(f"{_kind(model)} is not {cls}")
@@ -185,17 +192,27 @@ def _describe_llama_like(model, config, read, family, norm_cls):
     vocab = int(head.weight.shape[0])
     head_w, head_b = _linear(head, "lm_head", in_features=H)
     spec = {
-        "layers": len(layers), "hidden": H, "heads": nh, "kv_heads": nkv, "head_dim": hd,
-        "vocab": vocab, "layer_norm": False, "qk_norm": family == "qwen3",
-        "post_norms": family == "gemma2", "learned_positions": False,
+        "layers": len(layers),
+        "hidden": H,
+        "heads": nh,
+        "kv_heads": nkv,
+        "head_dim": hd,
+        "vocab": vocab,
+        "layer_norm": False,
+        "qk_norm": family == "qwen3",
+        "post_norms": family == "gemma2",
+        "learned_positions": False,
         "attn_softcap": float(getattr(config, "attn_logit_softcapping", None) or 0.0),
         "final_softcap": float(getattr(config, "final_logit_softcapping", None) or 0.0),
-        "embed_scale": 1.0, "scaling": [], "window": [],
+        "embed_scale": 1.0,
+        "scaling": [],
+        "window": [],
     }
     if hasattr(embed, "embed_scale"):
         spec["embed_scale"] = float(embed.embed_scale.to(torch.float32))
-    arch = _Arch(family, spec, embed=read.param(embed, "weight"),
-                 rotary=read.module(base, "rotary_emb"))
+    arch = _Arch(
+        family, spec, embed=read.param(embed, "weight"), rotary=read.module(base, "rotary_emb")
+    )
     one_plus = family in _ONE_PLUS_WEIGHT
 
     def norm(module, name, dim=H):
@@ -269,11 +286,23 @@ def _describe_gpt2(model, config, read, norm_cls):
     hd = H // nh
     head_w, head_b = _linear(head, "lm_head", in_features=H)
     spec = {
-        "layers": len(blocks), "hidden": H, "heads": nh, "kv_heads": nh, "head_dim": hd,
-        "vocab": int(head_w.shape[0]), "layer_norm": True, "qk_norm": False,
-        "post_norms": False, "learned_positions": True,
-        "max_positions": int(wpe.weight.shape[0]), "attn_softcap": 0.0, "final_softcap": 0.0,
-        "embed_scale": 1.0, "gated": False, "scaling": [], "window": [],
+        "layers": len(blocks),
+        "hidden": H,
+        "heads": nh,
+        "kv_heads": nh,
+        "head_dim": hd,
+        "vocab": int(head_w.shape[0]),
+        "layer_norm": True,
+        "qk_norm": False,
+        "post_norms": False,
+        "learned_positions": True,
+        "max_positions": int(wpe.weight.shape[0]),
+        "attn_softcap": 0.0,
+        "final_softcap": 0.0,
+        "embed_scale": 1.0,
+        "gated": False,
+        "scaling": [],
+        "window": [],
     }
     arch = _Arch("gpt2", spec, embed=read.param(wte, "weight"), pos_embed=read.param(wpe, "weight"))
 
@@ -352,8 +381,10 @@ def _pack(arch: _Arch, module):
     # the packed panels live in one allocation: one mapping of its own that goes back to the
     # system whole when the decoder goes (separate tensors of a few MB each would come from
     # the C heap, which keeps what it cannot hand back in whole pages)
-    shapes = {name: _panel_shape([w for w, _ in parts], name.endswith("up") and arch.spec["gated"])
-              for name, parts in arch.linears.items()}
+    shapes = {
+        name: _panel_shape([w for w, _ in parts], name.endswith("up") and arch.spec["gated"])
+        for name, parts in arch.linears.items()
+    }
     sizes = {name: -(-math.prod(shape) // 16) * 16 for name, shape in shapes.items()}
     store = torch.empty(sum(sizes.values()), dtype=torch.float32)
     offset = 0
@@ -365,9 +396,12 @@ def _pack(arch: _Arch, module):
         offset += sizes[name]
         biases = [b for _, b in parts]
         if any(b is not None for b in biases):
-            weights[name + "_b"] = torch.cat([
-                b.detach() if b is not None else torch.zeros(w.shape[0])
-                for (w, _), b in zip(parts, biases)]).contiguous()
+            weights[name + "_b"] = torch.cat(
+                [
+                    b.detach() if b is not None else torch.zeros(w.shape[0])
+                    for (w, _), b in zip(parts, biases)
+                ]
+            ).contiguous()
     return module.DecoderCPU(spec, weights)
 
 
@@ -388,8 +422,9 @@ class FusedDecoder:
         self.layers = arch.spec["layers"]
         self.kv_heads = arch.spec["kv_heads"]
         self.head_dim = arch.spec["head_dim"]
-        self.max_positions = arch.spec.get("max_positions") if arch.spec[
-            "learned_positions"] else None
+        self.max_positions = (
+            arch.spec.get("max_positions") if arch.spec["learned_positions"] else None
+        )
         self._rotary = arch.rotary
         self._impl = _pack(arch, module)
 
@@ -423,10 +458,14 @@ class FusedDecoder:
         else:
             cos = sin = torch.empty(0)
         logits = self._impl.forward(
-            torch.tensor(tokens, dtype=torch.int64), pos,
-            torch.tensor(row_start, dtype=torch.int64), cos, sin,
+            torch.tensor(tokens, dtype=torch.int64),
+            pos,
+            torch.tensor(row_start, dtype=torch.int64),
+            cos,
+            sin,
             torch.tensor(runs, dtype=torch.int64).reshape(-1, 4),
-            torch.tensor(run_start, dtype=torch.int64))
+            torch.tensor(run_start, dtype=torch.int64),
+        )
         return logits, segments
 
 
@@ -436,8 +475,13 @@ def _strided_positions(data, keep):
     blocks in order (a contiguous segment, or one slot of the KV trie's pool of one-position
     segments); anything else is copied first (into ``keep``, alive for the call)."""
     s0, s1, s2, s3, s4 = data.stride()
-    if not (s4 == 1 and s3 == data.shape[4] and s1 == data.shape[2] * s2 and s0 == 2 * s1
-            and data.dtype == torch.float32):
+    if not (
+        s4 == 1
+        and s3 == data.shape[4]
+        and s1 == data.shape[2] * s2
+        and s0 == 2 * s1
+        and data.dtype == torch.float32
+    ):
         data = data.float().contiguous()
         keep.append(data)
     return data
@@ -452,8 +496,10 @@ class ModelWatch:
 
     def __init__(self, model):
         # every (module, its children, its parameters), as lists of objects
-        self._tree = [(m._modules, list(m._modules.items()), m._parameters,
-                       list(m._parameters.items())) for m in model.modules()]
+        self._tree = [
+            (m._modules, list(m._modules.items()), m._parameters, list(m._parameters.items()))
+            for m in model.modules()
+        ]
         params = {}
         for _, _, _, items in self._tree:
             for _, p in items:
@@ -462,8 +508,11 @@ class ModelWatch:
         self._tensors = list(params.values())
         module = _module()
         self._impl = module.WeightWatch(self._tensors) if module is not None else None
-        self._versions = None if self._impl is not None else [
-            (p.data_ptr(), p.dtype, _version(p)) for p in self._tensors]
+        self._versions = (
+            None
+            if self._impl is not None
+            else [(p.data_ptr(), p.dtype, _version(p)) for p in self._tensors]
+        )
 
     def changed(self) -> bool:
         for children, child_items, params, param_items in self._tree:
@@ -477,8 +526,9 @@ class ModelWatch:
                     return True
         if self._impl is not None:
             return self._impl.changed() >= 0
-        return any((p.data_ptr(), p.dtype, _version(p)) != v
-                   for p, v in zip(self._tensors, self._versions))
+        return any(
+            (p.data_ptr(), p.dtype, _version(p)) != v for p, v in zip(self._tensors, self._versions)
+        )
 
 
 def _version(p):

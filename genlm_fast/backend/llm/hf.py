@@ -174,12 +174,14 @@ class AsyncTransformer(BatchedAsyncLM):
             tokenizer = AutoTokenizer.from_pretrained(model_id)
         except (OSError, ValueError) as exc:
             if isinstance(model_id, str) and os.path.isdir(model_id):
-                if not any(os.path.exists(os.path.join(model_id, name))
-                           for name in _TOKENIZER_FILES):
+                if not any(
+                    os.path.exists(os.path.join(model_id, name)) for name in _TOKENIZER_FILES
+                ):
                     raise FileNotFoundError(
                         f"model directory {model_id!r} has no tokenizer (none of "
                         f"{', '.join(_TOKENIZER_FILES)}): save the tokenizer beside the "
-                        "model, e.g. tokenizer.save_pretrained(path)") from exc
+                        "model, e.g. tokenizer.save_pretrained(path)"
+                    ) from exc
                 raise  # found, but unreadable: transformers' own message says why
             offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False")
             where = " (HF_HUB_OFFLINE is set, so only local files are used)" if offline else ""
@@ -216,7 +218,10 @@ class AsyncTransformer(BatchedAsyncLM):
         if self._packed_linears:
             _packers[hf_model] = _packers.get(hf_model, 0) + 1
         super().__init__(
-            hf_tokenizer, batch_size=batch_size, timeout=timeout, cache_size=cache_size,
+            hf_tokenizer,
+            batch_size=batch_size,
+            timeout=timeout,
+            cache_size=cache_size,
             flush_when_idle=flush_when_idle,
         )
         self._device = hf_model.device
@@ -263,7 +268,8 @@ class AsyncTransformer(BatchedAsyncLM):
         if self._position_limit is not None and len(ids) > self._position_limit:
             raise ValueError(
                 f"context of {len(ids)} tokens is longer than the {self._position_limit} "
-                f"positions of {type(self.model).__name__}'s position embedding")
+                f"positions of {type(self.model).__name__}'s position embedding"
+            )
         return ids
 
     def _release(self):
@@ -341,8 +347,9 @@ class AsyncTransformer(BatchedAsyncLM):
         lora, ids = self._prepare(prompt_tokens, lora_name)
         n = len(ids)
         with self._lock:
-            self._outputs.discard_where(lambda key: key[0] == lora and len(key[1]) > n
-                                        and key[1][:n] == ids)
+            self._outputs.discard_where(
+                lambda key: key[0] == lora and len(key[1]) > n and key[1][:n] == ids
+            )
         if self._kv_on:
             with self._forward_lock:
                 self._kv_trie(lora).drop_extensions(ids)
@@ -517,8 +524,8 @@ class AsyncTransformer(BatchedAsyncLM):
         cut = [0] * (n + 1)
         for j in range(1, n + 1):
             for i in range(j):  # rows i..j-1 in one forward; the longest is row i
-                cost = best[i] + cls._FORWARD_OVERHEAD + max(
-                    cls._MEMORY_FLOOR, (j - i) * lengths[i]
+                cost = (
+                    best[i] + cls._FORWARD_OVERHEAD + max(cls._MEMORY_FLOOR, (j - i) * lengths[i])
                 )
                 if cost < best[j]:
                     best[j], cut[j] = cost, i
@@ -601,8 +608,12 @@ class AsyncTransformer(BatchedAsyncLM):
         else a new one with room to grow (a context grows by a token a round)."""
         need = math.prod(shape)
         kept, self._kv_buffer = self._kv_buffer, None  # taken: no other caller shares it
-        if (kept is not None and kept.numel() >= need and kept.dtype == dtype
-                and kept.device == device):
+        if (
+            kept is not None
+            and kept.numel() >= need
+            and kept.dtype == dtype
+            and kept.device == device
+        ):
             return kept
         return torch.empty(need + need // 4, dtype=dtype, device=device)
 
@@ -637,8 +648,10 @@ class AsyncTransformer(BatchedAsyncLM):
             self._kv_on = False
             self.clear_kv_cache()
             return
-        if kv is not None and len(layers) == kv.shape[0] and all(
-            getattr(layer, "in_place", False) for layer in layers
+        if (
+            kv is not None
+            and len(layers) == kv.shape[0]
+            and all(getattr(layer, "in_place", False) for layer in layers)
         ):
             new = kv[:, :, :, :, max_past:]  # [L, 2, B, H, max_new, D], a view
         else:
@@ -713,7 +726,8 @@ class AsyncTransformer(BatchedAsyncLM):
                 raise ValueError(
                     "add_query's past must be one that walk_cache returned for the same "
                     "adapter; pass the whole context with past=None instead (stored "
-                    "key/value states are found and reused automatically)")
+                    "key/value states are found and reused automatically)"
+                )
             prefix = walked[1]
         _, ids = self._prepare(list(prefix) + list(query), lora_name)
         self._enqueue(lora, ids, False, future=future)
@@ -725,9 +739,7 @@ class AsyncTransformer(BatchedAsyncLM):
         """Log probabilities from a full forward pass, bypassing every cache."""
         lora, ids = self._prepare(token_ids, lora_name)
         self._activate(lora)
-        logits = self.model(
-            torch.tensor([ids], device=self._device), use_cache=False
-        ).logits[0, -1]
+        logits = self.model(torch.tensor([ids], device=self._device), use_cache=False).logits[0, -1]
         check_finite_logits(logits[None], [ids])
         return torch.log_softmax(logits.float(), dim=-1).cpu()
 
@@ -736,19 +748,27 @@ def _byte_budget(value):
     """``kv_cache_bytes`` checked: None, or a whole number of bytes >= 0."""
     if value is None:
         return None
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not 0 <= float(value) < float("inf") or float(value) != int(value)):
-        raise ValueError(f"kv_cache_bytes must be None or a whole number of bytes >= 0, "
-                         f"got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not 0 <= float(value) < float("inf")
+        or float(value) != int(value)
+    ):
+        raise ValueError(
+            f"kv_cache_bytes must be None or a whole number of bytes >= 0, got {value!r}"
+        )
     return int(value)
+
 
 def _learned_position_limit(model):
     """How many positions a model with a learned position embedding (GPT-2's ``wpe``, OPT's
     ``embed_positions``) has, or None for a model without one (rotary, ALiBi)."""
     config = getattr(model, "config", None)
     names = ("wpe", "embed_positions", "position_embeddings")
-    if not any(name.rsplit(".", 1)[-1] in names and isinstance(module, torch.nn.Embedding)
-               for name, module in model.named_modules()):
+    if not any(
+        name.rsplit(".", 1)[-1] in names and isinstance(module, torch.nn.Embedding)
+        for name, module in model.named_modules()
+    ):
         return None
     for key in ("n_positions", "max_position_embeddings", "n_ctx"):
         limit = getattr(config, key, None)
@@ -823,8 +843,16 @@ def _buffer_cache(kv, filled):
 
 # the files a saved tokenizer consists of, one at least (fast, slow BPE, SentencePiece,
 # WordPiece, tiktoken)
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                    "tokenizer.model", "spiece.model", "vocab.txt", "tokenizer.tiktoken")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.txt",
+    "tokenizer.tiktoken",
+)
 
 
 def _is_missing_path(model_id):

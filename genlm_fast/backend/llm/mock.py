@@ -27,10 +27,16 @@ class MockAsyncLM(BatchedAsyncLM):
         flush_when_idle (bool): See `BatchedAsyncLM`. Defaults to True.
     """
 
-    def __init__(self, tokenizer, batch_size=20, timeout=0.0, cache_size=1024,
-                 flush_when_idle=True):
-        super().__init__(tokenizer, batch_size=batch_size, timeout=timeout,
-                         cache_size=cache_size, flush_when_idle=flush_when_idle)
+    def __init__(
+        self, tokenizer, batch_size=20, timeout=0.0, cache_size=1024, flush_when_idle=True
+    ):
+        super().__init__(
+            tokenizer,
+            batch_size=batch_size,
+            timeout=timeout,
+            cache_size=cache_size,
+            flush_when_idle=flush_when_idle,
+        )
 
     @classmethod
     def from_name(cls, model_name, **kwargs):

@@ -101,6 +101,7 @@ _IN_PROCESS_ENGINES = weakref.WeakSet()
 _SLOT = "genlm_fast_slot"  # extra_args key: the buffer row of a request
 _WANT = "genlm_fast_want"  # extra_args key: "logprobs" or "logits"
 
+
 class _CaptureLogitsProcessor(LogitsProcessor):
     """Copies our requests' next-token rows out of the engine; changes no logits.
 
@@ -290,9 +291,7 @@ class AsyncVirtualLM(BatchedAsyncLM):
             logits_processors=[_CaptureLogitsProcessor, *procs],
             **opts,
         )
-        answers = llm.collective_rpc(
-            _on_capture_processor, args=("present", os.getpid())
-        )
+        answers = llm.collective_rpc(_on_capture_processor, args=("present", os.getpid()))
         if True not in answers:
             _shutdown_engine(llm, keep_distributed=len(_IN_PROCESS_ENGINES) > 0)
             raise RuntimeError(
@@ -363,8 +362,7 @@ class AsyncVirtualLM(BatchedAsyncLM):
             if left:
                 engine.abort_request(left, internal=True)
         except Exception:  # noqa: BLE001 - keep the caller's original error
-            _log.warning("could not abort the requests of a failed generate call",
-                         exc_info=True)
+            _log.warning("could not abort the requests of a failed generate call", exc_info=True)
 
     def _check_context(self, token_ids):
         # checked per request, so that one over-long context fails only its own caller
@@ -392,9 +390,7 @@ class AsyncVirtualLM(BatchedAsyncLM):
             self._processor_call("begin", len(rows), self._width, want)
             outputs = self._run(rows, params, lora)
             if len(outputs) != len(rows):
-                raise RuntimeError(
-                    f"vLLM answered {len(outputs)} of {len(rows)} requests"
-                )
+                raise RuntimeError(f"vLLM answered {len(outputs)} of {len(rows)} requests")
             out = self._processor_call("take", len(rows), want)
         if torch.isnan(out[:, 0]).any():
             missing = torch.isnan(out[:, 0]).nonzero().flatten().tolist()
@@ -413,7 +409,8 @@ class AsyncVirtualLM(BatchedAsyncLM):
         if not want_logprobs:
             return super()._evaluate(lora, rows, want_logprobs=False)
         batch = self._forward_in_chunks(
-            lora, rows, lambda lora, chunk: self._capture(lora, chunk, "logprobs"))
+            lora, rows, lambda lora, chunk: self._capture(lora, chunk, "logprobs")
+        )
         return batch, self._keep_rows(lora, rows, batch)
 
     async def release_all(self):
@@ -551,9 +548,7 @@ class AsyncVirtualLM(BatchedAsyncLM):
             try:
                 self.llm_engine.llm_engine.remove_lora(req.lora_int_id)
             except Exception:  # noqa: BLE001 - never loaded into the engine yet
-                _log.debug(
-                    "remove_lora(%s) in the engine failed", lora_name, exc_info=True
-                )
+                _log.debug("remove_lora(%s) in the engine failed", lora_name, exc_info=True)
 
     def set_lora(self, lora_path=None, lora_name="lora_1"):
         """Use ``lora_name`` for calls that pass none (registering ``lora_path`` first

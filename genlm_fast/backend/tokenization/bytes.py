@@ -178,9 +178,7 @@ def get_byte_tokens_from_sp(tokenizer):
         if i in added:
             raw = added[i].encode()
         else:
-            raw = _SP_BYTE_ESCAPE.sub(
-                lambda m: bytes.fromhex(m[1].decode()), piece.encode()
-            )
+            raw = _SP_BYTE_ESCAPE.sub(lambda m: bytes.fromhex(m[1].decode()), piece.encode())
         out.append(raw.replace(_SP_SPACE, b" "))
     return out
 
@@ -201,17 +199,14 @@ def check_byte_decoder(tokenizer, byte_decoder):
     try:
         ids = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]
         data = b"".join(
-            bytes(byte_decoder[c] for c in tokenizer.convert_ids_to_tokens(i))
-            for i in ids
+            bytes(byte_decoder[c] for c in tokenizer.convert_ids_to_tokens(i)) for i in ids
         )
         bos = getattr(tokenizer, "bos_token", None)
         if bos and data.startswith(bos.encode()):
             data = data[len(bos) :]
         text = data.decode()
     except Exception as e:
-        raise ByteDecoderError(
-            f"Could not map the tokens of {_PROBE!r} back to bytes"
-        ) from e
+        raise ByteDecoderError(f"Could not map the tokens of {_PROBE!r} back to bytes") from e
     if text != _PROBE:
         raise ByteDecoderError(f"Round trip gave {text!r} instead of {_PROBE!r}")
 

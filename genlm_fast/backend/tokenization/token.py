@@ -15,7 +15,8 @@ def is_token(x) -> bool:
     verdict = _IS_TOKEN_CLASS.get(cls)
     if verdict is None:  # a class met for the first time: walk its bases once
         verdict = _IS_TOKEN_CLASS[cls] = issubclass(cls, Token) or any(
-            (c.__module__, c.__qualname__) == _GENLM_TOKEN for c in cls.__mro__)
+            (c.__module__, c.__qualname__) == _GENLM_TOKEN for c in cls.__mro__
+        )
     return verdict
 
 

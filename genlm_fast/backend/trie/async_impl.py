@@ -46,8 +46,10 @@ class AutoBatcher:
         task = self._task
         if task is not None and not task.done() and task.get_loop() is not loop:
             if task.get_loop().is_running():
-                raise RuntimeError("this trie is serving requests on another event loop (in "
-                                   "another thread); use one event loop at a time")
+                raise RuntimeError(
+                    "this trie is serving requests on another event loop (in "
+                    "another thread); use one event loop at a time"
+                )
             task, queue = self._detach()
             _stop(task)
             _fail_pending(queue)
@@ -74,8 +76,7 @@ class AutoBatcher:
                 for (op, mode), group in groups.items():
                     live = [(row, fut) for row, fut in group if not fut.done()]  # cancelled
                     if live:
-                        logger.debug("trie batch: %d %s request(s), mode %s", len(live), op,
-                                     mode)
+                        logger.debug("trie batch: %d %s request(s), mode %s", len(live), op, mode)
                         self._answer(op, mode, live)
         except (asyncio.CancelledError, GeneratorExit):
             raise  # stopped by cleanup() / shutdown(), which fail what is still queued
@@ -98,8 +99,11 @@ class AutoBatcher:
             results = self._run_batch(op, mode, [row for row, _ in requests])
         except Exception as error:  # (anything else ends the task: see _serve)
             if len(requests) > 1:
-                logger.debug("trie batch failed (%s); running its %d requests one by one",
-                             error, len(requests))
+                logger.debug(
+                    "trie batch failed (%s); running its %d requests one by one",
+                    error,
+                    len(requests),
+                )
                 for request in requests:
                     self._answer(op, mode, [request])
             elif not requests[0][1].done():
@@ -199,8 +203,11 @@ class AsyncTrieFrontEnd:
         if op != "log_mass":
             batch = self.trie._weight_rows(batch)
         # the dispatcher's own checks (type, dtype, width), before the row joins a batch
-        validate_values(batch, self.trie.layout,
-                        exact_width=None if op == "log_mass" else self.trie.layout.num_columns)
+        validate_values(
+            batch,
+            self.trie.layout,
+            exact_width=None if op == "log_mass" else self.trie.layout.num_columns,
+        )
         return self._batcher.submit(op, mode, batch[0])
 
     def start(self):

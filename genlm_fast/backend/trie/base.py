@@ -112,9 +112,12 @@ class TokenCharacterTrie(CompiledTrie):
             word, key, plain = item_entry(item)
             if plain and not plain_bytes_seen:
                 plain_bytes_seen = True
-                warnings.warn("Passing plain bytes to TokenCharacterTrie is deprecated; use "
-                              "Token objects from decode_vocab() instead.",
-                              DeprecationWarning, stacklevel=2)
+                warnings.warn(
+                    "Passing plain bytes to TokenCharacterTrie is deprecated; use "
+                    "Token objects from decode_vocab() instead.",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
             all_bytes &= isinstance(item, bytes)
             if key in seen:
                 raise ValueError(f"Duplicate word in vocabulary: {key!r}")
@@ -123,14 +126,24 @@ class TokenCharacterTrie(CompiledTrie):
             keys.append(key)
         cache_key = None
         if all_bytes:
-            cache_key = ("char", [bytes(w) for w in words],
-                         [k[1] if isinstance(k, tuple) else -1 for k in keys])
-        self._compile(words, [(None, i) for i in range(len(words))], np.arange(len(words)),
-                      cache_key=cache_key, cache=cache, cache_dir=cache_dir)
+            cache_key = (
+                "char",
+                [bytes(w) for w in words],
+                [k[1] if isinstance(k, tuple) else -1 for k in keys],
+            )
+        self._compile(
+            words,
+            [(None, i) for i in range(len(words))],
+            np.arange(len(words)),
+            cache_key=cache_key,
+            cache=cache,
+            cache_dir=cache_dir,
+        )
         leaf_node = self._layout.leaf_node
         self.word2leaf = {key: int(leaf_node[i]) for i, key in enumerate(keys)}
         self.idx_to_leaf = np.stack(
-            [np.arange(len(words), dtype=np.int32), leaf_node.astype(np.int32)], axis=1)
+            [np.arange(len(words), dtype=np.int32), leaf_node.astype(np.int32)], axis=1
+        )
 
     def _preprocess_ws(self, ws):
         """genlm's sequential-trie preprocessing (its own test suites call it): a tensor
@@ -144,13 +157,15 @@ class TokenCharacterTrie(CompiledTrie):
 
     def weight_sum(self, ws):
         """Sum of the weights of the tokens beneath every node: ``[V]`` -> ``[N]``."""
-        return self._host(self._reduce(one_row(ws), "sum", device=self.device,
-                                       dtype=self._out_dtype)[0])
+        return self._host(
+            self._reduce(one_row(ws), "sum", device=self.device, dtype=self._out_dtype)[0]
+        )
 
     def weight_max(self, ws):
         """Max of the weights of the tokens beneath every node: ``[V]`` -> ``[N]``."""
-        return self._host(self._reduce(one_row(ws), "max", device=self.device,
-                                       dtype=self._out_dtype)[0])
+        return self._host(
+            self._reduce(one_row(ws), "max", device=self.device, dtype=self._out_dtype)[0]
+        )
 
     def batch_weight_sum(self, ws):
         """``weight_sum`` of every row of ``ws`` (a list of ``[V]`` or a ``[B, V]``)."""
@@ -179,5 +194,6 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
     def __init__(self, decode, device=None, **kwargs):
         self.device = trie_device(device)
         super().__init__(decode, **kwargs)
-        self.positions = torch.as_tensor(self.idx_to_leaf[:, 0], dtype=torch.long,
-                                         device=self.device)
+        self.positions = torch.as_tensor(
+            self.idx_to_leaf[:, 0], dtype=torch.long, device=self.device
+        )

@@ -97,31 +97,39 @@ class BeamParams:
                 raise TypeError  # float("0.1") would read it, and keep the field a str
             threshold = float(self.prune_threshold)
         except (TypeError, ValueError):
-            raise TypeError(f"prune_threshold must be a number, got "
-                            f"{type(self.prune_threshold).__name__}") from None
+            raise TypeError(
+                f"prune_threshold must be a number, got {type(self.prune_threshold).__name__}"
+            ) from None
         if math.isnan(threshold):
             raise ValueError("prune_threshold must be a number, got nan")
         if threshold < 0:
             raise ValueError(f"prune_threshold must be non-negative, got {self.prune_threshold}")
         if self.eos_tokens is not None:
             if self.eos_byte_strings is not None:
-                raise TypeError("Cannot specify both 'eos_byte_strings' and the deprecated "
-                                "'eos_tokens'.")
-            warnings.warn("'eos_tokens' is deprecated, use 'eos_byte_strings' instead.",
-                          DeprecationWarning, stacklevel=3)
+                raise TypeError(
+                    "Cannot specify both 'eos_byte_strings' and the deprecated 'eos_tokens'."
+                )
+            warnings.warn(
+                "'eos_tokens' is deprecated, use 'eos_byte_strings' instead.",
+                DeprecationWarning,
+                stacklevel=3,
+            )
             self.eos_byte_strings = self.eos_tokens
             self.eos_tokens = None
         eos = self.eos_byte_strings
         if eos is None:
             eos = ()
         elif isinstance(eos, (bytes, str)):
-            raise TypeError("eos_byte_strings must be a collection of byte strings, e.g. "
-                            "[b'<|im_end|>'], not a single " + type(eos).__name__)
+            raise TypeError(
+                "eos_byte_strings must be a collection of byte strings, e.g. "
+                "[b'<|im_end|>'], not a single " + type(eos).__name__
+            )
         checked = set()
         for item in eos:
             if not isinstance(item, (bytes, bytearray)):
-                raise TypeError(f"eos_byte_strings must hold bytes, got "
-                                f"{type(item).__name__}: {item!r}")
+                raise TypeError(
+                    f"eos_byte_strings must hold bytes, got {type(item).__name__}: {item!r}"
+                )
             checked.add(bytes(item))
         self.eos_byte_strings = checked
         self.heal_max_backoff = _optional_count(self.heal_max_backoff, "heal_max_backoff")
@@ -143,9 +151,13 @@ def as_beam_params(params) -> BeamParams:
     cls = type(params)
     if (cls.__module__, cls.__qualname__) == _GENLM_BEAM_PARAMS:
         return BeamParams(
-            K=params.K, prune_threshold=params.prune_threshold, verbose=params.verbose,
-            eos_byte_strings=params.eos_byte_strings, heal=params.heal,
-            heal_max_backoff=params.heal_max_backoff, heal_max_splits=params.heal_max_splits,
+            K=params.K,
+            prune_threshold=params.prune_threshold,
+            verbose=params.verbose,
+            eos_byte_strings=params.eos_byte_strings,
+            heal=params.heal,
+            heal_max_backoff=params.heal_max_backoff,
+            heal_max_splits=params.heal_max_splits,
         )
     raise TypeError(f"params must be a BeamParams, got {cls.__name__}")
 
@@ -157,8 +169,9 @@ _TRIES = weakref.WeakKeyDictionary()
 def _trie_for(llm, eos_byte_strings, trie_opts):
     opts = dict(trie_opts or {})
     opts["eos_byte_strings"] = eos_byte_strings
-    key = repr(sorted((k, sorted(v) if isinstance(v, (set, frozenset)) else v)
-                      for k, v in opts.items()))
+    key = repr(
+        sorted((k, sorted(v) if isinstance(v, (set, frozenset)) else v) for k, v in opts.items())
+    )
     try:
         cache = _TRIES.setdefault(llm, {})
     except TypeError:  # a model that cannot be weakly referenced
@@ -301,7 +314,8 @@ class ByteBeamState(StatefulByteLM):
         if not self.states:
             raise EmptyBeamError(
                 "cannot read the next-byte distribution of an empty beam: the bytes read so "
-                "far have probability zero under the model (every hypothesis was dropped)")
+                "far have probability zero under the model (every hypothesis was dropped)"
+            )
         await self._ready()
         rows = []
         for state in self.states:
@@ -381,9 +395,11 @@ class ByteBeamState(StatefulByteLM):
 
     async def _adaptive_heal(self, next_byte):
         """A one-hypothesis beam advanced by ``next_byte`` through token healing, or None."""
-        healer = TokenHealer(max_backoff=self.params.heal_max_backoff,
-                             max_splits=self.params.heal_max_splits,
-                             verbose=self.params.verbose)
+        healer = TokenHealer(
+            max_backoff=self.params.heal_max_backoff,
+            max_splits=self.params.heal_max_splits,
+            verbose=self.params.verbose,
+        )
         for state in self.states:
             healed = await healer.try_heal(state, next_byte)
             if healed is not None:
@@ -403,15 +419,17 @@ def _as_byte_list(bs):
     """The bytes to prefill as a list of ints: bytes-like, or any iterable of ints 0..255
     (a list, a numpy array, a range, a generator), as genlm-bytes reads them."""
     if isinstance(bs, str):
-        raise TypeError("prefill expects bytes, got a str: encode it first, e.g. "
-                        "text.encode('utf-8')")
+        raise TypeError(
+            "prefill expects bytes, got a str: encode it first, e.g. text.encode('utf-8')"
+        )
     if isinstance(bs, (bytes, bytearray, memoryview)):
         return list(bytes(bs))
     try:
         items = list(bs)
     except TypeError:
-        raise TypeError(f"prefill expects bytes (or an iterable of ints 0..255), got "
-                        f"{type(bs).__name__}") from None
+        raise TypeError(
+            f"prefill expects bytes (or an iterable of ints 0..255), got {type(bs).__name__}"
+        ) from None
     out = []
     for b in items:
         v = as_index(b, "prefill expects bytes (or an iterable of ints 0..255)")

@@ -50,8 +50,9 @@ class TokenHealer:
 
     def __init__(self, max_backoff=None, max_splits=None, verbose=False):
         for name, value in (("max_backoff", max_backoff), ("max_splits", max_splits)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 0):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
                 raise ValueError(f"{name} must be None or a non-negative int, got {value!r}")
         self.max_backoff = max_backoff
         self.max_splits = max_splits
@@ -78,8 +79,12 @@ class TokenHealer:
         trie = state.trie.trie
         info = _info_of(trie)
         root = info.root
-        self._log(lambda: f"Start: next_byte={format_byte(next_byte)}, "
-                          f"partial={bytes(partial)!r}, max_backoff={self.max_backoff}")
+        self._log(
+            lambda: (
+                f"Start: next_byte={format_byte(next_byte)}, "
+                f"partial={bytes(partial)!r}, max_backoff={self.max_backoff}"
+            )
+        )
         # every node of the path and the token leaves under them, in one read
         children = info.children
         path = [root]
@@ -128,8 +133,13 @@ class TokenHealer:
         weight = base + (row[leaf] - row[info.root])
         token_id = int(token_id)
         replay = list(state.partial[k:]) + [next_byte]
-        current = LazyTrieState(lm_state=state.lm_state << token_id, trie=state.trie,
-                                node=info.root, weight=weight, mode=state.mode)
+        current = LazyTrieState(
+            lm_state=state.lm_state << token_id,
+            trie=state.trie,
+            node=info.root,
+            weight=weight,
+            mode=state.mode,
+        )
         await materialize_states([current], after=lambda: [_walk_request(current, replay)])
         if self.verbose:
             token = state.trie.trie.decode[token_id]
@@ -150,8 +160,9 @@ class TokenHealer:
             splits += 1
             rest = replay[i:]
             await materialize_states(
-                extensions, after=lambda exts=extensions, rest=rest: [
-                    _walk_request(e, rest) for e in exts])
+                extensions,
+                after=lambda exts=extensions, rest=rest: [_walk_request(e, rest) for e in exts],
+            )
             for ext in extensions:
                 self._log(f"k={k}: split #{splits}, w={ext.weight:.2f}")
                 nxt = ext << b

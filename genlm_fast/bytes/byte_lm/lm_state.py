@@ -38,7 +38,8 @@ class StatefulTokenizedLM:
             bos = getattr(model.tokenizer, "bos_token_id", None)
             if bos is None:
                 raise ValueError(
-                    "the tokenizer has no BOS token; pass initial_context=[...] explicitly")
+                    "the tokenizer has no BOS token; pass initial_context=[...] explicitly"
+                )
             initial_context = [bos]
         return cls(model, list(initial_context), max_context_length=max_context_length)
 
@@ -47,9 +48,10 @@ class StatefulTokenizedLM:
         token = as_index(token, "token must be an int token id")
         context = list(self.context) + [token]
         if self.max_context_length is not None and len(context) > self.max_context_length:
-            context = context[-self.max_context_length:]
-        return StatefulTokenizedLM(self.model, context, n_calls=self._n_calls,
-                                   max_context_length=self.max_context_length)
+            context = context[-self.max_context_length :]
+        return StatefulTokenizedLM(
+            self.model, context, n_calls=self._n_calls, max_context_length=self.max_context_length
+        )
 
     async def logp_next(self):
         """Next-token log-probabilities of the model after this context."""

@@ -119,9 +119,16 @@ class _TrieInfo:
         # (model_key(model), context) -> (weakref to model, logits row): contexts computed ahead of
         # need (see ``materialize_states``), consumed by the first materialization using them
         self.logits_memo = OrderedDict()
-        self.stats = {"lm_batches": 0, "lm_rows": 0, "kernel_launches": 0, "gathers": 0,
-                      "gathered_values": 0, "memo_hits": 0, "lookahead_rows": 0,
-                      "lookahead_hits": 0}
+        self.stats = {
+            "lm_batches": 0,
+            "lm_rows": 0,
+            "kernel_launches": 0,
+            "gathers": 0,
+            "gathered_values": 0,
+            "memo_hits": 0,
+            "lookahead_rows": 0,
+            "lookahead_hits": 0,
+        }
 
     def take_logits(self, model, ctx):
         entry = self.logits_memo.pop((model_key(model), ctx), None)
@@ -152,8 +159,11 @@ class _TrieInfo:
 
     def eot_edges(self, node):
         sentinel = self.eot_sentinel
-        return [(child, key[1]) for key, child in self.children[node].items()
-                if isinstance(key, tuple) and key[0] == sentinel]
+        return [
+            (child, key[1])
+            for key, child in self.children[node].items()
+            if isinstance(key, tuple) and key[0] == sentinel
+        ]
 
 
 _INFOS = weakref.WeakKeyDictionary()
@@ -262,8 +272,9 @@ class _Row(np.lib.mixins.NDArrayOperatorsMixin):
             if node < 0:
                 node += self.pool.num_nodes
             if not 0 <= node < self.pool.num_nodes:
-                raise IndexError(f"node {idx} is out of range for a trie of "
-                                 f"{self.pool.num_nodes} nodes")
+                raise IndexError(
+                    f"node {idx} is out of range for a trie of {self.pool.num_nodes} nodes"
+                )
             value = self.values.get(node)
             if value is None:
                 _gather([(self, (node,))])
@@ -306,8 +317,10 @@ class _Row(np.lib.mixins.NDArrayOperatorsMixin):
         return (self.pool.num_nodes,)
 
     def __repr__(self):
-        return (f"<log-masses of {self.pool.num_nodes} trie nodes on {self.pool.device}, "
-                f"{len(self.values)} read>")
+        return (
+            f"<log-masses of {self.pool.num_nodes} trie nodes on {self.pool.device}, "
+            f"{len(self.values)} read>"
+        )
 
     def __del__(self):
         pool = self.pool
@@ -420,8 +433,10 @@ async def _next_token_logits(model, contexts):
     if out.dim() == 1:
         out = out.unsqueeze(0)
     if out.dim() != 2 or out.shape[0] != len(contexts):
-        raise RuntimeError(f"the language model returned scores of shape {tuple(out.shape)} "
-                           f"for {len(contexts)} contexts")
+        raise RuntimeError(
+            f"the language model returned scores of shape {tuple(out.shape)} "
+            f"for {len(contexts)} contexts"
+        )
     return out
 
 
@@ -466,8 +481,9 @@ async def _materialize_group(states, trie, info, lookahead=()):
             if ctx not in seen and (key_model, ctx) not in info.logits_memo:
                 seen.add(ctx)
                 extra.append(ctx)
-        if extra and (len(missing) + len(extra) > _lookahead_limit(model)
-                      or not _weakly_referable(model)):
+        if extra and (
+            len(missing) + len(extra) > _lookahead_limit(model) or not _weakly_referable(model)
+        ):
             extra = []  # all or nothing: a partial lookahead rarely saves the next call
         logits = await _next_token_logits(model, [list(c) for c in missing + extra])
         # The default adapter may have changed while the batch was in flight (set_lora /
@@ -481,7 +497,7 @@ async def _materialize_group(states, trie, info, lookahead=()):
         if len(missing) == len(contexts):
             fresh = logits
         if extra and remember:
-            ahead = logits[len(missing):].clone()  # own storage: the batch can go
+            ahead = logits[len(missing) :].clone()  # own storage: the batch can go
             for ctx, row in zip(extra, ahead):
                 info.keep_logits(model, ctx, row, key_model)
             info.stats["lookahead_rows"] += len(extra)
@@ -569,8 +585,10 @@ def _as_async_trie(trie):
     inner = getattr(trie, "trie", None)
     if inner is not None and hasattr(inner, "batch_log_mass") and hasattr(inner, "layout"):
         return trie
-    raise TypeError(f"LazyTrieState needs a genlm_fast AsyncTokenByteTrie (or TokenByteTrie), "
-                    f"got {type(trie).__module__}.{type(trie).__name__}")
+    raise TypeError(
+        f"LazyTrieState needs a genlm_fast AsyncTokenByteTrie (or TokenByteTrie), "
+        f"got {type(trie).__module__}.{type(trie).__name__}"
+    )
 
 
 # --------------------------------------------------------------------------- the state
@@ -590,8 +608,9 @@ class LazyTrieState:
         terminated (bool): whether EOS was read.
     """
 
-    def __init__(self, lm_state, trie, node, weight, mass=None, mode=TrieMode.WITH_EOS,
-                 terminated=False):
+    def __init__(
+        self, lm_state, trie, node, weight, mass=None, mode=TrieMode.WITH_EOS, terminated=False
+    ):
         self.lm_state = lm_state
         self.trie = _as_async_trie(trie)
         self._info = _info_of(self.trie.trie)
@@ -608,8 +627,13 @@ class LazyTrieState:
     def initial(cls, lm, trie, mode=TrieMode.WITH_EOS):
         """The root state after the tokenizer's BOS token, with weight 0."""
         trie = _as_async_trie(trie)
-        return cls(lm_state=StatefulTokenizedLM.initial(lm), trie=trie, node=trie.trie.root,
-                   weight=0.0, mode=mode)
+        return cls(
+            lm_state=StatefulTokenizedLM.initial(lm),
+            trie=trie,
+            node=trie.trie.root,
+            weight=0.0,
+            mode=mode,
+        )
 
     # ---------------------------------------------------------------- reading
 
@@ -643,9 +667,15 @@ class LazyTrieState:
 
     def with_mode(self, mode):
         """The same state under another trie mode (its masses, if any, are kept)."""
-        return LazyTrieState(lm_state=self.lm_state, trie=self.trie, node=self.node,
-                             weight=self.weight, mass=self._mass, mode=mode,
-                             terminated=self.terminated)
+        return LazyTrieState(
+            lm_state=self.lm_state,
+            trie=self.trie,
+            node=self.node,
+            weight=self.weight,
+            mass=self._mass,
+            mode=mode,
+            terminated=self.terminated,
+        )
 
     def actions(self):
         """Edges out of the current node: byte -> child, EOS, and end-of-token leaves."""
@@ -672,8 +702,15 @@ class LazyTrieState:
         row = self.mass
         here, there = row[self.node], row[child]
         weight = NEG_INF if there == NEG_INF else self.weight + there - here
-        return LazyTrieState(lm_state=self.lm_state, trie=self.trie, node=child, weight=weight,
-                             mass=row, mode=self.mode, terminated=b == EOS)
+        return LazyTrieState(
+            lm_state=self.lm_state,
+            trie=self.trie,
+            node=child,
+            weight=weight,
+            mass=row,
+            mode=self.mode,
+            terminated=b == EOS,
+        )
 
     def extend_all(self):
         """Commit the token ending here: one new root state per token id that ends here
@@ -690,9 +727,19 @@ class LazyTrieState:
 
     def _extension_protos(self):
         """The extensions with their contexts but no weight yet (no mass needed)."""
-        return [(leaf, LazyTrieState(lm_state=self.lm_state << int(token_id), trie=self.trie,
-                                     node=self.root, weight=math.nan, mode=self.mode))
-                for leaf, token_id in self.get_all_EOT()]
+        return [
+            (
+                leaf,
+                LazyTrieState(
+                    lm_state=self.lm_state << int(token_id),
+                    trie=self.trie,
+                    node=self.root,
+                    weight=math.nan,
+                    mode=self.mode,
+                ),
+            )
+            for leaf, token_id in self.get_all_EOT()
+        ]
 
     def _finish_extensions(self, protos):
         if self._extend is not None:
@@ -725,7 +772,8 @@ class LazyTrieState:
             else:
                 raise ValueError(  # noqa: TRY004 - the error genlm-bytes raises here
                     f"unexpected edge key {key!r} ({type(key).__name__}): a byte-level "
-                    "state needs byte edges (no atomic byte strings)")
+                    "state needs byte edges (no atomic byte strings)"
+                )
         if eot:
             logps[EOT_INDEX] = eot[0] if len(eot) == 1 else np.logaddexp.reduce(eot)
         return LazyByteProbs(logps)

@@ -7,7 +7,7 @@
 # genlm_fast). The Hub models the suites load are offline stand-ins (scripts/make_hf_standins.py:
 # the real tokenizers, small models of seeded random weights, in an HF cache of their own under
 # .genlm-suites/hf-home). Every test that passes with the real packages must pass on genlm_fast
-# (but for the few listed, with their reason, in scripts/genlm_suite_outcomes.py); tests that
+# (but for any listed, with its reason, in scripts/genlm_suite_outcomes.py); tests that
 # fail with the real packages too (CUDA, vLLM, MLX, what only a trained model would say, ...)
 # are not required. Each suite, and each file of it that matters, must also pass a minimum
 # number of tests on both sides (MINIMUM_PASSED there), so pytest arguments that deselect

@@ -107,3 +107,23 @@ async def test_long_prompt_then_fused_steps(lm, ref64):
         want = logprobs64(ref64, ctx)
         keep = want > -20
         assert (row.double() - want)[keep].abs().max().item() < 1e-3
+
+
+@pytest.mark.asyncio
+async def test_cached_answers_are_the_uncached_forward_bit_for_bit(lm):
+    """The fused forward is row- and batch-invariant: a context that extends a cached one,
+    asked alone or in a batch of rows with other pasts, gets exactly the log-probabilities
+    of one forward over the whole context (`next_token_logprobs_uncached`), which genlm's
+    own suite asks of a KV-reusing backend. The independent check of those numbers is the
+    float64 test above."""
+    lm.clear_cache()
+    tok = lm.tokenizer
+    pre = tok.encode("There might be something wrong")
+    prompt = pre + tok.encode(" with the caching logic", add_special_tokens=False)
+    for ctx in (pre, prompt, [*prompt, 42], [*prompt, 42, 43, 44]):
+        have = await lm.next_token_logprobs(ctx)
+        assert torch.equal(have, lm.next_token_logprobs_uncached(ctx)), len(ctx)
+    ctxs = [[*prompt, 7], [*pre, 9, 10], [*prompt, 42, 43, 44, 45], list(pre)]
+    rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in ctxs))
+    for ctx, have in zip(ctxs, rows):
+        assert torch.equal(have, lm.next_token_logprobs_uncached(ctx)), len(ctx)

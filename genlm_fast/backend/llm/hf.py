@@ -735,11 +735,20 @@ class AsyncTransformer(BatchedAsyncLM):
     # ---- genlm.backend extras --------------------------------------------------------
 
     @torch.no_grad()
+    @torch.no_grad()
     def next_token_logprobs_uncached(self, token_ids, lora_name=None):
-        """Log probabilities from a full forward pass, bypassing every cache."""
+        """Log probabilities from one forward pass over the whole context, bypassing every
+        cache: the fused decoder's where it would run the context's tokens in one forward
+        (so a cached query's answer is this one, bit for bit), else transformers'."""
         lora, ids = self._prepare(token_ids, lora_name)
+        self._sync_with_model()
         self._activate(lora)
-        logits = self.model(torch.tensor([ids], device=self._device), use_cache=False).logits[0, -1]
+        decoder = self._state.decoder if lora is None else None
+        if decoder is not None and len(ids) <= self.FUSED_MAX_TOKENS:
+            logits = decoder.forward([(ids, 0, [])])[0][0]
+        else:
+            ids_in = torch.tensor([ids], device=self._device)
+            logits = self.model(ids_in, use_cache=False).logits[0, -1]
         check_finite_logits(logits[None], [ids])
         return torch.log_softmax(logits.float(), dim=-1).cpu()
 

@@ -6,8 +6,9 @@
 // reading the weights once from memory; run as transformers' forward it also pays a few hundred
 // small torch ops per step (norms, rotations, attention over short pasts, reshapes, the KV
 // cache's copies), each cheap but together as costly as the weights. Here the whole forward is
-// one OpenMP region: the threads split each projection's packed panels between them and meet
-// at one barrier after each of the five steps of a layer; everything between two products
+// one OpenMP region: the threads take each projection's packed panels in runs, each the next
+// run when done (dynamic: a thread slowed by other work does not hold the others at the
+// barrier), and meet at one barrier after each of the five steps of a layer; everything between two products
 // (norms, residual adds) is done by every thread on its own copy of the few rows it needs,
 // which costs less than a barrier.
 //
@@ -27,8 +28,10 @@
 // computing a gate panel also has its up panel and applies the activation at once.
 //
 // Past keys and values are read where the KV trie keeps them: `runs` lists, per row, the
-// segments ([layers, 2, kv_heads, length, head_dim] float32 tensors) and position ranges of
-// its past in order, then the row's new segment, which this forward fills. Attention per
+// segments (float32 [layers, 2, kv_heads, positions, head_dim], each (layer, k/v, head) block
+// `stride` positions apart: a segment of its own, or one slot of the trie's pool) and position
+// ranges of its past in order, then the row's new segment, which this forward fills. Every row
+// is computed the same way whatever else is in the batch, so results are batch-invariant. Attention per
 // query: scores over all visible positions (16 at a time, summed across lanes with one
 // transpose), softmax in float32 with the maximum subtracted, then the weighted sum of values.
 //
@@ -415,9 +418,9 @@ GF_AVX512 void attend(const Fwd& f, const LayerPtrs& L, int64_t l, int64_t b, in
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t* run = f.runs + 4 * r;
     const float* base = reinterpret_cast<const float*>(run[0]);
-    const int64_t len = run[1], stop = run[3];
-    const float* kb = base + ((l * 2 + 0) * nkv + kh) * len * hd;
-    const float* vb = base + ((l * 2 + 1) * nkv + kh) * len * hd;
+    const int64_t stride = run[1], stop = run[3];  // positions from one head's block to the next
+    const float* kb = base + ((l * 2 + 0) * nkv + kh) * stride * hd;
+    const float* vb = base + ((l * 2 + 1) * nkv + kh) * stride * hd;
     for (int64_t pos = run[2]; pos < stop; ++pos, ++p) {
       s.keys[p] = kb + pos * hd;
       s.values[p] = vb + pos * hd;

@@ -37,9 +37,10 @@ class DecoderCPU {
   DecoderCPU(DecoderSpec spec, std::map<std::string, torch::Tensor> weights);
 
   // One forward over B rows of new tokens (row b: tokens[row_start[b] .. row_start[b + 1]),
-  // at positions[...]) after each row's cached past, read through the run table; writes the
-  // new keys and values into each row's last run; returns the logits of each row's last
-  // token [B, vocab].
+  // at positions[...]) after each row's cached past, read through the run table (int64
+  // [R, 4]: data pointer, positions between one head's block and the next, first and end
+  // position; row b's runs are run_start[b] .. run_start[b + 1]); writes the new keys and
+  // values into each row's last run; returns the logits of each row's last token [B, vocab].
   torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& positions,
                         const torch::Tensor& row_start, const torch::Tensor& cos,
                         const torch::Tensor& sin, const torch::Tensor& runs,

@@ -329,6 +329,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def machine_line() -> str:
+    """One line for a results file's header: date, commit, CPU, CPUs, torch and its threads,
+    load average."""
+    return (
+        f"{datetime.date.today()}, commit {git_commit()}, {cpu_model()}, {os.cpu_count()} "
+        f"CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
+
+
 def dist_version(dist: str) -> str:
     from importlib import metadata
 

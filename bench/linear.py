@@ -22,14 +22,12 @@ the machine in the header only. GB/s: the weights' bytes over the step's time.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import subprocess
 import time
 
 import torch
 import torch.nn.functional as F
+
+from bench.kernels import machine_line
 
 LAYERS = 30
 SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
@@ -111,26 +109,6 @@ def run(rows=ROWS):
     return out, nbytes
 
 
-def _header():
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        commit = "?"
-    cpu = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return (
-        f"{datetime.date.today()}, commit {commit}, {cpu}, {os.cpu_count()} CPUs, torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads, load average "
-        f"{os.getloadavg()[0]:.1f}"
-    )
-
-
 def table(results, nbytes):
     names = list(results[0][1])
     lines = [
@@ -160,7 +138,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",") if r.strip()]
     results, nbytes = run(rows)
-    text = f"# CPU linear kernels\n\n{_header()}\n\n{table(results, nbytes)}\n"
+    text = f"# CPU linear kernels\n\n{machine_line()}\n\n{table(results, nbytes)}\n"
     print(text)
     if args.out:
         with open(args.out, "w") as f:

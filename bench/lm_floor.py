@@ -23,16 +23,15 @@ checked against a float64 forward first (max |log-prob error| over tokens > -20)
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import subprocess
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
+
+from bench.kernels import machine_line
 
 PROMPT = "In a quiet village at the edge of the forest, an old clockmaker"
 PAST = 24
@@ -139,26 +138,6 @@ def run(rounds=7, cases=CASES):
     }
 
 
-def _header():
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        commit = "?"
-    cpu = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return (
-        f"{datetime.date.today()}, commit {commit}, {cpu}, {os.cpu_count()} CPUs, torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads, load average "
-        f"{os.getloadavg()[0]:.1f}"
-    )
-
-
 def table(r):
     mem_floor = r["bytes"] / r["bandwidth"]
     lines = [
@@ -194,7 +173,7 @@ def main(argv=None):
     parser.add_argument("--out", help="also write the table to this markdown file")
     args = parser.parse_args(argv)
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
-    text = f"{_header()}\n\n{table(run(args.rounds, cases))}\n"
+    text = f"{machine_line()}\n\n{table(run(args.rounds, cases))}\n"
     print(text)
     if args.out:
         with open(args.out, "w") as f:

@@ -309,6 +309,28 @@ GF_AVX512 void add_row(float* x, const float* y, int64_t n) {
     store(x + i, _mm512_add_ps(load(x + i, n - i), load(y + i, n - i)), n - i);
 }
 
+// x += y, or x += post(y) when the layer normalises its branch's output (Gemma2's post norms)
+GF_AVX512 void add_residual(float* x, const float* y, const float* post, int64_t n, float eps,
+                            float* tmp) {
+  if (post) {
+    norm_row(y, n, post, nullptr, false, eps, tmp);
+    add_row(x, tmp, n);
+  } else {
+    add_row(x, y, n);
+  }
+}
+
+// A product's epilogue for panel p of `rows` rows: + bias (if any), into out [rows, n]
+GF_AVX512 void store_biased(const float* a, int64_t rows, int64_t p, const float* bias,
+                            float* out, int64_t n) {
+  const int64_t c0 = p * kPanel, cols = std::min(kPanel, n - c0);
+  for (int64_t t = 0; t < rows; ++t) {
+    __m512 v = _mm512_loadu_ps(a + t * kPanel);
+    if (bias) v = _mm512_add_ps(v, load(bias + c0, cols));
+    store(out + t * n + c0, v, cols);
+  }
+}
+
 // the rotation of one head in place: x1 * cos - x2 * sin, x2 * cos + x1 * sin (rotate_half)
 GF_AVX512 void rotate(float* x, const float* cos, const float* sin, int64_t dim) {
   const int64_t half = dim / 2;
@@ -518,14 +540,8 @@ GF_AVX512 void run_forward(const Fwd& f) {
         norm_row(x.data() + t * H, H, L.norm1, L.norm1_b, sp.layer_norm, eps, xn.data() + t * H);
       const int64_t qkv_panels = (Nqkv + kPanel - 1) / kPanel;
       product(xn.data(), H, T, H, L.qkv, qkv_panels, false, nth, acc.data(),
-              [&](int64_t p, const float* a) GF_AVX512 {
-                const int64_t c0 = p * kPanel, cols = std::min(kPanel, Nqkv - c0);
-                for (int64_t t = 0; t < T; ++t) {
-                  __m512 v = _mm512_loadu_ps(a + t * kPanel);
-                  if (L.qkv_b) v = _mm512_add_ps(v, load(L.qkv_b + c0, cols));
-                  store(f.qkv + t * Nqkv + c0, v, cols);
-                }
-              });
+              [&](int64_t p, const float* a)
+                  GF_AVX512 { store_biased(a, T, p, L.qkv_b, f.qkv, Nqkv); });
 #pragma omp barrier
       // (row, KV head) items, taken in turn by whichever thread is free
 #pragma omp for schedule(dynamic, 1) nowait
@@ -534,23 +550,12 @@ GF_AVX512 void run_forward(const Fwd& f) {
 #pragma omp barrier
       const int64_t o_panels = (H + kPanel - 1) / kPanel;
       product(f.attn, Nq, T, Nq, L.o, o_panels, false, nth, acc.data(),
-              [&](int64_t p, const float* a) GF_AVX512 {
-                const int64_t c0 = p * kPanel, cols = std::min(kPanel, H - c0);
-                for (int64_t t = 0; t < T; ++t) {
-                  __m512 v = _mm512_loadu_ps(a + t * kPanel);
-                  if (L.o_b) v = _mm512_add_ps(v, load(L.o_b + c0, cols));
-                  store(f.o + t * H + c0, v, cols);
-                }
-              });
+              [&](int64_t p, const float* a)
+                  GF_AVX512 { store_biased(a, T, p, L.o_b, f.o, H); });
 #pragma omp barrier
       for (int64_t t = 0; t < T; ++t) {
         float* xr = x.data() + t * H;
-        if (L.post1) {
-          norm_row(f.o + t * H, H, L.post1, nullptr, false, eps, tmp.data());
-          add_row(xr, tmp.data(), H);
-        } else {
-          add_row(xr, f.o + t * H, H);
-        }
+        add_residual(xr, f.o + t * H, L.post1, H, eps, tmp.data());
         norm_row(xr, H, L.norm2, L.norm2_b, sp.layer_norm, eps, xn.data() + t * H);
       }
       const int64_t up_panels = (I + kPanel - 1) / kPanel;
@@ -571,24 +576,11 @@ GF_AVX512 void run_forward(const Fwd& f) {
               });
 #pragma omp barrier
       product(f.h, I, T, I, L.down, o_panels, false, nth, acc.data(),
-              [&](int64_t p, const float* a) GF_AVX512 {
-                const int64_t c0 = p * kPanel, cols = std::min(kPanel, H - c0);
-                for (int64_t t = 0; t < T; ++t) {
-                  __m512 v = _mm512_loadu_ps(a + t * kPanel);
-                  if (L.down_b) v = _mm512_add_ps(v, load(L.down_b + c0, cols));
-                  store(f.d + t * H + c0, v, cols);
-                }
-              });
+              [&](int64_t p, const float* a)
+                  GF_AVX512 { store_biased(a, T, p, L.down_b, f.d, H); });
 #pragma omp barrier
-      for (int64_t t = 0; t < T; ++t) {
-        float* xr = x.data() + t * H;
-        if (L.post2) {
-          norm_row(f.d + t * H, H, L.post2, nullptr, false, eps, tmp.data());
-          add_row(xr, tmp.data(), H);
-        } else {
-          add_row(xr, f.d + t * H, H);
-        }
-      }
+      for (int64_t t = 0; t < T; ++t)
+        add_residual(x.data() + t * H, f.d + t * H, L.post2, H, eps, tmp.data());
     }
 
     // the LM head on each row's last token

@@ -325,6 +325,39 @@ async def test_non_finite_model(how, tokenizer):
         lm.cleanup()
 
 
+@pytest.mark.parametrize(
+    "case", ["finite", "sum overflows", "one nan", "one +inf", "one -inf", "row all -inf"]
+)
+def test_check_finite_logits(case):
+    """The check raises exactly when a row holds a NaN or +inf or only -inf, as an element-wise
+    test says, whatever the sum of the logits it screens them with."""
+    from genlm_fast.backend.llm.checks import check_finite_logits
+
+    logits = torch.randn(3, 1000)
+    if case == "sum overflows":
+        logits[:, :10] = 3e38
+    elif case == "one nan":
+        logits[1, 7] = float("nan")
+    elif case == "one +inf":
+        logits[2, 0] = float("inf")
+    elif case == "one -inf":
+        logits[0, 5] = float("-inf")
+    elif case == "row all -inf":
+        logits[1] = float("-inf")
+    bad = bool(
+        (torch.isnan(logits).any(1) | torch.isposinf(logits).any(1) | torch.isneginf(logits).all(1))
+        .any()
+        .item()
+    )
+    contexts = [[1, 2], [3], [4, 5, 6]]
+    if bad:
+        with pytest.raises(NonFiniteLogitsError, match="not finite"):
+            check_finite_logits(logits, contexts)
+    else:
+        check_finite_logits(logits, contexts)
+    assert bad == (case in ("one nan", "one +inf", "row all -inf"))
+
+
 def _edit_in_place(model):
     with torch.no_grad():
         model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)

@@ -4,10 +4,10 @@
 
 The floor of a forward is reading the model's weights once: the bytes the fused decoder
 streams (its packed copies of every projection and the LM head) over the machine's read
-bandwidth, measured here by reading a buffer of the same size as the decoder's threads do
-(`genlm_fast._C.stream_read`: each thread its share as 1, 2 or 4 interleaved sequential
-streams; the fastest). Rows of new tokens also cost arithmetic: two FLOPs per weight per
-token, at the FLOP/s of register-only AVX-512 multiply-adds on the same threads
+bandwidth, measured here by reading a buffer of the same size, on the same (huge) pages, as the
+decoder's threads do (`genlm_fast._C.stream_read`: each thread its share as 1, 2 or 4
+interleaved sequential streams; the fastest). Rows of new tokens also cost arithmetic: two
+FLOPs per weight per token, at the FLOP/s of register-only AVX-512 multiply-adds on the same threads
 (`genlm_fast._C.fma_rate`); a forward can be no faster than either floor.
 
 Cases: 1, 4 and 16 rows x 1 and 2 new tokens over a cached past of 24 tokens (rows sharing
@@ -74,6 +74,7 @@ def run(rounds=7, cases=CASES):
 
     from genlm_fast.backend.llm import AsyncTransformer
     from genlm_fast.backend.llm.cpu_linear import pack_linear_layers, unpack_linear_layers
+    from genlm_fast.backend.llm.decoder import huge_page_empty
     from genlm_fast.models import smollm2_path
     from genlm_fast.ops import extension
 
@@ -94,7 +95,7 @@ def run(rounds=7, cases=CASES):
     nbytes = decoder.weight_bytes
     params = sum(p.numel() for n, p in lm.model.named_parameters() if "embed" not in n)
     params += lm.model.lm_head.weight.numel() if lm.model.config.tie_word_embeddings else 0
-    buf = torch.ones(nbytes // 4)
+    buf = huge_page_empty(nbytes // 4).fill_(1.0)  # on the pages the packed weights use
     flops = module.fma_rate(100_000_000)
 
     setups, errors = {}, {}

@@ -31,9 +31,12 @@
 // segments (float32 [layers, 2, kv_heads, positions, head_dim], each (layer, k/v, head) block
 // `stride` positions apart: a segment of its own, or one slot of the trie's pool) and position
 // ranges of its past in order, then the row's new segment, which this forward fills. Every row
-// is computed the same way whatever else is in the batch, so results are batch-invariant. Attention per
-// query: scores over all visible positions (16 at a time, summed across lanes with one
-// transpose), softmax in float32 with the maximum subtracted, then the weighted sum of values.
+// is computed the same way whatever else is in the batch, so results are batch-invariant.
+// Attention per query: scores over all visible positions (16 at a time, summed across lanes
+// with one transpose), softmax in float32 with the maximum subtracted, then the weighted sum
+// of values. The G queries sharing a KV head take the keys 64 positions at a time (in L1 for
+// all of them) and the values in one pass; the first of them prefetches both, since a past
+// read once per forward comes from memory, not cache.
 //
 // Numerics: float32 throughout; the products sum in blocks as linear_cpu.cpp does; exp, tanh
 // and erf are polynomial approximations within a few float32 ulps (tanh and erf within 1e-7
@@ -345,14 +348,6 @@ GF_AVX512 void rotate(float* x, const float* cos, const float* sin, int64_t dim)
   }
 }
 
-// partial dot products of two head vectors, lane by lane (summed across lanes by the caller)
-GF_AVX512 inline __m512 dot_lanes(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16)
-    acc = _mm512_fmadd_ps(load(a + i, n - i), load(b + i, n - i), acc);
-  return acc;
-}
-
 // One product, its panels (or gate/up panel pairs) shared out among the team in runs of
 // consecutive ones, each thread taking the next run when done (threads rarely run at the same
 // speed on a shared machine; a static split leaves the faster one waiting at the barrier):
@@ -389,31 +384,108 @@ struct LayerPtrs {
   const float *qkv, *qkv_b, *o, *o_b, *up, *up_b, *down, *down_b;
 };
 
-// out[:hd] = sum over [lo, hi) of w[pos] * values[pos][:hd], D = ceil(hd / 16) registers
-template <int D>
-GF_AVX512 void weighted_values(const float* w, const float* const* values, int64_t lo, int64_t hi,
-                               int64_t hd, float* out) {
-  __m512 acc[D];
-#pragma GCC unroll 16
-  for (int c = 0; c < D; ++c) acc[c] = _mm512_setzero_ps();
-  for (int64_t pos = lo; pos < hi; ++pos) {
-    if (w[pos] == 0.0f) continue;  // outside this query's window
-    const __m512 wv = _mm512_set1_ps(w[pos]);
-    const float* v = values[pos];
-#pragma GCC unroll 16
-    for (int c = 0; c < D; ++c) acc[c] = _mm512_fmadd_ps(wv, load(v + 16 * c, hd - 16 * c), acc[c]);
-  }
-#pragma GCC unroll 16
-  for (int c = 0; c < D; ++c) store(out + 16 * c, acc[c], hd - 16 * c);
+// Attention's two passes over the past, for D = ceil(hd / 16) registers per head vector
+// (the last one masked). Keys and values are read from wherever the KV trie keeps them
+// (`keys[pos]`, `values[pos]`: one head vector each).
+
+// prefetch the head vectors at[lo .. hi) into L1
+inline void fetch_heads(const float* const* at, int64_t lo, int64_t hi, int64_t hd) {
+  for (int64_t i = lo; i < hi; ++i)
+    for (int64_t c = 0; c < hd; c += 16)
+      _mm_prefetch(reinterpret_cast<const char*>(at[i] + c), _MM_HINT_T0);
 }
 
-using WeightedValuesFn = void (*)(const float*, const float* const*, int64_t, int64_t, int64_t,
-                                  float*);
-const WeightedValuesFn kWeightedValues[16] = {
-    weighted_values<1>,  weighted_values<2>,  weighted_values<3>,  weighted_values<4>,
-    weighted_values<5>,  weighted_values<6>,  weighted_values<7>,  weighted_values<8>,
-    weighted_values<9>,  weighted_values<10>, weighted_values<11>, weighted_values<12>,
-    weighted_values<13>, weighted_values<14>, weighted_values<15>, weighted_values<16>};
+// sc[pos] = scale * (q . keys[pos]) for pos in [lo, hi], soft-capped if cap > 0: q held in
+// registers, 16 keys at a time, each key's lane-wise products summed across lanes by one
+// transpose. `fetch`: also prefetch the next 16 keys and this block's values (the first query
+// reading this past; the others find them in cache).
+template <int D>
+GF_AVX512 void query_scores(const float* q, const float* const* keys, const float* const* values,
+                            int64_t lo, int64_t hi, int64_t hd, float scale, float cap,
+                            bool fetch, float* sc) {
+  const __mmask16 last = tail_mask(hd - 16 * (D - 1));
+  __m512 qv[D];
+#pragma GCC unroll 16
+  for (int c = 0; c < D; ++c)
+    qv[c] = c + 1 < D ? _mm512_loadu_ps(q + 16 * c) : _mm512_maskz_loadu_ps(last, q + 16 * c);
+  if (fetch) fetch_heads(keys, lo, std::min(lo + 16, hi + 1), hd);
+  for (int64_t p0 = lo; p0 <= hi; p0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, hi + 1 - p0);
+    if (fetch) {
+      fetch_heads(keys, p0 + 16, std::min(p0 + 32, hi + 1), hd);
+      fetch_heads(values, p0, p0 + cnt, hd);
+    }
+    __m512 parts[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      if (i >= cnt) {
+        parts[i] = _mm512_setzero_ps();
+        continue;
+      }
+      const float* k = keys[p0 + i];
+      __m512 a = _mm512_mul_ps(qv[0], D > 1 ? _mm512_loadu_ps(k) : _mm512_maskz_loadu_ps(last, k));
+#pragma GCC unroll 16
+      for (int c = 1; c < D; ++c)
+        a = _mm512_fmadd_ps(qv[c],
+                            c + 1 < D ? _mm512_loadu_ps(k + 16 * c)
+                                      : _mm512_maskz_loadu_ps(last, k + 16 * c),
+                            a);
+      parts[i] = a;
+    }
+    __m512 v = _mm512_mul_ps(hsum16x16(parts), _mm512_set1_ps(scale));
+    if (cap > 0.0f)
+      v = _mm512_mul_ps(tanh512(_mm512_div_ps(v, _mm512_set1_ps(cap))), _mm512_set1_ps(cap));
+    store(sc + p0, v, cnt);
+  }
+}
+
+// out[g][:hd] = sum over [lo, hi) of w[g][pos] * values[pos][:hd] for the `queries` (<= Q)
+// queries of one KV head (w rows `ldw` apart, out rows `ldo` apart): each value is read once
+// for all of them, and each query's sum runs over positions in order.
+template <int D>
+GF_AVX512 void weighted_values(const float* w, int64_t ldw, int64_t queries,
+                               const float* const* values, int64_t lo, int64_t hi, int64_t hd,
+                               float* out, int64_t ldo) {
+  constexpr int Q = D >= 24 ? 1 : 24 / D;  // accumulators: Q x D registers
+  const __mmask16 last = tail_mask(hd - 16 * (D - 1));
+  for (int64_t g0 = 0; g0 < queries; g0 += Q) {
+    const int64_t nq = std::min<int64_t>(Q, queries - g0);
+    const float* wg = w + g0 * ldw;
+    __m512 acc[Q][D];
+#pragma GCC unroll 24
+    for (int g = 0; g < Q; ++g)
+#pragma GCC unroll 16
+      for (int c = 0; c < D; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t pos = lo; pos < hi; ++pos) {
+      const float* v = values[pos];
+      __m512 vv[D];
+#pragma GCC unroll 16
+      for (int c = 0; c < D; ++c)
+        vv[c] = c + 1 < D ? _mm512_loadu_ps(v + 16 * c) : _mm512_maskz_loadu_ps(last, v + 16 * c);
+#pragma GCC unroll 24
+      for (int g = 0; g < Q; ++g) {
+        if (g >= nq) break;
+        const __m512 wv = _mm512_set1_ps(wg[g * ldw + pos]);
+#pragma GCC unroll 16
+        for (int c = 0; c < D; ++c) acc[g][c] = _mm512_fmadd_ps(wv, vv[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < nq; ++g)
+#pragma GCC unroll 16
+      for (int c = 0; c < D; ++c) store(out + (g0 + g) * ldo + 16 * c, acc[g][c], hd - 16 * c);
+  }
+}
+
+using QueryScoresFn = void (*)(const float*, const float* const*, const float* const*, int64_t,
+                               int64_t, int64_t, float, float, bool, float*);
+using WeightedValuesFn = void (*)(const float*, int64_t, int64_t, const float* const*, int64_t,
+                                  int64_t, int64_t, float*, int64_t);
+template <int... D>
+struct AttnKernels {
+  static constexpr QueryScoresFn scores[] = {query_scores<D>...};
+  static constexpr WeightedValuesFn values[] = {weighted_values<D>...};
+};
+using HeadKernels = AttnKernels<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16>;
 
 // Attention of row b's queries of KV head `kh` in layer l (see the header comment).
 struct AttnScratch {
@@ -431,7 +503,6 @@ GF_AVX512 void attend(const Fwd& f, const LayerPtrs& L, int64_t l, int64_t b, in
   const int64_t past = f.positions[t0];
   const int64_t P = past + n;
   const int64_t window = sp.window[l];
-  const int64_t lo_first = window > 0 ? std::max<int64_t>(0, past - window + 1) : 0;
 
   // where each position's key and value are (the last run: the row's new segment)
   s.keys.resize(P);
@@ -469,24 +540,22 @@ GF_AVX512 void attend(const Fwd& f, const LayerPtrs& L, int64_t l, int64_t b, in
   // per query (j, g), at position past + j, seeing [lo, past + j]: scores, softmax, values
   const float scale = static_cast<float>(sp.scaling[l]);
   const float cap = static_cast<float>(sp.attn_softcap);
-  s.scores.resize(P);
-  float* sc = s.scores.data();
-  const WeightedValuesFn weighted = kWeightedValues[(hd + 15) / 16 - 1];
-  for (int64_t j = 0; j < n; ++j)
+  s.scores.resize(G * P);
+  const QueryScoresFn query_scores = HeadKernels::scores[(hd + 15) / 16 - 1];
+  const WeightedValuesFn weighted = HeadKernels::values[(hd + 15) / 16 - 1];
+  // per new token j: its G queries (at position past + j, seeing [lo, past + j]) scored 64
+  // keys at a time (which stay in L1 while the G queries read them), softmaxed one by one,
+  // then their weighted sums of values in one pass
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t hi = past + j;
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0;
+    for (int64_t c0 = lo; c0 <= hi; c0 += 64)
+      for (int64_t g = 0; g < G; ++g)
+        query_scores(f.qkv + (t0 + j) * Nqkv + (kh * G + g) * hd, s.keys.data(),
+                     s.values.data(), c0, std::min(c0 + 63, hi), hd, scale, cap,
+                     j == 0 && g == 0, s.scores.data() + g * P);
     for (int64_t g = 0; g < G; ++g) {
-      const float* q = f.qkv + (t0 + j) * Nqkv + (kh * G + g) * hd;
-      const int64_t hi = past + j;
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0;
-      for (int64_t p0 = lo; p0 <= hi; p0 += 16) {
-        const int64_t cnt = std::min<int64_t>(16, hi + 1 - p0);
-        __m512 parts[16];
-        for (int64_t i = 0; i < 16; ++i)
-          parts[i] = i < cnt ? dot_lanes(q, s.keys[p0 + i], hd) : _mm512_setzero_ps();
-        __m512 v = _mm512_mul_ps(hsum16x16(parts), _mm512_set1_ps(scale));
-        if (cap > 0.0f)
-          v = _mm512_mul_ps(tanh512(_mm512_div_ps(v, _mm512_set1_ps(cap))), _mm512_set1_ps(cap));
-        store(sc + p0, v, cnt);
-      }
+      float* sc = s.scores.data() + g * P;
       // softmax over [lo, hi]; a NaN score makes the maximum NaN
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t i = lo; i <= hi; ++i)
@@ -503,8 +572,10 @@ GF_AVX512 void attend(const Fwd& f, const LayerPtrs& L, int64_t l, int64_t b, in
       const __m512 inv = _mm512_set1_ps(1.0f / hsum(sum));
       for (int64_t i = lo; i <= hi; i += 16)
         store(sc + i, _mm512_mul_ps(load(sc + i, hi + 1 - i), inv), hi + 1 - i);
-      weighted(sc, s.values.data(), lo, hi + 1, hd, f.attn + (t0 + j) * Nq + (kh * G + g) * hd);
     }
+    weighted(s.scores.data(), P, G, s.values.data(), lo, hi + 1, hd,
+             f.attn + (t0 + j) * Nq + kh * G * hd, hd);
+  }
 }
 
 GF_AVX512 void run_forward(const Fwd& f) {

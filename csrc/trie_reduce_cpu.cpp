@@ -320,6 +320,7 @@ inline void sweep(double* __restrict acc, const int32_t* __restrict parent, Out*
 }
 
 constexpr int kLockstep = 4;  // chunks one thread sweeps at once (sweep_lockstep)
+constexpr int64_t kMinLockstepNodes = 4096;  // per chunk, or the thread's share is one chunk
 
 // sweep() over S chunks [nb[k], nb[k + 1]) at once, a node of each in turn. Within a chunk the
 // acc[parent] updates form a chain through memory (a store, then the load of the next update
@@ -721,12 +722,21 @@ bool run_row_chunked(const Args& A, int64_t r, int threads) {
   double* e = RED == kLogMass ? w.col_exp_p(A.C) : nullptr;  // exp(x - m) by column
   acc[-1] = identity<RED>();
 
+  // thread u's share of the nodes, [a, b), as chunks u * kLockstep .. + kLockstep - 1: equal
+  // parts, or (a share too small to be worth it) all in the first, the others empty. A chunk
+  // boundary changes the order of the additions (a carry joins its ancestors apart from its
+  // siblings), so a small trie is summed in plain post-order, as on one thread.
   std::vector<int32_t> nb(T + 1);
   std::vector<int64_t> pb(T + 1);
-  for (int j = 0; j <= T; ++j) {
-    nb[j] = static_cast<int32_t>((A.N * j) / T);
-    pb[j] = std::lower_bound(A.node_of_leaf, A.node_of_leaf + A.L, nb[j]) - A.node_of_leaf;
+  for (int u = 0; u < threads; ++u) {
+    const int64_t a = A.N * u / threads, b = A.N * (u + 1) / threads;
+    const bool split = b - a >= kLockstep * kMinLockstepNodes;
+    for (int k = 0; k < kLockstep; ++k)
+      nb[u * kLockstep + k] = static_cast<int32_t>(split ? a + (b - a) * k / kLockstep : k ? b : a);
   }
+  nb[T] = static_cast<int32_t>(A.N);
+  for (int j = 0; j <= T; ++j)
+    pb[j] = std::lower_bound(A.node_of_leaf, A.node_of_leaf + A.L, nb[j]) - A.node_of_leaf;
   std::vector<std::vector<std::pair<int32_t, double>>> carries(T);
   std::vector<double> part_max(T, -kInf), part_sum(T, 0.0);
   std::vector<int64_t> part_low(T, 0);

@@ -4,11 +4,11 @@
 
 The floor of a forward is reading the model's weights once: the bytes the fused decoder
 streams (its packed copies of every projection and the LM head) over the machine's read
-bandwidth, measured here by reading a buffer of the same size, on the same (huge) pages, as the
-decoder's threads do (`genlm_fast._C.stream_read`: each thread its share as 1, 2 or 4
+bandwidth, measured here by reading a buffer of the same size, on the same (huge) pages, as
+the decoder's threads do (`genlm_fast._C.stream_read`: each thread its share as 1, 2 or 4
 interleaved sequential streams; the fastest). Rows of new tokens also cost arithmetic: two
-FLOPs per weight per token, at the FLOP/s of register-only AVX-512 multiply-adds on the same threads
-(`genlm_fast._C.fma_rate`); a forward can be no faster than either floor.
+FLOPs per weight per token, at the FLOP/s of register-only AVX-512 multiply-adds on the same
+threads (`genlm_fast._C.fma_rate`); a forward can be no faster than either floor.
 
 Cases: 1, 4 and 16 rows x 1 and 2 new tokens over a cached past of 24 tokens (rows sharing
 the 15-token prompt of bench/test_bench_lm.py, as SMC particles do). Each round measures the

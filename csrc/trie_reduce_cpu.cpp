@@ -325,7 +325,7 @@ constexpr int64_t kMinLockstepNodes = 4096;  // per chunk, or the thread's share
 // sweep() over S chunks [nb[k], nb[k + 1]) at once, a node of each in turn. Within a chunk the
 // acc[parent] updates form a chain through memory (a store, then the load of the next update
 // of the same parent: siblings, single-child links), so one chunk keeps the core waiting;
-// S independent chains overlap (Llama-3's one-row sum: 15% faster on one thread with S = 4).
+// S independent chains overlap (Llama-3's one-row sum: 0.51 -> 0.40 ms on one thread, S = 4).
 template <int RED, bool WRITE, int S, class Out>
 inline void sweep_lockstep(double* __restrict acc, const int32_t* __restrict parent,
                            Out* __restrict out, const int32_t* nb,
@@ -350,7 +350,8 @@ inline void sweep_lockstep(double* __restrict acc, const int32_t* __restrict par
       }
     }
   }
-  for (int k = 0; k < S; ++k) sweep<RED, WRITE>(acc, parent, out, lo[k] + len, hi[k], hi[k], &carry[k]);
+  for (int k = 0; k < S; ++k)
+    sweep<RED, WRITE>(acc, parent, out, lo[k] + len, hi[k], hi[k], &carry[k]);
 }
 
 // ----------------------------------------------------------------------------- workspace

@@ -388,6 +388,13 @@ struct LayerPtrs {
 // (the last one masked). Keys and values are read from wherever the KV trie keeps them
 // (`keys[pos]`, `values[pos]`: one head vector each).
 
+// register c of a head vector held in D registers: 16 floats, the last register masked to
+// the head's tail (`last`)
+template <int D>
+GF_AVX512 inline __m512 head_part(const float* v, int c, __mmask16 last) {
+  return c + 1 < D ? _mm512_loadu_ps(v + 16 * c) : _mm512_maskz_loadu_ps(last, v + 16 * c);
+}
+
 // prefetch the head vectors at[lo .. hi) into L1
 inline void fetch_heads(const float* const* at, int64_t lo, int64_t hi, int64_t hd) {
   for (int64_t i = lo; i < hi; ++i)
@@ -406,8 +413,7 @@ GF_AVX512 void query_scores(const float* q, const float* const* keys, const floa
   const __mmask16 last = tail_mask(hd - 16 * (D - 1));
   __m512 qv[D];
 #pragma GCC unroll 16
-  for (int c = 0; c < D; ++c)
-    qv[c] = c + 1 < D ? _mm512_loadu_ps(q + 16 * c) : _mm512_maskz_loadu_ps(last, q + 16 * c);
+  for (int c = 0; c < D; ++c) qv[c] = head_part<D>(q, c, last);
   if (fetch) fetch_heads(keys, lo, std::min(lo + 16, hi + 1), hd);
   for (int64_t p0 = lo; p0 <= hi; p0 += 16) {
     const int64_t cnt = std::min<int64_t>(16, hi + 1 - p0);
@@ -423,13 +429,9 @@ GF_AVX512 void query_scores(const float* q, const float* const* keys, const floa
         continue;
       }
       const float* k = keys[p0 + i];
-      __m512 a = _mm512_mul_ps(qv[0], D > 1 ? _mm512_loadu_ps(k) : _mm512_maskz_loadu_ps(last, k));
+      __m512 a = _mm512_mul_ps(qv[0], head_part<D>(k, 0, last));
 #pragma GCC unroll 16
-      for (int c = 1; c < D; ++c)
-        a = _mm512_fmadd_ps(qv[c],
-                            c + 1 < D ? _mm512_loadu_ps(k + 16 * c)
-                                      : _mm512_maskz_loadu_ps(last, k + 16 * c),
-                            a);
+      for (int c = 1; c < D; ++c) a = _mm512_fmadd_ps(qv[c], head_part<D>(k, c, last), a);
       parts[i] = a;
     }
     __m512 v = _mm512_mul_ps(hsum16x16(parts), _mm512_set1_ps(scale));
@@ -460,8 +462,7 @@ GF_AVX512 void weighted_values(const float* w, int64_t ldw, int64_t queries,
       const float* v = values[pos];
       __m512 vv[D];
 #pragma GCC unroll 16
-      for (int c = 0; c < D; ++c)
-        vv[c] = c + 1 < D ? _mm512_loadu_ps(v + 16 * c) : _mm512_maskz_loadu_ps(last, v + 16 * c);
+      for (int c = 0; c < D; ++c) vv[c] = head_part<D>(v, c, last);
 #pragma GCC unroll 24
       for (int g = 0; g < Q; ++g) {
         if (g >= nq) break;

@@ -30,7 +30,8 @@
 //   DecoderSpec, DecoderCPU(spec, weights): a decoder-only transformer's forward over
 //                   a few new tokens per row in one call (decoder_cpu.cpp; the Python side:
 //                   genlm_fast/backend/llm/decoder.py); decoder_supported() -> bool;
-//                   WeightWatch(params).changed() -> the first parameter edited since, or -1;
+//                   WeightWatch(params, dicts).changed() -> what was replaced or edited
+//                   first (a dict of the model's structure, or a parameter), or -1;
 //                   stream_read(data, streams), fma_rate(iterations): the memory and
 //                   arithmetic floors bench/lm_floor.py compares a forward with
 //   pack_linear_weight(weight) -> panels;  linear_small_batch(x, panels, bias, out_features,
@@ -594,9 +595,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pybind11::class_<genlm_fast::cpu::WeightWatch>(
         m, "WeightWatch", "Whether a model's parameters changed since it was built",
         pybind11::module_local())
-        .def(pybind11::init<std::vector<torch::Tensor>>(), pybind11::arg("params"))
+        .def(pybind11::init<std::vector<torch::Tensor>,
+                            std::vector<std::pair<pybind11::dict,
+                                                  genlm_fast::cpu::WeightWatch::DictItems>>>(),
+             pybind11::arg("params"), pybind11::arg("dicts"))
         .def("changed", &genlm_fast::cpu::WeightWatch::changed,
-             "The first parameter that changed, or -1");
+             "What changed first (dict i: i, parameter j: len(dicts) + j), or -1");
     m.def("decoder_supported", &genlm_fast::cpu::decoder_supported,
           "Whether this CPU runs DecoderCPU (AVX-512F)");
     m.def("stream_read", &genlm_fast::cpu::stream_read,

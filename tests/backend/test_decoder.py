@@ -411,6 +411,67 @@ def _load_state_dict(model):
     model.load_state_dict(state)
 
 
+def _inject_submodule(model):  # what an adapter library does: a layer replaced by another
+    layer = model.model.layers[0].self_attn
+    layer.q_proj = torch.nn.Sequential(layer.q_proj)
+
+
+def _drop_bias(model):  # a parameter slot set to None
+    model.model.layers[0].mlp.gate_proj.register_parameter("bias", None)
+    model.model.layers[0].mlp.gate_proj.extra = torch.nn.Parameter(torch.zeros(2))
+
+
+def _swap_dict_entry(model):  # behind __setattr__: the module's own dict edited
+    proj = model.model.layers[1].mlp.down_proj
+    proj._parameters["weight"] = torch.nn.Parameter(proj.weight.detach().clone())
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        None,
+        _edit_in_place,
+        _edit_data,
+        _replace_parameter,
+        _inject_submodule,
+        _drop_bias,
+        _swap_dict_entry,
+        _load_state_dict,
+    ],
+)
+def test_model_watch(edit, compiled, monkeypatch):
+    """ModelWatch sees each kind of change (and none where there is none), both the compiled
+    check and the Python one the package falls back to without the extension; the compiled
+    one names the first dict or parameter that changed."""
+    if not compiled:
+        monkeypatch.setattr(decoder_mod, "_module", lambda: None)
+    elif decoder_mod._module() is None:
+        pytest.skip("the compiled extension is not built here")
+    model = tiny_model("llama")
+    watch = decoder_mod.ModelWatch(model)
+    assert (watch._impl is not None) == compiled
+    assert not watch.changed() and not watch.changed()
+    if edit is None:
+        return
+    dicts_before = [(d, list(items)) for d, items in watch._dicts]
+    edit(model)
+    assert watch.changed()
+    if compiled:
+        # the oracle: the first dict whose items are no longer the same objects, else the
+        # number of dicts (the parameters come after them)
+        first = next(
+            (
+                i
+                for i, (d, items) in enumerate(dicts_before)
+                if len(d) != len(items) or any(d.get(k) is not v for k, v in items)
+            ),
+            len(dicts_before),
+        )
+        got = watch._impl.changed()
+        assert got == first if first < len(dicts_before) else got >= first
+
+
 @pytest.mark.parametrize(
     "edit",
     [

@@ -28,16 +28,16 @@
 // in L2) and its leaf values gathered into leaf order; per chunk of runs, those are
 // interleaved [leaf][row], and the chunk's run values come back [run][row] and are split
 // into one buffer per row for expand_runs. A run's first leaf is taken without a branch.
-// Rows are spread over the OpenMP threads in blocks of R.
+// Rows are spread over the OpenMP threads in blocks of R >= 2 (run_typed says how).
 //
-// One row, or few rows of a big trie (B < threads): the node range is cut into 4 chunks
-// [a_j, b_j) per thread, swept into one shared N-long accumulator (acc[parent[n]] op= acc[n],
-// exact because parent[n] > n); a chunk writes acc[p] only for parents p inside itself and
-// sends (p, value) to a short "carry" list otherwise. Each thread sweeps its 4 chunks in
-// lockstep, a node of each in turn: one chunk's updates are a chain through memory, four
-// independent ones overlap. The carries' p are ancestors of a_j - 1 (the chunk boundary), so
-// a sequential fix-up walks each carry up its path through the next chunk (adding it to every
-// node on the way, rewriting their outputs), and forwards it.
+// One row (a lone row, or on a big trie the rows too few to give every thread a block): the
+// node range is cut into 4 chunks [a_j, b_j) per thread, swept into one shared N-long
+// accumulator (acc[parent[n]] op= acc[n], exact because parent[n] > n); a chunk writes acc[p]
+// only for parents p inside itself and sends (p, value) to a short "carry" list otherwise.
+// Each thread sweeps its 4 chunks in lockstep, a node of each in turn: one chunk's updates are
+// a chain through memory, four independent ones overlap. The carries' p are ancestors of
+// a_j - 1 (the chunk boundary), so a sequential fix-up walks each carry up its path through the
+// next chunk (adding it to every node on the way, rewriting their outputs), and forwards it.
 //
 // Team sizes come from team_size() (cpu_threads.h: usable CPUs, contention, the work), unless
 // the caller names one.
@@ -693,15 +693,21 @@ int run_rows(const Args& A, int64_t r0) {
   }
 }
 
-// Rows [r0, r0 + count), count <= 8, as blocks of 8/4/2/1; returns the first failed row or -1.
+template <int RED, class In, class Out>
+bool run_row_chunked(const Args& A, int64_t r, int threads);
+
+// Rows [r0, r0 + count), count <= 8, as blocks of 8/4/2 and a last single row; returns the first
+// failed row or -1. A single row takes the one-row sweep on this thread: stacked, its run
+// arrays are read for one row only, which costs more than sweeping the nodes (SmolLM2's
+// log_mass: 0.35 ms against 0.23, Llama-3's sum 0.81 against 0.40).
 template <int RED, class In, class Out>
 int64_t run_block(const Args& A, int64_t r0, int count) {
   while (count > 0) {
-    const int R = count >= 8 ? 8 : count >= 4 ? 4 : count >= 2 ? 2 : 1;
+    if (count == 1) return run_row_chunked<RED, In, Out>(A, r0, 1) ? -1 : r0;
+    const int R = count >= 8 ? 8 : count >= 4 ? 4 : 2;
     const int done = R == 8   ? run_rows<RED, 8, In, Out>(A, r0)
                      : R == 4 ? run_rows<RED, 4, In, Out>(A, r0)
-                     : R == 2 ? run_rows<RED, 2, In, Out>(A, r0)
-                              : run_rows<RED, 1, In, Out>(A, r0);
+                              : run_rows<RED, 2, In, Out>(A, r0);
     if (done < R) return r0 + done;
     r0 += R;
     count -= R;
@@ -855,28 +861,40 @@ int64_t run_typed(const Args& A) {
                         (A.L + A.N) * static_cast<int64_t>(2 * sizeof(int32_t));
   int T = A.num_threads > 0 ? A.num_threads : team_size(bytes);
   T = std::max(1, T);
-  // few rows, big trie: all threads on one row at a time, >= 16384 nodes per thread. One row
-  // goes this way on one thread too: 0.54 ms instead of 0.81 for Llama-3's sum (log_mass
-  // 0.78 / 0.94) before the lockstep sweep, where two rows are faster stacked (0.76 ms).
+  // Rows go in blocks of up to 8 rows stacked in one sweep (the cheapest per row), a block per
+  // thread at a time. Where a row can have all threads (a big trie: >= 16384 nodes per
+  // thread), the blocks go in rounds of one per thread, each round's blocks as large as the
+  // rows left allow, and the rows too few for a round (fewer than 2 per thread) go one by one
+  // with all threads on each, rather than as a last round that leaves threads idle.
+  // SmolLM2's log_mass on 2 threads, B = 2 / 5 / 10: 0.35 / 0.74 / 0.96 ms in blocks only,
+  // 0.24 / 0.51 / 0.79 this way. A single row in a block takes the one-row sweep too
+  // (run_block).
   const int chunks = static_cast<int>(std::min<int64_t>(T, A.N / 16384));
-  if ((B == 1 || (B < T && chunks >= 2)) && !omp_in_parallel()) {
-    for (int64_t r = 0; r < B; ++r)
-      if (!run_row_chunked<RED, In, Out>(A, r, std::max(1, chunks)))
-        return finish<RED, Out>(A, r);
-    return finish<RED, Out>(A, -1);
+  const bool rows_apart = chunks >= 2 && !omp_in_parallel();  // a row can use every thread
+  std::vector<std::pair<int64_t, int>> jobs;  // blocks: (first row, rows)
+  int64_t stacked = 0;  // rows [0, stacked) in blocks, the rest one by one
+  if (rows_apart) {
+    while (B - stacked >= 2 * T) {
+      const int64_t share = (B - stacked) / T;
+      const int block = share >= 8 ? 8 : share >= 4 ? 4 : 2;
+      for (int t = 0; t < T; ++t, stacked += block) jobs.emplace_back(stacked, block);
+    }
+  } else if (B > 1 || omp_in_parallel()) {
+    const int64_t per_thread = (B + T - 1) / T;
+    const int block = per_thread >= 8 ? 8 : per_thread >= 4 ? 4 : per_thread >= 2 ? 2 : 1;
+    for (; stacked < B; stacked += block)
+      jobs.emplace_back(stacked, static_cast<int>(std::min<int64_t>(block, B - stacked)));
+    stacked = B;
   }
-  // blocks of up to 8 rows, at least one block per thread when there are enough rows
-  const int64_t per_thread = (B + T - 1) / T;
-  const int64_t block = per_thread >= 8 ? 8 : per_thread >= 4 ? 4 : per_thread >= 2 ? 2 : 1;
-  const int64_t jobs = (B + block - 1) / block;
-  std::vector<int64_t> failed(jobs, -1);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(T) if (jobs > 1 && T > 1)
-  for (int64_t j = 0; j < jobs; ++j) {
-    const int64_t r0 = j * block;
-    failed[j] = run_block<RED, In, Out>(A, r0, static_cast<int>(std::min(block, B - r0)));
-  }
-  for (int64_t j = 0; j < jobs; ++j)
+  const int64_t count = static_cast<int64_t>(jobs.size());
+  std::vector<int64_t> failed(count, -1);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(T) if (count > 1 && T > 1)
+  for (int64_t j = 0; j < count; ++j) failed[j] = run_block<RED, In, Out>(A, jobs[j].first, jobs[j].second);
+  for (int64_t j = 0; j < count; ++j)
     if (failed[j] >= 0) return finish<RED, Out>(A, failed[j]);
+  for (int64_t r = stacked; r < B; ++r)
+    if (!run_row_chunked<RED, In, Out>(A, r, std::max(1, chunks)))
+      return finish<RED, Out>(A, r);
   return finish<RED, Out>(A, -1);
 }
 

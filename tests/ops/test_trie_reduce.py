@@ -415,6 +415,38 @@ def test_real_vocabularies(backend, name, B):
         )
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_cpu_row_schedules(threads):
+    """The CPU kernel's ways of sharing rows among its threads, each against the float64
+    oracle: on a big trie (SmolLM2's, 149,591 nodes) 1 to 11 rows go in stacked blocks of 8, 4
+    or 2, in rounds of one block per thread, the rows left over one by one with every thread on
+    each (the one-row sweep); a bad row is named first wherever it falls, in a block or among
+    the rows left over, even with a later bad row in the other part."""
+    from genlm_fast.ops import cpu_backend, extension
+
+    if not extension.has("cpu"):
+        pytest.skip(f"the cpu kernels are not built here: {extension.why_missing('cpu')}")
+    module = extension.load_module()
+    trie = TokenCharacterTrie(byte_vocab("smollm2"), cache=False)
+    arrays = trie.layout.device_arrays("without_eos", torch.device("cpu"), "cpu")
+    pairs = oracle.members(trie)
+    rng = np.random.default_rng(21)
+    for reduction in REDUCTIONS:
+        rows = make_rows(rng, 11, len(trie.decode), reduction, spread=30.0, neg_inf=0.01)
+        want = oracle.reduce(pairs, trie.num_nodes, rows, reduction)
+        for B in range(1, 12):
+            x = torch.from_numpy(rows[:B]).contiguous()
+            got = cpu_backend.run_kernel(module, x, arrays, reduction, num_threads=threads)
+            oracle.assert_close(got.numpy(), want[:B], reduction, f"{reduction}/B={B}/T={threads}")
+    rows = make_rows(rng, 9, len(trie.decode), "sum")
+    for bad in [(8,), (1, 8), (3, 5)]:
+        x = torch.from_numpy(rows).clone()
+        for r in bad:
+            x[r, 100 * r] = float("nan")
+        with pytest.raises(ValueError, match=f"weight row {bad[0]} contains NaN"):
+            cpu_backend.run_kernel(module, x, arrays, "sum", num_threads=threads)
+
+
 CUDA_VARIANTS = {"fold": {"fold": True}, "row_check": {"row_check": True}}
 
 

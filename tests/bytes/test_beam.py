@@ -223,6 +223,40 @@ async def test_mock_healing_agrees(mock, ref_mock, ref_tries, monkeypatch, capsy
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
+    "K,prompt,continuation", [(3, b"The cat", b" sat on"), (1, b"internat", b"xion al")]
+)
+async def test_rows_read_in_place_or_gathered(tokenizer, monkeypatch, K, prompt, continuation):
+    """A pool in host memory is read in place, a device pool through gathers of the nodes the
+    states read (kept per row): both ways give the same trajectories bit for bit, healing
+    included (the second case heals). The gather path is forced here, on the CPU, by giving
+    every row a dict of values read, as rows of a device pool have; each run gets a fresh LM
+    (and so a fresh trie, pool and memo)."""
+    params = BeamParams(K=K, eos_byte_strings=[GPT2_EOS])
+    in_place, beam = await trajectory(
+        await ByteBeamState.initial(PeakedMock(tokenizer), params), prompt, continuation
+    )
+    assert all(isinstance(s.mass.values, fast_trie_state._PoolValues) for s in beam.states)
+    assert fused_stats(beam)["gathers"] == 0
+    original = fast_trie_state._Row.__init__
+
+    def gathered(self, *args):
+        original(self, *args)
+        self.values = {}
+
+    monkeypatch.setattr(fast_trie_state._Row, "__init__", gathered)
+    via_gathers, beam = await trajectory(
+        await ByteBeamState.initial(PeakedMock(tokenizer), params), prompt, continuation
+    )
+    assert all(isinstance(s.mass.values, dict) for s in beam.states)
+    assert fused_stats(beam)["gathers"] > 0
+    assert len(in_place) == len(via_gathers)
+    for step, ((lp, z), (lq, zq)) in enumerate(zip(in_place, via_gathers)):
+        np.testing.assert_array_equal(lp, lq, err_msg=f"step {step}")
+        assert z == zq, step
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
     "options",
     [
         {"heal": False},

@@ -5,7 +5,7 @@ trie). ``await beam.logp_next()`` gives the next-byte distribution, ``await (bea
 reads a byte, ``beam.prune()`` keeps the K best. Semantics are those of genlm-bytes 0.2.0;
 the work of a step runs on the fused path (see ``trie_state``): the hypotheses that need a
 new LM distribution in a step share one LM batch and one trie kernel launch, and the few
-node values the beam reads come back in one transfer.
+node values the beam reads come back in one transfer (or, in host memory, are read in place).
 """
 
 from __future__ import annotations

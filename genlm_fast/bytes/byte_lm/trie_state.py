@@ -14,9 +14,11 @@ The fused path (``materialize_states``):
   ``batch_log_mass`` in ONE kernel launch per trie mode (one mode in a beam);
 * the ``[B, N]`` log-masses stay on the LM's device, copied into a per-trie device pool
   (``_MassPool``) whose rows are recycled when the last state using one is dropped;
-* states read their nodes through ``_gather``: the nodes every state of the beam is missing
-  are fetched with ONE ``index_select`` on the pool and ONE device-to-host transfer;
-  values already read are kept on the host (per pool row, shared by every state on it).
+* states read their nodes in place when the pool is in host memory (a step's next-byte
+  distribution is one indexed read of its row); from a device pool through ``_gather``: the
+  nodes every state of the beam is missing are fetched with ONE ``index_select`` on the pool
+  and ONE device-to-host transfer, and values already read are kept on the host (per pool
+  row, shared by every state on it).
 
 No state ever copies a full ``[N]`` row to the host (``state.mass`` still can, explicitly:
 ``np.asarray(state.mass)``).
@@ -113,6 +115,7 @@ class _TrieInfo:
         self.eos_node = trie.eos_node
         self.eot_sentinel = trie.eot_sentinel
         self.num_nodes = int(trie.layout.num_nodes)
+        self._edge_arrays = {}  # node -> edge_arrays(node), or False
         self.pools = {}
         # (model_key(model), mode, context) -> _Row while some state uses that row
         self.memo = weakref.WeakValueDictionary()
@@ -156,6 +159,27 @@ class _TrieInfo:
         if pool is None:
             pool = self.pools[key] = _MassPool(self.num_nodes, torch.device(device), self.stats)
         return pool
+
+    def edge_arrays(self, node):
+        """The edges out of ``node`` as index arrays, in the children's order: (bytes,
+        their child nodes, the end-of-token leaves); None when an edge is keyed by anything
+        else (logp_next then names it)."""
+        got = self._edge_arrays.get(node)
+        if got is None:
+            keys, kids, eots = [], [], []
+            for key, child in self.children[node].items():
+                if isinstance(key, tuple):
+                    eots.append(child)
+                elif isinstance(key, (int, np.integer)):
+                    keys.append(int(key))
+                    kids.append(child)
+                else:
+                    got = False
+                    break
+            else:
+                got = tuple(np.array(a, dtype=np.intp) for a in (keys, kids, eots))
+            self._edge_arrays[node] = got
+        return got or None
 
     def eot_edges(self, node):
         sentinel = self.eot_sentinel
@@ -208,6 +232,7 @@ class _MassPool:
         self.free = []
         self.live = 0
         self._busy = 0
+        self._host = None  # (data, its numpy view) for a pool in host memory
 
     def store(self, masses, model):
         """Copy ``[B, N]`` masses into free rows; returns one ``_Row`` per input row."""
@@ -230,6 +255,12 @@ class _MassPool:
             self._busy -= 1
         return [_Row(self, slot, model) for slot in slots]
 
+    def host_array(self):
+        """``data`` as a numpy array, for a pool in host memory (a view, no copy)."""
+        if self._host is None or self._host[0] is not self.data:
+            self._host = (self.data, self.data.numpy())
+        return self._host[1]
+
     def _grow(self, extra):
         old = self.capacity
         new = max(2 * old, old + extra, 8)
@@ -245,6 +276,7 @@ class _MassPool:
         self.live -= 1
         if self.live == 0 and not self._busy:  # nothing left: give the memory back
             self.data = None
+            self._host = None
             self.capacity = 0
             self.free = []
 
@@ -263,7 +295,8 @@ class _Row(np.lib.mixins.NDArrayOperatorsMixin):
     def __init__(self, pool, slot, model):
         self.pool = pool
         self.slot = slot
-        self.values = {}
+        # read so far (a device pool); a pool in host memory is read in place
+        self.values = _PoolValues(pool, slot) if pool.device.type == "cpu" else {}
         self.model = model  # keeps id(model) in memo keys unambiguous
 
     def __getitem__(self, idx):
@@ -345,6 +378,25 @@ class _ArrayValues:
     def __contains__(self, node):
         return True
 
+    def take(self, nodes):
+        """The values of ``nodes`` (an index array), as float64."""
+        return np.asarray(self.array[nodes], dtype=np.float64)
+
+
+class _PoolValues(_ArrayValues):
+    """``values`` of a row of a pool in host memory: read in place, nothing to gather. (The
+    pool's array is looked up at each read: growing the pool moves it.)"""
+
+    __slots__ = ("pool", "slot")
+
+    def __init__(self, pool, slot):
+        self.pool = pool
+        self.slot = slot
+
+    @property
+    def array(self):
+        return self.pool.host_array()[self.slot]
+
 
 class _HostRow:
     """A log-mass vector given by the caller (numpy / tensor), used as is."""
@@ -392,10 +444,10 @@ def _gather(requests):
     """
     wanted = {}
     for row, nodes in requests:
-        pool = row.pool
-        if pool is None:
-            continue
         values = row.values
+        if not isinstance(values, dict):  # a row in host memory: read in place
+            continue
+        pool = row.pool
         base = row.slot * pool.num_nodes
         for node in nodes:
             if node not in values:
@@ -761,6 +813,14 @@ class LazyTrieState:
         logps = np.full(NUM_SYMBOLS, NEG_INF)
         z = values[self.node]
         if z == NEG_INF:
+            return LazyByteProbs(logps)
+        edges = None if isinstance(values, dict) else self._info.edge_arrays(self.node)
+        if edges is not None:  # a row in host memory: the same arithmetic, array-wise
+            keys, kids, eots = edges
+            logps[keys] = values.take(kids) - z
+            if len(eots):
+                eot = values.take(eots) - z
+                logps[EOT_INDEX] = eot[0] if len(eot) == 1 else np.logaddexp.reduce(eot)
             return LazyByteProbs(logps)
         eot = []
         for key, child in self.children[self.node].items():

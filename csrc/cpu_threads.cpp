@@ -285,6 +285,8 @@ int team_size(int64_t bytes) {
 
 int free_cpus() { return sampler().free_cpus(); }
 
+int usable_cpus() { return cpus().usable; }
+
 ThreadsInfo threads_info() {
   const Cpus& c = cpus();
   Sampler& s = sampler();

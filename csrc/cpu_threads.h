@@ -40,6 +40,11 @@ int team_size(int64_t bytes);
 // setting and the work's size.
 int free_cpus();
 
+// The CPUs this process may run on (affinity capped by the cgroup quota, >= 1), fixed for the
+// process: what a kernel splits its work by when the split changes its rounding, so that
+// results do not depend on how many threads run it.
+int usable_cpus();
+
 // What team_size decides from, for reports and tests.
 struct ThreadsInfo {
   int affinity_cpus;    // CPUs in this process's affinity mask

@@ -40,7 +40,9 @@
 // next chunk (adding it to every node on the way, rewriting their outputs), and forwards it.
 //
 // Team sizes come from team_size() (cpu_threads.h: usable CPUs, contention, the work), unless
-// the caller names one.
+// the caller names one. How the work is split (rows into blocks, a row into shares), which
+// decides the order of the additions, comes from the usable CPUs alone, so a result does not
+// depend on the team that computed it.
 //
 // "max": empty nodes (no deposits beneath) are 0; they are fixed afterwards from the
 // empty_nodes list the caller supplies. "sum" gives 0 and "log_mass" -inf for them anyway.
@@ -694,7 +696,7 @@ int run_rows(const Args& A, int64_t r0) {
 }
 
 template <int RED, class In, class Out>
-bool run_row_chunked(const Args& A, int64_t r, int threads);
+bool run_row_chunked(const Args& A, int64_t r, int shares, int team);
 
 // Rows [r0, r0 + count), count <= 8, as blocks of 8/4/2 and a last single row; returns the first
 // failed row or -1. A single row takes the one-row sweep on this thread: stacked, its run
@@ -703,7 +705,7 @@ bool run_row_chunked(const Args& A, int64_t r, int threads);
 template <int RED, class In, class Out>
 int64_t run_block(const Args& A, int64_t r0, int count) {
   while (count > 0) {
-    if (count == 1) return run_row_chunked<RED, In, Out>(A, r0, 1) ? -1 : r0;
+    if (count == 1) return run_row_chunked<RED, In, Out>(A, r0, 1, 1) ? -1 : r0;
     const int R = count >= 8 ? 8 : count >= 4 ? 4 : 2;
     const int done = R == 8   ? run_rows<RED, 8, In, Out>(A, r0)
                      : R == 4 ? run_rows<RED, 4, In, Out>(A, r0)
@@ -717,8 +719,12 @@ int64_t run_block(const Args& A, int64_t r0, int count) {
 
 // ----------------------------------------------------------------------------- one row, T threads
 
+// Row r, its nodes in `shares` shares of kLockstep chunks each, swept by a team of `team`
+// threads (a thread takes every team-th share). The shares alone decide the order of the
+// additions, so the result does not depend on the team.
 template <int RED, class In, class Out>
-bool run_row_chunked(const Args& A, int64_t r, int threads) {
+bool run_row_chunked(const Args& A, int64_t r, int shares, int team) {
+  const int threads = shares;
   const int T = threads * kLockstep;  // chunks
   const In* x = static_cast<const In*>(A.values) + r * A.C;
   Out* o = static_cast<Out*>(A.out) + r * A.N;
@@ -752,41 +758,46 @@ bool run_row_chunked(const Args& A, int64_t r, int threads) {
   int64_t nlow = 0;
   bool ok = true;
 
-#pragma omp parallel num_threads(threads)
+  // the row's checks and (log_mass) its max and sum of exp, by share of the columns: share
+  // u's columns [col(u), col(u + 1)), its parts added in share order whatever the team
+  auto col = [&](int u) { return A.C * u / threads; };
+#pragma omp parallel num_threads(team)
   {
     const int nt = omp_get_num_threads();
     const int t = omp_get_thread_num();
-    const int64_t c0 = A.C * t / nt, c1 = A.C * (t + 1) / nt;  // this thread's columns
     if constexpr (RED == kLogMass) {
-      part_max[t] = row_max(x + c0, c1 - c0);  // NaN when the slice holds one
+      for (int u = t; u < threads; u += nt)
+        part_max[u] = row_max(x + col(u), col(u + 1) - col(u));  // NaN when it holds one
 #pragma omp barrier
       double mm = -kInf;
       bool row_ok = true;
-      for (int i = 0; i < nt; ++i) {
-        mm = part_max[i] > mm ? part_max[i] : mm;
-        row_ok = row_ok && part_max[i] == part_max[i];
+      for (int u = 0; u < threads; ++u) {
+        mm = part_max[u] > mm ? part_max[u] : mm;
+        row_ok = row_ok && part_max[u] == part_max[u];
       }
       row_ok = row_ok && mm > -kInf && mm < kInf;
-      if (row_ok) part_sum[t] = row_exp(x + c0, c1 - c0, mm, e + c0, &part_low[t]);
+      for (int u = t; row_ok && u < threads; u += nt)
+        part_sum[u] = row_exp(x + col(u), col(u + 1) - col(u), mm, e + col(u), &part_low[u]);
 #pragma omp barrier
 #pragma omp single
       {
         m = mm;
         ok = row_ok;
         total = 0.0;
-        for (int i = 0; i < nt; ++i) {
-          total += part_sum[i];
-          nlow += part_low[i];
+        for (int u = 0; u < threads; ++u) {
+          total += part_sum[u];
+          nlow += part_low[u];
         }
       }  // implicit barrier
     } else {
-      part_nan[t] = row_has_nan(x + c0, c1 - c0);
+      for (int u = t; u < threads; u += nt)
+        part_nan[u] = row_has_nan(x + col(u), col(u + 1) - col(u));
 #pragma omp barrier
 #pragma omp single
-      for (int i = 0; i < nt; ++i) ok = ok && !part_nan[i];
+      for (int u = 0; u < threads; ++u) ok = ok && !part_nan[u];
       // implicit barrier
     }
-    for (int u = t; ok && u < threads; u += nt) {  // normally one share per thread
+    for (int u = t; ok && u < threads; u += nt) {  // its shares
       const int j = u * kLockstep;  // its chunks: j .. j + kLockstep - 1
       std::fill(acc + nb[j], acc + nb[j + kLockstep], identity<RED>());
       if constexpr (RED == kLogMass) {
@@ -826,7 +837,7 @@ bool run_row_chunked(const Args& A, int64_t r, int threads) {
   }
 
   if constexpr (RED == kLogMass) {
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(team)
     {
       const int nt = omp_get_num_threads();
       const int t = omp_get_thread_num();
@@ -869,18 +880,22 @@ int64_t run_typed(const Args& A) {
   // SmolLM2's log_mass on 2 threads, B = 2 / 5 / 10: 0.35 / 0.74 / 0.96 ms in blocks only,
   // 0.24 / 0.51 / 0.79 this way. A single row in a block takes the one-row sweep too
   // (run_block).
-  const int chunks = static_cast<int>(std::min<int64_t>(T, A.N / 16384));
-  const bool rows_apart = chunks >= 2 && !omp_in_parallel();  // a row can use every thread
+  // The schedule, and with it the order of the additions, is made for the usable CPUs (fixed
+  // for the process), not for the team that runs it (which follows other processes' load), so
+  // that the results depend on the rows alone.
+  const int P = A.num_threads > 0 ? A.num_threads : usable_cpus();
+  const int shares = static_cast<int>(std::min<int64_t>(P, A.N / 16384));
+  const bool rows_apart = shares >= 2 && !omp_in_parallel();  // a row can use every thread
   std::vector<std::pair<int64_t, int>> jobs;  // blocks: (first row, rows)
   int64_t stacked = 0;  // rows [0, stacked) in blocks, the rest one by one
   if (rows_apart) {
-    while (B - stacked >= 2 * T) {
-      const int64_t share = (B - stacked) / T;
+    while (B - stacked >= 2 * P) {
+      const int64_t share = (B - stacked) / P;
       const int block = share >= 8 ? 8 : share >= 4 ? 4 : 2;
-      for (int t = 0; t < T; ++t, stacked += block) jobs.emplace_back(stacked, block);
+      for (int t = 0; t < P; ++t, stacked += block) jobs.emplace_back(stacked, block);
     }
   } else if (B > 1 || omp_in_parallel()) {
-    const int64_t per_thread = (B + T - 1) / T;
+    const int64_t per_thread = (B + P - 1) / P;
     const int block = per_thread >= 8 ? 8 : per_thread >= 4 ? 4 : per_thread >= 2 ? 2 : 1;
     for (; stacked < B; stacked += block)
       jobs.emplace_back(stacked, static_cast<int>(std::min<int64_t>(block, B - stacked)));
@@ -889,11 +904,13 @@ int64_t run_typed(const Args& A) {
   const int64_t count = static_cast<int64_t>(jobs.size());
   std::vector<int64_t> failed(count, -1);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(T) if (count > 1 && T > 1)
-  for (int64_t j = 0; j < count; ++j) failed[j] = run_block<RED, In, Out>(A, jobs[j].first, jobs[j].second);
+  for (int64_t j = 0; j < count; ++j)
+    failed[j] = run_block<RED, In, Out>(A, jobs[j].first, jobs[j].second);
   for (int64_t j = 0; j < count; ++j)
     if (failed[j] >= 0) return finish<RED, Out>(A, failed[j]);
+  const int row_shares = std::max(1, shares);
   for (int64_t r = stacked; r < B; ++r)
-    if (!run_row_chunked<RED, In, Out>(A, r, std::max(1, chunks)))
+    if (!run_row_chunked<RED, In, Out>(A, r, row_shares, std::min(T, row_shares)))
       return finish<RED, Out>(A, r);
   return finish<RED, Out>(A, -1);
 }

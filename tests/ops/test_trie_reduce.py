@@ -447,6 +447,40 @@ def test_cpu_row_schedules(threads):
             cpu_backend.run_kernel(module, x, arrays, "sum", num_threads=threads)
 
 
+def test_cpu_results_do_not_depend_on_the_team():
+    """The CPU kernel splits its work for the usable CPUs, whatever team runs it (the team
+    follows torch's setting and other processes' load): 1 to 11 rows on SmolLM2's trie give
+    the same bits from a team of one thread (torch set to one) as from a team as large as the
+    usable CPUs (named), float64 results included (where another order of the additions
+    would show)."""
+    from genlm_fast.ops import cpu_backend, extension
+
+    if not extension.has("cpu"):
+        pytest.skip(f"the cpu kernels are not built here: {extension.why_missing('cpu')}")
+    module = extension.load_module()
+    usable = module.cpu_threads_info()["usable_cpus"]
+    if usable < 2:
+        pytest.skip("one usable CPU: every team is one thread")
+    trie = TokenCharacterTrie(byte_vocab("smollm2"), cache=False)
+    arrays = trie.layout.device_arrays("without_eos", torch.device("cpu"), "cpu")
+    rng = np.random.default_rng(22)
+    threads = torch.get_num_threads()
+    try:
+        for reduction, wide in [("sum", True), ("max", True), ("log_mass", False)]:
+            rows = torch.from_numpy(make_rows(rng, 11, len(trie.decode), reduction, spread=30.0))
+            for B in range(1, 12):
+                x = rows[:B].contiguous()
+                torch.set_num_threads(threads)
+                full = cpu_backend.run_kernel(
+                    module, x, arrays, reduction, num_threads=usable, float64_result=wide
+                )
+                torch.set_num_threads(1)
+                alone = cpu_backend.run_kernel(module, x, arrays, reduction, float64_result=wide)
+                assert torch.equal(full, alone), (reduction, B)
+    finally:
+        torch.set_num_threads(threads)
+
+
 CUDA_VARIANTS = {"fold": {"fold": True}, "row_check": {"row_check": True}}
 
 

@@ -698,18 +698,20 @@ int run_rows(const Args& A, int64_t r0) {
 template <int RED, class In, class Out>
 bool run_row_chunked(const Args& A, int64_t r, int shares, int team);
 
-// Rows [r0, r0 + count), count <= 8, as blocks of 8/4/2 and a last single row; returns the first
-// failed row or -1. A single row takes the one-row sweep on this thread: stacked, its run
-// arrays are read for one row only, which costs more than sweeping the nodes (SmolLM2's
-// log_mass: 0.35 ms against 0.23, Llama-3's sum 0.81 against 0.40).
+// Rows [r0, r0 + count), count <= 8, as blocks of 8/4/2/1; returns the first failed row or -1.
+// A last single row takes the one-row sweep on this thread unless `lone_stacked`: stacked,
+// its run arrays are read for one row only, which costs more than sweeping the nodes
+// (SmolLM2's log_mass: 0.35 ms against 0.23, Llama-3's sum 0.81 against 0.40). (A row gives
+// the same bits in a block of any size, not in the one-row sweep.)
 template <int RED, class In, class Out>
-int64_t run_block(const Args& A, int64_t r0, int count) {
+int64_t run_block(const Args& A, int64_t r0, int count, bool lone_stacked) {
   while (count > 0) {
-    if (count == 1) return run_row_chunked<RED, In, Out>(A, r0, 1, 1) ? -1 : r0;
-    const int R = count >= 8 ? 8 : count >= 4 ? 4 : 2;
+    if (count == 1 && !lone_stacked) return run_row_chunked<RED, In, Out>(A, r0, 1, 1) ? -1 : r0;
+    const int R = count >= 8 ? 8 : count >= 4 ? 4 : count >= 2 ? 2 : 1;
     const int done = R == 8   ? run_rows<RED, 8, In, Out>(A, r0)
                      : R == 4 ? run_rows<RED, 4, In, Out>(A, r0)
-                              : run_rows<RED, 2, In, Out>(A, r0);
+                     : R == 2 ? run_rows<RED, 2, In, Out>(A, r0)
+                              : run_rows<RED, 1, In, Out>(A, r0);
     if (done < R) return r0 + done;
     r0 += R;
     count -= R;
@@ -874,38 +876,47 @@ int64_t run_typed(const Args& A) {
   T = std::max(1, T);
   // Rows go in blocks of up to 8 rows stacked in one sweep (the cheapest per row), a block per
   // thread at a time. Where a row can have all threads (a big trie: >= 16384 nodes per
-  // thread), the blocks go in rounds of one per thread, each round's blocks as large as the
-  // rows left allow, and the rows too few for a round (fewer than 2 per thread) go one by one
-  // with all threads on each, rather than as a last round that leaves threads idle.
-  // SmolLM2's log_mass on 2 threads, B = 2 / 5 / 10: 0.35 / 0.74 / 0.96 ms in blocks only,
-  // 0.24 / 0.51 / 0.79 this way. A single row in a block takes the one-row sweep too
-  // (run_block).
-  // The schedule, and with it the order of the additions, is made for the usable CPUs (fixed
-  // for the process), not for the team that runs it (which follows other processes' load), so
-  // that the results depend on the rows alone.
+  // thread), the rows too few to give each thread a block of two go one by one with all
+  // threads on each, rather than as a last round of blocks that leaves threads idle (SmolLM2's
+  // log_mass on 2 threads, B = 2 / 5 / 10: 0.35 / 0.74 / 0.96 ms in blocks only, 0.24 / 0.51 /
+  // 0.79 this way); a single row in a block takes the one-row sweep too (run_block).
+  // A row's bits depend on which of the two sweeps it takes and, in the one-row sweep, on
+  // how its nodes are shared, not on the size of its block: so which rows are swept alone,
+  // and in how many shares, is decided for the usable CPUs P (fixed for the process), and
+  // only the blocks follow the team T that runs them (other processes' load): the results
+  // depend on the rows alone.
   const int P = A.num_threads > 0 ? A.num_threads : usable_cpus();
   const int shares = static_cast<int>(std::min<int64_t>(P, A.N / 16384));
   const bool rows_apart = shares >= 2 && !omp_in_parallel();  // a row can use every thread
   std::vector<std::pair<int64_t, int>> jobs;  // blocks: (first row, rows)
-  int64_t stacked = 0;  // rows [0, stacked) in blocks, the rest one by one
+  int64_t stacked = B;  // rows [0, stacked) in blocks, the rest one by one
   if (rows_apart) {
+    // the rows P threads would take in rounds of blocks of at least two
+    stacked = 0;
     while (B - stacked >= 2 * P) {
       const int64_t share = (B - stacked) / P;
-      const int block = share >= 8 ? 8 : share >= 4 ? 4 : 2;
-      for (int t = 0; t < P; ++t, stacked += block) jobs.emplace_back(stacked, block);
+      stacked += P * (share >= 8 ? 8 : share >= 4 ? 4 : 2);
+    }
+    // and the team's rounds over them: each round's blocks as large as the rows left allow
+    for (int64_t done = 0; done < stacked;) {
+      const int64_t share = (stacked - done) / T;
+      const int block = share >= 8 ? 8 : share >= 4 ? 4 : share >= 2 ? 2 : 1;
+      for (int t = 0; t < T && done < stacked; ++t, done += block)
+        jobs.emplace_back(done, block);
     }
   } else if (B > 1 || omp_in_parallel()) {
     const int64_t per_thread = (B + P - 1) / P;
     const int block = per_thread >= 8 ? 8 : per_thread >= 4 ? 4 : per_thread >= 2 ? 2 : 1;
-    for (; stacked < B; stacked += block)
-      jobs.emplace_back(stacked, static_cast<int>(std::min<int64_t>(block, B - stacked)));
-    stacked = B;
+    for (int64_t r = 0; r < B; r += block)
+      jobs.emplace_back(r, static_cast<int>(std::min<int64_t>(block, B - r)));
+  } else {
+    stacked = 0;  // one row
   }
   const int64_t count = static_cast<int64_t>(jobs.size());
   std::vector<int64_t> failed(count, -1);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(T) if (count > 1 && T > 1)
   for (int64_t j = 0; j < count; ++j)
-    failed[j] = run_block<RED, In, Out>(A, jobs[j].first, jobs[j].second);
+    failed[j] = run_block<RED, In, Out>(A, jobs[j].first, jobs[j].second, rows_apart);
   for (int64_t j = 0; j < count; ++j)
     if (failed[j] >= 0) return finish<RED, Out>(A, failed[j]);
   const int row_shares = std::max(1, shares);

@@ -719,15 +719,14 @@ int64_t run_block(const Args& A, int64_t r0, int count, bool lone_stacked) {
   return -1;
 }
 
-// ----------------------------------------------------------------------------- one row, T threads
+// ----------------------------------------------------------------------------- one row, all threads
 
 // Row r, its nodes in `shares` shares of kLockstep chunks each, swept by a team of `team`
 // threads (a thread takes every team-th share). The shares alone decide the order of the
 // additions, so the result does not depend on the team.
 template <int RED, class In, class Out>
 bool run_row_chunked(const Args& A, int64_t r, int shares, int team) {
-  const int threads = shares;
-  const int T = threads * kLockstep;  // chunks
+  const int T = shares * kLockstep;  // chunks
   const In* x = static_cast<const In*>(A.values) + r * A.C;
   Out* o = static_cast<Out*>(A.out) + r * A.N;
   const int32_t N = static_cast<int32_t>(A.N);
@@ -737,14 +736,14 @@ bool run_row_chunked(const Args& A, int64_t r, int shares, int team) {
   double* e = RED == kLogMass ? w.col_exp_p(A.C) : nullptr;  // exp(x - m) by column
   acc[-1] = identity<RED>();
 
-  // thread u's share of the nodes, [a, b), as chunks u * kLockstep .. + kLockstep - 1: equal
+  // share u of the nodes, [a, b), as chunks u * kLockstep .. + kLockstep - 1: equal
   // parts, or (a share too small to be worth it) all in the first, the others empty. A chunk
   // boundary changes the order of the additions (a carry joins its ancestors apart from its
   // siblings), so a small trie is summed in plain post-order, as on one thread.
   std::vector<int32_t> nb(T + 1);
   std::vector<int64_t> pb(T + 1);
-  for (int u = 0; u < threads; ++u) {
-    const int64_t a = A.N * u / threads, b = A.N * (u + 1) / threads;
+  for (int u = 0; u < shares; ++u) {
+    const int64_t a = A.N * u / shares, b = A.N * (u + 1) / shares;
     const bool split = b - a >= kLockstep * kMinLockstepNodes;
     for (int k = 0; k < kLockstep; ++k)
       nb[u * kLockstep + k] = static_cast<int32_t>(split ? a + (b - a) * k / kLockstep : k ? b : a);
@@ -762,23 +761,23 @@ bool run_row_chunked(const Args& A, int64_t r, int shares, int team) {
 
   // the row's checks and (log_mass) its max and sum of exp, by share of the columns: share
   // u's columns [col(u), col(u + 1)), its parts added in share order whatever the team
-  auto col = [&](int u) { return A.C * u / threads; };
+  auto col = [&](int u) { return A.C * u / shares; };
 #pragma omp parallel num_threads(team)
   {
     const int nt = omp_get_num_threads();
     const int t = omp_get_thread_num();
     if constexpr (RED == kLogMass) {
-      for (int u = t; u < threads; u += nt)
+      for (int u = t; u < shares; u += nt)
         part_max[u] = row_max(x + col(u), col(u + 1) - col(u));  // NaN when it holds one
 #pragma omp barrier
       double mm = -kInf;
       bool row_ok = true;
-      for (int u = 0; u < threads; ++u) {
+      for (int u = 0; u < shares; ++u) {
         mm = part_max[u] > mm ? part_max[u] : mm;
         row_ok = row_ok && part_max[u] == part_max[u];
       }
       row_ok = row_ok && mm > -kInf && mm < kInf;
-      for (int u = t; row_ok && u < threads; u += nt)
+      for (int u = t; row_ok && u < shares; u += nt)
         part_sum[u] = row_exp(x + col(u), col(u + 1) - col(u), mm, e + col(u), &part_low[u]);
 #pragma omp barrier
 #pragma omp single
@@ -786,20 +785,20 @@ bool run_row_chunked(const Args& A, int64_t r, int shares, int team) {
         m = mm;
         ok = row_ok;
         total = 0.0;
-        for (int u = 0; u < threads; ++u) {
+        for (int u = 0; u < shares; ++u) {
           total += part_sum[u];
           nlow += part_low[u];
         }
       }  // implicit barrier
     } else {
-      for (int u = t; u < threads; u += nt)
+      for (int u = t; u < shares; u += nt)
         part_nan[u] = row_has_nan(x + col(u), col(u + 1) - col(u));
 #pragma omp barrier
 #pragma omp single
-      for (int u = 0; u < threads; ++u) ok = ok && !part_nan[u];
+      for (int u = 0; u < shares; ++u) ok = ok && !part_nan[u];
       // implicit barrier
     }
-    for (int u = t; ok && u < threads; u += nt) {  // its shares
+    for (int u = t; ok && u < shares; u += nt) {  // its shares
       const int j = u * kLockstep;  // its chunks: j .. j + kLockstep - 1
       std::fill(acc + nb[j], acc + nb[j + kLockstep], identity<RED>());
       if constexpr (RED == kLogMass) {

@@ -172,12 +172,16 @@ async def test_logits_hook(tokenizer, vocab_size):
 @pytest.mark.parametrize("cache_size", [0, 16])
 async def test_logits_calls_fill_the_output_cache(tokenizer, vocab_size, cache_size):
     """A context first asked for its logits is not run again when asked again, through
-    either method (unless the cache is off)."""
+    either method (unless the cache is off), and gets the same row either way."""
     lm = make(tokenizer, cache_size=cache_size)
     for ctx in ([4, 5], [6]):
         first = await lm.next_token_logits(ctx)
         again = await lm.next_token_logits(ctx)
         logprobs = await lm.next_token_logprobs(ctx)
+        # computed or found in the cache, a context's row is the same bit for bit
+        assert torch.equal(first, again)
+        if cache_size:
+            assert torch.equal(first.cpu(), logprobs)
         torch.testing.assert_close(torch.log_softmax(first, -1), expected(ctx, vocab_size))
         torch.testing.assert_close(torch.log_softmax(again, -1), expected(ctx, vocab_size))
         torch.testing.assert_close(logprobs, expected(ctx, vocab_size))

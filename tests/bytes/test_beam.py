@@ -256,6 +256,25 @@ async def test_rows_read_in_place_or_gathered(tokenizer, monkeypatch, K, prompt,
 
 
 @pytest.mark.asyncio
+async def test_a_second_run_on_one_lm_repeats_the_first(tokenizer):
+    """The second run finds the LM's rows in its output cache (and the trie's masses in the
+    beam's pool) where the first computed them: the trajectories are equal bit for bit."""
+    lm = PeakedMock(tokenizer)
+    params = BeamParams(K=3, eos_byte_strings=[GPT2_EOS])
+    runs = []
+    for _ in range(2):
+        runs.append(
+            await trajectory(await ByteBeamState.initial(lm, params), b"The cat", b" sat on")
+        )
+    (first, _), (second, _) = runs
+    assert lm.stats["cache_hits"] > 0
+    assert len(first) == len(second)
+    for step, ((lp, z), (lq, zq)) in enumerate(zip(first, second)):
+        np.testing.assert_array_equal(lp, lq, err_msg=f"step {step}")
+        assert z == zq, step
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize(
     "options",
     [
@@ -810,6 +829,26 @@ async def test_smollm2_agrees(lms, smol_ref_tries, K, eos, prompt, continuation,
     assert len(beam) == len(ref_beam)
     if eos_likely:  # EOS is a real outcome here, and its probability agrees (compare)
         assert any(np.exp(lp[EOS]) > 1e-4 for lp, _ in ours)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_smollm2_second_run_repeats_the_first(lms):
+    """The real model: the first run computes its rows (logits for the trie), the second
+    finds them in the output cache; the trajectories are equal bit for bit."""
+    ours_lm, _ = lms
+    params = BeamParams(K=4)
+    hits = ours_lm.stats["cache_hits"]
+    first, _ = await trajectory(
+        await ByteBeamState.initial(ours_lm, params), b"Once upon a", b" time"
+    )
+    second, _ = await trajectory(
+        await ByteBeamState.initial(ours_lm, params), b"Once upon a", b" time"
+    )
+    assert ours_lm.stats["cache_hits"] > hits
+    for step, ((lp, z), (lq, zq)) in enumerate(zip(first, second)):
+        np.testing.assert_array_equal(lp, lq, err_msg=f"step {step}")
+        assert z == zq, step
 
 
 @pytest.mark.slow

@@ -153,17 +153,29 @@ def test_identical_concurrent_prompts_share_one_request(lm):
     assert lm.stats["cache_hits"] == hits + 1 and torch.equal(again, rows[0])
 
 
-def test_next_token_logits_are_raw_logits(lm, contexts):
+def test_next_token_logits(lm, contexts):
+    """With the output cache on, a logits call gets the rows the cache keeps (computed now or
+    found there alike); with it off, the engine's raw logits."""
     lm.clear_cache()
     logits = asyncio.run(lm.batch_next_token_logits(contexts[:4]))
     assert logits.shape == (4, 49152)
+    hits = lm.stats["cache_hits"]
     logprobs = lm.batch_next_token_logprobs_sync(contexts[:4])
-    for i in range(4):
-        assert torch.logsumexp(logits[i], 0).abs().item() > 1e-2  # not normalized
-        shifted = logits[i] - torch.logsumexp(logits[i], 0)
-        assert (shifted - logprobs[i]).abs().max().item() < 1e-4
+    assert lm.stats["cache_hits"] == hits + 4
+    assert torch.equal(logits.cpu(), logprobs)
     one = asyncio.run(lm.next_token_logits(contexts[5]))
     assert one.shape == (49152,)
+    assert torch.equal(asyncio.run(lm.next_token_logits(contexts[5])), one)
+    size, lm.cache_size = lm.cache_size, 0
+    lm.clear_cache()
+    try:
+        raw = asyncio.run(lm.batch_next_token_logits(contexts[:4]))
+    finally:
+        lm.cache_size = size
+    for i in range(4):
+        assert torch.logsumexp(raw[i], 0).abs().item() > 1e-2  # not normalized
+        shifted = raw[i] - torch.logsumexp(raw[i], 0)
+        assert (shifted.cpu() - logprobs[i]).abs().max().item() < 1e-4
 
 
 def test_sample(lm):

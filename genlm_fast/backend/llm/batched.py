@@ -213,7 +213,7 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
         hit = self._cached(lora, ids)
         if hit is not None:
             return hit.clone()
-        return await self._enqueue(lora, ids, True)
+        return await self._enqueue(lora, ids, "logprobs")
 
     def next_token_logprobs_sync(self, token_ids, lora_name=None):
         """Log probabilities of the token following ``token_ids``, without batching."""
@@ -261,9 +261,11 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
     async def next_token_logits(self, token_ids, lora_name=None):
         """Unnormalized next-token logits ``[V']`` on the model's device.
 
-        The batch's log probabilities also go to the output cache (on the CPU, as those of
-        `next_token_logprobs`), and a cached context answers with them moved to the
-        device: they differ from the logits by a constant only.
+        With the output cache on, the answer is the context's log probabilities (they differ
+        from the logits by a constant only) moved to the device: those go to the cache, and
+        a cached context answers with them, so a context gets the same row bit for bit
+        whether it was computed or found. With the cache off (``cache_size=0``), the raw
+        logits.
         """
         return await self._logits_of(*self._prepare(token_ids, lora_name))
 
@@ -272,7 +274,7 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
         hit = self._cached(lora, ids)
         if hit is not None:
             return hit.to(self.device, non_blocking=True, copy=True)
-        return await self._enqueue(lora, ids, False)
+        return await self._enqueue(lora, ids, "logits")
 
     async def batch_next_token_logits(self, token_ids_list, lora_name=None):
         """Unnormalized logits ``[B, V']`` on the model's device, via the auto-batcher."""

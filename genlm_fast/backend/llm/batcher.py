@@ -53,13 +53,22 @@ class _Row:
     def __init__(self, lora, ids):
         self.lora = lora
         self.ids = ids
-        self.waiters = []  # (future, wants_logprobs)
+        self.waiters = []  # (future, answer): one of ANSWERS
 
     def live(self):
         return any(not fut.done() for fut, _ in self.waiters)
 
     def wants_logprobs(self):
-        return any(want and not fut.done() for fut, want in self.waiters)
+        return any(answer == "logprobs" and not fut.done() for fut, answer in self.waiters)
+
+
+# What a waiter gets from its row of the batch:
+# * "logprobs": the CPU log-probability row (`next_token_logprobs`);
+# * "logits": that row moved to the model's device whenever the batch computed it (always
+#   with the output cache on), as a later cache hit is answered, else the raw logits
+#   (`next_token_logits`): a context gets the same row bit for bit computed or found;
+# * "raw": the raw logits on the device (genlm's ``add_query`` protocol).
+ANSWERS = ("logprobs", "logits", "raw")
 
 
 # An idle probe inspects the loop's ready callbacks only when there are at most this many:
@@ -111,9 +120,12 @@ class AutoBatcher:
     ``_evaluate(lora, rows, want_logprobs)`` and ``_check_open()``.
     """
 
-    def _enqueue(self, lora, ids, wants_logprobs, future=None):
-        """Queue one query; returns the future its answer goes to (``future``, a future of
-        the running loop, when given, else a new one)."""
+    def _enqueue(self, lora, ids, answer, future=None):
+        """Queue one query for an ``answer`` of the kind named (see `ANSWERS`); returns the
+        future it goes to (``future``, a future of the running loop, when given, else a
+        new one)."""
+        if answer not in ANSWERS:
+            raise ValueError(f"unknown answer kind {answer!r}; expected one of {ANSWERS}")
         loop = asyncio.get_running_loop()
         if future is not None and future.get_loop() is not loop:
             raise ValueError(
@@ -142,7 +154,7 @@ class AutoBatcher:
             row = self._pending.get(key)
             if row is None:
                 row = self._pending[key] = _Row(lora, ids)
-            row.waiters.append((fut, wants_logprobs))
+            row.waiters.append((fut, answer))
             self._queued += 1
             fut.add_done_callback(functools.partial(self._on_waiter_done, key, row))
             full = self._queued >= self.batch_size
@@ -163,7 +175,7 @@ class AutoBatcher:
         with self._lock:
             if self._pending.get(key) is not row:
                 return  # its batch was taken already
-            kept = [(f, want) for f, want in row.waiters if f is not fut]
+            kept = [(f, answer) for f, answer in row.waiters if f is not fut]
             if len(kept) == len(row.waiters):
                 return
             row.waiters = kept
@@ -238,10 +250,16 @@ class AutoBatcher:
                         _settle(fut, err, True, here)
                 continue
             for i, r in enumerate(group):
-                for fut, wants_lp in r.waiters:
-                    if not fut.done():
-                        answer = (logprobs[i] if wants_lp else logits[i]).clone()
-                        _settle(fut, answer, False, here)
+                for fut, answer in r.waiters:
+                    if fut.done():
+                        continue
+                    if answer == "logprobs":
+                        value = logprobs[i].clone()
+                    elif answer == "logits" and logprobs is not None:
+                        value = logprobs[i].to(logits.device, copy=True)
+                    else:
+                        value = logits[i].clone()
+                    _settle(fut, value, False, here)
         if fatal is not None:
             raise fatal
 

@@ -730,11 +730,10 @@ class AsyncTransformer(BatchedAsyncLM):
                 )
             prefix = walked[1]
         _, ids = self._prepare(list(prefix) + list(query), lora_name)
-        self._enqueue(lora, ids, False, future=future)
+        self._enqueue(lora, ids, "raw", future=future)
 
     # ---- genlm.backend extras --------------------------------------------------------
 
-    @torch.no_grad()
     @torch.no_grad()
     def next_token_logprobs_uncached(self, token_ids, lora_name=None):
         """Log probabilities from one forward pass over the whole context, bypassing every

@@ -195,7 +195,10 @@ BYTELEVEL = ["bytelevel_tok", "gpt2_tok", "smollm2_tok"]
 # Token
 # --------------------------------------------------------------------------
 
-ids = st.integers(min_value=-(2**40), max_value=2**40)
+ids = st.one_of(
+    st.integers(min_value=-(2**40), max_value=2**40),
+    st.integers(min_value=-(2**70), max_value=2**70),
+)
 contents = st.binary(max_size=4)
 
 

@@ -94,8 +94,10 @@ class WeightWatch {
     const void* data;
     c10::ScalarType dtype;
     int64_t version;  // -1: an inference tensor, which has none
+    // float32 entries' bits (other dtypes are not sampled): all of a small tensor (`at`
+    // empty), else those at the indices `at`
     std::vector<int64_t> at;
-    std::vector<uint32_t> bits;  // float32 entries' bits (other dtypes are not sampled)
+    std::vector<uint32_t> bits;
   };
   std::vector<std::pair<pybind11::dict, DictItems>> dicts_;
   std::vector<Entry> entries_;

@@ -142,16 +142,19 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
     def _evaluate(self, lora, rows, want_logprobs=True):
         """Run `_forward` on distinct ``rows`` in chunks of ``batch_size``.
 
-        Returns the logits ``[n, V']`` and, if ``want_logprobs``, a list of the n float32
-        CPU log-probability rows (each one its own tensor, also stored in the output cache:
-        hand out copies, see `_cached`). The rows are cached even when only logits are
-        wanted, so that a context asked for again (a beam re-scored, a prefix shared by
-        particles) costs no forward whichever method asks.
+        Returns ``(logits, logprobs, kept)``: the logits ``[n, V']`` and their log
+        probabilities ``[n, V']``, both on the model's device, and the latter as a list of
+        n float32 CPU rows (each one its own tensor, also stored in the output cache: hand
+        out copies, see `_cached`). The rows are cached even when only logits are wanted,
+        so that a context asked for again (a beam re-scored, a prefix shared by particles)
+        costs no forward whichever method asks. With the cache off and only logits wanted,
+        ``logprobs`` and ``kept`` are None.
         """
         logits = self._forward_in_chunks(lora, rows, self._forward)
         if not want_logprobs and self.cache_size <= 0:
-            return logits, None
-        return logits, self._keep_rows(lora, rows, torch.log_softmax(logits.float(), -1).cpu())
+            return logits, None, None
+        logprobs = torch.log_softmax(logits.float(), -1)
+        return logits, logprobs, self._keep_rows(lora, rows, logprobs.cpu())
 
     def _forward_in_chunks(self, lora, rows, forward):
         """``forward(lora, chunk)`` on ``rows`` in chunks of ``batch_size``, one forward of
@@ -221,7 +224,7 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
         hit = self._cached(lora, ids)
         if hit is not None:
             return hit.clone()
-        return self._evaluate(lora, [ids])[1][0].clone()
+        return self._evaluate(lora, [ids])[2][0].clone()
 
     def batch_next_token_logprobs_sync(self, token_ids_list, lora_name=None):
         """Log probabilities for several contexts, ``[B, V']``, in as few calls as possible."""
@@ -245,7 +248,7 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
                 found[ids] = None
                 todo.append(ids)
         if todo:
-            _, logprobs = self._evaluate(lora, todo)
+            _, _, logprobs = self._evaluate(lora, todo)
             for ids, row in zip(todo, logprobs):
                 found[ids] = row
         return torch.stack([found[ids] for ids in all_ids])

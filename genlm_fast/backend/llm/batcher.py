@@ -64,9 +64,9 @@ class _Row:
 
 # What a waiter gets from its row of the batch:
 # * "logprobs": the CPU log-probability row (`next_token_logprobs`);
-# * "logits": that row moved to the model's device whenever the batch computed it (always
-#   with the output cache on), as a later cache hit is answered, else the raw logits
-#   (`next_token_logits`): a context gets the same row bit for bit computed or found;
+# * "logits": those log probabilities on the model's device whenever the batch computed
+#   them (always with the output cache on; a later cache hit is answered with the cached
+#   row moved there: the same bits), else the raw logits (`next_token_logits`);
 # * "raw": the raw logits on the device (genlm's ``add_query`` protocol).
 ANSWERS = ("logprobs", "logits", "raw")
 
@@ -238,7 +238,7 @@ class AutoBatcher:
         for lora, group in groups.items():
             try:
                 want = any(r.wants_logprobs() for r in group)
-                logits, logprobs = self._evaluate(lora, [r.ids for r in group], want)
+                logits, on_device, logprobs = self._evaluate(lora, [r.ids for r in group], want)
             except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
                 err = exc
                 if not isinstance(exc, Exception):
@@ -255,8 +255,8 @@ class AutoBatcher:
                         continue
                     if answer == "logprobs":
                         value = logprobs[i].clone()
-                    elif answer == "logits" and logprobs is not None:
-                        value = logprobs[i].to(logits.device, copy=True)
+                    elif answer == "logits" and on_device is not None:
+                        value = on_device[i].clone()
                     else:
                         value = logits[i].clone()
                     _settle(fut, value, False, here)

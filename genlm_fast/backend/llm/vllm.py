@@ -404,14 +404,14 @@ class AsyncVirtualLM(BatchedAsyncLM):
         """Like `BatchedAsyncLM._evaluate`, but the engine does the log-softmax.
 
         When ``want_logprobs``, the log probabilities also serve as the logits of the
-        batch (they differ by a constant per row).
+        batch (they differ by a constant per row), and are the rows handed out as such.
         """
         if not want_logprobs:
             return super()._evaluate(lora, rows, want_logprobs=False)
         batch = self._forward_in_chunks(
             lora, rows, lambda lora, chunk: self._capture(lora, chunk, "logprobs")
         )
-        return batch, self._keep_rows(lora, rows, batch)
+        return batch, batch, self._keep_rows(lora, rows, batch)
 
     async def release_all(self):
         """genlm.backend API: evict idle engine requests. Each batch here is a finished

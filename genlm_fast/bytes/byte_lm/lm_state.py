@@ -14,7 +14,7 @@ class StatefulTokenizedLM:
 
     ``state << token`` returns a new state with one more token; ``await state.logp_next()``
     asks the model for the next-token log-probabilities. (The byte-level beam does not call
-    ``logp_next``: it asks the model for the raw logits of many states at once.)
+    ``logp_next``: it asks the model for the logits of many states at once.)
 
     Args:
         model (AsyncLM): the token-level model (genlm_fast or genlm.backend).

@@ -10,7 +10,7 @@ next-token distribution after the context; computing it is "materializing" the s
 The fused path (``materialize_states``):
 
 * every state that needs it in a step is materialized together: distinct contexts go to
-  the LM in ONE ``batch_next_token_logits`` call, and the raw logits go to the trie's
+  the LM in ONE ``batch_next_token_logits`` call, and its rows go to the trie's
   ``batch_log_mass`` in ONE kernel launch per trie mode (one mode in a beam);
 * the ``[B, N]`` log-masses stay on the LM's device, copied into a per-trie device pool
   (``_MassPool``) whose rows are recycled when the last state using one is dropped;
@@ -472,7 +472,8 @@ def _gather(requests):
 
 
 async def _next_token_logits(model, contexts):
-    """``[B, V']`` scores of each context (raw logits when the model offers them)."""
+    """``[B, V']`` scores of each context: logits (up to a constant) when the model offers
+    them, else log-probabilities."""
     fn = getattr(model, "batch_next_token_logits", None)
     if fn is None:
         fn = getattr(model, "batch_next_token_logprobs", None)

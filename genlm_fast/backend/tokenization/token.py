@@ -52,7 +52,6 @@ class Token(bytes):
             raise TypeError(f"byte_string must be bytes, got {type(byte_string)}")
         self = super().__new__(cls, byte_string)
         self.token_id = token_id
-        self._id_hash = hash(token_id).__index__  # see __hash__
         return self
 
     @property
@@ -63,12 +62,8 @@ class Token(bytes):
     def __repr__(self):
         return f"Token(token_id={self.token_id}, byte_string={bytes(self)!r})"
 
-    # hash(token) == hash(token_id). Python hashes an instance by calling what its class's
-    # ``__hash__`` yields and taking the int returned: here the bound ``__index__`` of
-    # hash(token_id), fetched by a C getter, so no Python frame runs. Hashing is a hot path:
-    # genlm-control builds dicts over the whole vocabulary per potential (SmolLM2's regex
-    # program: ~0.6 M hashes a run; 65 -> 39 ns a dict lookup).
-    __hash__ = property(operator.attrgetter("_id_hash"))
+    def __hash__(self):
+        return hash(self.token_id)
 
     __eq__ = _by_id(operator.eq)
     __ne__ = _by_id(operator.ne)

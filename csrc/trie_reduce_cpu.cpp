@@ -698,6 +698,9 @@ int run_rows(const Args& A, int64_t r0) {
 template <int RED, class In, class Out>
 bool run_row_chunked(const Args& A, int64_t r, int shares, int team);
 
+// the stacked sweep's block sizes: the largest of 8 / 4 / 2 / 1 rows not above `rows` (>= 1)
+inline int block_rows(int64_t rows) { return rows >= 8 ? 8 : rows >= 4 ? 4 : rows >= 2 ? 2 : 1; }
+
 // Rows [r0, r0 + count), count <= 8, as blocks of 8/4/2/1; returns the first failed row or -1.
 // A last single row takes the one-row sweep on this thread unless `lone_stacked`: stacked,
 // its run arrays are read for one row only, which costs more than sweeping the nodes
@@ -707,7 +710,7 @@ template <int RED, class In, class Out>
 int64_t run_block(const Args& A, int64_t r0, int count, bool lone_stacked) {
   while (count > 0) {
     if (count == 1 && !lone_stacked) return run_row_chunked<RED, In, Out>(A, r0, 1, 1) ? -1 : r0;
-    const int R = count >= 8 ? 8 : count >= 4 ? 4 : count >= 2 ? 2 : 1;
+    const int R = block_rows(count);
     const int done = R == 8   ? run_rows<RED, 8, In, Out>(A, r0)
                      : R == 4 ? run_rows<RED, 4, In, Out>(A, r0)
                      : R == 2 ? run_rows<RED, 2, In, Out>(A, r0)
@@ -894,18 +897,17 @@ int64_t run_typed(const Args& A) {
     stacked = 0;
     while (B - stacked >= 2 * P) {
       const int64_t share = (B - stacked) / P;
-      stacked += P * (share >= 8 ? 8 : share >= 4 ? 4 : 2);
+      stacked += P * block_rows(share);  // share >= 2
     }
     // and the team's rounds over them: each round's blocks as large as the rows left allow
     for (int64_t done = 0; done < stacked;) {
       const int64_t share = (stacked - done) / T;
-      const int block = share >= 8 ? 8 : share >= 4 ? 4 : share >= 2 ? 2 : 1;
+      const int block = block_rows(share);
       for (int t = 0; t < T && done < stacked; ++t, done += block)
         jobs.emplace_back(done, block);
     }
   } else if (B > 1 || omp_in_parallel()) {
-    const int64_t per_thread = (B + P - 1) / P;
-    const int block = per_thread >= 8 ? 8 : per_thread >= 4 ? 4 : per_thread >= 2 ? 2 : 1;
+    const int block = block_rows((B + P - 1) / P);
     for (int64_t r = 0; r < B; r += block)
       jobs.emplace_back(r, static_cast<int>(std::min<int64_t>(block, B - r)));
   } else {

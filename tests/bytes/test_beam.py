@@ -82,6 +82,14 @@ def compare(ours, ref, *, tol=2e-3, floor=1e-4, logz_tol=1e-2, what=""):
         assert abs(z - zq) <= logz_tol, f"{what} step {step}: logZ {z} vs {zq}"
 
 
+def assert_identical(ours, again):
+    """Two trajectories of ``(log-probs [258], logZ)``: same length, equal bit for bit."""
+    assert len(ours) == len(again)
+    for step, ((lp, z), (lq, zq)) in enumerate(zip(ours, again)):
+        np.testing.assert_array_equal(lp, lq, err_msg=f"step {step}")
+        assert z == zq, step
+
+
 async def trajectory(beam, prompt, continuation):
     """Prefill ``prompt``; then, byte by byte through ``continuation``, record
     ``(logp_next, logZ)`` before each byte and once at the end."""
@@ -249,10 +257,7 @@ async def test_rows_read_in_place_or_gathered(tokenizer, monkeypatch, K, prompt,
     )
     assert all(isinstance(s.mass.values, dict) for s in beam.states)
     assert fused_stats(beam)["gathers"] > 0
-    assert len(in_place) == len(via_gathers)
-    for step, ((lp, z), (lq, zq)) in enumerate(zip(in_place, via_gathers)):
-        np.testing.assert_array_equal(lp, lq, err_msg=f"step {step}")
-        assert z == zq, step
+    assert_identical(in_place, via_gathers)
 
 
 @pytest.mark.asyncio
@@ -268,10 +273,7 @@ async def test_a_second_run_on_one_lm_repeats_the_first(tokenizer):
         )
     (first, _), (second, _) = runs
     assert lm.stats["cache_hits"] > 0
-    assert len(first) == len(second)
-    for step, ((lp, z), (lq, zq)) in enumerate(zip(first, second)):
-        np.testing.assert_array_equal(lp, lq, err_msg=f"step {step}")
-        assert z == zq, step
+    assert_identical(first, second)
 
 
 @pytest.mark.asyncio
@@ -846,9 +848,7 @@ async def test_smollm2_second_run_repeats_the_first(lms):
         await ByteBeamState.initial(ours_lm, params), b"Once upon a", b" time"
     )
     assert ours_lm.stats["cache_hits"] > hits
-    for step, ((lp, z), (lq, zq)) in enumerate(zip(first, second)):
-        np.testing.assert_array_equal(lp, lq, err_msg=f"step {step}")
-        assert z == zq, step
+    assert_identical(first, second)
 
 
 @pytest.mark.slow

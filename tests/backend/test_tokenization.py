@@ -225,13 +225,18 @@ def test_tokens_hold_no_more_objects_than_genlms():
 
     def tracked(cls):
         gc.collect()
-        before = len(gc.get_objects())
-        kept = [cls(i, b"t%d" % i) for i in range(1000)]
-        added = len(gc.get_objects()) - before
+        gc.disable()  # no collection in between: it would free unrelated objects
+        try:
+            before = len(gc.get_objects())
+            kept = [cls(i, b"t%d" % i) for i in range(1000)]
+            added = len(gc.get_objects()) - before
+        finally:
+            gc.enable()
         del kept
         return added
 
-    assert tracked(Token) <= tracked(ref.Token)
+    # (a few objects of slack for the interpreter's own; one more per token is 1000 more)
+    assert tracked(Token) <= tracked(ref.Token) + 10
 
 
 @settings(max_examples=200, deadline=None)

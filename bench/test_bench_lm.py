@@ -87,20 +87,24 @@ def theirs(model_dir):
     return llm.AsyncTransformer(model, tok)
 
 
-@pytest.fixture(scope="module")
-def plan(ours):
-    """Contexts of every round, drawn once from genlm_fast's distributions."""
-    prompt = ours.tokenizer.encode(PROMPT)
+def draw_plan(lm):
+    """Contexts of every round, drawn once from ``lm``'s distributions (seeded)."""
+    prompt = lm.tokenizer.encode(PROMPT)
     gen = torch.Generator().manual_seed(1234)
     particles = [list(prompt) for _ in range(N_PARTICLES)]
     rounds = []
     for _ in range(N_ROUNDS):
         rounds.append([list(p) for p in particles])
-        logps = ours.batch_next_token_logprobs_sync(particles)
+        logps = lm.batch_next_token_logprobs_sync(particles)
         for p, row in zip(particles, logps):
-            p.append(int(torch.multinomial(row.exp(), 1, generator=gen)))
-    ours.clear_cache()
+            p.append(int(torch.multinomial(row.float().cpu().exp(), 1, generator=gen)))
+    lm.clear_cache()
     return rounds
+
+
+@pytest.fixture(scope="module")
+def plan(ours):
+    return draw_plan(ours)
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +113,16 @@ def reference(model_dir, plan):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).double().eval()
+    return float64_logprobs(model, plan)
+
+
+def float64_logprobs(model, plan):
+    """Each round's next-token log-probabilities by ``model`` (float64), on the CPU."""
     out = []
     with torch.no_grad():
         for ctxs in plan:  # all contexts of a round have the same length: no padding
-            logits = model(torch.tensor(ctxs)).logits[:, -1]
-            out.append(torch.log_softmax(logits, dim=-1))
-    del model
+            logits = model(torch.tensor(ctxs, device=model.device)).logits[:, -1]
+            out.append(torch.log_softmax(logits, dim=-1).cpu())
     return out
 
 

@@ -3,11 +3,14 @@
 #     bash tools/gpu/session.sh tests    # build with the CUDA kernels, run the GPU tests
 #     bash tools/gpu/session.sh bench    # python -m tools.gpu.bench --variants fold row_check
 #                                          #   --sweep (Llama-3)
+#     bash tools/gpu/session.sh lm       # python -m tools.gpu.lm: the LM's SMC step and one
+#                                          #   decoding forward, eager and as a CUDA graph
 #     bash tools/gpu/session.sh profile  # ncu on the CUDA kernels (and their DRAM traffic
 #                                          # with the caches as the pipeline leaves them,
 #                                          # and what the tile and span kernels wait on)
-#     bash tools/gpu/session.sh all      # all three in one remote call: build, bench,
-#                                          # profile (at most PROFILE_S = 80 s), tests
+#     bash tools/gpu/session.sh all      # all in one remote call: build, lm (at most
+#                                          # LM_S = 120 s), bench, profile (at most
+#                                          # PROFILE_S = 80 s), tests
 # Each step installs what it needs first (once per machine): the wheels that
 # tools/gpu/prepare.sh put in .whl/ (carried), and genlm_fast with its CUDA extension.
 # Logs and results go to $OUT, which the runner sends back.
@@ -182,6 +185,13 @@ run_profile() {
   echo "ncu stalls (fold) log_mass B=64: exit $?"
 }
 
+run_lm() {
+  # genlm_fast's AsyncTransformer against genlm-backend's (SMC), and one decoding forward
+  # eager and as a CUDA graph, on SmolLM2's architecture with random weights (tools/gpu/lm.py)
+  $PY -m tools.gpu.lm --out "$OUT/gpu-lm-$(date +%F).md" 2>&1 | tee "$OUT/lm-gpu.log"
+  return "${PIPESTATUS[0]}"
+}
+
 run_bench() {
   # --sweep: after the main table (written first), the Triton kernels' launch configurations
   $PY -m tools.gpu.bench ${BENCH_ARGS---variants fold row_check --sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
@@ -201,11 +211,13 @@ trap bundle_outputs EXIT
 case "${1:-}" in
   tests) setup; run_tests; exit $? ;;
   bench) setup; run_bench; exit $? ;;
+  lm) setup; run_lm; exit $? ;;
   profile) setup; run_profile; exit $? ;;
   all)
     setup
-    export -f run_bench run_profile run_tests native_stack
+    export -f run_lm run_bench run_profile run_tests native_stack
     export OUT PY GPU_TESTS
+    timeout "${LM_S:-120}" bash -c run_lm; lm_rc=$?
     # what the build left of TOTAL_S (the runner's 600 s, less a margin for the
     # transfers): 53% to the benchmark, the rest to the tests, unless BENCH_S/TESTS_S say
     left=$(( ${TOTAL_S:-585} - SECONDS )); [ "$left" -ge 120 ] || left=120
@@ -213,11 +225,11 @@ case "${1:-}" in
     timeout "${PROFILE_S:-80}" bash -c run_profile
     left=$(( ${TOTAL_S:-585} - SECONDS )); [ "$left" -ge 60 ] || left=60
     timeout "${TESTS_S:-$left}" bash -c run_tests; tests_rc=$?
-    echo "== bench exit $bench_rc, tests exit $tests_rc (124: stopped by its timeout)"
-    exit $(( bench_rc || tests_rc ))
+    echo "== lm exit $lm_rc, bench exit $bench_rc, tests exit $tests_rc (124: stopped by its timeout)"
+    exit $(( lm_rc || bench_rc || tests_rc ))
     ;;
   *)
-    echo "usage: bash tools/gpu/session.sh tests|bench|profile|all" >&2
+    echo "usage: bash tools/gpu/session.sh tests|bench|lm|profile|all" >&2
     exit 2
     ;;
 esac

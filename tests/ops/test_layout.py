@@ -17,6 +17,7 @@ from genlm_fast.backend.tokenization import Token
 from genlm_fast.backend.trie import TokenCharacterTrie
 from genlm_fast.ops import layout
 from genlm_fast.ops.layout import SPAN_NARROW_TILES, span_class_end
+from tests.ops.devices import device_for
 from tests.vocabs import byte_vocab
 
 WORDS = st.lists(
@@ -292,16 +293,19 @@ def test_each_backend_gets_the_arrays_it_reads_and_no_other():
     for mode, ml in lay.modes.items():
         tensors = {}
         for backend, module in modules.items():
-            arrays = lay.device_arrays(mode, "cpu", backend)
-            assert arrays is lay.device_arrays(mode, "cpu", backend)  # built once
+            # Triton's arrays on the GPU where there is one (no interpreter there); the CUDA
+            # backend's stand-in below takes host arrays
+            device = "cpu" if backend == "cuda" else device_for(backend)
+            arrays = lay.device_arrays(mode, device, backend)
+            assert arrays is lay.device_arrays(mode, device, backend)  # built once
             names = set(layout.BACKEND_ARRAYS[backend])
             assert set(arrays) == names | scalars, backend
             for name in names:
                 want = lay.parent if name == "parent" else getattr(ml, name)
-                np.testing.assert_array_equal(arrays[name].numpy(), want)
-                assert tensors.setdefault(name, arrays[name]) is arrays[name]  # one copy
+                np.testing.assert_array_equal(arrays[name].cpu().numpy(), want)
+                assert tensors.setdefault((device, name), arrays[name]) is arrays[name]
             read = set()
-            x = torch.rand(2, lay.num_columns)
+            x = torch.rand(2, lay.num_columns, device=device)
             if backend == "cuda":
                 patch = pytest.MonkeyPatch()
                 patch.setattr(extension, "has", lambda kind: kind == "cuda")

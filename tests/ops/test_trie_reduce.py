@@ -416,7 +416,7 @@ def test_real_vocabularies(backend, name, B):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_cpu_row_schedules(threads):
+def test_cpu_row_schedules_on_smollm2(threads):
     """The CPU kernel's ways of sharing rows among its threads, each against the float64
     oracle: on a big trie (SmolLM2's, 149,591 nodes) 1 to 11 rows go in stacked blocks of 8, 4
     or 2, in rounds of one block per thread, the rows left over one by one with every thread on
@@ -447,7 +447,7 @@ def test_cpu_row_schedules(threads):
             cpu_backend.run_kernel(module, x, arrays, "sum", num_threads=threads)
 
 
-def test_cpu_results_do_not_depend_on_the_team():
+def test_cpu_results_on_smollm2_do_not_depend_on_the_team():
     """The CPU kernel splits its work for the usable CPUs, whatever team runs it (the team
     follows torch's setting and other processes' load): 1 to 11 rows on SmolLM2's trie give
     the same bits from a team of one thread (torch set to one) as from a team as large as the

@@ -235,12 +235,12 @@ async def test_random_smc_workloads_match_no_kv_reuse(lm, prompts):
 
 
 def test_buffer_layer_writes_in_place_or_concatenates():
-    from genlm_fast.backend.llm.hf import _buffer_cache
+    from genlm_fast.backend.llm.kv_buffer import buffer_cache
 
     g = torch.Generator().manual_seed(0)
     kv = torch.randn(2, 2, 3, 4, 7, 5, generator=g)  # [L, 2, B, H, T, D], past of 5
     past = kv[..., :5, :].clone()
-    cache = _buffer_cache(kv, 5)
+    cache = buffer_cache(kv, 5)
     assert cache.get_seq_length() == 5
     new_k, new_v = torch.randn(2, 3, 4, 2, 5, generator=g)
     keys, values = cache.update(new_k, new_v, 0)
@@ -249,7 +249,7 @@ def test_buffer_layer_writes_in_place_or_concatenates():
     torch.testing.assert_close(values, torch.cat([past[0, 1], new_v], dim=2), rtol=0, atol=0)
     # states the buffer cannot take (three more positions; float64) are concatenated
     for states in (torch.randn(2, 3, 4, 3, 5, generator=g), torch.randn(2, 3, 4, 2, 5).double()):
-        cache = _buffer_cache(kv.clone(), 5)
+        cache = buffer_cache(kv.clone(), 5)
         keys, values = cache.update(states[0], states[1], 1)
         assert not cache.layers[1].in_place and cache.layers[0].in_place
         torch.testing.assert_close(keys, torch.cat([past[1, 0].to(states.dtype), states[0]], 2))

@@ -8,7 +8,6 @@ new tokens only. Logits are computed for the last position of each context only.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 import numbers
@@ -25,6 +24,8 @@ from genlm_fast.backend.llm.cache_view import CacheNode, CacheTries, dynamic_cac
 from genlm_fast.backend.llm.checks import check_finite_logits, unknown_lora
 from genlm_fast.backend.llm.cpu_linear import pack_linear_layers, unpack_linear_layers
 from genlm_fast.backend.llm.decoder import FusedDecoder, ModelWatch, Unsupported
+from genlm_fast.backend.llm.graphs import DecodeGraphs, graphs_unsupported
+from genlm_fast.backend.llm.kv_buffer import buffer_cache, buffer_layer_class, copy_pasts
 
 __all__ = ["AsyncTransformer"]
 
@@ -107,6 +108,14 @@ class AsyncTransformer(BatchedAsyncLM):
             torch's threads in the calling thread to the CPUs other processes leave free,
             at most your own setting (`genlm_fast.backend.llm.threads`); False leaves
             torch's setting alone. Defaults to True.
+        cuda_graphs (bool, optional): On a CUDA device, run batches whose rows each add one
+            token to a stored past (the steps of SMC and beams) from fixed-shape buckets
+            replayed as CUDA graphs (`genlm_fast.backend.llm.graphs`): a small model's
+            eager forward waits on the host's kernel launches. Results agree with the eager
+            forward to rounding. The buckets' buffers (at most 1 GiB) stay across
+            `clear_cache` and go with `cleanup` or a change of weights. Models with
+            sliding-window or hybrid attention keep the eager forward (with a warning).
+            Defaults to False.
 
     On a CPU with AVX-512, a float32 model of a family the fused decoder knows (Llama and
     SmolLM, Mistral, Qwen2, Qwen3, Gemma, Gemma2, GPT-2) runs its forwards of up to
@@ -203,6 +212,7 @@ class AsyncTransformer(BatchedAsyncLM):
         flush_when_idle=True,
         follow_contention=True,
         kv_cache_bytes=None,
+        cuda_graphs=False,
     ):
         self.model = hf_model
         self.model.eval()
@@ -240,6 +250,24 @@ class AsyncTransformer(BatchedAsyncLM):
         params = inspect.signature(hf_model.forward).parameters
         self._keeps_logits = "logits_to_keep" in params
         self._position_limit = _learned_position_limit(hf_model)
+        self._graphs = self._decode_graphs(cuda_graphs)
+
+    def _decode_graphs(self, wanted):
+        if not wanted:
+            return None
+        if self._device.type != "cuda":
+            raise ValueError(
+                f"cuda_graphs=True needs a model on a CUDA device; this one is on {self._device}"
+            )
+        why_not = graphs_unsupported(self.model)
+        if why_not is not None:
+            warnings.warn(
+                f"cuda_graphs: {type(self.model).__name__} keeps the eager forward: {why_not}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+        return DecodeGraphs(self.model, self._keeps_logits)
 
     # ---- basics --------------------------------------------------------------------
 
@@ -254,7 +282,10 @@ class AsyncTransformer(BatchedAsyncLM):
         state = self._state
         if state is None:
             return "closed"
-        return "fused" if state.decoder is not None else f"transformers ({state.reason})"
+        if state.decoder is not None:
+            return "fused"
+        graphs = ", one-token steps as CUDA graphs" if self._graphs is not None else ""
+        return f"transformers ({state.reason}){graphs}"
 
     def _vocab_limit(self):
         return self._n_embed
@@ -276,6 +307,7 @@ class AsyncTransformer(BatchedAsyncLM):
         if self.follow_contention:
             cpu_threads.restore_threads()
         self._drop_kv()
+        self._graphs = None
         model, self.model = self.model, None
         state, self._state = self._state, None
         state.users -= 1
@@ -384,6 +416,8 @@ class AsyncTransformer(BatchedAsyncLM):
             self.remove_lora(lora_name)
         self.model.load_adapter(lora_path, adapter_name=lora_name)
         self._state.rebuild(self.model, forget=False)
+        if self._graphs is not None:  # recorded before the adapter's layers were in place
+            self._graphs.clear()
         self._forget_adapter(lora_name)
         self._active_lora = default  # replacing the default adapter keeps it the default
 
@@ -394,6 +428,8 @@ class AsyncTransformer(BatchedAsyncLM):
             raise unknown_lora(lora_name)
         self.model.delete_adapter(lora_name)
         self._state.rebuild(self.model, forget=False)
+        if self._graphs is not None:
+            self._graphs.clear()
         self._forget_adapter(lora_name)
         if self._active_lora == lora_name:
             self._active_lora = None
@@ -443,6 +479,8 @@ class AsyncTransformer(BatchedAsyncLM):
         if state.generation != self._generation:
             self._generation = state.generation
             self.clear_kv_cache()
+            if self._graphs is not None:  # recorded over parameters that may be gone
+                self._graphs.clear()
             with self._lock:
                 self._outputs.clear()
 
@@ -466,13 +504,19 @@ class AsyncTransformer(BatchedAsyncLM):
             chunks = self._split([plans[i] for i in rest]) if rest else []
             chunks = [[rest[i] for i in chunk] for chunk in chunks]
         jobs = [(chunk, True) for chunk in fused] + [(chunk, False) for chunk in chunks]
+        graphs = self._graphs if lora is None else None
         if len(jobs) == 1:
             chunk, is_fused = jobs[0]
-            return self._run_fused(decoder, plans, trie) if is_fused else self._run(plans, trie)
+            if is_fused:
+                return self._run_fused(decoder, plans, trie)
+            return self._run(plans, trie, graphs)
         out = None
         for chunk, is_fused in jobs:
             part = [plans[i] for i in chunk]
-            logits = self._run_fused(decoder, part, trie) if is_fused else self._run(part, trie)
+            if is_fused:
+                logits = self._run_fused(decoder, part, trie)
+            else:
+                logits = self._run(part, trie, graphs)
             if out is None:
                 out = logits.new_empty((len(rows), logits.shape[1]))
             out[torch.tensor(chunk, device=logits.device)] = logits
@@ -536,8 +580,17 @@ class AsyncTransformer(BatchedAsyncLM):
             j = cut[j]
         return chunks[::-1]
 
-    def _run(self, plans, trie):
-        """One padded forward; returns last-position logits ``[B, V']``, stores new KV."""
+    def _run(self, plans, trie, graphs=None):
+        """One padded forward; returns last-position logits ``[B, V']``, stores new KV.
+        With ``graphs``, rows that each add one token to a stored past run from a bucket
+        (`DecodeGraphs`)."""
+        if graphs is not None and all(len(ids) - d == 1 and d for ids, d, _ in plans):
+            done = graphs.run(plans, self._pad_id)
+            if done is not None:
+                logits, kv, cache = done
+                check_finite_logits(logits, [ids for ids, _, _ in plans])
+                self._store_kv(trie, plans, [1] * len(plans), kv.shape[4] - 1, cache, kv)
+                return logits
         dev = self._device
         B = len(plans)
         news = [len(ids) - d for ids, d, _ in plans]
@@ -577,20 +630,8 @@ class AsyncTransformer(BatchedAsyncLM):
         storage = self._take_kv_buffer(shape, seg.data.dtype, seg.data.device)
         try:
             kv = storage[: math.prod(shape)].view(shape)
-            # rows that read the same run to the same positions (the shared prompt of
-            # many particles) get it in one broadcast copy per block of consecutive rows
-            readers = {}
-            for i, (_, d, runs) in enumerate(plans):
-                at = 0
-                for s, a, b in runs:
-                    readers.setdefault((id(s), a, b, at), (s, []))[1].append(i)
-                    at += b - a
-                if d < max_past:
-                    kv[:, :, i, :, d:max_past] = 0
-            for (_, a, b, at), (s, rows) in readers.items():
-                for first, last in _consecutive_blocks(rows):
-                    kv[:, :, first : last + 1, :, at : at + b - a] = s.data[:, :, None, :, a:b]
-            kwargs["past_key_values"] = _buffer_cache(kv, max_past)
+            copy_pasts(kv, plans, max_past)
+            kwargs["past_key_values"] = buffer_cache(kv, max_past)
             out = self.model(**kwargs)
             check_finite_logits(out.logits[:, -1], [ids for ids, _, _ in plans])
             # (a past came from the trie, so there is one)
@@ -628,7 +669,7 @@ class AsyncTransformer(BatchedAsyncLM):
 
         layers = getattr(cache, "layers", None)
         max_new = max(news)
-        reusable = (DynamicLayer, _buffer_layer_class())  # not their subclasses (sliding...)
+        reusable = (DynamicLayer, buffer_layer_class())  # not their subclasses (sliding...)
         usable = bool(layers) and all(
             type(layer) in reusable
             and isinstance(getattr(layer, "keys", None), torch.Tensor)
@@ -783,70 +824,6 @@ def _learned_position_limit(model):
         if isinstance(limit, int) and limit > 0:
             return limit
     return None
-
-
-def _consecutive_blocks(rows):
-    """Increasing row numbers as (first, last) of each block of consecutive ones."""
-    first = prev = rows[0]
-    for r in rows[1:]:
-        if r != prev + 1:
-            yield first, prev
-            first = r
-        prev = r
-    yield first, prev
-
-
-@functools.cache
-def _buffer_layer_class():
-    """transformers' ``DynamicLayer`` over preallocated key and value buffers
-    ``[B, H, T, D]`` whose first positions already hold the past: ``update`` writes the
-    new states in place after them (the stock layer concatenates, copying the whole past
-    each forward). States that do not fit (another shape, dtype or length) are
-    concatenated as the stock layer does, and ``in_place`` turns False. Defined on first
-    use: transformers is imported only with this backend."""
-    from transformers.cache_utils import DynamicLayer
-
-    class _BufferLayer(DynamicLayer):
-        def __init__(self, key_buffer, value_buffer, filled):
-            super().__init__()
-            self.dtype, self.device = key_buffer.dtype, key_buffer.device
-            self._key_buffer, self._value_buffer = key_buffer, value_buffer
-            self.keys = key_buffer[:, :, :filled]
-            self.values = value_buffer[:, :, :filled]
-            self.is_initialized = True
-            self.in_place = True
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            start = self.keys.shape[2]
-            stop = start + key_states.shape[2]
-            target = self._key_buffer[:, :, start:stop]
-            if (
-                self.in_place
-                and stop <= self._key_buffer.shape[2]
-                and key_states.shape == target.shape
-                and value_states.shape == target.shape
-                and key_states.dtype == value_states.dtype == self.dtype
-            ):
-                target.copy_(key_states)
-                self._value_buffer[:, :, start:stop].copy_(value_states)
-                self.keys = self._key_buffer[:, :, :stop]
-                self.values = self._value_buffer[:, :, :stop]
-                return self.keys, self.values
-            self.in_place = False
-            return super().update(key_states, value_states, *args, **kwargs)
-
-    return _BufferLayer
-
-
-def _buffer_cache(kv, filled):
-    """A ``DynamicCache`` whose layer ``l`` writes into ``kv[l]`` ([L, 2, B, H, T, D]),
-    positions ``[0, filled)`` being the past."""
-    from transformers import DynamicCache
-
-    layer = _buffer_layer_class()
-    cache = DynamicCache()
-    cache.layers = [layer(kv[i, 0], kv[i, 1], filled) for i in range(kv.shape[0])]
-    return cache
 
 
 # the files a saved tokenizer consists of, one at least (fast, slow BPE, SentencePiece,

@@ -1,0 +1,220 @@
+"""Decoding steps from fixed-shape buckets (`genlm_fast.backend.llm.graphs`).
+
+On a CPU the buckets run eagerly (``capture=False``): the tests check what the recorded
+forward computes (pasts copied into a wider buffer, the new token at the bucket's last
+position, the additive mask) against the eager forward of the same rows and against a
+float64 forward of the whole context. On a GPU the same tests run through the public
+``cuda_graphs=True``, recording and replaying CUDA graphs.
+
+The model is a small Llama (SmolLM2's tokenizer, random weights): in float64 on the CPU,
+where the fused decoder leaves it to transformers' forward, in float32 on a GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from genlm_fast.backend.llm import AsyncTransformer
+from genlm_fast.backend.llm.checks import NonFiniteLogitsError
+from genlm_fast.backend.llm.graphs import DecodeGraphs, graphs_unsupported
+
+REPO = Path(__file__).resolve().parents[2]
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPE = torch.float32 if ON_GPU else torch.float64
+TOL = 1e-4 if ON_GPU else 1e-10  # bucket vs eager: the rounding of a wider product
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    carried = REPO / ".whl" / "smollm2"  # a GPU session's copy (tools/gpu/prepare.sh)
+    if carried.is_dir():
+        return AutoTokenizer.from_pretrained(carried)
+    from genlm_fast.models import smollm2_path
+
+    return AutoTokenizer.from_pretrained(smollm2_path(quiet=True))
+
+
+def small_llama(vocab_size, seed=0, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(dtype=DTYPE).eval()
+    # larger weights than the default init: distributions far from uniform
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    return model.to(DEVICE)
+
+
+def with_buckets(model, tokenizer, length_step=None, max_buckets=None):
+    """An AsyncTransformer whose one-token steps run from buckets: recorded as CUDA graphs
+    on a GPU, eagerly on a CPU."""
+    if ON_GPU:
+        lm = AsyncTransformer(model, tokenizer, cuda_graphs=True)
+    else:
+        lm = AsyncTransformer(model, tokenizer)
+        lm._graphs = DecodeGraphs(model, lm._keeps_logits, capture=False)
+    if length_step:
+        lm._graphs.LENGTH_STEP = length_step
+    if max_buckets:
+        lm._graphs.MAX_BUCKETS = max_buckets
+    return lm
+
+
+def count_bucket_runs(lm, monkeypatch):
+    """How many batches ran from a bucket (a list, appended to per run)."""
+    runs = []
+    real = lm._graphs.run
+
+    def spy(plans, pad_id):
+        done = real(plans, pad_id)
+        if done is not None:
+            runs.append(len(plans))
+        return done
+
+    monkeypatch.setattr(lm._graphs, "run", spy)
+    return runs
+
+
+async def smc_rounds(lm, prompts, rounds, seed):
+    """Particles grown a token a round from each LM's own answers' argmax, with some
+    particles dropped and others duplicated (resampling): every round's answers."""
+    rng = random.Random(seed)
+    particles = [list(p) for p in prompts]
+    answers = []
+    for _ in range(rounds):
+        rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in particles))
+        answers.append([(list(p), r.double().cpu()) for p, r in zip(particles, rows)])
+        for p, r in zip(particles, rows):
+            p.append(int(r.argmax()))
+        if rng.random() < 0.5:
+            particles[rng.randrange(len(particles))] = list(rng.choice(particles))
+    return answers
+
+
+@pytest.mark.parametrize("n_particles", [1, 3, 16])
+def test_bucketed_steps_match_the_eager_forward(tokenizer, monkeypatch, n_particles):
+    model = small_llama(len(tokenizer))
+    texts = ["The capital of France is", "Once upon a time", "def f(x):\n    return"]
+    prompts = [tokenizer.encode(texts[i % 3]) for i in range(n_particles)]
+    eager = AsyncTransformer(model, tokenizer)
+    bucketed = with_buckets(model, tokenizer, length_step=8, max_buckets=2)
+    runs = count_bucket_runs(bucketed, monkeypatch)
+    try:
+        want = asyncio.run(smc_rounds(eager, prompts, 12, seed=n_particles))
+        got = asyncio.run(smc_rounds(bucketed, prompts, 12, seed=n_particles))
+    finally:
+        eager.cleanup()
+    # 11 rounds after the prompts' own: contexts of up to ~25 tokens cross buckets of 8
+    # positions, and 2 buckets at most are kept
+    assert len(runs) >= 11, runs
+    for round_want, round_got in zip(want, got):
+        for (ids_w, row_w), (ids_g, row_g) in zip(round_want, round_got):
+            assert ids_w == ids_g
+            torch.testing.assert_close(row_g, row_w, atol=TOL, rtol=0)
+    # and against a float64 forward of the whole last contexts
+    model64 = small_llama(len(tokenizer)).to("cpu", torch.float64)
+    for ids, row in got[-1]:
+        with torch.no_grad():
+            ref = torch.log_softmax(model64(torch.tensor([ids])).logits[0, -1], dim=-1)
+        assert (row - ref).abs().max().item() < 1e-3
+    bucketed.cleanup()
+
+
+def test_mixed_batches_run_the_one_token_rows_from_buckets_only(tokenizer, monkeypatch):
+    """A batch with a prefill among its steps runs eagerly (it is not a bucket's shape), and
+    the next batch of steps from a bucket again."""
+    model = small_llama(len(tokenizer), seed=1)
+    lm = with_buckets(model, tokenizer)
+    eager = AsyncTransformer(model, tokenizer)
+    runs = count_bucket_runs(lm, monkeypatch)
+    a, b = tokenizer.encode("Hello there"), tokenizer.encode("A longer prompt than the other")
+
+    async def go(m):
+        first = await asyncio.gather(m.next_token_logprobs(a), m.next_token_logprobs(b))
+        mixed = await asyncio.gather(
+            m.next_token_logprobs(a + [5]), m.next_token_logprobs(b + [6, 7, 8])
+        )
+        steps = await asyncio.gather(
+            m.next_token_logprobs(a + [5, 9]), m.next_token_logprobs(b + [6, 7, 8, 9])
+        )
+        return first + mixed + steps
+
+    try:
+        want, got = asyncio.run(go(eager)), asyncio.run(go(lm))
+        assert runs == [2]  # the last batch only
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g.double().cpu(), w.double().cpu(), atol=TOL, rtol=0)
+    finally:
+        lm.cleanup()
+        eager.cleanup()
+
+
+def test_a_bad_step_raises_and_the_bucket_recovers(tokenizer):
+    """A stored past poisoned with NaN makes a bucket's step raise for its contexts; once
+    the stored states are cleared, the next steps from the same bucket (whose buffers held
+    the NaN) answer as a forward over the whole context does."""
+    model = small_llama(len(tokenizer), seed=2)
+    lm = with_buckets(model, tokenizer)
+    contexts = [tokenizer.encode(t) for t in ("Some prompt", "Another one", "A third")]
+    try:
+        lm.batch_next_token_logprobs_sync(contexts)
+        _, runs = lm._kv_trie(None).match(contexts[1] + [3], len(contexts[1]))
+        runs[0][0].data.fill_(float("nan"))
+        with pytest.raises(NonFiniteLogitsError):
+            lm.batch_next_token_logprobs_sync([c + [3] for c in contexts])
+        lm.clear_kv_cache()
+        lm.batch_next_token_logprobs_sync([c + [3] for c in contexts])  # prefills, eager
+        steps = [c + [3, 4] for c in contexts]
+        got = lm.batch_next_token_logprobs_sync(steps)  # steps, from the bucket
+        for ids, row in zip(steps, got):
+            want = lm.next_token_logprobs_uncached(ids).double()
+            torch.testing.assert_close(row.double().cpu(), want, atol=max(TOL, 1e-5), rtol=0)
+    finally:
+        lm.cleanup()
+
+
+def test_cuda_graphs_need_a_cuda_model_and_full_attention(tokenizer):
+    if not ON_GPU:
+        model = small_llama(len(tokenizer))
+        with pytest.raises(ValueError, match="cuda_graphs=True needs a model on a CUDA device"):
+            AsyncTransformer(model, tokenizer, cuda_graphs=True)
+    sliding = small_llama(len(tokenizer), sliding_window=16)
+    sliding.config.sliding_window, sliding.config.use_sliding_window = 16, True
+    assert "sliding window" in graphs_unsupported(sliding)
+    assert graphs_unsupported(small_llama(len(tokenizer))) is None
+    if ON_GPU:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            lm = AsyncTransformer(sliding, tokenizer, cuda_graphs=True)
+        assert lm._graphs is None
+        assert any("keeps the eager forward" in str(w.message) for w in seen)
+        lm.cleanup()
+
+
+def test_buckets_are_powers_of_two_by_whole_steps():
+    graphs = DecodeGraphs(model=None, keeps_logits=True, capture=False)
+    step = graphs.LENGTH_STEP
+    assert graphs.bucket_shape(1, 1) == (1, step)
+    assert graphs.bucket_shape(3, step - 1) == (4, step)
+    assert graphs.bucket_shape(16, step) == (16, 2 * step)
+    assert graphs.bucket_shape(17, 5 * step + 3) == (32, 6 * step)

@@ -76,6 +76,10 @@ def info(model=None) -> int:
         )
     else:
         print(f"AsyncTransformer CPU forward: transformers' forward ({why})")
+    print(
+        "AsyncTransformer GPU forward: transformers' forward, its one-token steps replayed as "
+        "CUDA graphs for full-attention models (the cuda_graphs argument)"
+    )
     from genlm_fast.backend.llm.threads import threads_info
 
     threads = threads_info()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ import torch
 
 from genlm_fast.backend.llm import AsyncTransformer
 from genlm_fast.backend.llm.checks import NonFiniteLogitsError
-from genlm_fast.backend.llm.graphs import DecodeGraphs, graphs_unsupported
+from genlm_fast.backend.llm.graphs import CaptureFailed, DecodeGraphs, graphs_unsupported
 
 REPO = Path(__file__).resolve().parents[2]
 ON_GPU = torch.cuda.is_available()
@@ -43,22 +42,27 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(smollm2_path(quiet=True))
 
 
-def small_llama(vocab_size, seed=0, **overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def small_model(vocab_size, family="llama", seed=0, **overrides):
+    """A 2-layer model of ``family`` with seeded random weights (scaled up: distributions
+    far from uniform), in DTYPE on DEVICE."""
+    import transformers as tf
 
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        **overrides,
-    )
+    sizes = {"vocab_size": vocab_size, **overrides}
+    if family == "gpt2":
+        config = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=1024, **sizes)
+    else:
+        config_class = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config}[family]
+        config = config_class(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            **sizes,
+        )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(dtype=DTYPE).eval()
-    # larger weights than the default init: distributions far from uniform
+    model = tf.AutoModelForCausalLM.from_config(config).to(dtype=DTYPE).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(3.0)
@@ -69,7 +73,8 @@ def with_buckets(model, tokenizer, length_step=None, max_buckets=None):
     """An AsyncTransformer whose one-token steps run from buckets: recorded as CUDA graphs
     on a GPU, eagerly on a CPU."""
     if ON_GPU:
-        lm = AsyncTransformer(model, tokenizer, cuda_graphs=True)
+        lm = AsyncTransformer(model, tokenizer)  # on by default
+        assert lm._graphs is not None and "CUDA graphs" in lm.forward_path
     else:
         lm = AsyncTransformer(model, tokenizer)
         lm._graphs = DecodeGraphs(model, lm._keeps_logits, capture=False)
@@ -111,12 +116,14 @@ async def smc_rounds(lm, prompts, rounds, seed):
     return answers
 
 
-@pytest.mark.parametrize("n_particles", [1, 3, 16])
-def test_bucketed_steps_match_the_eager_forward(tokenizer, monkeypatch, n_particles):
-    model = small_llama(len(tokenizer))
+@pytest.mark.parametrize(
+    "family, n_particles", [("llama", 1), ("llama", 3), ("llama", 16), ("qwen2", 3), ("gpt2", 3)]
+)
+def test_bucketed_steps_match_the_eager_forward(tokenizer, monkeypatch, family, n_particles):
+    model = small_model(len(tokenizer), family)
     texts = ["The capital of France is", "Once upon a time", "def f(x):\n    return"]
     prompts = [tokenizer.encode(texts[i % 3]) for i in range(n_particles)]
-    eager = AsyncTransformer(model, tokenizer)
+    eager = AsyncTransformer(model, tokenizer, cuda_graphs=False)
     bucketed = with_buckets(model, tokenizer, length_step=8, max_buckets=2)
     runs = count_bucket_runs(bucketed, monkeypatch)
     try:
@@ -132,7 +139,7 @@ def test_bucketed_steps_match_the_eager_forward(tokenizer, monkeypatch, n_partic
             assert ids_w == ids_g
             torch.testing.assert_close(row_g, row_w, atol=TOL, rtol=0)
     # and against a float64 forward of the whole last contexts
-    model64 = small_llama(len(tokenizer)).to("cpu", torch.float64)
+    model64 = small_model(len(tokenizer), family).to("cpu", torch.float64)
     for ids, row in got[-1]:
         with torch.no_grad():
             ref = torch.log_softmax(model64(torch.tensor([ids])).logits[0, -1], dim=-1)
@@ -143,9 +150,9 @@ def test_bucketed_steps_match_the_eager_forward(tokenizer, monkeypatch, n_partic
 def test_mixed_batches_run_the_one_token_rows_from_buckets_only(tokenizer, monkeypatch):
     """A batch with a prefill among its steps runs eagerly (it is not a bucket's shape), and
     the next batch of steps from a bucket again."""
-    model = small_llama(len(tokenizer), seed=1)
+    model = small_model(len(tokenizer), seed=1)
     lm = with_buckets(model, tokenizer)
-    eager = AsyncTransformer(model, tokenizer)
+    eager = AsyncTransformer(model, tokenizer, cuda_graphs=False)
     runs = count_bucket_runs(lm, monkeypatch)
     a, b = tokenizer.encode("Hello there"), tokenizer.encode("A longer prompt than the other")
 
@@ -173,7 +180,7 @@ def test_a_bad_step_raises_and_the_bucket_recovers(tokenizer):
     """A stored past poisoned with NaN makes a bucket's step raise for its contexts; once
     the stored states are cleared, the next steps from the same bucket (whose buffers held
     the NaN) answer as a forward over the whole context does."""
-    model = small_llama(len(tokenizer), seed=2)
+    model = small_model(len(tokenizer), seed=2)
     lm = with_buckets(model, tokenizer)
     contexts = [tokenizer.encode(t) for t in ("Some prompt", "Another one", "A third")]
     try:
@@ -193,22 +200,66 @@ def test_a_bad_step_raises_and_the_bucket_recovers(tokenizer):
         lm.cleanup()
 
 
-def test_cuda_graphs_need_a_cuda_model_and_full_attention(tokenizer):
+def test_cuda_graphs_option(tokenizer):
+    """None (the default) turns them on where they apply; True insists: an error on a CPU
+    model, a warning for a model they do not apply to; anything else is a TypeError."""
+    model = small_model(len(tokenizer))
+    with pytest.raises(TypeError, match="cuda_graphs must be None, True or False"):
+        AsyncTransformer(model, tokenizer, cuda_graphs="yes")
+    sliding = small_model(len(tokenizer), "qwen2", sliding_window=16, use_sliding_window=True)
+    assert "sliding window" in graphs_unsupported(sliding)
+    assert graphs_unsupported(model) is None
+    assert graphs_unsupported(small_model(len(tokenizer), "qwen2")) is None
     if not ON_GPU:
-        model = small_llama(len(tokenizer))
         with pytest.raises(ValueError, match="cuda_graphs=True needs a model on a CUDA device"):
             AsyncTransformer(model, tokenizer, cuda_graphs=True)
-    sliding = small_llama(len(tokenizer), sliding_window=16)
-    sliding.config.sliding_window, sliding.config.use_sliding_window = 16, True
-    assert "sliding window" in graphs_unsupported(sliding)
-    assert graphs_unsupported(small_llama(len(tokenizer))) is None
-    if ON_GPU:
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            lm = AsyncTransformer(sliding, tokenizer, cuda_graphs=True)
-        assert lm._graphs is None
-        assert any("keeps the eager forward" in str(w.message) for w in seen)
+        lm = AsyncTransformer(model, tokenizer)
+        assert lm._graphs is None and "CUDA graphs" not in lm.forward_path
         lm.cleanup()
+        return
+    lm = AsyncTransformer(sliding, tokenizer)
+    assert lm._graphs is None  # quietly: it was not asked for
+    lm.cleanup()
+    with pytest.warns(RuntimeWarning, match="keeps the eager forward"):
+        lm = AsyncTransformer(sliding, tokenizer, cuda_graphs=True)
+    assert lm._graphs is None
+    lm.cleanup()
+
+
+def test_a_forward_that_cannot_be_recorded_runs_eagerly(tokenizer, monkeypatch):
+    """A model whose forward waits on the host (here its head reads a value back) cannot be
+    recorded: one warning, then every step runs eagerly, with the eager answers."""
+    model = small_model(len(tokenizer), seed=3)
+    eager = AsyncTransformer(model, tokenizer, cuda_graphs=False)
+    lm = with_buckets(model, tokenizer)
+    if ON_GPU:
+        head = model.lm_head.forward
+
+        def syncing_head(x):
+            x.sum().item()  # not allowed while a graph is being recorded
+            return head(x)
+
+        monkeypatch.setattr(model.lm_head, "forward", syncing_head)
+    else:
+        lm._graphs.capture = True
+
+        def fails(bucket):
+            raise CaptureFailed("RuntimeError: operation not permitted when stream is capturing")
+
+        monkeypatch.setattr(lm._graphs, "_record", fails)
+    ids = tokenizer.encode("A prompt")
+    try:
+        want = [eager.next_token_logprobs_sync(ids + t) for t in ([], [4], [4, 5])]
+        got = [lm.next_token_logprobs_sync(ids)]
+        with pytest.warns(RuntimeWarning, match="could not be recorded as a CUDA graph"):
+            got.append(lm.next_token_logprobs_sync(ids + [4]))
+        assert lm._graphs is None and "CUDA graphs" not in lm.forward_path
+        got.append(lm.next_token_logprobs_sync(ids + [4, 5]))
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g.double().cpu(), w.double().cpu(), atol=TOL, rtol=0)
+    finally:
+        lm.cleanup()
+        eager.cleanup()
 
 
 def test_buckets_are_powers_of_two_by_whole_steps():

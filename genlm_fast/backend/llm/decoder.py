@@ -568,9 +568,11 @@ def _bits(t):
 
 def _sample(p):
     """The entries ModelWatch compares (as WeightWatch does: all of a tensor of up to 4096,
-    else 8 evenly spaced) and their bits, or (None, None) for an empty tensor."""
+    else 8 evenly spaced) and their bits, or (None, None) for an empty tensor or one off the
+    CPU: reading a GPU tensor's entries back waits for the device, a wait per parameter and
+    forward (its pointer and version are still checked)."""
     n = p.numel()
-    if n == 0:
+    if n == 0 or p.device.type != "cpu":
         return None, None
     at = torch.arange(0, n, 1 if n <= 4096 else n // 8, device=p.device)
     return at, _bits(p.detach().reshape(-1)[at]).clone()

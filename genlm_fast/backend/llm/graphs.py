@@ -21,7 +21,8 @@ same shapes and buffers every time. `DecodeGraphs` gives it those:
 
 Models whose attention is not the plain causal one over the whole past (sliding windows,
 hybrid layers) keep the eager forward: a 4-D mask replaces transformers' per-layer masks.
-Without ``capture`` (on a CPU, for tests) the same buckets run eagerly.
+So does a model whose forward cannot be recorded (`CaptureFailed`). Without ``capture``
+(on a CPU, for tests) the same buckets run eagerly.
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ import torch
 
 from genlm_fast.backend.llm.kv_buffer import buffer_cache, copy_pasts
 
-__all__ = ["DecodeGraphs", "graphs_unsupported"]
+__all__ = ["CaptureFailed", "DecodeGraphs", "graphs_unsupported"]
+
+
+class CaptureFailed(RuntimeError):
+    """A model's forward could not be recorded as a CUDA graph (it synchronises with the
+    host, say); the buckets are gone and the forward runs eagerly instead."""
 
 
 def graphs_unsupported(model):
@@ -177,6 +183,10 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            bucket.logits, bucket.cache = self._call(bucket)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                bucket.logits, bucket.cache = self._call(bucket)
+        except Exception as exc:
+            self.clear()
+            raise CaptureFailed(f"{type(exc).__name__}: {exc}") from exc
         bucket.graph = graph

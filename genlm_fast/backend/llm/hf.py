@@ -24,7 +24,7 @@ from genlm_fast.backend.llm.cache_view import CacheNode, CacheTries, dynamic_cac
 from genlm_fast.backend.llm.checks import check_finite_logits, unknown_lora
 from genlm_fast.backend.llm.cpu_linear import pack_linear_layers, unpack_linear_layers
 from genlm_fast.backend.llm.decoder import FusedDecoder, ModelWatch, Unsupported
-from genlm_fast.backend.llm.graphs import DecodeGraphs, graphs_unsupported
+from genlm_fast.backend.llm.graphs import CaptureFailed, DecodeGraphs, graphs_unsupported
 from genlm_fast.backend.llm.kv_buffer import buffer_cache, buffer_layer_class, copy_pasts
 
 __all__ = ["AsyncTransformer"]
@@ -114,8 +114,10 @@ class AsyncTransformer(BatchedAsyncLM):
             eager forward waits on the host's kernel launches. Results agree with the eager
             forward to rounding. The buckets' buffers (at most 1 GiB) stay across
             `clear_cache` and go with `cleanup` or a change of weights. Models with
-            sliding-window or hybrid attention keep the eager forward (with a warning).
-            Defaults to False.
+            sliding-window or hybrid attention, and forwards that cannot be recorded, run
+            eagerly. Defaults to None: on for a model on a CUDA device where it applies;
+            True insists (an error on another device, a warning where it does not apply),
+            False turns it off.
 
     On a CPU with AVX-512, a float32 model of a family the fused decoder knows (Llama and
     SmolLM, Mistral, Qwen2, Qwen3, Gemma, Gemma2, GPT-2) runs its forwards of up to
@@ -212,7 +214,7 @@ class AsyncTransformer(BatchedAsyncLM):
         flush_when_idle=True,
         follow_contention=True,
         kv_cache_bytes=None,
-        cuda_graphs=False,
+        cuda_graphs=None,
     ):
         self.model = hf_model
         self.model.eval()
@@ -253,19 +255,26 @@ class AsyncTransformer(BatchedAsyncLM):
         self._graphs = self._decode_graphs(cuda_graphs)
 
     def _decode_graphs(self, wanted):
-        if not wanted:
+        """The `DecodeGraphs` of ``cuda_graphs`` (None: where they apply), or None."""
+        if wanted is not None and not isinstance(wanted, bool):
+            raise TypeError(f"cuda_graphs must be None, True or False, got {wanted!r}")
+        if wanted is False:
             return None
         if self._device.type != "cuda":
-            raise ValueError(
-                f"cuda_graphs=True needs a model on a CUDA device; this one is on {self._device}"
-            )
+            if wanted:
+                raise ValueError(
+                    "cuda_graphs=True needs a model on a CUDA device; this one is on "
+                    f"{self._device}"
+                )
+            return None
         why_not = graphs_unsupported(self.model)
         if why_not is not None:
-            warnings.warn(
-                f"cuda_graphs: {type(self.model).__name__} keeps the eager forward: {why_not}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            if wanted:
+                warnings.warn(
+                    f"cuda_graphs: {type(self.model).__name__} keeps the eager forward: {why_not}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             return None
         return DecodeGraphs(self.model, self._keeps_logits)
 
@@ -349,9 +358,10 @@ class AsyncTransformer(BatchedAsyncLM):
         forgets the key/value states and log-probabilities computed before.
 
         Forwards notice most changes on their own (a parameter replaced, changed in place,
-        or edited through ``.data`` in a tensor of up to 4096 entries or all over a larger
-        one, as a LoRA merge does); an edit of a few entries of a larger weight through
-        ``.data`` or numpy is the one to announce this way."""
+        or, on the CPU, edited through ``.data`` in a tensor of up to 4096 entries or all
+        over a larger one, as a LoRA merge does); an edit through ``.data`` or numpy of a
+        few entries of a larger weight, or of any weight on a GPU, is the one to announce
+        this way."""
         self._check_open()
         with self._forward_lock:
             self._state.stale = True
@@ -504,7 +514,7 @@ class AsyncTransformer(BatchedAsyncLM):
             chunks = self._split([plans[i] for i in rest]) if rest else []
             chunks = [[rest[i] for i in chunk] for chunk in chunks]
         jobs = [(chunk, True) for chunk in fused] + [(chunk, False) for chunk in chunks]
-        graphs = self._graphs if lora is None else None
+        graphs = lora is None  # adapters run eagerly
         if len(jobs) == 1:
             chunk, is_fused = jobs[0]
             if is_fused:
@@ -580,12 +590,25 @@ class AsyncTransformer(BatchedAsyncLM):
             j = cut[j]
         return chunks[::-1]
 
-    def _run(self, plans, trie, graphs=None):
+    def _run(self, plans, trie, graphs=False):
         """One padded forward; returns last-position logits ``[B, V']``, stores new KV.
-        With ``graphs``, rows that each add one token to a stored past run from a bucket
-        (`DecodeGraphs`)."""
-        if graphs is not None and all(len(ids) - d == 1 and d for ids, d, _ in plans):
-            done = graphs.run(plans, self._pad_id)
+        With ``graphs`` (and `DecodeGraphs` on), rows that each add one token to a stored
+        past run from a bucket."""
+        if (
+            graphs
+            and self._graphs is not None
+            and all(len(ids) - d == 1 and d for ids, d, _ in plans)
+        ):
+            try:
+                done = self._graphs.run(plans, self._pad_id)
+            except CaptureFailed as exc:
+                warnings.warn(
+                    f"cuda_graphs: {type(self.model).__name__}'s forward could not be "
+                    f"recorded as a CUDA graph, so it runs eagerly ({exc})",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._graphs = done = None
             if done is not None:
                 logits, kv, cache = done
                 check_finite_logits(logits, [ids for ids, _, _ in plans])

@@ -9,18 +9,18 @@
 //                   bad_row = -1, or the first row the kernel rejected (a NaN for sum/max;
 //                   no finite maximum for log_mass), whose result is then incomplete
 //   trie_reduce_cuda(values, leaf_token, column_leaf, tile_node_lo, tile_run_ptr, run_bounds,
-//                    node_src, tile_scratch_ptr, scratch_src, scratch_slot, tile_fold_ptr,
-//                    tile_fold_wait, fold_bounds, fold_node, span_node, span_left,
-//                    span_right, span_tile_lo, span_tile_hi, span_narrow, span_warp, scratch,
-//                    reduction, num_nodes, num_scratch, tile, fold=False, row_check=False)
+//                    node_src, tile_scratch_ptr, scratch_src, scratch_slot, span_node,
+//                    span_left, span_right, span_tile_lo, span_tile_hi, span_narrow,
+//                    span_warp, scratch, reduction, num_nodes, num_scratch, tile,
+//                    row_check=False)
 //                    -> Tensor[B, num_nodes]   (only when built with -DWITH_CUDA; scratch is a
 //                    float64 [B, num_scratch + 2] workspace the caller allocates, its last
 //                    column each row's check, NaN exactly for a bad row (log_mass: else
 //                    log(sum exp(x - m)) with the row max m in the column before; sum/max
 //                    with row_check: else 0); spanning nodes [0, span_narrow) are narrow
-//                    (a thread each, or with fold the tile kernel's folds), [span_narrow,
-//                    span_warp) a warp each, the rest a block each; fold and row_check are
-//                    the LaunchOptions of trie_reduce_cuda.h, off by default)
+//                    (a thread each), [span_narrow, span_warp) a warp each, the rest a block
+//                    each; row_check is the LaunchOptions of trie_reduce_cuda.h, off by
+//                    default)
 //   cpu_team_size(bytes) -> int  the threads a CPU kernel's parallel region over about
 //                   `bytes` of memory traffic gets now (cpu_threads.h: usable CPUs, contention,
 //                   torch's setting, the work); cpu_free_cpus() -> int  the first two alone;
@@ -371,15 +371,13 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
                             const at::Tensor& tile_run_ptr,
                             const at::Tensor& run_bounds, const at::Tensor& node_src,
                             const at::Tensor& tile_scratch_ptr, const at::Tensor& scratch_src,
-                            const at::Tensor& scratch_slot, const at::Tensor& tile_fold_ptr,
-                            const at::Tensor& tile_fold_wait, const at::Tensor& fold_bounds,
-                            const at::Tensor& fold_node, const at::Tensor& span_node,
+                            const at::Tensor& scratch_slot, const at::Tensor& span_node,
                             const at::Tensor& span_left, const at::Tensor& span_right,
                             const at::Tensor& span_tile_lo, const at::Tensor& span_tile_hi,
                             int64_t span_narrow, int64_t span_warp,
                             const at::Tensor& scratch,
                             const std::string& reduction, int64_t num_nodes,
-                            int64_t num_scratch, int64_t tile, bool fold, bool row_check) {
+                            int64_t num_scratch, int64_t tile, bool row_check) {
   const int red = parse_reduction(reduction);
   TORCH_CHECK(values.is_cuda(), "trie_reduce_cuda: values must be a CUDA tensor, got one on ",
               values.device());
@@ -394,10 +392,6 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   check_index(tile_scratch_ptr, "tile_scratch_ptr", dev);
   check_index(scratch_src, "scratch_src", dev);
   check_index(scratch_slot, "scratch_slot", dev);
-  check_index(tile_fold_ptr, "tile_fold_ptr", dev);
-  check_index(tile_fold_wait, "tile_fold_wait", dev);
-  check_index(fold_bounds, "fold_bounds", dev);
-  check_index(fold_node, "fold_node", dev);
   check_index(span_node, "span_node", dev);
   check_index(span_left, "span_left", dev);
   check_index(span_right, "span_right", dev);
@@ -423,16 +417,6 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   TORCH_CHECK(span_narrow >= 0 && span_narrow <= span_warp && span_warp <= S,
               "trie_reduce_cuda: need 0 <= span_narrow <= span_warp <= S = ", S, ", got ",
               span_narrow, " and ", span_warp);
-  TORCH_CHECK(tile_fold_ptr.numel() == n_tiles + 1 && tile_fold_wait.numel() == n_tiles,
-              "trie_reduce_cuda: tile_fold_ptr and tile_fold_wait need n_tiles + 1 = ",
-              n_tiles + 1, " and n_tiles entries, got ", tile_fold_ptr.numel(), " and ",
-              tile_fold_wait.numel());
-  TORCH_CHECK(fold_node.numel() == span_narrow && fold_bounds.numel() == 4 * span_narrow,
-              "trie_reduce_cuda: the folds are the ", span_narrow, " narrow spanning nodes: "
-              "fold_node needs that many entries and fold_bounds 4 each, got ",
-              fold_node.numel(), " and ", fold_bounds.numel());
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(fold_bounds.data_ptr()) % 16 == 0,
-              "trie_reduce_cuda: fold_bounds must be 16-byte aligned (read as int4)");
   TORCH_CHECK(num_nodes >= 1, "trie_reduce_cuda: num_nodes must be positive");
   TORCH_CHECK(column_leaf.numel() <= C && leaf_token.numel() <= C,
               "trie_reduce_cuda: rows have ", C, " entries, fewer than the column_leaf (",
@@ -472,19 +456,8 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   A.tile_scratch_ptr = tile_scratch_ptr.data_ptr<int32_t>();
   A.scratch_src = scratch_src.data_ptr<int32_t>();
   A.scratch_slot = scratch_slot.data_ptr<int32_t>();
-  A.tile_fold_ptr = tile_fold_ptr.data_ptr<int32_t>();
-  A.tile_fold_wait = tile_fold_wait.data_ptr<int32_t>();
-  A.fold_bounds = fold_bounds.data_ptr<int32_t>();
-  A.fold_node = fold_node.data_ptr<int32_t>();
   genlm_fast::cuda::LaunchOptions options;
-  options.fold = fold;
   options.row_check = row_check;
-  // the tile kernel's look-back flags (zeroed by the launch itself)
-  at::Tensor tile_flags;
-  if (fold && span_narrow > 0)
-    tile_flags = at::empty({genlm_fast::cuda::tile_flag_count(B, n_tiles)},
-                           values.options().dtype(at::kInt));
-  A.tile_flags = tile_flags.defined() ? tile_flags.data_ptr<int32_t>() : nullptr;
   A.span_node = span_node.data_ptr<int32_t>();
   A.span_left = span_left.data_ptr<int32_t>();
   A.span_right = span_right.data_ptr<int32_t>();
@@ -617,13 +590,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("tile_node_lo"), pybind11::arg("tile_run_ptr"),
         pybind11::arg("run_bounds"), pybind11::arg("node_src"),
         pybind11::arg("tile_scratch_ptr"), pybind11::arg("scratch_src"),
-        pybind11::arg("scratch_slot"), pybind11::arg("tile_fold_ptr"),
-        pybind11::arg("tile_fold_wait"), pybind11::arg("fold_bounds"), pybind11::arg("fold_node"),
-        pybind11::arg("span_node"), pybind11::arg("span_left"), pybind11::arg("span_right"),
+        pybind11::arg("scratch_slot"), pybind11::arg("span_node"), pybind11::arg("span_left"), pybind11::arg("span_right"),
         pybind11::arg("span_tile_lo"), pybind11::arg("span_tile_hi"),
         pybind11::arg("span_narrow"), pybind11::arg("span_warp"), pybind11::arg("scratch"),
         pybind11::arg("reduction"), pybind11::arg("num_nodes"), pybind11::arg("num_scratch"),
-        pybind11::arg("tile"), pybind11::arg("fold") = false, pybind11::arg("row_check") = false);
+        pybind11::arg("tile"), pybind11::arg("row_check") = false);
   m.attr("has_cuda") = true;
 #else
   m.attr("has_cuda") = false;

@@ -36,13 +36,13 @@
 //      +inf logit, or none finite): the row check cuda_backend hands the dispatcher.
 //      Splitting rows keeps the device busy at B = 1.
 //  (b) tile: one block per (tile, block of ROWS rows, ROWS = 1..32), 256 threads, in three
-//      phases with a barrier between each (four with the folds). The layout has turned the tile's local ranges
+//      phases with a barrier between each. The layout has turned the tile's local ranges
 //      into *sources* (genlm_fast/ops/layout.py, _tile_sources): a node the tile owns (its
 //      last leaf is here: one block of ids, tile_node_lo) takes its value from a leaf
 //      position (a one-leaf node: ~80% on real vocabularies), from the whole tile (its
 //      total), from one of the tile's *runs* (the other distinct ranges of two leaves or
 //      more: nested, so at most tile - 2; a chain of single-child nodes shares one) or from
-//      nowhere (empty; spanning: written after, by 4. or (c)).
+//      nowhere (empty; spanning: (c) writes it after).
 //      0. the tile's slices of the index arrays (its runs, its leaves' columns, its node
 //         ids' sources, its scratch values) are loaded first, all in one round trip, into
 //         shared memory: no later phase waits on a global load of its own.
@@ -59,34 +59,22 @@
 //         exact to float rounding when that sum is >= kFastMinMass (1e-24; see reduce_run);
 //         a run under that is redone by its own max. (The tile's total is always exact:
 //         its sum of exps holds exp(shift - shift) = 1.)
-//      3. out: the tile total and pieces to the row's scratch (double), and with the folds
-//         the tile's flag set (publish_tile: its scratch values are there); then the node
-//         ids the tile owns, a warp per 32 consecutive ids, each lane copying its id's
+//      3. out: the tile total and pieces to the row's scratch (double), for (c); then the
+//         node ids the tile owns, a warp per 32 consecutive ids, each lane copying its id's
 //         source for every row: coalesced, 128 bytes a store over two lines of the output
 //         row, once.
-//      4. folds (options.fold): a spanning node combines its left piece, the totals of its
-//         whole tiles and
-//         its right piece, all in the row's scratch. Most have a few whole tiles (Llama-3:
-//         5,138 of 5,171 have at most SPAN_NARROW_TILES = 16, ~1.3 tiles each), and the
-//         tile that owns one (its last leaf is here) reduces it, a thread per (node, row),
-//         once the tiles it reads have set their flags: the last warp polls those flags
-//         (wait_tile, one lane a tile) before its share of 3., so the wait overlaps the
-//         other warps' stores. Their values go straight to the output, into the lines 3.
-//         just wrote (in L2 still), over the empty value 3. wrote there. A tile waits only
-//         for tiles before it (lower block index), and sets its own flag before it waits:
-//         no tile waits on a waiting tile ("decoupled look-back"). The flags are zeroed
-//         once per call, and each launch of rows sets them to its own value. Without the
-//         folds (c) reduces these nodes instead, a thread per (node, row), with the same
-//         arithmetic (tools/gpu/bench.py times both ways).
-//  (c) span: the narrow spanning nodes (unless folded) one thread per (node, row),
-//      consecutive threads at consecutive nodes; the wider ones (at most SPAN_WARP_TILES
-//      tiles, Llama-3: 31 nodes of 17 to 95) one warp per (node, row), its lanes striding
-//      over the tiles; the widest (the root and a few more: 2 on Llama-3, the root's ~2,000
-//      tiles took a warp ~5 us) one block per (node, row). One launch: blocks of a thread per
-//      narrow node, then blocks of kSpanWarps warp nodes, then the block nodes. Each thread
-//      (here and in 4.) issues its elements' loads a chunk at
-//      a time (one round trip for ~95% of the folds, the warp nodes and the root). Sums in
-//      double; log_mass as (max, double sum of exp(v - max)) pairs, merged.
+//  (c) span: a spanning node combines its left piece, the totals of its whole tiles and its
+//      right piece, all in the row's scratch. Nodes are sorted by tile count and most have
+//      a few whole tiles (Llama-3: 5,138 of 5,171 have at most SPAN_NARROW_TILES = 16, ~1.3
+//      tiles each): those, the first `span_narrow`, get one thread per (node, row),
+//      consecutive threads at consecutive nodes; the wider ones up to `span_warp` (at most
+//      SPAN_WARP_TILES tiles, Llama-3: 31 nodes of 17 to 95) one warp per (node, row), its
+//      lanes striding over the tiles; the widest (the root and a few more: 2 on Llama-3, the
+//      root's ~2,000 tiles took a warp ~5 us) one block per (node, row). One launch: blocks
+//      of a thread per narrow node, then blocks of kSpanWarps warp nodes, then the block
+//      nodes. Each thread issues its elements' loads a chunk at a time (one round trip for
+//      ~95% of the narrow nodes, the warp nodes and the root). Sums in double; log_mass as
+//      (max, double sum of exp(v - max)) pairs, merged.
 //  Memory: the output is written once and never read here, so it is stored evict-first
 //  (__stcs). Unstaged, the logits are loaded with an L2 evict-last hint (load_hinted): (a)
 //  reads each row once, coalesced, and (b) gathers every column again, each 32-byte sector
@@ -104,14 +92,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#if !defined(__CUDACC__)
-#include <thread>  // the CPU emulation's look-back (wait_tile)
-#endif
 
 #include "trie_reduce_cuda.h"
 
@@ -155,10 +139,9 @@ __device__ __forceinline__ float to_arith(__nv_bfloat16 v) { return __bfloat162f
 //    (read-only: ld.global.nc), with an L2 policy made once per thread: keep_policy
 //    (evict-last: read again by the tile kernel's gather) or stream_policy (evict-first:
 //    read once, by the staging row pass);
-//  - load_once: values written during the call, by the kernel before (the staged values,
-//    read exactly once) or by another block of the same kernel (the scratch values of the
-//    tile kernel's folds): coherent (ld.global) and .cg (from L2, never allocated in L1, so
-//    no L1 line can predate their writing).
+//  - load_once: the staged values, written by the kernel before (coherent: ld.global) and
+//    read exactly once (.cg: from L2, never allocated in L1, so no L1 line can predate
+//    their writing).
 // M(PTX type, register constraint, bits type, bits to value, value type) for each value type
 #define GF_LOAD_TYPES(M)                                         \
   M("b32", "=r", unsigned int, __uint_as_float, float)           \
@@ -250,52 +233,6 @@ __device__ __forceinline__ void allow_next_kernel() {
 #else
 __device__ __forceinline__ void wait_for_previous_kernel() {}
 __device__ __forceinline__ void allow_next_kernel() {}
-#endif
-
-// The look-back of the tile kernel's folds (see (b)): a tile block publishes that its
-// scratch values are written (publish_tile: a block barrier after every thread's writes,
-// then one thread sets the tile's flag with release semantics, as a cooperative grid sync
-// does with a fence), and waits for those of the tiles before it (wait_tile: spins on each
-// flag with acquire loads; a block barrier after it passes that on to the block). The
-// values are then read through L2 (load_once), never from an L1 line that may predate them.
-// A block waits only for blocks of lower linear index, which the device dispatches first
-// (as CUB's single-pass scan assumes): they are resident or done, and publish before they
-// wait themselves.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-// (sm_70+: release and acquire at GPU scope, lighter than __threadfence's sequential
-// consistency; CUTLASS's inter-block barrier does the same)
-__device__ __forceinline__ void publish_tile(int32_t* flag, int32_t value) {
-  asm volatile("fence.acq_rel.gpu;\n\tst.relaxed.gpu.global.b32 [%0], %1;"
-               :: "l"(flag), "r"(value) : "memory");
-}
-__device__ __forceinline__ void wait_tile(const int32_t* flag, int32_t value) {
-  for (;;) {
-    int32_t seen;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
-    if (seen == value) return;
-    __nanosleep(64);
-  }
-}
-#elif defined(__CUDA_ARCH__)
-__device__ __forceinline__ void publish_tile(int32_t* flag, int32_t value) {
-  __threadfence();
-  *reinterpret_cast<volatile int32_t*>(flag) = value;
-}
-__device__ __forceinline__ void wait_tile(const int32_t* flag, int32_t value) {
-  while (*reinterpret_cast<const volatile int32_t*>(flag) != value) {}
-  __threadfence();
-}
-#elif !defined(__CUDACC__)
-__device__ __forceinline__ void publish_tile(int32_t* flag, int32_t value) {
-  std::atomic_ref<int32_t>(*flag).store(value, std::memory_order_release);
-}
-__device__ __forceinline__ void wait_tile(const int32_t* flag, int32_t value) {
-  std::atomic_ref<int32_t> ref(*const_cast<int32_t*>(flag));
-  while (ref.load(std::memory_order_acquire) != value) std::this_thread::yield();
-}
-#else
-__device__ __forceinline__ void publish_tile(int32_t*, int32_t) {}
-__device__ __forceinline__ void wait_tile(const int32_t*, int32_t) {}
 #endif
 
 // Drops the 128-byte L2 line at p (aligned) without writing it back: its contents become
@@ -597,105 +534,6 @@ __global__ void __launch_bounds__(kSpanWarps * 32)
   }
 }
 
-// ---------------------------------------------------------------------------- spanning nodes
-
-// The reduction of one spanning node over its pieces and whole tiles in a row's scratch:
-// by the tile kernel for the narrow ones (its folds), by the span pass for the rest.
-
-// Element k of spanning node s: whole tile t0 + k for k < n, then its left and right
-// pieces; none (slot -1, or k past them) is the reduction's identity. kWritten: the values
-// were written by other blocks of the running kernel (the folds), so they are read through
-// L2 (load_once); (c) reads what the kernel before it wrote, with plain loads.
-template <int RED, bool kWritten>
-__device__ __forceinline__ double span_element(const double* sc, int32_t t0, int32_t n,
-                                               int32_t left, int32_t right, int32_t k) {
-  const int32_t slot = k < n ? t0 + k : k == n ? left : k == n + 1 ? right : -1;
-  if constexpr (kWritten) return slot >= 0 ? load_once(sc + slot) : identity<RED>();
-  return slot >= 0 ? sc[slot] : identity<RED>();
-}
-
-// Who reduces one spanning node: a thread (narrow nodes: (b)'s folds), a warp (wider ones,
-// at most SPAN_WARP_TILES + 2 elements) or a block (the widest: the root's ~2,000 tiles). Each
-// member takes elements rank(), rank() + kSize, ..., kChunk of them at a time, their loads
-// issued together (kChunk * kSize covers a narrow node of up to 2 whole tiles, ~95% of
-// them on Llama-3, a warp node and the root: one round trip each); sum and max combine the
-// members' values, every member getting the result.
-struct ThreadGroup {
-  static constexpr int kSize = 1, kChunk = 4;
-  __device__ static int rank() { return 0; }
-  __device__ static double sum(double v) { return v; }
-  __device__ static double max(double v) { return v; }
-};
-struct WarpGroup {
-  static constexpr int kSize = 32, kChunk = 4;
-  __device__ static int rank() { return threadIdx.x & 31; }
-  __device__ static double sum(double v) { return warp_sum(v); }
-  __device__ static double max(double v) { return warp_max(v); }
-};
-struct BlockGroup {
-  static constexpr int kSize = kSpanThreads, kChunk = 8;
-  __device__ static int rank() { return threadIdx.x; }
-  // warps, then the warps' results in order; the leading barrier lets a second combine
-  // reuse `part` once every thread has read the first's
-  template <bool kSum>
-  __device__ static double combine(double v) {
-    __shared__ double part[kSpanWarps];
-    v = kSum ? warp_sum(v) : warp_max(v);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = part[0];
-#pragma unroll
-    for (int w = 1; w < kSpanWarps; ++w) v = kSum ? v + part[w] : vmax(v, part[w]);
-    return v;
-  }
-  __device__ static double sum(double v) { return combine<true>(v); }
-  __device__ static double max(double v) { return combine<false>(v); }
-};
-
-// A spanning node's value, by one Group: sum or max of its elements; log_mass m + log(z),
-// m their max and z the sum of exp(element - m): each member keeps its own (m, z), a chunk
-// at a time (its max, then its float exps summed in double, merged by lse_merge), and the
-// group sums the members' z scaled to the group's m. Every member returns the value.
-template <int RED, class Group, bool kWritten = false>
-__device__ __forceinline__ double span_reduce(const double* sc, int32_t t0, int32_t n,
-                                              int32_t left, int32_t right) {
-  constexpr int kChunk = Group::kChunk;
-  double acc = identity<RED>();  // log_mass: m, the member's largest element so far
-  double z = 0.0;                // log_mass: the sum of exp(element - m)
-  for (int32_t k0 = Group::rank(); k0 < n + 2; k0 += kChunk * Group::kSize) {
-    double v[kChunk];
-#pragma unroll
-    for (int u = 0; u < kChunk; ++u)
-      v[u] = span_element<RED, kWritten>(sc, t0, n, left, right, k0 + u * Group::kSize);
-    if constexpr (RED == kLogMass) {
-      double chunk_max = v[0];
-#pragma unroll
-      for (int u = 1; u < kChunk; ++u) chunk_max = vmax(chunk_max, v[u]);
-      if (chunk_max != neg_inf()) {  // else nothing here has mass
-        double chunk_z = 0.0;  // terms <= 1, at least one of them 1
-#pragma unroll
-        for (int u = 0; u < kChunk; ++u)
-          chunk_z += fast_exp(static_cast<float>(v[u] - chunk_max));
-        lse_merge(acc, z, chunk_max, chunk_z);
-      }
-    } else {
-#pragma unroll
-      for (int u = 0; u < kChunk; ++u) acc = RED == kSum ? acc + v[u] : vmax(acc, v[u]);
-    }
-  }
-  if constexpr (RED == kSum) {
-    return Group::sum(acc);
-  } else if constexpr (RED == kMax) {
-    return Group::max(acc);
-  } else {
-    const double m = Group::max(acc);
-    if (m == neg_inf()) return m;  // no mass beneath the node (the whole group agrees)
-    const double total = Group::sum(acc == neg_inf() ? 0.0 : z * exp(acc - m));  // >= 1
-    return m + static_cast<double>(fast_log(static_cast<float>(total)));
-  }
-}
-
 // ---------------------------------------------------------------------------- (b) tiles
 
 // What the tile kernel keeps per (position, row), and what it writes: log_mass the
@@ -766,9 +604,7 @@ __device__ __forceinline__ V reduce_run(const V* val, const float* lin, float sh
 template <class Out>
 __device__ __forceinline__ void store_out(Out* p, Out v) { __stcs(p, v); }
 
-// FOLD: the tile kernel reduces the narrow spanning nodes it owns (4., options.fold);
-// without, it is the three phases a GPU has checked, and (c) reduces those nodes.
-template <class T, int RED, int ROWS, bool FOLD>
+template <class T, int RED, int ROWS>
 __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     tile_kernel(const T* __restrict__ values, const T* __restrict__ staged, int64_t C,
                 const int32_t* __restrict__ leaf_token,
@@ -777,10 +613,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
                 const int32_t* __restrict__ node_src,
                 const int32_t* __restrict__ tile_scratch_ptr,
                 const int32_t* __restrict__ scratch_src, const int32_t* __restrict__ scratch_slot,
-                const int32_t* __restrict__ tile_fold_ptr,
-                const int32_t* __restrict__ tile_fold_wait, const int4* __restrict__ fold_bounds,
-                const int32_t* __restrict__ fold_node, int32_t* __restrict__ tile_flags,
-                int32_t flag_value, double* __restrict__ scratch, int64_t stride,
+                double* __restrict__ scratch, int64_t stride,
                 TileValue<T, RED>* __restrict__ out, int64_t num_nodes, int tile, int64_t row0,
                 int64_t row_end) {
   using V = TileValue<T, RED>;
@@ -803,7 +636,6 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
   __shared__ float part_max[kTileWarps][ROWS];  // log_mass: the warps' largest v per row
   // the warps' partial totals per row: sum, max, log_mass the sum of exp(v - shift)
   __shared__ double part_total[kTileWarps][ROWS];
-  __shared__ int4 fold_info[FOLD ? kTileThreads : 1];  // the bounds of the tile's first folds
   const int t = blockIdx.x;
   const int64_t first_row = row0 + static_cast<int64_t>(blockIdx.y) * ROWS;
   const int rows = row_end - first_row < ROWS ? static_cast<int>(row_end - first_row) : ROWS;
@@ -958,17 +790,6 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     }
   }
 
-  // the tile's folds: their bounds (in flight while the runs are reduced), and the first
-  // tile they read, for the last warp (it polls those tiles' flags)
-  int fold0 = 0, n_fold = 0, wait_lo = t;
-  int4 my_fold = {0, 0, 0, 0};
-  if constexpr (FOLD) {
-    fold0 = tile_fold_ptr[t];
-    n_fold = tile_fold_ptr[t + 1] - fold0;
-    if (tid < n_fold) my_fold = fold_bounds[fold0 + tid];
-    if (warp == kTileWarps - 1 && n_fold > 0) wait_lo = tile_fold_wait[t];
-  }
-
   // runs, longest first, dealt round-robin to the groups; the last group (the fewest
   // runs) also combines the warps' partial totals (a tile of 2 leaves or more)
   if (j < rows) {
@@ -989,9 +810,6 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
       val[kTotalRow * kStride + j] = tile_total;
     }
   }
-  if constexpr (FOLD) {
-    if (tid < n_fold) fold_info[tid] = my_fold;
-  }
   __syncthreads();
 
   // the tile's total and pieces to scratch (double)
@@ -1002,15 +820,6 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
     if (jj < rows)
       scratch[(first_row + jj) * stride + slot] =
           static_cast<double>(val[source_row(src, tile) * kStride + jj]);
-  }
-  // published, for the folds of the tiles after this one; this tile's folds wait for the
-  // tiles before it: the last warp polls their flags (one lane a tile) before its share of
-  // the ids below, which keep the other warps busy meanwhile
-  if constexpr (FOLD) {
-    int32_t* const flags = tile_flags + static_cast<int64_t>(blockIdx.y) * gridDim.x;
-    __syncthreads();  // the block's scratch values are written
-    if (tid == 0) publish_tile(flags + t, flag_value);
-    for (int k = wait_lo + lane; k < t; k += 32) wait_tile(flags + k, flag_value);
   }
   // the node ids the tile owns, each row's block whole: a warp per 32 consecutive ids, its
   // lanes at consecutive ids (128 bytes, over two lines but where the row's block starts on
@@ -1025,23 +834,6 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
       for (int jj = 0; jj < ROWS; ++jj) store_out(dst + jj * num_nodes, src[jj]);
     } else {
       for (int jj = 0; jj < rows; ++jj) store_out(dst + jj * num_nodes, src[jj]);
-    }
-  }
-  // the folds, over the scratch values of the tiles waited for and this one's: a thread per
-  // (fold, row), consecutive threads at consecutive folds of a row (their whole tiles are
-  // neighbours in scratch). Their ids were written the empty value above: the barrier
-  // orders these stores after those.
-  if constexpr (FOLD) {
-    if (n_fold > 0) {  // the same for the whole block
-      __syncthreads();  // the flags polled, the ids written
-      for (int e = tid; e < n_fold * rows; e += kTileThreads) {
-        const int f = e % n_fold, jj = e / n_fold;
-        const int4 b = f < kTileThreads ? fold_info[f] : fold_bounds[fold0 + f];
-        const int32_t node = fold_node[fold0 + f];
-        const double res = span_reduce<RED, ThreadGroup, /*kWritten=*/true>(
-            scratch + (first_row + jj) * stride, b.x, b.y - b.x, b.z, b.w);
-        store_out(out + (first_row + jj) * num_nodes + node, static_cast<V>(res));
-      }
     }
   }
 }
@@ -1114,8 +906,99 @@ cudaError_t enqueue(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shm
 
 // ---------------------------------------------------------------------------- (c) spanning nodes
 
-// The spanning nodes: a thread each up to `narrow` (in narrow_blocks blocks: none when the
-// tile kernel folds those), then a warp each up to warp_end, then a block each.
+// Element k of spanning node s in a row's scratch: whole tile t0 + k for k < n, then its
+// left and right pieces; none (slot -1, or k past them) is the reduction's identity.
+template <int RED>
+__device__ __forceinline__ double span_element(const double* sc, int32_t t0, int32_t n,
+                                               int32_t left, int32_t right, int32_t k) {
+  const int32_t slot = k < n ? t0 + k : k == n ? left : k == n + 1 ? right : -1;
+  return slot >= 0 ? sc[slot] : identity<RED>();
+}
+
+// Who reduces one spanning node: a thread (narrow nodes), a warp (wider ones,
+// at most SPAN_WARP_TILES + 2 elements) or a block (the widest: the root's ~2,000 tiles). Each
+// member takes elements rank(), rank() + kSize, ..., kChunk of them at a time, their loads
+// issued together (kChunk * kSize covers a narrow node of up to 2 whole tiles, ~95% of
+// them on Llama-3, a warp node and the root: one round trip each); sum and max combine the
+// members' values, every member getting the result.
+struct ThreadGroup {
+  static constexpr int kSize = 1, kChunk = 4;
+  __device__ static int rank() { return 0; }
+  __device__ static double sum(double v) { return v; }
+  __device__ static double max(double v) { return v; }
+};
+struct WarpGroup {
+  static constexpr int kSize = 32, kChunk = 4;
+  __device__ static int rank() { return threadIdx.x & 31; }
+  __device__ static double sum(double v) { return warp_sum(v); }
+  __device__ static double max(double v) { return warp_max(v); }
+};
+struct BlockGroup {
+  static constexpr int kSize = kSpanThreads, kChunk = 8;
+  __device__ static int rank() { return threadIdx.x; }
+  // warps, then the warps' results in order; the leading barrier lets a second combine
+  // reuse `part` once every thread has read the first's
+  template <bool kSum>
+  __device__ static double combine(double v) {
+    __shared__ double part[kSpanWarps];
+    v = kSum ? warp_sum(v) : warp_max(v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = part[0];
+#pragma unroll
+    for (int w = 1; w < kSpanWarps; ++w) v = kSum ? v + part[w] : vmax(v, part[w]);
+    return v;
+  }
+  __device__ static double sum(double v) { return combine<true>(v); }
+  __device__ static double max(double v) { return combine<false>(v); }
+};
+
+// A spanning node's value, by one Group: sum or max of its elements; log_mass m + log(z),
+// m their max and z the sum of exp(element - m): each member keeps its own (m, z), a chunk
+// at a time (its max, then its float exps summed in double, merged by lse_merge), and the
+// group sums the members' z scaled to the group's m. Every member returns the value.
+template <int RED, class Group>
+__device__ __forceinline__ double span_reduce(const double* sc, int32_t t0, int32_t n,
+                                              int32_t left, int32_t right) {
+  constexpr int kChunk = Group::kChunk;
+  double acc = identity<RED>();  // log_mass: m, the member's largest element so far
+  double z = 0.0;                // log_mass: the sum of exp(element - m)
+  for (int32_t k0 = Group::rank(); k0 < n + 2; k0 += kChunk * Group::kSize) {
+    double v[kChunk];
+#pragma unroll
+    for (int u = 0; u < kChunk; ++u)
+      v[u] = span_element<RED>(sc, t0, n, left, right, k0 + u * Group::kSize);
+    if constexpr (RED == kLogMass) {
+      double chunk_max = v[0];
+#pragma unroll
+      for (int u = 1; u < kChunk; ++u) chunk_max = vmax(chunk_max, v[u]);
+      if (chunk_max != neg_inf()) {  // else nothing here has mass
+        double chunk_z = 0.0;  // terms <= 1, at least one of them 1
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u)
+          chunk_z += fast_exp(static_cast<float>(v[u] - chunk_max));
+        lse_merge(acc, z, chunk_max, chunk_z);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < kChunk; ++u) acc = RED == kSum ? acc + v[u] : vmax(acc, v[u]);
+    }
+  }
+  if constexpr (RED == kSum) {
+    return Group::sum(acc);
+  } else if constexpr (RED == kMax) {
+    return Group::max(acc);
+  } else {
+    const double m = Group::max(acc);
+    if (m == neg_inf()) return m;  // no mass beneath the node (the whole group agrees)
+    const double total = Group::sum(acc == neg_inf() ? 0.0 : z * exp(acc - m));  // >= 1
+    return m + static_cast<double>(fast_log(static_cast<float>(total)));
+  }
+}
+
+// The spanning nodes: a thread each up to `narrow` (in narrow_blocks blocks), then a warp
+// each up to warp_end, then a block each.
 template <class Out, int RED>
 __global__ void __launch_bounds__(kSpanThreads)
     span_kernel(const int32_t* __restrict__ span_node, const int32_t* __restrict__ span_left,
@@ -1202,11 +1085,9 @@ cudaError_t launch_row_pass(const TrieArgs& A, const T* values, T* staged, int64
 // stage, or (options.row_check) for the row check, staged or not; then (b) and (c).
 template <class T, class Out, int RED, int ROWS>
 cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out, int64_t row0,
-                        int64_t rows, const LaunchOptions& options, int32_t flag_value,
-                        cudaStream_t stream) {
+                        int64_t rows, const LaunchOptions& options, cudaStream_t stream) {
   constexpr bool kLse = RED == kLogMass;
   const bool check = !kLse && options.row_check;
-  const bool fold = options.fold && A.span_narrow > 0;
   int64_t splits = 0;
   cudaError_t err = cudaSuccess;
   if constexpr (ROWS >= kStageMinRows) {
@@ -1235,16 +1116,12 @@ cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out,
     return enqueue(kernel, tgrid, kTileThreads, tile_shared_bytes<Out, RED, ROWS>(), stream,
                    dependent, values, static_cast<const T*>(staged), A.C, A.leaf_token, A.L,
                    A.tile_run_ptr, A.run_bounds, A.tile_node_lo, A.node_src,
-                   A.tile_scratch_ptr, A.scratch_src, A.scratch_slot, A.tile_fold_ptr,
-                   A.tile_fold_wait, reinterpret_cast<const int4*>(A.fold_bounds), A.fold_node,
-                   fold ? A.tile_flags : nullptr, flag_value, A.scratch, A.scratch_stride,
-                   out, A.num_nodes, A.tile, row0, row0 + rows);
+                   A.tile_scratch_ptr, A.scratch_src, A.scratch_slot, A.scratch,
+                   A.scratch_stride, out, A.num_nodes, A.tile, row0, row0 + rows);
   };
-  err = fold ? tile_launch(tile_kernel<T, RED, ROWS, true>)
-             : tile_launch(tile_kernel<T, RED, ROWS, false>);
-  if (err != cudaSuccess || A.S == 0 || (fold && A.span_narrow == A.S)) return err;
-  // the narrow nodes, unless the tile kernel folded them
-  const int64_t narrow_blocks = fold ? 0 : (A.span_narrow + kSpanThreads - 1) / kSpanThreads;
+  err = tile_launch(tile_kernel<T, RED, ROWS>);
+  if (err != cudaSuccess || A.S == 0) return err;
+  const int64_t narrow_blocks = (A.span_narrow + kSpanThreads - 1) / kSpanThreads;
   const int64_t warp_blocks = (A.span_warp - A.span_narrow + kSpanWarps - 1) / kSpanWarps;
   const int64_t block_nodes = A.S - A.span_warp;
   const dim3 sgrid(static_cast<unsigned>(narrow_blocks + warp_blocks + block_nodes),
@@ -1272,20 +1149,12 @@ cudaError_t launch(const TrieArgs& A, const LaunchOptions& options, cudaStream_t
                           0, sizeof(double), A.B, stream);
     if (err != cudaSuccess) return err;
   }
-  // the look-back flags, all 0: a launch of rows [row0, ...) sets its flags to its own value
-  if (options.fold && A.span_narrow > 0) {
-    const cudaError_t err = cudaMemsetAsync(
-        A.tile_flags, 0, sizeof(int32_t) * tile_flag_count(A.B, A.n_tiles), stream);
-    if (err != cudaSuccess) return err;
-  }
   for (int64_t row0 = 0; row0 < A.B; row0 += kMaxGridY) {
     const int64_t rows = A.B - row0 < kMaxGridY ? A.B - row0 : kMaxGridY;
-    const int32_t flag_value = static_cast<int32_t>(row0 / kMaxGridY + 1);
     T* staged = rows >= kStageMinRows ? static_cast<T*>(A.staged) : nullptr;
     const auto with_rows = [&](auto per_block) {  // a std::integral_constant
       return launch_rows<T, Out, RED, decltype(per_block)::value>(A, values, staged, out, row0,
-                                                                  rows, options, flag_value,
-                                                                  stream);
+                                                                  rows, options, stream);
     };
     cudaError_t err;
     switch (rows_per_block(rows)) {  // staged is null below kStageMinRows rows
@@ -1303,25 +1172,10 @@ cudaError_t launch(const TrieArgs& A, const LaunchOptions& options, cudaStream_t
 
 }  // namespace
 
-int64_t tile_flag_count(int64_t B, int64_t n_tiles) {
-  // the launches of rows: all of kMaxGridY rows but the last (fewer rows, but maybe more
-  // blocks of fewer rows each)
-  const auto blocks = [](int64_t rows) {
-    const int per_block = rows_per_block(rows);
-    return (rows + per_block - 1) / per_block;
-  };
-  const int64_t first = blocks(B < kMaxGridY ? B : kMaxGridY);
-  const int64_t last = blocks(B % kMaxGridY == 0 ? kMaxGridY : B % kMaxGridY);
-  return n_tiles * std::max(first, last);
-}
-
 cudaError_t trie_reduce(const TrieArgs& A, const LaunchOptions& options, cudaStream_t stream) {
   if (A.B == 0 || A.num_nodes == 0) return cudaSuccess;
-  const bool fold = options.fold && A.span_narrow > 0;
   if (A.tile < 1 || A.tile > kMaxTile || A.n_tiles < 1 || A.scratch_stride < 2 ||
-      A.span_narrow < 0 || A.span_narrow > A.span_warp || A.span_warp > A.S ||
-      (fold && (A.tile_flags == nullptr ||
-                reinterpret_cast<uintptr_t>(A.fold_bounds) % alignof(int4) != 0)))
+      A.span_narrow < 0 || A.span_narrow > A.span_warp || A.span_warp > A.S)
     return cudaErrorInvalidValue;
   if (A.staged != nullptr &&
       (A.column_leaf == nullptr || A.n_column_leaf > A.C || A.L > A.C))

@@ -44,21 +44,13 @@ struct TrieArgs {
   const int32_t* tile_scratch_ptr;  // [n_tiles + 1] CSR of the tiles' scratch values
   const int32_t* scratch_src;       // their source codes
   const int32_t* scratch_slot;      // their scratch slots
-  const int32_t* tile_fold_ptr;   // [n_tiles + 1] CSR of the narrow spanning nodes (the
-                                  // first span_narrow) by owner tile: the tile kernel's folds
-  const int32_t* tile_fold_wait;  // [n_tiles] the first tile whose scratch values they read
-  const int32_t* fold_bounds;     // [span_narrow, 4] first whole tile, one past the last, left
-                                  // and right piece slots (-1: none); 16-byte aligned
-  const int32_t* fold_node;       // [span_narrow] their ids
-  int32_t* tile_flags;  // workspace of tile_flag_count(B, n_tiles) int32 (contents unspecified
-                        // on entry and on return) with LaunchOptions::fold, else unused
   const int32_t* span_node;   // [S] spanning nodes
   const int32_t* span_left;   // scratch slot of the left piece or -1
   const int32_t* span_right;  // scratch slot of the right piece or -1
   const int32_t* span_tile_lo;  // first whole tile (its total sits in scratch slot = tile id)
   const int32_t* span_tile_hi;  // one past the last whole tile
   int64_t S;
-  int64_t span_narrow;  // spans [0, span_narrow) are narrow: the tile kernel's folds,
+  int64_t span_narrow;  // spans [0, span_narrow) are narrow: a thread each,
   int64_t span_warp;    // [span_narrow, span_warp) a warp each, the rest a block each
   int64_t num_nodes;
   double* scratch;  // [B, scratch_stride] workspace; scratch_stride >= num_scratch + 2, the
@@ -78,9 +70,6 @@ struct TrieArgs {
 // The defaults are the kernels a GPU last checked and timed (docs/gpu.md); a variant is off
 // by default until a GPU run has checked and timed it.
 struct LaunchOptions {
-  // the tile kernel reduces the narrow spanning nodes it owns, after a look-back on the
-  // flags of the tiles before it (TrieArgs::tile_flags); else the span pass does
-  bool fold = false;
   // sum and max: the row pass checks the rows for NaN (the last scratch column), so that
   // the caller makes no pass of its own over the values
   bool row_check = false;
@@ -89,10 +78,6 @@ struct LaunchOptions {
 // Enqueues the kernels on `stream`; returns the launch status (cudaGetLastError()).
 cudaError_t trie_reduce(const TrieArgs& args, const LaunchOptions& options,
                         cudaStream_t stream);
-
-// The int32 entries TrieArgs::tile_flags needs for B rows and n_tiles tiles: one flag per
-// (tile, block of rows) of the largest launch.
-int64_t tile_flag_count(int64_t B, int64_t n_tiles);
 
 }  // namespace cuda
 }  // namespace genlm_fast

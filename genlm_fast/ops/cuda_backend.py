@@ -22,17 +22,12 @@ from genlm_fast.ops import extension
 class CudaOptions:
     """Variants of the CUDA kernels' launch, passed to the kernels with each call.
 
-    ``fold``: the tile kernel reduces the narrow spanning nodes it owns, after a look-back
-    on the flags of the tiles before it, instead of the span pass (fewer scattered writes:
-    the step toward the bandwidth goal of ``batch_log_mass``). Not yet run on a GPU.
-
     ``row_check``: ``sum`` and ``max`` check their rows for NaN in the kernels' row pass
     (staging from 8 rows, for the check alone below that), so the dispatcher makes no
     ``amax`` pass of its own over the values. Not yet run on a GPU. (``log_mass`` always
     checks its rows in the kernels: the row lse does it.)
     """
 
-    fold: bool = False
     row_check: bool = False
 
 
@@ -97,10 +92,6 @@ def trie_reduce(
         arrays["tile_scratch_ptr"],
         arrays["scratch_src"],
         arrays["scratch_slot"],
-        arrays["tile_fold_ptr"],
-        arrays["tile_fold_wait"],
-        arrays["fold_bounds"],
-        arrays["fold_node"],
         arrays["span_node"],
         arrays["span_left"],
         arrays["span_right"],
@@ -113,7 +104,6 @@ def trie_reduce(
         num_nodes,
         num_scratch,
         tile,
-        fold=options.fold,
         row_check=options.row_check,
     )
     return out, scratch[:, -1] if checks_rows(reduction, options) else None

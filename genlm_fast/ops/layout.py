@@ -15,10 +15,8 @@ Tiles (GPU backends). The leaf order is cut into tiles of ``TILE`` positions. A 
 range lies inside one tile ("local") is reduced by the program that owns that tile. A node
 whose range crosses tile boundaries ("spanning") is split into a left piece, whole tiles and
 a right piece; pieces and tile totals are themselves local ranges written to a small
-per-row scratch buffer, then combined by a second kernel (CUDA: the narrow ones by the tile
-kernel itself, in the tile that owns them, from the scratch values of the tiles before it;
-see ModeLayout.tile_fold_ptr). Scratch holds ``n_tiles`` tile totals followed by the
-pieces: O(n_tiles * depth) values per row, far below ``V``.
+per-row scratch buffer, then combined by a second kernel. Scratch holds ``n_tiles`` tile
+totals followed by the pieces: O(n_tiles * depth) values per row, far below ``V``.
 """
 
 from __future__ import annotations
@@ -37,19 +35,18 @@ import genlm_fast
 
 TILE = 64  # leaf positions per tile; a power of two (Triton block shapes)
 # Spanning nodes with at most this many whole tiles are "narrow": the GPU backends reduce
-# one per thread (CUDA: in the tile kernel, the tile of its last leaf) or per lane
-# (Triton), the wider ones (the top levels of the trie) with a warp (CUDA, up to
-# SPAN_WARP_TILES tiles), a block (CUDA, wider still: the root and a few more; Llama-3: 2
-# of 5,171) or a program (Triton) each. Spanning nodes are sorted by
+# one per thread (CUDA) or per lane (Triton), the wider ones (the top levels of the trie)
+# with a warp (CUDA, up to SPAN_WARP_TILES tiles), a block (CUDA, wider still: the root and
+# a few more; Llama-3: 2 of 5,171) or a program (Triton) each. Spanning nodes are sorted by
 # tile count, so each class is a slice: narrow [0, span_class_end(ml, SPAN_NARROW_TILES)),
 # then CUDA's warp class up to span_class_end(ml, SPAN_WARP_TILES).
 SPAN_NARROW_TILES = 16
 SPAN_WARP_TILES = 256
-LAYOUT_VERSION = 7  # bump when the pickled layout changes (the disk cache key has it)
+LAYOUT_VERSION = 8  # bump when the pickled layout changes (the disk cache key has it)
 
 # The index arrays each backend reads (TrieLayout.device_arrays hands it these alone): the
 # reference and the CPU kernel walk nodes by their leaf ranges, the Triton kernels read the
-# tiles' local ranges, the CUDA kernels their sources, runs and folds; both GPU backends the
+# tiles' local ranges, the CUDA kernels their sources and runs; both GPU backends the
 # spanning nodes.
 _SPANNING = ("span_node", "span_left", "span_right", "span_tile_lo", "span_tile_hi")
 BACKEND_ARRAYS = {
@@ -73,10 +70,6 @@ BACKEND_ARRAYS = {
         "tile_scratch_ptr",
         "scratch_src",
         "scratch_slot",
-        "tile_fold_ptr",
-        "tile_fold_wait",
-        "fold_bounds",
-        "fold_node",
         *_SPANNING,
     ),
 }
@@ -107,7 +100,7 @@ class ModeLayout:
     # [n_tiles + 1] the CSR over run_bounds [runs] (local positions a | b << 16, longest
     # first). node_src [N]: the node's source code, a leaf position p < tile (one leaf: its
     # own value), tile + r (the tile's run r), 2 * tile - 2 (the whole tile, 2+ leaves) or
-    # 2 * tile - 1 (none: an empty node, or a spanning node, written after).
+    # 2 * tile - 1 (none: an empty node, or a spanning node, which the span pass writes).
     # tile_scratch_ptr [n_tiles + 1] the CSR over the tile's scratch values (its total and
     # pieces): scratch_src [P] a source code, scratch_slot [P] the slot.
     tile_run_ptr: np.ndarray
@@ -116,17 +109,6 @@ class ModeLayout:
     tile_scratch_ptr: np.ndarray
     scratch_src: np.ndarray
     scratch_slot: np.ndarray
-    # The narrow spanning nodes (at most SPAN_NARROW_TILES whole tiles) as the CUDA tile
-    # kernel reduces them: in the tile that owns each (the tile of its last leaf), from the
-    # scratch values of that tile and the ones before it ("folds"). tile_fold_ptr
-    # [n_tiles + 1] the CSR over them by owner tile; tile_fold_wait [n_tiles] the first
-    # tile whose scratch values the tile's folds read (the tile itself: none before it);
-    # fold_bounds [F, 4] each one's first whole tile, one past its last, left piece slot
-    # and right piece slot (-1: none); fold_node [F] its id.
-    tile_fold_ptr: np.ndarray
-    tile_fold_wait: np.ndarray
-    fold_bounds: np.ndarray
-    fold_node: np.ndarray
     range_start: np.ndarray  # [R] absolute leaf position (inclusive)
     range_end: np.ndarray  # [R] absolute leaf position (exclusive)
     range_dest: np.ndarray  # [R] >= 0: output node column; < 0: scratch slot -1 - dest
@@ -204,12 +186,8 @@ class TrieLayout:
 def span_class_end(ml: ModeLayout, max_tiles: int) -> int:
     """How many spanning nodes (a prefix: they are sorted by tile count) have at most
     ``max_tiles`` whole tiles."""
-    return _class_end(ml.span_tile_hi.astype(np.int64) - ml.span_tile_lo, max_tiles)
-
-
-def _class_end(whole_tiles, max_tiles: int) -> int:
-    """``span_class_end`` from the spanning nodes' whole tile counts (sorted)."""
-    return int(np.searchsorted(whole_tiles, max_tiles, side="right"))
+    count = ml.span_tile_hi.astype(np.int64) - ml.span_tile_lo
+    return int(np.searchsorted(count, max_tiles, side="right"))
 
 
 # --------------------------------------------------------------------------- building
@@ -461,15 +439,6 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node):
 
     # spanning nodes sorted by how many whole tiles they sum, so a block of them loops alike
     span_order = np.argsort(hi_tile - lo_tile, kind="stable")
-    folds = tile_folds(
-        n_tiles,
-        span[span_order],
-        lo_tile[span_order],
-        hi_tile[span_order],
-        left_slot[span_order],
-        right_slot[span_order],
-        _class_end((hi_tile - lo_tile)[span_order], SPAN_NARROW_TILES),
-    )
     return ModeLayout(
         leaf_token=i32(token_column[order]),
         leaf_start=i32(leaf_start),
@@ -479,7 +448,6 @@ def _mode_layout(num_nodes, node_first, token_column, deposit_node):
         tile_unit_end=i32(unit_end),
         tile_node_lo=i32(node_lo),
         **{name: i32(a) for name, a in sources.items()},
-        **{name: i32(a) for name, a in folds.items()},
         range_start=i32(r_start[by_tile]),
         range_end=i32(r_end[by_tile]),
         range_dest=i32(r_dest[by_tile]),
@@ -531,25 +499,6 @@ def _tile_sources(num_nodes, tile, n_tiles, r_start, r_end, r_dest, r_tile, tile
         "tile_scratch_ptr": scratch_ptr,
         "scratch_src": code[to_scratch],
         "scratch_slot": -1 - r_dest[to_scratch],
-    }
-
-
-def tile_folds(n_tiles, node, lo_tile, hi_tile, left_slot, right_slot, narrow):
-    """``ModeLayout``'s tile_fold_ptr .. fold_node: the first ``narrow`` of the spanning
-    nodes given (sorted by whole tiles) as the CUDA tile kernel's folds."""
-    owner = np.where(right_slot[:narrow] >= 0, hi_tile[:narrow], hi_tile[:narrow] - 1)
-    first = np.where(left_slot[:narrow] >= 0, lo_tile[:narrow] - 1, lo_tile[:narrow])
-    by_owner = np.argsort(owner, kind="stable")
-    fold_ptr = np.zeros(n_tiles + 1, dtype=np.int64)
-    np.cumsum(np.bincount(owner, minlength=n_tiles), out=fold_ptr[1:])
-    wait = np.arange(n_tiles, dtype=np.int64)
-    np.minimum.at(wait, owner, first)
-    bounds = np.stack([lo_tile, hi_tile, left_slot, right_slot], axis=1)[:narrow][by_owner]
-    return {
-        "tile_fold_ptr": fold_ptr,
-        "tile_fold_wait": wait,
-        "fold_bounds": bounds.reshape(-1),
-        "fold_node": node[:narrow][by_owner],
     }
 
 

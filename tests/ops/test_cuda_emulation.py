@@ -4,18 +4,14 @@ No GPU here, so the .cu itself is compiled as host C++ (g++, with CUDA's host he
 ``__half``/``__nv_bfloat16``/``dim3``) after a mechanical rewrite of the few CUDA-only
 constructs, and executed with real thread semantics:
 
-* every launch ``k<<<grid, block, shmem, stream>>>(args)`` runs its blocks in order of
-  linear index (the order a device dispatches them), with one OS thread per CUDA thread,
-  one block at a time or (``resident_blocks``) up to that many at once, each starting as
-  soon as one of those before it is done; the launch fails (as on a device) on a grid
-  dimension of 0 or past its limit (x < 2^31, y and z <= 65535), more than 1024 threads,
-  or more than 48 KiB of dynamic shared memory;
+* every launch ``k<<<grid, block, shmem, stream>>>(args)`` runs each block in turn, in order
+  of linear index, with one OS thread per CUDA thread; the launch fails (as on a device) on
+  a grid dimension of 0 or past its limit (x < 2^31, y and z <= 65535), more than 1024
+  threads, or more than 48 KiB of dynamic shared memory;
 * ``__syncthreads()`` is a block-wide barrier, ``__shfl_xor_sync`` a warp-wide exchange
   that reports a lane missing from the full mask (an exited lane: undefined on a device);
 * dynamic shared memory is a heap block of exactly the launch's size, filled with NaN, and
   each static ``__shared__`` array a heap block of its own per block, all bits set;
-* the tile kernel's look-back (wait_tile) spins on std::atomic flags: blocks running at
-  once really wait for each other; a wait that never ends fails the run;
 * the harness is built with AddressSanitizer + UBSan and every device array is a heap block
   of exactly its size, so an out-of-bounds read or write, or signed overflow, fails the run
   (a stand-in for compute-sanitizer's memcheck); outputs and scratch start as NaN, so a node
@@ -25,9 +21,8 @@ The results are compared with the plain-torch reference backend on random tries
 (duplicates, empty tokens, deep chains, EOS mode, rows wider than the vocabulary, -inf
 logits, hundreds of nats, fp16/bf16 logits) and with the row chunking of ``launch``
 (gridDim.y <= 65535) forced down to 2 rows. What it cannot show: the device's own
-arithmetic (CUDA's exp/log are within 1-2 ulp of glibc's), the device's memory model (the
-emulator's is the CPU's, with the flags' release and acquire: a missing fence on the device
-shows nowhere here), timing, and csrc/bindings.cpp (torch + CUDA).
+arithmetic (CUDA's exp/log are within 1-2 ulp of glibc's), memory-model races between
+blocks (blocks run one after another), timing, and csrc/bindings.cpp (torch + CUDA).
 """
 
 from __future__ import annotations
@@ -46,7 +41,7 @@ from genlm_fast.backend.tokenization import Token
 from genlm_fast.bytes import TokenByteTrie
 from genlm_fast.ops import dispatch
 from genlm_fast.ops import layout as layout_module
-from genlm_fast.ops.layout import SPAN_NARROW_TILES, SPAN_WARP_TILES, span_class_end, tile_folds
+from genlm_fast.ops.layout import SPAN_NARROW_TILES, SPAN_WARP_TILES, span_class_end
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CU = os.path.join(REPO, "csrc", "trie_reduce_cuda.cu")
@@ -65,7 +60,6 @@ with open(CU) as _source:
 HARNESS = r"""
 #include <atomic>
 #include <barrier>
-#include <chrono>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -113,20 +107,14 @@ thread_local Block* blk = nullptr;
 dim3 gdim, bdim;
 int64_t max_grid_y = 65535;  // the kernels' row chunk (kMaxGridY), lowered by the tests
 int64_t row_pass_blocks = 1024;  // (a1)'s blocks a launch (kRowPassTargetBlocks), set by tests
-int64_t resident_blocks = 1;  // blocks run at once, set by tests
 std::atomic<int> errors{0};
 cudaError_t last_error = cudaSuccess;
 std::atomic<long> launches{0};
-std::atomic<long> spins{0};  // look-back polls that found a flag unset
 
 void fail(const char* what) {
   if (errors.fetch_add(1) < 5) std::fprintf(stderr, "EMULATOR ERROR: %s\n", what);
 }
 cudaError_t get_last_error() { cudaError_t e = last_error; last_error = cudaSuccess; return e; }
-cudaError_t memset_async(void* p, int value, size_t bytes, cudaStream_t) {
-  std::memset(p, value, bytes);
-  return cudaSuccess;
-}
 cudaError_t memset2d_async(void* p, size_t pitch, int value, size_t width, size_t height,
                            cudaStream_t) {
   if (width > pitch) return cudaErrorInvalidValue;
@@ -146,22 +134,6 @@ A& shared_array(int id) {
   return *static_cast<A*>(p);
 }
 
-// one poll of wait_tile found its flag unset: yields; a wait past 60 s (a block waiting on
-// one that never publishes) ends the run
-void backoff() {
-  thread_local std::chrono::steady_clock::time_point since;
-  thread_local long last = -1;
-  const long n = spins.fetch_add(1);
-  const auto now = std::chrono::steady_clock::now();
-  if (last < 0 || n > last + 1000000) since = now;  // (roughly) a new wait
-  last = n;
-  if (now - since > std::chrono::seconds(60)) {
-    fail("a look-back wait never ends");
-    std::fflush(stderr);
-    std::_Exit(3);
-  }
-  std::this_thread::yield();
-}
 inline void syncthreads() { blk->bar.arrive_and_wait(); }
 inline double longlong_as_double(long long v) { double d; std::memcpy(&d, &v, 8); return d; }
 template <class T>
@@ -196,37 +168,25 @@ void launch(dim3 g, dim3 b, size_t shmem, cudaStream_t, F body) {
   }
   gdim = g;
   bdim = b;
-  const auto run_block = [&](unsigned x, unsigned y, unsigned z) {
-    Block block(static_cast<int>(b.x), shmem);
-    std::vector<std::thread> pool;
-    pool.reserve(b.x);
-    for (unsigned t = 0; t < b.x; ++t)
-      pool.emplace_back([&, t] {
-        tid = uint3{t, 0, 0};
-        bid = uint3{x, y, z};
-        blk = &block;
-        body();
-        Warp& w = *block.warps[t >> 5];
-        w.exited.fetch_add(1);
-        w.bar.arrive_and_drop();
-        block.bar.arrive_and_drop();
-      });
-    for (auto& th : pool) th.join();
-  };
-  // blocks in order of linear index (x fastest), up to resident_blocks at once: each of
-  // those runners takes the next block when its own is done
-  const uint64_t total = 1ull * g.x * g.y * g.z;
-  std::atomic<uint64_t> next{0};
-  const auto runner = [&] {
-    for (uint64_t i = next++; i < total; i = next++)
-      run_block(static_cast<unsigned>(i % g.x), static_cast<unsigned>(i / g.x % g.y),
-                static_cast<unsigned>(i / g.x / g.y));
-  };
-  std::vector<std::thread> runners;
-  for (int64_t r = 1; r < resident_blocks && static_cast<uint64_t>(r) < total; ++r)
-    runners.emplace_back(runner);
-  runner();
-  for (auto& th : runners) th.join();
+  for (unsigned z = 0; z < g.z; ++z)
+    for (unsigned y = 0; y < g.y; ++y)
+      for (unsigned x = 0; x < g.x; ++x) {
+        Block block(static_cast<int>(b.x), shmem);
+        std::vector<std::thread> pool;
+        pool.reserve(b.x);
+        for (unsigned t = 0; t < b.x; ++t)
+          pool.emplace_back([&, t, x, y, z] {
+            tid = uint3{t, 0, 0};
+            bid = uint3{x, y, z};
+            blk = &block;
+            body();
+            Warp& w = *block.warps[t >> 5];
+            w.exited.fetch_add(1);
+            w.bar.arrive_and_drop();
+            block.bar.arrive_and_drop();
+          });
+        for (auto& th : pool) th.join();
+      }
 }
 }  // namespace emu
 
@@ -246,8 +206,8 @@ static void* read_array(FILE* f, int64_t* nbytes) {
 int main(int argc, char** argv) {
   if (argc != 3) return 2;
   FILE* f = std::fopen(argv[1], "rb");
-  int64_t h[15];
-  if (std::fread(h, 8, 15, f) != 15) return 3;
+  int64_t h[13];
+  if (std::fread(h, 8, 13, f) != 13) return 3;
   genlm_fast::cuda::TrieArgs A{};
   A.dtype = static_cast<int>(h[0]);
   A.B = h[1];
@@ -261,10 +221,8 @@ int main(int argc, char** argv) {
   emu::max_grid_y = h[9];
   A.span_narrow = h[10];
   A.span_warp = h[11];
-  emu::resident_blocks = h[12];
   genlm_fast::cuda::LaunchOptions options;
-  options.fold = h[13] != 0;
-  options.row_check = h[14] != 0;
+  options.row_check = h[12] != 0;
   int64_t n;
   A.values = read_array(f, &n);
   void* staged = read_array(f, &n);  // empty: none
@@ -278,10 +236,6 @@ int main(int argc, char** argv) {
   A.tile_scratch_ptr = static_cast<int32_t*>(read_array(f, &n));
   A.scratch_src = static_cast<int32_t*>(read_array(f, &n));
   A.scratch_slot = static_cast<int32_t*>(read_array(f, &n));
-  A.tile_fold_ptr = static_cast<int32_t*>(read_array(f, &n));
-  A.tile_fold_wait = static_cast<int32_t*>(read_array(f, &n));
-  A.fold_bounds = static_cast<int32_t*>(read_array(f, &n));
-  A.fold_node = static_cast<int32_t*>(read_array(f, &n));
   A.span_node = static_cast<int32_t*>(read_array(f, &n)); A.S = n / 4;
   A.span_left = static_cast<int32_t*>(read_array(f, &n));
   A.span_right = static_cast<int32_t*>(read_array(f, &n));
@@ -291,17 +245,10 @@ int main(int argc, char** argv) {
   A.scratch = static_cast<double*>(read_array(f, &scratch_bytes));
   A.out = read_array(f, &out_bytes);
   std::fclose(f);
-  // the look-back flags as the binding gives them: uninitialized (here: garbage)
-  std::vector<int32_t> flags;
-  if (options.fold && A.span_narrow > 0) {
-    flags.assign(genlm_fast::cuda::tile_flag_count(A.B, A.n_tiles), 0x5a5a5a5a);
-    A.tile_flags = flags.data();
-  }
   const cudaError_t status = genlm_fast::cuda::trie_reduce(A, options, nullptr);
   FILE* o = std::fopen(argv[2], "wb");
-  const int64_t head[4] = {static_cast<int64_t>(status), emu::errors.load(), emu::launches.load(),
-                           emu::spins.load()};
-  std::fwrite(head, 8, 4, o);
+  const int64_t head[3] = {static_cast<int64_t>(status), emu::errors.load(), emu::launches.load()};
+  std::fwrite(head, 8, 3, o);
   std::fwrite(A.out, 1, out_bytes, o);
   std::fwrite(A.scratch, 1, scratch_bytes, o);
   std::fclose(o);
@@ -342,9 +289,7 @@ def emulated_source(src: str) -> str:
             r"extern __shared__ (\w+) (\w+)\[\];",
             r"\1* \2 = reinterpret_cast<\1*>(emu::blk->shmem);",
         ),
-        (r"cudaMemsetAsync\(", "emu::memset_async("),
         (r"cudaMemset2DAsync\(", "emu::memset2d_async("),
-        (r"std::this_thread::yield\(\)", "emu::backoff()"),
         (
             r"constexpr int64_t kMaxGridY = 65535;",
             "static const int64_t& kMaxGridY = emu::max_grid_y;",
@@ -359,7 +304,7 @@ def emulated_source(src: str) -> str:
         assert count or pattern in optional, (
             f"the CUDA source no longer contains {pattern!r}: update the emulator"
         )
-    # static shared arrays: one of each per block (blocks may run at once)
+    # static shared arrays: one of each per block
     declarations = iter(range(1 << 30))
     src, count = re.subn(
         r"__shared__ ([\w:]+) (\w+)((?:\[[^\]]+\])+);",
@@ -465,40 +410,24 @@ def run_emulated(
     stage: bool = True,
     column_leaf: np.ndarray | None = None,
     row_pass_blocks: int = 0,
-    resident_blocks: int = 1,
-    stats: dict | None = None,
-    fold: bool = False,
     row_check: bool = False,
 ):
     """(launch status, emulator errors, launches, result, scratch): the CUDA kernels' result
     for ``values`` (what cuda_backend.trie_reduce would return) and their per-row scratch
     (log_mass: the row max and log(sum exp(x - max)) in its last two columns). Spanning
-    nodes [0, ``span_narrow``) are narrow (a thread each in the span pass, or with ``fold``
-    the tile kernel's folds, their arrays built here for that split), [``span_narrow``,
-    ``span_warp``) the span pass's warp-per-node path, the rest a block each (default: the
-    layout's splits). The staging workspace is given as the binding gives it (B >= 8: a
+    nodes [0, ``span_narrow``) are narrow (a thread each), [``span_narrow``, ``span_warp``)
+    the span pass's warp-per-node path, the rest a block each (default: the layout's
+    splits). The staging workspace is given as the binding gives it (B >= 8: a
     NaN-filled copy's worth), unless ``stage`` is False (the kernels then gather from the
     input rows, as below 8 rows);
     ``column_leaf`` (each column's leaf position, -1 for none) is built here from the
     layout unless given. ``row_pass_blocks`` (> 0) is the number of blocks the row pass aims
-    at (on a GPU: one wave of them; here 1024 by default); ``resident_blocks`` how many
-    blocks run at once. ``stats`` (a dict) gets ``spins``: the look-back's polls that found
-    a flag unset. ``fold`` and ``row_check``: the LaunchOptions (off by default, as on a
-    GPU: the span pass reduces the narrow spanning nodes, a thread each, and sum and max
-    leave their rows' check to the caller)."""
+    at (on a GPU: one wave of them; here 1024 by default). ``row_check``: the LaunchOptions
+    (off by default, as on a GPU: sum and max leave their rows' check to the caller)."""
     ml = layout.modes[mode]
     tile = ml.tile if tile is None else tile
     span_narrow = span_class_end(ml, SPAN_NARROW_TILES) if span_narrow is None else span_narrow
     span_warp = span_class_end(ml, SPAN_WARP_TILES) if span_warp is None else span_warp
-    folds = tile_folds(
-        len(ml.tile_node_lo) - 1,
-        ml.span_node,
-        ml.span_tile_lo,
-        ml.span_tile_hi,
-        ml.span_left,
-        ml.span_right,
-        min(span_narrow, len(ml.span_node)),
-    )
     values = values.contiguous()
     B, C = values.shape
     out_double = values.dtype == torch.float64 and reduction != "log_mass"
@@ -529,8 +458,6 @@ def run_emulated(
             max_grid_y,
             span_narrow,
             span_warp,
-            resident_blocks,
-            int(fold),
             int(row_check),
         ],
         dtype=np.int64,
@@ -550,10 +477,6 @@ def run_emulated(
         ml.tile_scratch_ptr,
         ml.scratch_src,
         ml.scratch_slot,
-        *(
-            np.asarray(folds[name], dtype=np.int32)
-            for name in ("tile_fold_ptr", "tile_fold_wait", "fold_bounds", "fold_node")
-        ),
         ml.span_node,
         ml.span_left,
         ml.span_right,
@@ -581,11 +504,9 @@ def run_emulated(
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "EMULATOR ERROR" not in proc.stderr, proc.stderr
     with open(path_out, "rb") as f:
-        status, errors, launches, spins = np.frombuffer(f.read(32), dtype=np.int64)
+        status, errors, launches = np.frombuffer(f.read(24), dtype=np.int64)
         got = np.frombuffer(f.read(out.nbytes), dtype=out.dtype).reshape(out.shape)
         scratch = np.frombuffer(f.read(scratch.nbytes), dtype=np.float64).reshape(scratch.shape)
-    if stats is not None:
-        stats["spins"] = int(spins)
     return int(status), int(errors), int(launches), got, scratch
 
 
@@ -697,7 +618,7 @@ def test_emulated_source_rewrites_every_cuda_construct():
 
 
 # the launch options: the kernels a GPU has checked (the default), and every variant on
-OPTIONS = {"checked": {}, "variants": {"fold": True, "row_check": True}}
+OPTIONS = {"checked": {}, "variants": {"row_check": True}}
 
 
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
@@ -909,14 +830,13 @@ def test_tiles_past_their_shared_index_slices(emulator, tmp_path, reduction, B):
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
-def test_spanning_nodes_by_fold_warp_and_block(emulator, tmp_path, reduction):
-    """The three paths of a spanning node: the first ``span_narrow`` folded by the tile
-    kernel (a thread per (node, row) in the tile that owns it), the span pass's warp per
-    (node, row) up to ``span_warp`` and its block per (node, row) for the rest, on a trie
-    whose root and top levels cover more than SPAN_NARROW_TILES whole tiles (so the layout's
-    own split uses the first two; the block path is for nodes over SPAN_WARP_TILES tiles,
-    which a test-sized trie lacks): each split, each path alone and all three at once,
-    gives the reference's values. Rows: -inf
+def test_spanning_nodes_by_thread_warp_and_block(emulator, tmp_path, reduction):
+    """The span kernel's three paths, a thread per (node, row) for the first
+    ``span_narrow`` spanning nodes, a warp per (node, row) up to ``span_warp`` and a block
+    per (node, row) for the rest, on a trie whose root and top levels cover more than
+    SPAN_NARROW_TILES whole tiles (so the layout's own split uses the first two; the block
+    path is for nodes over SPAN_WARP_TILES tiles, which a test-sized trie lacks): each
+    split, each path alone and all three at once, gives the reference's values. Rows: -inf
     runs over whole tiles, and masses far apart. (Every block node is a block of 256 OS
     threads here: the trie is kept just big enough.)"""
     rng = np.random.default_rng(21)
@@ -953,7 +873,6 @@ def test_spanning_nodes_by_fold_warp_and_block(emulator, tmp_path, reduction):
             reduction,
             span_narrow=split,
             span_warp=warp_end,
-            fold=True,
         )
         assert status == 0 and errors == 0
         assert_matches(
@@ -968,7 +887,6 @@ def test_spanning_nodes_by_fold_warp_and_block(emulator, tmp_path, reduction):
             reduction,
             span_narrow=split,
             span_warp=warp_end,
-            fold=True,
         )
         assert status != 0 and launches == 0  # a split out of order or past S is refused
 
@@ -979,9 +897,8 @@ def test_spanning_nodes_of_many_chunks(emulator, tmp_path, monkeypatch, reductio
     each) and, for log_mass, merges the chunks' (max, sum of exps) pairs: on tiles of 2
     leaves the root spans over 4 * 32 tiles, so a warp takes several chunks and a thread
     dozens, with whole chunks of -inf between chunks of mass far apart (each merge rescales
-    one way or the other, or skips a chunk without mass). Every spanning node a thread's:
-    folded by the tile kernel (in its tile) or by the span pass; then by warp; the 3 widest
-    by block (a block of 256 OS threads each here)."""
+    one way or the other, or skips a chunk without mass). Every spanning node by thread,
+    then by warp; the 3 widest by block (a block of 256 OS threads each here)."""
     monkeypatch.setattr(layout_module, "TILE", 2)
     rng = np.random.default_rng(5)
     words = [bytes(rng.integers(97, 101, size=rng.integers(1, 6))) for _ in range(290)]
@@ -996,7 +913,7 @@ def test_spanning_nodes_of_many_chunks(emulator, tmp_path, monkeypatch, reductio
             x[0, leaf_columns[lo : lo + 48]] = -np.inf  # 24 tiles without mass
             x[0, leaf_columns[lo + 48 : lo + 96]] += [-300.0, 0.0, 150.0][k % 3]
     want = reference(x, layout, reduction)
-    for split, warp_end, fold in [(S, S, True), (S, S, False), (0, S, False), (0, S - 3, False)]:
+    for split, warp_end in [(S, S), (0, S), (0, S - 3)]:
         status, errors, _, got, _ = run_emulated(
             emulator,
             str(tmp_path),
@@ -1005,91 +922,10 @@ def test_spanning_nodes_of_many_chunks(emulator, tmp_path, monkeypatch, reductio
             reduction,
             span_narrow=split,
             span_warp=warp_end,
-            fold=fold,
         )
         assert status == 0 and errors == 0
         assert_matches(
             got, want, reduction, f"{reduction}, span_narrow={split}, span_warp={warp_end}"
-        )
-
-
-@pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
-def test_folds_wait_for_the_tiles_before_them(emulator, tmp_path, monkeypatch, reduction):
-    """The tile kernel's folds with up to 6 blocks running at once, dispatched in order as
-    on a device: a tile's folds read the scratch values of the tiles before it, which may
-    still be running, so it waits for their flags. Scratch starts NaN and the flags as
-    garbage (the launch zeroes them), so a fold that read a value before its tile published
-    it, or a flag left from another launch, shows. On tiles of 4 leaves nearly every tile
-    owns folds, of up to 16 whole tiles (or, with every spanning node folded, of all of
-    them); rows unstaged (3) and staged (8), 5 rows in launches of 2 (their flags distinct
-    per launch), and 31 in launches of 16 and 15 (the second in more row blocks, of 8 rows:
-    tile_flag_count covers it). The polls did find flags unset: the waits ran."""
-    monkeypatch.setattr(layout_module, "TILE", 4)
-    rng = np.random.default_rng(17)
-    words = [bytes(rng.integers(97, 100, size=rng.integers(1, 7))) for _ in range(300)]
-    layout = make_trie(words).layout
-    ml = layout.modes["without_eos"]
-    S, narrow = len(ml.span_node), span_class_end(ml, SPAN_NARROW_TILES)
-    assert 0 < narrow < S and (np.diff(ml.tile_fold_ptr) > 0).mean() > 0.5
-    spins = 0
-    for B, split, max_grid_y in [
-        (3, narrow, 65535),
-        (STAGE_MIN_ROWS, narrow, 65535),
-        (3, S, 65535),
-        (5, narrow, 2),
-        (31, narrow, 16),
-    ]:
-        x = make_values(rng, B, layout.num_columns, reduction, spread=30.0, neg_inf=0.1)
-        stats = {}
-        status, errors, _, got, _ = run_emulated(
-            emulator,
-            str(tmp_path),
-            x,
-            layout,
-            reduction,
-            span_narrow=split,
-            span_warp=max(split, span_class_end(ml, SPAN_WARP_TILES)),
-            max_grid_y=max_grid_y,
-            resident_blocks=6,
-            stats=stats,
-            fold=True,
-        )
-        assert status == 0 and errors == 0
-        assert_matches(
-            got,
-            reference(x, layout, reduction),
-            reduction,
-            f"{reduction}, B={B}, span_narrow={split}, max_grid_y={max_grid_y}",
-        )
-        spins += stats["spins"]
-    assert spins > 0
-
-
-@pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
-def test_folds_give_what_the_span_pass_gives(emulator, tmp_path, monkeypatch, reduction):
-    """Without the fold option (the default; tools/gpu/bench.py times both) the span pass
-    reduces the narrow spanning nodes, a thread per (node, row); with it the tile kernel
-    does, with the same arithmetic over the same scratch values, so the two results agree
-    bit for bit, and both with the reference, unstaged (3 rows) and staged (8). Without
-    folds the launch sets no flags: none are needed (the emulator gives it none)."""
-    monkeypatch.setattr(layout_module, "TILE", 8)
-    rng = np.random.default_rng(29)
-    words = [bytes(rng.integers(97, 100, size=rng.integers(1, 7))) for _ in range(400)]
-    layout = make_trie(words).layout
-    ml = layout.modes["without_eos"]
-    assert 0 < span_class_end(ml, SPAN_NARROW_TILES) < len(ml.span_node)
-    for B in (3, STAGE_MIN_ROWS):
-        x = make_values(rng, B, layout.num_columns, reduction, spread=30.0, neg_inf=0.1)
-        results = []
-        for fold in (True, False):
-            status, errors, _, got, _ = run_emulated(
-                emulator, str(tmp_path), x, layout, reduction, fold=fold
-            )
-            assert status == 0 and errors == 0
-            results.append(got)
-        np.testing.assert_array_equal(results[0], results[1])
-        assert_matches(
-            results[1], reference(x, layout, reduction), reduction, f"{reduction}, B={B}, folds off"
         )
 
 
@@ -1099,17 +935,14 @@ def test_rows_are_chunked_below_the_grid_limit(emulator, tmp_path, reduction):
     chunk lowered to 2, B=5 takes three chunks of every kernel; lowered to 10, B=21 too
     (the first two staged, a block of 8 rows and one of 2; the last not), each row's result
     the reference's. A chunk's kernels: the row pass (log_mass, or to stage), the lse merge
-    (log_mass), the tile kernel and the span pass; with the folds (every spanning node of
-    these 3 tiles is narrow) no span pass, and with the row check a row pass for sum and
-    max staged or not."""
+    (log_mass), the tile kernel and the span pass; with the row check a row pass for sum
+    and max staged or not."""
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(150)]
-    ml = make_trie(words).layout.modes["without_eos"]
-    assert 0 < span_class_end(ml, SPAN_NARROW_TILES) == len(ml.span_node)
     lse = reduction == "log_mass"
 
-    def kernels(rows, fold=False, row_check=False):
+    def kernels(rows, row_check=False):
         row_pass = lse or rows >= STAGE_MIN_ROWS or row_check
-        return row_pass + lse + 1 + (not fold)
+        return row_pass + lse + 2
 
     for options in OPTIONS.values():
         launches = check(emulator, tmp_path, words, reduction, B=5, max_grid_y=2, **options)
@@ -1399,8 +1232,8 @@ def use_emulated_binding(monkeypatch, emulator, tmp_path, layout):
 
     class EmulatedBinding:
         @staticmethod
-        def trie_reduce_cuda(values, leaf_token, column_leaf, *args, fold=False, row_check=False):
-            scratch, reduction = args[18], args[19]
+        def trie_reduce_cuda(values, leaf_token, column_leaf, *args, row_check=False):
+            scratch, reduction = args[14], args[15]
             mode = next(
                 m
                 for m, ml in layout.modes.items()
@@ -1414,7 +1247,6 @@ def use_emulated_binding(monkeypatch, emulator, tmp_path, layout):
                 reduction,
                 mode=mode,
                 column_leaf=column_leaf.numpy(),
-                fold=fold,
                 row_check=row_check,
             )
             assert status == 0 and errors == 0

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from genlm_fast.backend.tokenization import Token
 from genlm_fast.backend.trie import TokenCharacterTrie
 from genlm_fast.ops import layout
-from genlm_fast.ops.layout import SPAN_NARROW_TILES, span_class_end
 from tests.ops.devices import device_for
 from tests.vocabs import byte_vocab
 
@@ -99,22 +98,16 @@ def evaluate_tiles(ml, num_nodes, weights):
 
 
 def evaluate_sources(ml, num_nodes, weights):
-    """The same from the tiles' sources, the way the CUDA tile kernel reads them: tile after
-    tile, its leaf values and run sums, its scratch values and owned node ids copied from
-    their source codes (a position, tile + a run, 2 * tile - 2: the whole tile, or
-    2 * tile - 1: none, the empty value 0), then its narrow spanning nodes (folds) from the
-    scratch values of the tiles from tile_fold_wait on, none past it; the wider spanning
-    nodes last (the span pass)."""
+    """The same from the tiles' sources, the way the CUDA tile kernel reads them: per tile,
+    its leaf values and run sums, each owned node and scratch value copied from its source
+    code (a position, tile + a run, 2 * tile - 2: the whole tile, or 2 * tile - 1: none, the
+    empty value 0), then the spanning nodes."""
     out = np.full(num_nodes, np.nan)
     scratch = np.full(ml.num_scratch, np.nan)
     leaf_w = np.zeros(len(ml.tile_node_lo) * ml.tile)  # whole tiles
     leaf_w[: len(ml.leaf_token)] = weights[ml.leaf_token]
     tile = ml.tile
-    n_tiles = len(ml.tile_node_lo) - 1
-    folds = ml.fold_bounds.reshape(-1, 4)
-    assert len(ml.tile_fold_ptr) == n_tiles + 1 and len(ml.tile_fold_wait) == n_tiles
-    written = np.full(ml.num_scratch, -1)  # the tile that wrote each scratch slot
-    for t in range(n_tiles):
+    for t in range(len(ml.tile_node_lo) - 1):
         leaves = leaf_w[t * tile : (t + 1) * tile]
         bounds = ml.run_bounds[ml.tile_run_ptr[t] : ml.tile_run_ptr[t + 1]]
         # nested ranges of 2+ leaves but the whole tile: at most tile - 2
@@ -131,33 +124,16 @@ def evaluate_sources(ml, num_nodes, weights):
         out[nodes] = source[ml.node_src[nodes]]
         q = slice(ml.tile_scratch_ptr[t], ml.tile_scratch_ptr[t + 1])
         scratch[ml.scratch_slot[q]] = source[ml.scratch_src[q]]
-        written[ml.scratch_slot[q]] = t
-        fold = slice(ml.tile_fold_ptr[t], ml.tile_fold_ptr[t + 1])
-        for node, (lo, hi, left, right) in zip(ml.fold_node[fold], folds[fold]):
-            assert ml.tile_node_lo[t] <= node < ml.tile_node_lo[t + 1]
-            assert ml.node_src[node] == 2 * tile - 1
-            slots = list(range(lo, hi)) + [s for s in (left, right) if s >= 0]
-            assert (written[slots] >= ml.tile_fold_wait[t]).all()  # waited for, and
-            assert (written[slots] <= t).all()  # written by now
-            out[node] = scratch[slots].sum()
-    # the folds are the narrow spanning nodes, each once; the span pass writes the rest
-    narrow = span_class_end(ml, SPAN_NARROW_TILES)
-    assert sorted(ml.fold_node.tolist()) == sorted(ml.span_node[:narrow].tolist())
-    assert (ml.tile_fold_wait <= np.arange(n_tiles)).all()
-    wide = out.copy()
-    wide[ml.span_node[narrow:]] = np.nan  # written by the span pass, none in its tile
+    spanning = out.copy()
+    spanning[ml.span_node] = np.nan  # written by the span pass, none in its tile
     assert (ml.node_src[ml.span_node] == 2 * tile - 1).all()
-    return _spanning_nodes(ml, wide, scratch, first=narrow)
+    return _spanning_nodes(ml, spanning, scratch)
 
 
-def _spanning_nodes(ml, out, scratch, first=0):
-    """Writes the spanning nodes [first, S) from their pieces and whole tiles."""
+def _spanning_nodes(ml, out, scratch):
+    """Writes the spanning nodes from their pieces and whole tiles."""
     for node, left, right, lo, hi in zip(
-        ml.span_node[first:],
-        ml.span_left[first:],
-        ml.span_right[first:],
-        ml.span_tile_lo[first:],
-        ml.span_tile_hi[first:],
+        ml.span_node, ml.span_left, ml.span_right, ml.span_tile_lo, ml.span_tile_hi
     ):
         parts = list(scratch[lo:hi]) + [scratch[s] for s in (left, right) if s >= 0]
         out[node] = np.sum(parts)

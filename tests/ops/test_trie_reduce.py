@@ -481,7 +481,7 @@ def test_cpu_results_on_smollm2_do_not_depend_on_the_team():
         torch.set_num_threads(threads)
 
 
-CUDA_VARIANTS = {"fold": {"fold": True}, "row_check": {"row_check": True}}
+CUDA_VARIANTS = {"row_check": {"row_check": True}}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

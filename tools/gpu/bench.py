@@ -5,7 +5,7 @@
     python -m tools.gpu.bench --dump-vocab vocab.pkl   # (where quicktok is) for --vocab-file
     python -m tools.gpu.bench --dry-run-cpu            # the same code path on CPU, tiny vocabulary
     python -m tools.gpu.bench --sweep                  # also: the Triton launch configurations
-    python -m tools.gpu.bench --variants fold row_check  # also: the CUDA launch's variants
+    python -m tools.gpu.bench --variants row_check  # also: the CUDA launch's variants
 
 For every available GPU backend (``triton``, ``cuda``), batch size and op it
 1. checks the result against a float64 oracle computed with the reference's own ancestor
@@ -90,10 +90,6 @@ INDEX_ARRAYS = {
         "tile_scratch_ptr",
         "scratch_src",
         "scratch_slot",
-        "tile_fold_ptr",
-        "tile_fold_wait",
-        "fold_bounds",
-        "fold_node",
     )
     + SPAN_ARRAYS,
     # the CPU kernel's (genlm_fast/ops/cpu_backend.py): the layout's parent and leaf_token,
@@ -835,24 +831,10 @@ def _bench_input(context, op: str, B: int):
 
 # The CUDA launch's variants (the fields of cuda_backend.CudaOptions, each off by default
 # until a GPU run has checked and timed it): the (op, B) pairs at which --variants times each
-# off and on, the others off, and what is timed. fold (the tile kernel reduces the narrow
-# spanning nodes; off: the span pass) does the same arithmetic: the kernels alone, results
-# bit for bit the same. row_check (sum and max check their rows in the kernels' row pass;
-# off: the dispatcher's amax pass) changes no value, and what it saves is outside the
-# kernels: timed through the dispatcher, as a public call runs.
+# off and on, the others off, and what is timed. row_check (sum and max check their rows in
+# the kernels' row pass; off: the dispatcher's amax pass) changes no value, and what it
+# saves is outside the kernels: timed through the dispatcher, as a public call runs.
 CUDA_VARIANTS = {
-    "fold": (
-        (
-            ("sum", 1),
-            ("sum", 32),
-            ("max", 64),
-            ("log_mass", 1),
-            ("log_mass", 8),
-            ("log_mass", 64),
-            ("log_mass", 128),
-        ),
-        "kernels",
-    ),
     "row_check": ((("sum", 1), ("sum", 8), ("sum", 32), ("max", 64)), "dispatch"),
 }
 

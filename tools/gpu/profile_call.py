@@ -10,8 +10,7 @@ kernels alone (``dispatch.run_backend``) ``--calls`` times (default 3) on random
 and max: their softmax): with the selection above, ncu skips the first two calls' row pass,
 tile and span kernels and profiles the third's (the row pass: log_mass always, sum and max
 from B=8 on, where it stages the rows; below that sum and max have none: skip 4, count 2).
-``--fold`` launches the CUDA kernels with the fold variant (``CudaOptions``): the span pass
-then reduces only the widest spanning nodes. ``tools/gpu/session.sh profile`` runs it so.
+``tools/gpu/session.sh profile`` runs it so.
 ``--dry-run-cpu`` runs the same on a few hundred tokens on the CPU (Triton interpreter): CI
 checks the script that way.
 """
@@ -28,9 +27,6 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="cuda", help="cuda (default) or triton")
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--vocab", default="llama3", help="quicktok encoding (default llama3)")
-    parser.add_argument(
-        "--fold", action="store_true", help="the CUDA launch's fold variant (CudaOptions.fold)"
-    )
     parser.add_argument("--dry-run-cpu", action="store_true")
     args = parser.parse_args(argv)
 
@@ -38,7 +34,6 @@ def main(argv=None) -> int:
 
     from bench import kernels as K
     from genlm_fast.bytes import TokenByteTrie
-    from genlm_fast.ops.cuda_backend import CudaOptions
     from tools.gpu.bench import DRY_RUN_TOKENS, kernel_call, load_vocab
 
     device = "cpu" if args.dry_run_cpu else "cuda"
@@ -47,8 +42,7 @@ def main(argv=None) -> int:
     layout = TokenByteTrie(vocab, device=device, kernel_backend=backend).layout
     logits, probs = K.make_inputs(len(vocab), args.batch)
     x = (logits if args.op == "log_mass" else probs).to(device).contiguous()
-    options = CudaOptions(fold=args.fold) if backend == "cuda" else None
-    call = kernel_call(backend, x, layout, args.op, cuda_options=options)
+    call = kernel_call(backend, x, layout, args.op)
     for _ in range(args.calls):
         out = call()
     if device == "cuda":

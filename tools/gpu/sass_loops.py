@@ -32,7 +32,7 @@ TRITON_KERNELS = (
     "_tile_ranges_dot sum/fp32",
     "_tile_ranges_max max/fp32",
 )
-# tile_kernel<T, Out, RED, ROWS> instances (mangled-name fragments): float log_mass, sum, max
+# tile_kernel<T, RED, ROWS> instances (mangled-name fragments): float log_mass, sum, max
 CUDA_KERNELS = {
     "tile_kernel<float, log_mass, 32>": "tile_kernelIfLi2ELi32E",
     "tile_kernel<float, sum, 32>": "tile_kernelIfLi0ELi32E",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine reached through a remote runner (tools/gpu/README.md):
 #     bash tools/gpu/session.sh tests    # build with the CUDA kernels, run the GPU tests
-#     bash tools/gpu/session.sh bench    # python -m tools.gpu.bench --variants fold row_check
+#     bash tools/gpu/session.sh bench    # python -m tools.gpu.bench --variants row_check
 #                                          #   --sweep (Llama-3)
 #     bash tools/gpu/session.sh lm       # python -m tools.gpu.lm: the LM's SMC step and one
 #                                          #   decoding forward, eager and as a CUDA graph
@@ -21,7 +21,7 @@
 # 30 s after a call, so two calls usually mean two builds; `all` bounds the benchmark and the
 # tests with timeouts that share what the build leaves of TOTAL_S = 585 s (BENCH_S and
 # TESTS_S override them), to fit the 10-minute limit; PYTEST_ARGS adds pytest arguments,
-# BENCH_ARGS replaces the benchmark's --variants fold row_check --sweep). What
+# BENCH_ARGS replaces the benchmark's --variants row_check --sweep). What
 # comes back: the benchmark table, the test log, env.txt and, if a test crashed the
 # interpreter, its C stack (crash.txt); the rest (build log, test reports, the sm_90 compile
 # table, the ncu reports ncu-*.txt) in logs.tar.gz, as the tool brings back 8 files. Commit
@@ -168,21 +168,6 @@ run_profile() {
     --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$' \
     $PY -m tools.gpu.profile_call --op log_mass --batch 64 >"$OUT/ncu-stalls-log_mass-B64.txt" 2>&1
   echo "ncu stalls log_mass B=64: exit $? ($OUT/ncu-stalls-log_mass-B64.txt)"
-  # The same two with the fold variant (CudaOptions.fold: the tile kernel reduces the narrow
-  # spanning nodes, the span pass only the widest): each kernel's DRAM traffic as the
-  # pipeline leaves the caches, and what the tile and span kernels wait on (the look-back's
-  # polls show as waits in the tile kernel)
-  "$ncu" --cache-control none --kernel-name regex:'row_pass|row_lse_merge|tile_kernel|span_kernel' \
-    --launch-skip 8 --launch-count 4 \
-    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
-    $PY -m tools.gpu.profile_call --op log_mass --batch 64 --fold \
-    >"$OUT/ncu-pipeline-fold-log_mass-B64.txt" 2>&1
-  echo "ncu (caches kept, fold) log_mass B=64: exit $?"
-  "$ncu" --kernel-name regex:'tile_kernel|span_kernel' --launch-skip 4 --launch-count 2 \
-    --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$' \
-    $PY -m tools.gpu.profile_call --op log_mass --batch 64 --fold \
-    >"$OUT/ncu-stalls-fold-log_mass-B64.txt" 2>&1
-  echo "ncu stalls (fold) log_mass B=64: exit $?"
 }
 
 run_lm() {
@@ -194,7 +179,7 @@ run_lm() {
 
 run_bench() {
   # --sweep: after the main table (written first), the Triton kernels' launch configurations
-  $PY -m tools.gpu.bench ${BENCH_ARGS---variants fold row_check --sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
+  $PY -m tools.gpu.bench ${BENCH_ARGS---variants row_check --sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
   return "${PIPESTATUS[0]}"
 }
 

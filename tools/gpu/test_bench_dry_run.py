@@ -290,10 +290,9 @@ def test_profile_script_dry_run(capsys):
 
 def test_variant_comparison_times_each_variant_off_and_on_and_checks_them(monkeypatch):
     """--variants: each case of each variant named is run and timed with that field of
-    CudaOptions off, then on (the others off), the kernels alone (fold) or through the
-    dispatcher (row_check), and the two results must agree bit for bit. The CUDA pieces are
-    stand-ins here (they return what the options say; one case disagrees); the section
-    renders both outcomes."""
+    CudaOptions off, then on (the others off), through the dispatcher (row_check), and the
+    two results must agree bit for bit. The CUDA pieces are stand-ins here (they return
+    what the options say; one case disagrees); the section renders both outcomes."""
     import torch
 
     from genlm_fast.ops.cuda_backend import CudaOptions
@@ -303,11 +302,11 @@ def test_variant_comparison_times_each_variant_off_and_on_and_checks_them(monkey
     def stand_in(how, reduction, B, options):
         def fn():
             seen.append((how, reduction, B, options))
-            if reduction == "log_mass" and B == 64 and options.fold:
-                return torch.ones(1)  # the fold disagrees with the span pass here
+            if reduction == "max" and B == 64 and options.row_check:
+                return torch.ones(1)  # the two disagree here
             return torch.zeros(1)
 
-        fn.on = options.fold or options.row_check
+        fn.on = options.row_check
         return fn
 
     monkeypatch.setattr(
@@ -333,7 +332,7 @@ def test_variant_comparison_times_each_variant_off_and_on_and_checks_them(monkey
         "vocab": [b"a"] * 10,
         "layout": None,
     }
-    names = ["fold", "row_check"]
+    names = ["row_check"]
     assert sorted(gpu.CUDA_VARIANTS) == names
     rows = gpu.variant_comparison(context, names)
     want = [(name, op, B) for name in names for op, B in gpu.CUDA_VARIANTS[name][0]]
@@ -346,8 +345,8 @@ def test_variant_comparison_times_each_variant_off_and_on_and_checks_them(monkey
         for on in (False, True)
     }
     failed = [r for r in rows if "failed" in r]
-    assert [(r["variant"], r["op"], r["B"]) for r in failed] == [("fold", "log_mass", 64)]
-    assert "fold off and on disagree" in failed[0]["failed"]
+    assert [(r["variant"], r["op"], r["B"]) for r in failed] == [("row_check", "max", 64)]
+    assert "row_check off and on disagree" in failed[0]["failed"]
     # the goals' shapes also get the goal's measure both ways, from the main table's CUDA row
     main = [
         {
@@ -368,16 +367,13 @@ def test_variant_comparison_times_each_variant_off_and_on_and_checks_them(monkey
         },
     ]
     by_case = {(r["variant"], r["op"], r["B"]): r for r in rows}
-    assert gpu.variant_goal(by_case["fold", "sum", 32], main) == "10.0x / 12.5x the reference"
     # (the goals are on the kernels' time: none for a variant timed through the dispatcher)
     assert gpu.variant_goal(by_case["row_check", "sum", 32], main) == "-"
-    assert gpu.variant_goal(by_case["fold", "log_mass", 8], main) == "-"
-    assert gpu.variant_goal(by_case["fold", "sum", 32], []) == "-"
     text = gpu.table([], {}, "cmd", variant_rows=rows)
-    assert "| fold | sum | 32 | kernels | 0.5000 | 0.4000 | 1.250 | - |" in text
     assert "| row_check | sum | 8 | dispatch | 0.5000 | 0.4000 | 1.250 | - |" in text
     assert (
-        "| fold | log_mass | 64 | kernels | FAILED: AssertionError: fold off and on disagree |"
+        "| row_check | max | 64 | dispatch | FAILED: AssertionError: row_check off and on "
+        "disagree |"
     ) in text
-    assert gpu.variant_comparison({**context, "backends": ["triton"]}, ["fold"]) == []
+    assert gpu.variant_comparison({**context, "backends": ["triton"]}, ["row_check"]) == []
     assert gpu.variant_comparison(context, []) == []

@@ -11,16 +11,13 @@
 //   trie_reduce_cuda(values, leaf_token, column_leaf, tile_node_lo, tile_run_ptr, run_bounds,
 //                    node_src, tile_scratch_ptr, scratch_src, scratch_slot, span_node,
 //                    span_left, span_right, span_tile_lo, span_tile_hi, span_narrow,
-//                    span_warp, scratch, reduction, num_nodes, num_scratch, tile,
-//                    row_check=False)
+//                    span_warp, scratch, reduction, num_nodes, num_scratch, tile)
 //                    -> Tensor[B, num_nodes]   (only when built with -DWITH_CUDA; scratch is a
 //                    float64 [B, num_scratch + 2] workspace the caller allocates, its last
 //                    column each row's check, NaN exactly for a bad row (log_mass: else
-//                    log(sum exp(x - m)) with the row max m in the column before; sum/max
-//                    with row_check: else 0); spanning nodes [0, span_narrow) are narrow
-//                    (a thread each), [span_narrow, span_warp) a warp each, the rest a block
-//                    each; row_check is the LaunchOptions of trie_reduce_cuda.h, off by
-//                    default)
+//                    log(sum exp(x - m)) with the row max m in the column before; sum/max:
+//                    else 0); spanning nodes [0, span_narrow) are narrow (a thread each),
+//                    [span_narrow, span_warp) a warp each, the rest a block each)
 //   cpu_team_size(bytes) -> int  the threads a CPU kernel's parallel region over about
 //                   `bytes` of memory traffic gets now (cpu_threads.h: usable CPUs, contention,
 //                   torch's setting, the work); cpu_free_cpus() -> int  the first two alone;
@@ -377,7 +374,7 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
                             int64_t span_narrow, int64_t span_warp,
                             const at::Tensor& scratch,
                             const std::string& reduction, int64_t num_nodes,
-                            int64_t num_scratch, int64_t tile, bool row_check) {
+                            int64_t num_scratch, int64_t tile) {
   const int red = parse_reduction(reduction);
   TORCH_CHECK(values.is_cuda(), "trie_reduce_cuda: values must be a CUDA tensor, got one on ",
               values.device());
@@ -456,8 +453,6 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   A.tile_scratch_ptr = tile_scratch_ptr.data_ptr<int32_t>();
   A.scratch_src = scratch_src.data_ptr<int32_t>();
   A.scratch_slot = scratch_slot.data_ptr<int32_t>();
-  genlm_fast::cuda::LaunchOptions options;
-  options.row_check = row_check;
   A.span_node = span_node.data_ptr<int32_t>();
   A.span_left = span_left.data_ptr<int32_t>();
   A.span_right = span_right.data_ptr<int32_t>();
@@ -473,8 +468,8 @@ at::Tensor trie_reduce_cuda(const at::Tensor& values, const at::Tensor& leaf_tok
   A.out = out.data_ptr();
   A.out_double = out_double;
   A.reduction = red;
-  const cudaError_t err = genlm_fast::cuda::trie_reduce(
-      A, options, c10::cuda::getCurrentCUDAStream(dev.index()).stream());
+  const cudaError_t err =
+      genlm_fast::cuda::trie_reduce(A, c10::cuda::getCurrentCUDAStream(dev.index()).stream());
   TORCH_CHECK(err == cudaSuccess, "trie_reduce_cuda: kernel launch failed: ",
               cudaGetErrorString(err));
   return out;
@@ -590,11 +585,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("tile_node_lo"), pybind11::arg("tile_run_ptr"),
         pybind11::arg("run_bounds"), pybind11::arg("node_src"),
         pybind11::arg("tile_scratch_ptr"), pybind11::arg("scratch_src"),
-        pybind11::arg("scratch_slot"), pybind11::arg("span_node"), pybind11::arg("span_left"), pybind11::arg("span_right"),
-        pybind11::arg("span_tile_lo"), pybind11::arg("span_tile_hi"),
+        pybind11::arg("scratch_slot"), pybind11::arg("span_node"), pybind11::arg("span_left"),
+        pybind11::arg("span_right"), pybind11::arg("span_tile_lo"), pybind11::arg("span_tile_hi"),
         pybind11::arg("span_narrow"), pybind11::arg("span_warp"), pybind11::arg("scratch"),
         pybind11::arg("reduction"), pybind11::arg("num_nodes"), pybind11::arg("num_scratch"),
-        pybind11::arg("tile"), pybind11::arg("row_check") = false);
+        pybind11::arg("tile"));
   m.attr("has_cuda") = true;
 #else
   m.attr("has_cuda") = false;

@@ -11,24 +11,24 @@
 //
 // Kernels, enqueued in order on one stream, each after the first launched dependent on the
 // one before (programmatic dependent launch, sm_90+: it starts while that one ends, and
-// waits for it before touching its results; see enqueue). LaunchOptions (the header) picks
-// among the variants: each is off by default until a GPU has checked and timed it.
+// waits for it before touching its results; see enqueue):
 //  (a) the row pass, the row check and the row lse.
 //      (a1) row_pass: grid (splits, blocks of R rows), one wave of blocks, each reading one
 //      slice of its rows once, in rounds of kLseUnroll loads in flight per thread, a round's
-//      loads issued before the round before is staged. It does one or more of:
+//      loads issued before the round before is staged. It does the row check and one or
+//      both of:
 //      - lse (log_mass): a (max, sum-exp) pair per thread: per round one max, fast exps
 //        summed pairwise in float, the sum in double; the slice's partial (max, sum) of
 //        each row goes to two scratch slots the tile kernel only fills later. A NaN or +inf
-//        logit makes the partial's sum NaN, and (a2) the row's lse.
+//        logit makes the partial's sum NaN, and (a2) the row's lse: log_mass's row check.
 //      - staging (B >= kStageMinRows, R = the tile kernel's ROWS): the values again, to a
 //        workspace where a block's rows sit side by side and the columns in leaf order
 //        (column_leaf), so that the tile kernel's gather reads one contiguous stretch per
 //        tile, not one 32-byte sector per (row, leaf).
-//      - the row check of sum and max (options.row_check): a thread that reads a NaN writes
-//        NaN to the row's last scratch column, which launch() zeroes first; unstaged, (a1)
-//        runs for that check alone. Without it the dispatcher checks the rows itself, and
-//        sum and max launch (a1) only to stage.
+//      The row check of sum and max: a thread that reads a NaN writes NaN to the row's last
+//      scratch column, which launch() zeroes first; unstaged, (a1) runs for that check
+//      alone. The dispatcher then reads the rows' verdict from there, with no pass of its
+//      own over the values.
 //      (a2) row_lse_merge (log_mass): one warp per row merges the partials into the row's
 //      max m and log(sum exp(x - m)) over all C columns, stored (double) in the row's last
 //      two scratch columns, the pair, never their sum: lse = m + log(sum) in double would
@@ -319,9 +319,8 @@ __device__ __forceinline__ void warp_lse_merge(double& m, double& z) {
 //    which runs after (a2), writes its totals there. A NaN or +inf logit marks the row bad:
 //    the partial's sum is NaN, whatever the rest (masks of -inf around a NaN would
 //    otherwise leave the sum at 0 and the NaN unseen).
-//  - CHECK (sum and max, options.row_check): a NaN read marks the row bad: NaN to the
-//    row's last scratch column (0 until then: launch() zeroes it), by every thread that
-//    reads one.
+//  - the row check (sum and max: !LSE): a NaN read marks the row bad: NaN to the row's last
+//    scratch column (0 until then: launch() zeroes it), by every thread that reads one.
 //  - staging (R > 1): the round's [R][window] values go through shared memory (two buffers,
 //    one barrier a round) to `staged`,
 //    where the block's nr rows (R, fewer in a batch's last block) are interleaved and the
@@ -332,16 +331,15 @@ __device__ __forceinline__ void warp_lse_merge(double& m, double& z) {
 //    over the rows: 8.2M sectors of L2 traffic at B=64 on Llama-3 become 1.0M, for one
 //    more write and read of the logits, in L2. The values are then read only here: loaded
 //    evict-first.
-template <class T, int R, bool LSE, bool CHECK>
+template <class T, int R, bool LSE>
 __global__ void __launch_bounds__(kRowPassThreads)
     row_pass_kernel(const T* __restrict__ values, int64_t C, int64_t chunk,
                     const int32_t* __restrict__ column_leaf, int64_t n_column_leaf,
                     T* __restrict__ staged, double* __restrict__ scratch, int64_t stride,
                     int64_t row0, int64_t row_end) {
   static_assert(R == 1 || (R >= kStageMinRows && R <= 32), "staged blocks take 8 to 32 rows");
-  static_assert(!(LSE && CHECK), "log_mass's row check is its lse");
-  static_assert(R > 1 || LSE || CHECK, "a pass of one row a block stages nothing");
   using A = decltype(to_arith(T()));
+  constexpr bool kCheck = !LSE;  // log_mass's row check is its lse
   constexpr bool kStage = R > 1;
   constexpr int kPerRow = kRowPassThreads / R;  // threads per row
   // loads in flight per thread: kLseUnroll, half as many 8-byte values staged (the two
@@ -436,7 +434,7 @@ __global__ void __launch_bounds__(kRowPassThreads)
         s += static_cast<double>(term[0]);
       }
     }
-    if constexpr (CHECK) {
+    if constexpr (kCheck) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) bad |= to_arith(raw[u]) != to_arith(raw[u]);  // NaN
     }
@@ -456,7 +454,7 @@ __global__ void __launch_bounds__(kRowPassThreads)
       }
     }
   }
-  if constexpr (CHECK) {
+  if constexpr (kCheck) {
     if (bad) scratch[(first_row + j) * stride + stride - 1] = __longlong_as_double(kNaNBits);
   }
   if constexpr (LSE) {
@@ -1039,14 +1037,14 @@ __global__ void __launch_bounds__(kSpanThreads)
 // How many (a1) blocks the device holds at once (asked once per device and kernel): the
 // launch aims at one wave of them, so that each block reads several rounds, each round's
 // loads in flight while the round before is staged, and no second wave starts late.
-template <class T, int R, bool LSE, bool CHECK>
+template <class T, int R, bool LSE>
 int64_t row_pass_target_blocks() {
 #ifdef __CUDACC__
   static std::atomic<int> resident[kMaxDevices];
   return per_device(resident, static_cast<int>(kRowPassTargetBlocks), [](int device) {
     int sms = 0, per_sm = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, row_pass_kernel<T, R, LSE, CHECK>,
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, row_pass_kernel<T, R, LSE>,
                                                       kRowPassThreads, 0) != cudaSuccess) {
       cudaGetLastError();  // not sticky: the launch below reports its own
       return 0;
@@ -1062,11 +1060,11 @@ int64_t row_pass_target_blocks() {
 // columns, one wave of blocks (row_pass_target_blocks) to fill the device even at B = 1,
 // but at least kRowPassMinValues values each, whole 32-column stretches, and (lse) two
 // scratch slots per slice's partial. The slice count goes to *splits for (a2).
-template <class T, int R, bool LSE, bool CHECK>
+template <class T, int R, bool LSE>
 cudaError_t launch_row_pass(const TrieArgs& A, const T* values, T* staged, int64_t row0,
                             int64_t rows, int64_t* splits, cudaStream_t stream) {
   const int64_t row_blocks = (rows + R - 1) / R;
-  int64_t n = (row_pass_target_blocks<T, R, LSE, CHECK>() + row_blocks - 1) / row_blocks;
+  int64_t n = (row_pass_target_blocks<T, R, LSE>() + row_blocks - 1) / row_blocks;
   const int64_t by_width = (A.C * R + kRowPassMinValues - 1) / kRowPassMinValues;
   const int64_t by_room = (A.scratch_stride - 2) / 2;  // below the lse pair's columns
   if (n > by_width) n = by_width;
@@ -1075,31 +1073,26 @@ cudaError_t launch_row_pass(const TrieArgs& A, const T* values, T* staged, int64
   const int64_t chunk = ((A.C + n - 1) / n + 31) / 32 * 32;
   *splits = (A.C + chunk - 1) / chunk;  // no empty slice (C >= 1)
   const dim3 grid(static_cast<unsigned>(*splits), static_cast<unsigned>(row_blocks));
-  return enqueue(row_pass_kernel<T, R, LSE, CHECK>, grid, kRowPassThreads, 0, stream,
+  return enqueue(row_pass_kernel<T, R, LSE>, grid, kRowPassThreads, 0, stream,
                  /*dependent=*/false, values, A.C, chunk, A.column_leaf, A.n_column_leaf,
                  staged, A.scratch, A.scratch_stride, row0, row0 + rows);
 }
 
 // The kernels for rows [row0, row0 + rows), ROWS rows per tile block, `staged` null or the
-// workspace (ROWS >= kStageMinRows): (a1) and (a2) for log_mass; for sum and max (a1) to
-// stage, or (options.row_check) for the row check, staged or not; then (b) and (c).
+// workspace (ROWS >= kStageMinRows): (a1), staged or not, and for log_mass (a2); then (b)
+// and (c).
 template <class T, class Out, int RED, int ROWS>
 cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out, int64_t row0,
-                        int64_t rows, const LaunchOptions& options, cudaStream_t stream) {
+                        int64_t rows, cudaStream_t stream) {
   constexpr bool kLse = RED == kLogMass;
-  const bool check = !kLse && options.row_check;
   int64_t splits = 0;
   cudaError_t err = cudaSuccess;
   if constexpr (ROWS >= kStageMinRows) {
-    if (staged != nullptr) {
-      err = check ? launch_row_pass<T, ROWS, kLse, !kLse>(A, values, staged, row0, rows,
-                                                         &splits, stream)
-                  : launch_row_pass<T, ROWS, kLse, false>(A, values, staged, row0, rows,
-                                                          &splits, stream);
-    }
+    if (staged != nullptr)
+      err = launch_row_pass<T, ROWS, kLse>(A, values, staged, row0, rows, &splits, stream);
   }
-  if (staged == nullptr && (kLse || check))
-    err = launch_row_pass<T, 1, kLse, !kLse>(A, values, nullptr, row0, rows, &splits, stream);
+  if (staged == nullptr)
+    err = launch_row_pass<T, 1, kLse>(A, values, nullptr, row0, rows, &splits, stream);
   if constexpr (kLse) {
     if (err == cudaSuccess)
       err = enqueue(row_lse_merge_kernel,
@@ -1110,16 +1103,13 @@ cudaError_t launch_rows(const TrieArgs& A, const T* values, T* staged, Out* out,
   if (err != cudaSuccess) return err;
   const dim3 tgrid(static_cast<unsigned>(A.n_tiles),
                    static_cast<unsigned>((rows + ROWS - 1) / ROWS));
-  // after (a1) and (a2), when there are: the first kernel of the call otherwise
-  const bool dependent = kLse || staged != nullptr || check;
-  const auto tile_launch = [&](auto kernel) {
-    return enqueue(kernel, tgrid, kTileThreads, tile_shared_bytes<Out, RED, ROWS>(), stream,
-                   dependent, values, static_cast<const T*>(staged), A.C, A.leaf_token, A.L,
-                   A.tile_run_ptr, A.run_bounds, A.tile_node_lo, A.node_src,
-                   A.tile_scratch_ptr, A.scratch_src, A.scratch_slot, A.scratch,
-                   A.scratch_stride, out, A.num_nodes, A.tile, row0, row0 + rows);
-  };
-  err = tile_launch(tile_kernel<T, RED, ROWS>);
+  // after (a1) and, for log_mass, (a2)
+  err = enqueue(tile_kernel<T, RED, ROWS>, tgrid, kTileThreads,
+                tile_shared_bytes<Out, RED, ROWS>(), stream, /*dependent=*/true, values,
+                static_cast<const T*>(staged), A.C, A.leaf_token, A.L, A.tile_run_ptr,
+                A.run_bounds, A.tile_node_lo, A.node_src, A.tile_scratch_ptr, A.scratch_src,
+                A.scratch_slot, A.scratch, A.scratch_stride, out, A.num_nodes, A.tile, row0,
+                row0 + rows);
   if (err != cudaSuccess || A.S == 0) return err;
   const int64_t narrow_blocks = (A.span_narrow + kSpanThreads - 1) / kSpanThreads;
   const int64_t warp_blocks = (A.span_warp - A.span_narrow + kSpanWarps - 1) / kSpanWarps;
@@ -1138,12 +1128,12 @@ int rows_per_block(int64_t rows) {
 }
 
 template <class T, class Out, int RED>
-cudaError_t launch(const TrieArgs& A, const LaunchOptions& options, cudaStream_t stream) {
+cudaError_t launch(const TrieArgs& A, cudaStream_t stream) {
   static_assert(std::is_same_v<Out, TileValue<T, RED>>, "the tile kernel writes its values");
   const T* values = static_cast<const T*>(A.values);
   Out* out = static_cast<Out*>(A.out);
   // sum and max: the row check's column, 0 until (a1) reads a NaN in the row
-  if (RED != kLogMass && options.row_check) {
+  if (RED != kLogMass) {
     const cudaError_t err =
         cudaMemset2DAsync(A.scratch + A.scratch_stride - 1, sizeof(double) * A.scratch_stride,
                           0, sizeof(double), A.B, stream);
@@ -1154,7 +1144,7 @@ cudaError_t launch(const TrieArgs& A, const LaunchOptions& options, cudaStream_t
     T* staged = rows >= kStageMinRows ? static_cast<T*>(A.staged) : nullptr;
     const auto with_rows = [&](auto per_block) {  // a std::integral_constant
       return launch_rows<T, Out, RED, decltype(per_block)::value>(A, values, staged, out, row0,
-                                                                  rows, options, stream);
+                                                                  rows, stream);
     };
     cudaError_t err;
     switch (rows_per_block(rows)) {  // staged is null below kStageMinRows rows
@@ -1172,7 +1162,7 @@ cudaError_t launch(const TrieArgs& A, const LaunchOptions& options, cudaStream_t
 
 }  // namespace
 
-cudaError_t trie_reduce(const TrieArgs& A, const LaunchOptions& options, cudaStream_t stream) {
+cudaError_t trie_reduce(const TrieArgs& A, cudaStream_t stream) {
   if (A.B == 0 || A.num_nodes == 0) return cudaSuccess;
   if (A.tile < 1 || A.tile > kMaxTile || A.n_tiles < 1 || A.scratch_stride < 2 ||
       A.span_narrow < 0 || A.span_narrow > A.span_warp || A.span_warp > A.S)
@@ -1183,19 +1173,19 @@ cudaError_t trie_reduce(const TrieArgs& A, const LaunchOptions& options, cudaStr
   if (A.reduction == kLogMass) {
     if (A.C < 1) return cudaErrorInvalidValue;  // no logits: no log-sum-exp
     switch (A.dtype) {
-      case kF32: return launch<float, float, kLogMass>(A, options, stream);
-      case kF64: return launch<double, float, kLogMass>(A, options, stream);
-      case kF16: return launch<__half, float, kLogMass>(A, options, stream);
-      case kBF16: return launch<__nv_bfloat16, float, kLogMass>(A, options, stream);
+      case kF32: return launch<float, float, kLogMass>(A, stream);
+      case kF64: return launch<double, float, kLogMass>(A, stream);
+      case kF16: return launch<__half, float, kLogMass>(A, stream);
+      case kBF16: return launch<__nv_bfloat16, float, kLogMass>(A, stream);
       default: return cudaErrorInvalidValue;
     }
   }
   if (A.reduction == kSum) {
-    if (A.dtype == kF32 && !A.out_double) return launch<float, float, kSum>(A, options, stream);
-    if (A.dtype == kF64 && A.out_double) return launch<double, double, kSum>(A, options, stream);
+    if (A.dtype == kF32 && !A.out_double) return launch<float, float, kSum>(A, stream);
+    if (A.dtype == kF64 && A.out_double) return launch<double, double, kSum>(A, stream);
   } else if (A.reduction == kMax) {
-    if (A.dtype == kF32 && !A.out_double) return launch<float, float, kMax>(A, options, stream);
-    if (A.dtype == kF64 && A.out_double) return launch<double, double, kMax>(A, options, stream);
+    if (A.dtype == kF32 && !A.out_double) return launch<float, float, kMax>(A, stream);
+    if (A.dtype == kF64 && A.out_double) return launch<double, double, kMax>(A, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -56,9 +56,8 @@ struct TrieArgs {
   double* scratch;  // [B, scratch_stride] workspace; scratch_stride >= num_scratch + 2, the
                     // last column of each row holds the row check on return: NaN exactly
                     // for a bad row (a NaN value; log_mass: or a +inf logit, or no finite
-                    // one), else log_mass log(sum exp(x - m)), sum and max 0 (sum and max
-                    // only with LaunchOptions::row_check); log_mass leaves the row's max m
-                    // in the column before it
+                    // one), else log_mass log(sum exp(x - m)), sum and max 0; log_mass
+                    // leaves the row's max m in the column before it
   int64_t scratch_stride;
   int tile;                // leaf positions per tile, <= kMaxTile
   void* out;               // [B, num_nodes] float32, or float64 when out_double
@@ -66,18 +65,8 @@ struct TrieArgs {
   int reduction;           // Reduction
 };
 
-// Variants of the launch, chosen per call (genlm_fast/ops/cuda_backend.py: CudaOptions).
-// The defaults are the kernels a GPU last checked and timed (docs/gpu.md); a variant is off
-// by default until a GPU run has checked and timed it.
-struct LaunchOptions {
-  // sum and max: the row pass checks the rows for NaN (the last scratch column), so that
-  // the caller makes no pass of its own over the values
-  bool row_check = false;
-};
-
 // Enqueues the kernels on `stream`; returns the launch status (cudaGetLastError()).
-cudaError_t trie_reduce(const TrieArgs& args, const LaunchOptions& options,
-                        cudaStream_t stream);
+cudaError_t trie_reduce(const TrieArgs& args, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace genlm_fast

@@ -3,41 +3,19 @@
 ``trie_reduce`` follows the backend contract of ``genlm_fast.ops.dispatch``: the same tiles
 as the Triton backend, whose local ranges it reads as each tile's sources (the layout's
 tile_run_ptr .. scratch_slot), from the layout's arrays on the GPU.
-
-Its launch takes :class:`CudaOptions`, the variants of the kernels, per call. The defaults
-are the kernels a GPU last checked and timed; every variant is off until a GPU run has
-checked and timed it (docs/gpu.md has the rule and the runs).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from genlm_fast.ops import extension
 
-
-@dataclass(frozen=True)
-class CudaOptions:
-    """Variants of the CUDA kernels' launch, passed to the kernels with each call.
-
-    ``row_check``: ``sum`` and ``max`` check their rows for NaN in the kernels' row pass
-    (staging from 8 rows, for the check alone below that), so the dispatcher makes no
-    ``amax`` pass of its own over the values. Not yet run on a GPU. (``log_mass`` always
-    checks its rows in the kernels: the row lse does it.)
-    """
-
-    row_check: bool = False
-
-
-DEFAULT_OPTIONS = CudaOptions()
-
-
-def checks_rows(reduction: str, options: CudaOptions | None = None) -> bool:
-    """Whether the kernels check the rows themselves (the dispatcher then makes no pass of
-    its own): log_mass always, from the lse pass; sum and max with ``options.row_check``."""
-    return reduction == "log_mass" or (options or DEFAULT_OPTIONS).row_check
+# the kernels' row pass reads every value anyway (log_mass: for the lse; sum and max: to
+# stage them for the gather, or for this alone) and leaves each row's check in the last
+# scratch column, NaN exactly for the bad rows: the dispatcher reads that instead of its own
+# pass over the values
+CHECKS_ROWS = True
 
 
 def trie_reduce(
@@ -49,15 +27,11 @@ def trie_reduce(
     num_scratch: int,
     tile: int,
     float64_result: bool = False,
-    options: CudaOptions | None = None,
 ):
     if not extension.has("cuda"):
         raise RuntimeError(
             f"The 'cuda' trie kernels are not available: {extension.why_missing('cuda')}"
         )
-    options = options or DEFAULT_OPTIONS
-    if not isinstance(options, CudaOptions):
-        raise TypeError(f"options must be a CudaOptions, got {type(options).__name__}")
     if float64_result:  # the kernels give float64 for float64 values
         values = values.double()
     # the kernels gather columns by leaf_token unchecked: never read past a narrow row's end
@@ -77,7 +51,8 @@ def trie_reduce(
         )
         arrays["_column_leaf"] = column_leaf
     # per-row workspace: tile totals and pieces, then two columns: log_mass's row max, and
-    # the row check (for log_mass log(sum exp(x - max)), NaN exactly for a bad row)
+    # the row check (NaN exactly for a bad row; else log_mass log(sum exp(x - max)), sum and
+    # max 0)
     scratch = torch.empty(
         values.shape[0], num_scratch + 2, dtype=torch.float64, device=values.device
     )
@@ -104,6 +79,5 @@ def trie_reduce(
         num_nodes,
         num_scratch,
         tile,
-        row_check=options.row_check,
     )
-    return out, scratch[:, -1] if checks_rows(reduction, options) else None
+    return out, scratch[:, -1]

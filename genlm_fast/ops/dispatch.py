@@ -14,12 +14,10 @@ the ``cpu`` kernel checks each row as it reads it and raises, the ``cuda`` row p
 a ``row_check`` of its own (the second item of the result; None elsewhere), each read on the
 host once the kernels are enqueued. ``arrays``: the index tensors the backend reads, for
 the mode, on the values' device (``TrieLayout.device_arrays``); a backend may cache what it
-derives from them there under a ``_<name>`` key. The ``cuda`` backend also takes
-``options`` (``cuda_backend.CudaOptions``: the variants of its launch). ``num_scratch``
-and ``tile`` come from the mode's ``ModeLayout``. The result dtype is
-:func:`result_dtype`: ``float64_result`` asks for float64 sum/max of float32 values, the
-same numbers as on ``values.double()`` (the conversion is exact) without that [B, C] copy
-where the backend can read float32.
+derives from them there under a ``_<name>`` key. ``num_scratch`` and ``tile`` come from
+the mode's ``ModeLayout``. The result dtype is :func:`result_dtype`: ``float64_result`` asks
+for float64 sum/max of float32 values, the same numbers as on ``values.double()`` (the
+conversion is exact) without that [B, C] copy where the backend can read float32.
 """
 
 from __future__ import annotations
@@ -275,12 +273,9 @@ def raise_bad_row(values: torch.Tensor, row: int, reduction: str):
     raise ValueError(f"weight row {row} contains NaN")
 
 
-def backend_checks_rows(backend: str, reduction: str, cuda_options=None) -> bool:
+def backend_checks_rows(backend: str) -> bool:
     """Whether ``backend`` checks the rows itself (the dispatcher then makes no pass)."""
-    module = _backend_module(backend)
-    if backend == "cuda":
-        return module.checks_rows(reduction, cuda_options)
-    return module.CHECKS_ROWS
+    return _backend_module(backend).CHECKS_ROWS
 
 
 def trie_reduce(
@@ -291,12 +286,9 @@ def trie_reduce(
     backend: str = "auto",
     exact_width: int | None = None,
     float64_result: bool = False,
-    cuda_options=None,
 ) -> tuple[torch.Tensor, str]:
     """Per-node values ``[B, N]`` on ``values.device``; returns (result, backend used).
-    ``float64_result``: float64 sum/max whatever the values' float dtype. ``cuda_options``
-    (a ``cuda_backend.CudaOptions``): the variants of the CUDA launch, when the CUDA
-    backend runs (default: the kernels a GPU last checked)."""
+    ``float64_result``: float64 sum/max whatever the values' float dtype."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; expected one of {REDUCTIONS}")
     if float64_result and reduction == "log_mass":
@@ -308,11 +300,8 @@ def trie_reduce(
     # The verdict on the rows (see the module docstring) is read once the kernels are
     # enqueued: on a GPU they then run without waiting for the host to read it (a bad row's
     # results are computed, then dropped with the error).
-    own = backend_checks_rows(chosen, reduction, cuda_options)
-    check = None if own else row_check(values)
-    out, backend_check = run_backend(
-        values, layout, reduction, mode, chosen, float64_result, cuda_options
-    )
+    check = None if backend_checks_rows(chosen) else row_check(values)
+    out, backend_check = run_backend(values, layout, reduction, mode, chosen, float64_result)
     check = backend_check if backend_check is not None else check
     if reduction == "sum" and out.shape[0]:
         # a row holding both +inf and -inf sums to NaN, at its root at least (which holds
@@ -339,7 +328,6 @@ def run_backend(
     mode: str,
     backend: str,
     float64_result: bool = False,
-    cuda_options=None,
 ):
     """Run one concrete backend on values :func:`trie_reduce` has validated (and checked
     row by row, unless the backend does that itself): (result, row_check or None), the
@@ -358,7 +346,6 @@ def run_backend(
             device=values.device,
         ), None
     ml = layout.modes[mode]
-    extra = {"options": cuda_options} if backend == "cuda" else {}
     return _backend_module(backend).trie_reduce(
         values,
         layout.device_arrays(mode, values.device, backend),
@@ -367,5 +354,4 @@ def run_backend(
         num_scratch=ml.num_scratch,
         tile=ml.tile,
         float64_result=float64_result,
-        **extra,
     )

@@ -206,8 +206,8 @@ static void* read_array(FILE* f, int64_t* nbytes) {
 int main(int argc, char** argv) {
   if (argc != 3) return 2;
   FILE* f = std::fopen(argv[1], "rb");
-  int64_t h[13];
-  if (std::fread(h, 8, 13, f) != 13) return 3;
+  int64_t h[12];
+  if (std::fread(h, 8, 12, f) != 12) return 3;
   genlm_fast::cuda::TrieArgs A{};
   A.dtype = static_cast<int>(h[0]);
   A.B = h[1];
@@ -221,8 +221,6 @@ int main(int argc, char** argv) {
   emu::max_grid_y = h[9];
   A.span_narrow = h[10];
   A.span_warp = h[11];
-  genlm_fast::cuda::LaunchOptions options;
-  options.row_check = h[12] != 0;
   int64_t n;
   A.values = read_array(f, &n);
   void* staged = read_array(f, &n);  // empty: none
@@ -245,7 +243,7 @@ int main(int argc, char** argv) {
   A.scratch = static_cast<double*>(read_array(f, &scratch_bytes));
   A.out = read_array(f, &out_bytes);
   std::fclose(f);
-  const cudaError_t status = genlm_fast::cuda::trie_reduce(A, options, nullptr);
+  const cudaError_t status = genlm_fast::cuda::trie_reduce(A, nullptr);
   FILE* o = std::fopen(argv[2], "wb");
   const int64_t head[3] = {static_cast<int64_t>(status), emu::errors.load(), emu::launches.load()};
   std::fwrite(head, 8, 3, o);
@@ -410,7 +408,6 @@ def run_emulated(
     stage: bool = True,
     column_leaf: np.ndarray | None = None,
     row_pass_blocks: int = 0,
-    row_check: bool = False,
 ):
     """(launch status, emulator errors, launches, result, scratch): the CUDA kernels' result
     for ``values`` (what cuda_backend.trie_reduce would return) and their per-row scratch
@@ -422,8 +419,7 @@ def run_emulated(
     input rows, as below 8 rows);
     ``column_leaf`` (each column's leaf position, -1 for none) is built here from the
     layout unless given. ``row_pass_blocks`` (> 0) is the number of blocks the row pass aims
-    at (on a GPU: one wave of them; here 1024 by default). ``row_check``: the LaunchOptions
-    (off by default, as on a GPU: sum and max leave their rows' check to the caller)."""
+    at (on a GPU: one wave of them; here 1024 by default)."""
     ml = layout.modes[mode]
     tile = ml.tile if tile is None else tile
     span_narrow = span_class_end(ml, SPAN_NARROW_TILES) if span_narrow is None else span_narrow
@@ -458,7 +454,6 @@ def run_emulated(
             max_grid_y,
             span_narrow,
             span_warp,
-            int(row_check),
         ],
         dtype=np.int64,
     )
@@ -580,7 +575,6 @@ def check(
     max_grid_y=65535,
     rows=None,
     stage=True,
-    **options,
 ):
     trie = make_trie(words, eos)
     layout = trie.layout
@@ -590,7 +584,7 @@ def check(
     modes = ["without_eos"] + (["with_eos"] if "with_eos" in layout.modes and eos else [])
     for mode in modes:
         status, errors, launches, got, _ = run_emulated(
-            emulator, str(tmp_path), x, layout, reduction, mode, max_grid_y, stage=stage, **options
+            emulator, str(tmp_path), x, layout, reduction, mode, max_grid_y, stage=stage
         )
         assert status == 0, f"launch failed with cudaError {status}"
         assert errors == 0
@@ -617,16 +611,10 @@ def test_emulated_source_rewrites_every_cuda_construct():
         assert construct not in src, construct
 
 
-# the launch options: the kernels a GPU has checked (the default), and every variant on
-OPTIONS = {"checked": {}, "variants": {"row_check": True}}
-
-
-@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
-def test_random_tries(emulator, tmp_path, reduction, options):
+def test_random_tries(emulator, tmp_path, reduction):
     """Random vocabularies over a 3-letter alphabet: duplicates, empty tokens, prefixes of
-    each other, several tiles and spanning nodes; EOS mode; -inf entries. With the default
-    launch options and with every variant on."""
+    each other, several tiles and spanning nodes; EOS mode; -inf entries."""
     rng = np.random.default_rng(REDUCTION[reduction])
     for case in range(6):
         n = int(rng.choice([1, 2, 40, 63, 64, 65, 300, 700]))
@@ -643,7 +631,6 @@ def test_random_tries(emulator, tmp_path, reduction, options):
             spread=[1.0, 50.0, 400.0][case % 3],
             neg_inf=0.3 if case >= 3 else 0.0,
             seed=case,
-            **options,
         )
 
 
@@ -934,21 +921,14 @@ def test_rows_are_chunked_below_the_grid_limit(emulator, tmp_path, reduction):
     """``launch`` splits B into chunks of kMaxGridY rows (gridDim.y <= 65535); with the
     chunk lowered to 2, B=5 takes three chunks of every kernel; lowered to 10, B=21 too
     (the first two staged, a block of 8 rows and one of 2; the last not), each row's result
-    the reference's. A chunk's kernels: the row pass (log_mass, or to stage), the lse merge
-    (log_mass), the tile kernel and the span pass; with the row check a row pass for sum
-    and max staged or not."""
+    the reference's. A chunk's kernels: the row pass (staged or not), the lse merge
+    (log_mass), the tile kernel and the span pass."""
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(150)]
-    lse = reduction == "log_mass"
-
-    def kernels(rows, row_check=False):
-        row_pass = lse or rows >= STAGE_MIN_ROWS or row_check
-        return row_pass + lse + 2
-
-    for options in OPTIONS.values():
-        launches = check(emulator, tmp_path, words, reduction, B=5, max_grid_y=2, **options)
-        assert launches == 2 * kernels(2, **options) + kernels(1, **options)
-        launches = check(emulator, tmp_path, words, reduction, B=21, max_grid_y=10, **options)
-        assert launches == 2 * kernels(10, **options) + kernels(1, **options)
+    kernels = 4 if reduction == "log_mass" else 3
+    launches = check(emulator, tmp_path, words, reduction, B=5, max_grid_y=2)
+    assert launches == 3 * kernels
+    launches = check(emulator, tmp_path, words, reduction, B=21, max_grid_y=10)
+    assert launches == 3 * kernels
 
 
 @pytest.mark.parametrize("reduction", ["sum", "max", "log_mass"])
@@ -1009,8 +989,8 @@ def test_staged_rows_give_what_the_input_rows_give(emulator, tmp_path, reduction
     128-byte line, which the tile kernel then drops from L2: the emulation fills it with
     NaN, so a second read of it would show. Rows wider than the vocabulary, -inf masks.
     Both ways match the reference; sum and max read the same values, so they agree bit for
-    bit, and staging takes one launch more for them (the row pass), none for log_mass (its
-    row pass runs either way, for the lse)."""
+    bit. The row pass runs either way (for the row check; log_mass: the lse), so staging
+    takes no launch more."""
     words = [bytes(np.random.default_rng(i).integers(97, 101, size=1 + i % 5)) for i in range(220)]
     layout = make_trie(words).layout
     rng = np.random.default_rng(11)
@@ -1022,7 +1002,7 @@ def test_staged_rows_give_what_the_input_rows_give(emulator, tmp_path, reduction
     launches = {stage: run[0] for stage, run in runs.items()}
     if reduction != "log_mass":
         np.testing.assert_array_equal(got[True], got[False])
-    assert launches[True] == launches[False] + (reduction != "log_mass")
+    assert launches[True] == launches[False]
 
 
 @pytest.mark.parametrize("row_pass_blocks", [1, 3])
@@ -1191,8 +1171,7 @@ def test_row_lse_flags_exactly_the_bad_rows(emulator, tmp_path, stage):
 
 @pytest.mark.parametrize("stage", [True, False], ids=["staged", "unstaged"])
 def test_row_check_of_sum_and_max_flags_exactly_the_nan_rows(emulator, tmp_path, stage):
-    """sum and max with the row_check option: (a1) leaves 0 in each row's last scratch
-    column, NaN exactly for a row
+    """sum and max: (a1) leaves 0 in each row's last scratch column, NaN exactly for a row
     with a NaN value (+inf and -inf weights are values like any other), staging the rows
     (blocks of 8 rows and 1) or reading them for the check alone (unstaged: a block per row
     slice). Rows 30,000 wide take several slices: a NaN in a middle slice, in the padding
@@ -1215,7 +1194,7 @@ def test_row_check_of_sum_and_max_flags_exactly_the_nan_rows(emulator, tmp_path,
         x = torch.from_numpy(rows).to(dtype)
         for reduction in ("sum", "max"):
             status, errors, _, got, scratch = run_emulated(
-                emulator, str(tmp_path), x, trie.layout, reduction, stage=stage, row_check=True
+                emulator, str(tmp_path), x, trie.layout, reduction, stage=stage
             )
             assert status == 0 and errors == 0
             check = scratch[:, -1]
@@ -1232,7 +1211,7 @@ def use_emulated_binding(monkeypatch, emulator, tmp_path, layout):
 
     class EmulatedBinding:
         @staticmethod
-        def trie_reduce_cuda(values, leaf_token, column_leaf, *args, row_check=False):
+        def trie_reduce_cuda(values, leaf_token, column_leaf, *args):
             scratch, reduction = args[14], args[15]
             mode = next(
                 m
@@ -1247,7 +1226,6 @@ def use_emulated_binding(monkeypatch, emulator, tmp_path, layout):
                 reduction,
                 mode=mode,
                 column_leaf=column_leaf.numpy(),
-                row_check=row_check,
             )
             assert status == 0 and errors == 0
             scratch.copy_(torch.from_numpy(filled.copy()))
@@ -1268,13 +1246,10 @@ def use_emulated_binding(monkeypatch, emulator, tmp_path, layout):
 
 def test_dispatcher_names_bad_rows_from_the_cuda_row_pass(emulator, tmp_path, monkeypatch):
     """Through dispatch.trie_reduce and the real cuda_backend, with the emulated kernels as
-    the extension (the binding's call, run by the emulator: scratch filled in place): for
-    log_mass, and for sum and max with the row_check option, the dispatcher makes no pass of
-    its own over the values and names the first bad row from the row check the kernels leave
-    in scratch (log_mass: the lse); sum and max by default make that pass (the kernels then
-    check nothing) and name the same rows; good rows give the reference's values."""
-    from genlm_fast.ops.cuda_backend import CudaOptions
-
+    the extension (the binding's call, run by the emulator: scratch filled in place): the
+    dispatcher makes no pass of its own over the values and names the first bad row from the
+    row check the kernels leave in scratch (log_mass: the lse; sum and max: NaN for a row
+    with a NaN); good rows give the reference's values."""
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(40)]
     layout = make_trie(words).layout
     rng = np.random.default_rng(2)
@@ -1320,19 +1295,16 @@ def test_dispatcher_names_bad_rows_from_the_cuda_row_pass(emulator, tmp_path, mo
         with pytest.raises(ValueError, match=message):
             dispatch.trie_reduce(torch.from_numpy(bad).float(), layout, "log_mass")
     assert passes == []
-    # sum and max: the row pass's check with the option, the dispatcher's amax without
-    for options, own in ((CudaOptions(row_check=True), True), (None, False)):
-        passes.clear()
-        for B, w in weights.items():
-            for reduction in ("sum", "max"):
-                out, used = dispatch.trie_reduce(w, layout, reduction, cuda_options=options)
-                assert used == "cuda"
-                assert_matches(out.numpy(), want_weights[B, reduction], reduction)
-            bad = w.clone()
-            bad[1, 41] = float("inf")  # allowed in weights
-            bad[2, 42] = float("nan")  # in a padding column
-            bad[B - 1, 0] = float("nan")
-            for reduction in ("sum", "max"):
-                with pytest.raises(ValueError, match="weight row 2 contains NaN"):
-                    dispatch.trie_reduce(bad, layout, reduction, cuda_options=options)
-        assert (passes == []) == own, (options, passes)
+    for B, w in weights.items():
+        for reduction in ("sum", "max"):
+            out, used = dispatch.trie_reduce(w, layout, reduction)
+            assert used == "cuda"
+            assert_matches(out.numpy(), want_weights[B, reduction], reduction)
+        bad = w.clone()
+        bad[1, 41] = float("inf")  # allowed in weights
+        bad[2, 42] = float("nan")  # in a padding column
+        bad[B - 1, 0] = float("nan")
+        for reduction in ("sum", "max"):
+            with pytest.raises(ValueError, match="weight row 2 contains NaN"):
+                dispatch.trie_reduce(bad, layout, reduction)
+    assert passes == []

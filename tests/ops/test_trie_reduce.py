@@ -481,45 +481,6 @@ def test_cpu_results_on_smollm2_do_not_depend_on_the_team():
         torch.set_num_threads(threads)
 
 
-CUDA_VARIANTS = {"row_check": {"row_check": True}}
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("variant", CUDA_VARIANTS.values(), ids=CUDA_VARIANTS.keys())
-def test_cuda_launch_variants(monkeypatch, variant):
-    """The CUDA launch's variants (cuda_backend.CudaOptions: off by default until a GPU run
-    has checked and timed them), each made the default here: GPT-2's vocabulary with EOS at
-    1, 8 and 33 rows (unstaged; staged; a block of 32 rows and one of 1) against the
-    oracle, then the bad rows named as on every backend."""
-    from genlm_fast.ops import cuda_backend
-
-    monkeypatch.setattr(cuda_backend, "DEFAULT_OPTIONS", cuda_backend.CudaOptions(**variant))
-    vocab = byte_vocab("gpt2")
-    eos = [vocab[-1].byte_string]
-    trie = TokenByteTrie(vocab, device="cuda", eos_byte_strings=eos)
-    eos_positions = [i for i, t in enumerate(vocab) if t.byte_string in set(eos)]
-    rng = np.random.default_rng(12)
-    for reduction, B in itertools.product(REDUCTIONS, (1, 8, 33)):
-        rows = make_rows(
-            rng,
-            B,
-            len(vocab) + (5 if reduction == "log_mass" else 0),
-            reduction,
-            spread=60.0 if reduction == "log_mass" else 5.0,
-            neg_inf=0.01,
-        )
-        check_trie(
-            trie,
-            rows,
-            reduction,
-            "cuda",
-            TrieMode.WITH_EOS if reduction != "max" else None,
-            eos_positions,
-        )
-    for reduction, value, message in BAD_ROWS:
-        test_bad_rows_are_named("cuda", reduction, value, message)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_character_trie_results_are_pinned_host_arrays():
     """ParallelTokenCharacterTrie(device="cuda") hands its results to the host through

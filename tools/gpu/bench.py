@@ -5,7 +5,6 @@
     python -m tools.gpu.bench --dump-vocab vocab.pkl   # (where quicktok is) for --vocab-file
     python -m tools.gpu.bench --dry-run-cpu            # the same code path on CPU, tiny vocabulary
     python -m tools.gpu.bench --sweep                  # also: the Triton launch configurations
-    python -m tools.gpu.bench --variants row_check  # also: the CUDA launch's variants
 
 For every available GPU backend (``triton``, ``cuda``), batch size and op it
 1. checks the result against a float64 oracle computed with the reference's own ancestor
@@ -18,8 +17,8 @@ For every available GPU backend (``triton``, ``cuda``), batch size and op it
 3. reports the compulsory traffic — logits/weights read once (B * V' * 4 bytes), node values
    written once (B * N * 4), the backend's index arrays read once — the effective bandwidth
    (traffic / time) of the kernels and of the public call (which also checks each row for
-   NaN: the CUDA kernels' row pass does for log_mass, the dispatcher makes one more read of
-   the input otherwise), and their fractions of the device's peak HBM bandwidth;
+   NaN: the CUDA kernels' row pass does, for Triton the dispatcher makes one more read of
+   the input), and their fractions of the device's peak HBM bandwidth;
 4. at B=64, profiles each backend's kernels (torch.profiler): the time of each kernel of
    its chain, to show where the time goes;
 5. times the memory floors (``memory_floors``) at the goals' shapes: torch's own kernels
@@ -29,9 +28,6 @@ For every available GPU backend (``triton``, ``cuda``), batch size and op it
    (tools/gpu/tile_floors.py), for what that pattern alone costs;
 6. with ``--sweep``, times the Triton tile kernels in each launch configuration of
    ``TRITON_SWEEP`` (rows per program, warps, chunk sizes), to choose the defaults from.
-7. with ``--variants``, times the CUDA backend with each named field of ``CudaOptions`` off
-   and on (``CUDA_VARIANTS``): the variants not yet run on a GPU, whose defaults such a run
-   decides (docs/gpu.md).
 The reference is genlm.backend's ``ParallelTokenCharacterTrie(device="cuda")`` when
 ``genlm.backend`` imports (its own ancestor matrix), else the same algorithm inline (a torch
 sparse CSR ancestor matrix [V, N], ``torch.sparse.mm(ws[:, positions], M)``; for max its
@@ -501,33 +497,15 @@ def io_bytes(x, op: str, num_nodes: int) -> tuple[int, int]:
     )
 
 
-def kernel_call(backend, values, layout, reduction, mode="without_eos", cuda_options=None):
+def kernel_call(backend, values, layout, reduction, mode="without_eos"):
     """The backend alone (``dispatch.run_backend``: no validation, no row check; the CUDA
-    log_mass row verdict comes out of its lse pass, unread here); returns the result."""
+    row verdict comes out of its row pass, unread here); returns the result."""
     from genlm_fast.ops import dispatch
 
     layout.device_arrays(mode, values.device, backend)  # built outside the timed calls
 
     def fn():
-        return dispatch.run_backend(
-            values, layout, reduction, mode, backend, cuda_options=cuda_options
-        )[0]
-
-    return fn
-
-
-def checked_call(values, layout, reduction, cuda_options=None):
-    """The CUDA backend through the dispatcher (``dispatch.trie_reduce``: validation, the
-    row check, its verdict read on the host), as a public call runs it; returns the
-    result."""
-    from genlm_fast.ops import dispatch
-
-    layout.device_arrays("without_eos", values.device, "cuda")
-
-    def fn():
-        return dispatch.trie_reduce(
-            values, layout, reduction, backend="cuda", cuda_options=cuda_options
-        )[0]
+        return dispatch.run_backend(values, layout, reduction, mode, backend)[0]
 
     return fn
 
@@ -829,63 +807,6 @@ def _bench_input(context, op: str, B: int):
     return (logits if op == "log_mass" else probs).to(context["device"]).contiguous()
 
 
-# The CUDA launch's variants (the fields of cuda_backend.CudaOptions, each off by default
-# until a GPU run has checked and timed it): the (op, B) pairs at which --variants times each
-# off and on, the others off, and what is timed. row_check (sum and max check their rows in
-# the kernels' row pass; off: the dispatcher's amax pass) changes no value, and what it
-# saves is outside the kernels: timed through the dispatcher, as a public call runs.
-CUDA_VARIANTS = {
-    "row_check": ((("sum", 1), ("sum", 8), ("sum", 32), ("max", 64)), "dispatch"),
-}
-
-
-def variant_comparison(context, names) -> list[dict]:
-    """The CUDA backend with each variant of ``names`` off, then on, side by side in one
-    process; the two results are first checked to agree bit for bit."""
-    import torch
-
-    from genlm_fast.ops.cuda_backend import CudaOptions
-
-    if not names:
-        return []
-    if "cuda" not in context["backends"] or context["device"].type != "cuda":
-        print("--variants: no CUDA backend on a GPU here; nothing to compare", flush=True)
-        return []
-    out = []
-    for name in names:
-        cases, how = CUDA_VARIANTS[name]
-        for op, B in cases:
-            values = _bench_input(context, op, B)
-            row = {"variant": name, "op": op, "B": B, "timed": how}
-            try:
-                for state, on in (("off", False), ("on", True)):
-                    options = CudaOptions(**{name: on})
-                    fn = (
-                        kernel_call("cuda", values, context["layout"], op, cuda_options=options)
-                        if how == "kernels"
-                        else checked_call(values, context["layout"], op, options)
-                    )
-                    row[f"{state}_result"] = fn()
-                    row[f"{state}_ms"] = bench_ms(fn, context["device"], context["how"])
-                off, on = row.pop("off_result"), row.pop("on_result")
-                assert torch.equal(off, on), f"{name} off and on disagree"
-            except Exception as e:  # noqa: BLE001
-                row = {
-                    "variant": name,
-                    "op": op,
-                    "B": B,
-                    "timed": how,
-                    "failed": f"{type(e).__name__}: {e}",
-                }
-            out.append(row)
-            print(
-                f"{name} {op:8s} B={B:<4d} "
-                + (row.get("failed") or f"off {row['off_ms']:.4f} ms, on {row['on_ms']:.4f} ms"),
-                flush=True,
-            )
-    return out
-
-
 def memory_floors(context) -> list[dict]:
     """What the memory system alone gives at the goals' shapes (log_mass at GOAL_PEAK_B, sum
     at SPEEDUP_B), with torch's own kernels and the same timer: the [B, N] float32 output
@@ -983,7 +904,7 @@ def _f(x, fmt):
     return "-" if x is None else format(x, fmt)
 
 
-def table(rows, info, command: str, sweep_rows=(), variant_rows=(), floor_rows=()) -> str:
+def table(rows, info, command: str, sweep_rows=(), floor_rows=()) -> str:
     lines = ["# genlm_fast GPU trie kernels", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in info.items()]
     lines += [
@@ -1080,26 +1001,6 @@ def table(rows, info, command: str, sweep_rows=(), variant_rows=(), floor_rows=(
                 f"| {r['op']} | {r['B']} | {r['floor']} | {r['MB']:.2f} | "
                 f"{r['ms']:.4f} | {r['GBs']:.0f} | {frac} |"
             )
-    if variant_rows:
-        lines += [
-            "",
-            "The CUDA launch's variants (`--variants`: fields of `CudaOptions`, off "
-            "by default), each off and on, the others off; the kernels alone, or through "
-            "the dispatcher (validation and row check included); the two results checked "
-            "to agree bit for bit first:",
-            "",
-            "| variant | op | B | timed | off ms | on ms | off / on | goal, off / on |",
-            "|---|---|---:|---|---:|---:|---:|---|",
-        ]
-        for r in variant_rows:
-            head = f"| {r['variant']} | {r['op']} | {r['B']} | {r['timed']} |"
-            if "failed" in r:
-                lines.append(f"{head} FAILED: {r['failed']} | | | |")
-            else:
-                lines.append(
-                    f"{head} {r['off_ms']:.4f} | {r['on_ms']:.4f} | "
-                    f"{r['off_ms'] / r['on_ms']:.3f} | {variant_goal(r, rows)} |"
-                )
     if sweep_rows:
         lines += [
             "",
@@ -1131,30 +1032,6 @@ def table(rows, info, command: str, sweep_rows=(), variant_rows=(), floor_rows=(
                 f"{r['GBs']:.0f} | {frac} | {r['max_rel_err']:.1e} |"
             )
     return "\n".join(lines) + "\n"
-
-
-def variant_goal(variant_row, rows) -> str:
-    """For a --variants case at a goal's shape, timed on the kernels alone, the goal's
-    measure with the variant off and on (the CUDA row of the main table gives the
-    reference's time and the bytes moved)."""
-    op, B = variant_row["op"], variant_row["B"]
-    if variant_row["timed"] != "kernels":
-        return "-"
-    main = [
-        r
-        for r in rows
-        if r["backend"] == "cuda" and r["op"] == op and r["B"] == B and "failed" not in r
-    ]
-    if not main:
-        return "-"
-    off, on = variant_row["off_ms"], variant_row["on_ms"]
-    if op == "sum" and B == SPEEDUP_B:
-        return f"{main[0]['ref_ms'] / off:.1f}x / {main[0]['ref_ms'] / on:.1f}x the reference"
-    if op == GOAL_PEAK_OP and B == GOAL_PEAK_B and main[0]["peak_frac"] is not None:
-        # peak_frac = moved / kernel_ms / peak: scale by this case's times
-        frac = main[0]["peak_frac"] * main[0]["kernel_ms"]
-        return f"{100 * frac / off:.0f}% / {100 * frac / on:.0f}% of peak HBM"
-    return "-"
 
 
 def goals(rows) -> list[dict]:
@@ -1234,14 +1111,6 @@ def main(argv=None) -> int:
         "script",
     )
     parser.add_argument(
-        "--variants",
-        nargs="+",
-        choices=sorted(CUDA_VARIANTS),
-        default=[],
-        help="then time the CUDA backend with each of these launch variants "
-        "(CudaOptions) off and on (a section of the table)",
-    )
-    parser.add_argument(
         "--sweep",
         action="store_true",
         help="then time the Triton tile kernels in every TRITON_SWEEP "
@@ -1268,14 +1137,13 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     text = table(rows, info, command.strip())
     out.write_text(text)  # before the extras: a session cut short keeps the main table
-    try:  # a problem with the floors must not cost the session its variant timings
+    try:  # a problem with the floors must not cost the session its sweep
         floor_rows = memory_floors(context)
     except Exception as e:  # noqa: BLE001
         print(f"no memory floors: {type(e).__name__}: {e}", flush=True)
         floor_rows = []
-    variant_rows = variant_comparison(context, args.variants)
     sweep_rows = triton_sweep(args, context) if args.sweep else []
-    text = table(rows, info, command.strip(), sweep_rows, variant_rows, floor_rows)
+    text = table(rows, info, command.strip(), sweep_rows, floor_rows)
     out.write_text(text)
     print()
     print(text)

@@ -8,9 +8,8 @@
 Builds the vocabulary's trie (Llama-3 by default, as ``tools.gpu.bench``), then runs the backend's
 kernels alone (``dispatch.run_backend``) ``--calls`` times (default 3) on random logits (sum
 and max: their softmax): with the selection above, ncu skips the first two calls' row pass,
-tile and span kernels and profiles the third's (the row pass: log_mass always, sum and max
-from B=8 on, where it stages the rows; below that sum and max have none: skip 4, count 2).
-``tools/gpu/session.sh profile`` runs it so.
+tile and span kernels and profiles the third's (the row pass: every op, staging the rows
+from B=8 on). ``tools/gpu/session.sh profile`` runs it so.
 ``--dry-run-cpu`` runs the same on a few hundred tokens on the CPU (Triton interpreter): CI
 checks the script that way.
 """

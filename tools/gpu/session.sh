@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine reached through a remote runner (tools/gpu/README.md):
 #     bash tools/gpu/session.sh tests    # build with the CUDA kernels, run the GPU tests
-#     bash tools/gpu/session.sh bench    # python -m tools.gpu.bench --variants row_check
-#                                          #   --sweep (Llama-3)
+#     bash tools/gpu/session.sh bench    # python -m tools.gpu.bench --sweep (Llama-3)
 #     bash tools/gpu/session.sh lm       # python -m tools.gpu.lm: the LM's SMC step and one
 #                                          #   decoding forward, eager and as a CUDA graph
 #     bash tools/gpu/session.sh profile  # ncu on the CUDA kernels (and their DRAM traffic
@@ -21,7 +20,7 @@
 # 30 s after a call, so two calls usually mean two builds; `all` bounds the benchmark and the
 # tests with timeouts that share what the build leaves of TOTAL_S = 585 s (BENCH_S and
 # TESTS_S override them), to fit the 10-minute limit; PYTEST_ARGS adds pytest arguments,
-# BENCH_ARGS replaces the benchmark's --variants row_check --sweep). What
+# BENCH_ARGS replaces the benchmark's --sweep). What
 # comes back: the benchmark table, the test log, env.txt and, if a test crashed the
 # interpreter, its C stack (crash.txt); the rest (build log, test reports, the sm_90 compile
 # table, the ncu reports ncu-*.txt) in logs.tar.gz, as the tool brings back 8 files. Commit
@@ -179,7 +178,7 @@ run_lm() {
 
 run_bench() {
   # --sweep: after the main table (written first), the Triton kernels' launch configurations
-  $PY -m tools.gpu.bench ${BENCH_ARGS---variants row_check --sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
+  $PY -m tools.gpu.bench ${BENCH_ARGS---sweep} --out "$OUT/gpu-$(date +%F).md" 2>&1 | tee "$OUT/bench-gpu.log"
   return "${PIPESTATUS[0]}"
 }
 

@@ -36,7 +36,8 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export PATH=/tmp/site/bin:$PATH  # ninja from .whl: torch's extension build runs it
 PY=python3
 GPU_TESTS="tests/ops/test_trie_reduce.py tests/ops/test_triton_kernels.py
-  tests/ops/test_log_softmax_rows.py tests/ops/test_extension_build.py tests/ops/test_layout.py"
+  tests/ops/test_log_softmax_rows.py tests/ops/test_extension_build.py tests/ops/test_layout.py
+  tests/backend/test_cuda_graphs.py"
 
 # whether genlm_fast._C holds CUDA kernels built from the csrc/ here (GENLM_FAST_NO_JIT:
 # the probe must not JIT-build the CPU kernels instead)
@@ -96,7 +97,7 @@ native_stack() {
 
 run_tests() {
   # tests/ops: every kernel test with the compiled Triton and CUDA backends, real
-  # vocabularies included, the trie tests first; SmolLM2's vocabulary comes from a 96 MB GGUF
+  # vocabularies included, the trie tests first; then the LM's CUDA graphs; SmolLM2's vocabulary comes from a 96 MB GGUF
   # that cannot travel, so its cases are left out. test_cuda_emulation.py (the .cu on the
   # CPU) and test_triton_sm90.py (compiles for sm_90 without a GPU) need no GPU: CI runs
   # them, here they would only take the time. The sm_90 compile report uses this triton.

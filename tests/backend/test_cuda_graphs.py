@@ -269,3 +269,39 @@ def test_buckets_are_powers_of_two_by_whole_steps():
     assert graphs.bucket_shape(3, step - 1) == (4, step)
     assert graphs.bucket_shape(16, step) == (16, 2 * step)
     assert graphs.bucket_shape(17, 5 * step + 3) == (32, 6 * step)
+
+
+def test_buckets_hold_to_their_byte_budget(tokenizer, monkeypatch):
+    """The buckets' key/value buffers stay within MAX_BYTES together (the least recently used
+    go first), and a batch whose bucket alone is larger runs eagerly, with the eager
+    answers."""
+    model = small_model(len(tokenizer), seed=4)
+    lm = with_buckets(model, tokenizer, length_step=8)
+    eager = AsyncTransformer(model, tokenizer, cuda_graphs=False)
+    runs = count_bucket_runs(lm, monkeypatch)
+    position = lm.kv_bytes_per_token  # one row, one position
+    # room for a bucket of 2 rows x 8 positions, not for one of 1 x 8 beside it
+    lm._graphs.MAX_BYTES = (2 * 8 + 1) * position
+    a, b = tokenizer.encode("One prompt"), tokenizer.encode("A second prompt")
+    assert max(len(a), len(b)) < 6
+    longer = [a + [7] * 12, b + [7] * 12]  # pasts of 13-17 positions: 2 x 24 is too large
+    batches = [[a + [5], b + [5]], [a + [5, 6]], [x + [1] for x in longer]]
+    try:
+        got, want = [], []
+        for m, answers in ((lm, got), (eager, want)):
+            m.batch_next_token_logprobs_sync([a, b])
+            answers += m.batch_next_token_logprobs_sync(batches[0])
+            answers += m.batch_next_token_logprobs_sync(batches[1])
+            if m is lm:
+                assert runs == [2, 1]
+                assert [key[:2] for key in lm._graphs._buckets] == [(1, 8)]  # rows, length
+                assert lm._graphs.nbytes() == 8 * position <= lm._graphs.MAX_BYTES
+            m.batch_next_token_logprobs_sync(longer)  # prefills
+            answers += m.batch_next_token_logprobs_sync(batches[2])
+        assert runs == [2, 1]  # the last batch ran eagerly
+        assert lm._graphs.nbytes() <= lm._graphs.MAX_BYTES
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.double().cpu(), w.double().cpu(), atol=TOL, rtol=0)
+    finally:
+        lm.cleanup()
+        eager.cleanup()

@@ -27,6 +27,7 @@ So does a model whose forward cannot be recorded (`CaptureFailed`). Without ``ca
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import torch
@@ -55,11 +56,10 @@ def graphs_unsupported(model):
 class _Bucket:
     """One bucket's inputs, output, key/value buffer and recorded forward."""
 
-    def __init__(self, rows, length, kv_shape, dtype, device):
+    def __init__(self, kv_shape, dtype, device):
+        rows, length = kv_shape[2], kv_shape[4]  # of [L, 2, rows, H, length, D]
         self.rows, self.length = rows, length
-        self.kv = torch.zeros(
-            (*kv_shape[:2], rows, kv_shape[2], length, kv_shape[3]), dtype=dtype, device=device
-        )
+        self.kv = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.input_ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.position_ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.mask = torch.zeros((rows, 1, 1, length), dtype=dtype, device=device)
@@ -113,7 +113,7 @@ class DecodeGraphs:
         segment = plans[0][2][0][0].data  # [L, 2, H, T, D]
         L, two, H, _, D = segment.shape
         rows, length = self.bucket_shape(len(plans), max(d for _, d, _ in plans))
-        bucket = self._bucket(rows, length, (L, two, H, D), segment.dtype, segment.device)
+        bucket = self._bucket((L, two, rows, H, length, D), segment.dtype, segment.device)
         if bucket is None:
             return None
         self._fill(bucket, plans, pad_id)
@@ -126,21 +126,22 @@ class DecodeGraphs:
             logits, cache = bucket.logits, bucket.cache
         return logits[: len(plans), -1].clone(), bucket.kv, cache
 
-    def _bucket(self, rows, length, kv_shape, dtype, device):
-        key = (rows, length, dtype, device)
+    def _bucket(self, kv_shape, dtype, device):
+        """The bucket of key/value buffer ``kv_shape`` ``[L, 2, rows, H, length, D]``, made
+        (and room made for it) if new; None if it alone is over `MAX_BYTES`."""
+        key = (kv_shape[2], kv_shape[4], dtype, device)  # rows, length: the rest is the model's
         bucket = self._buckets.get(key)
         if bucket is not None:
             self._buckets.move_to_end(key)
             return bucket
-        L, two, H, D = kv_shape
-        size = L * two * rows * H * length * D * dtype.itemsize
+        size = math.prod(kv_shape) * dtype.itemsize
         if size > self.MAX_BYTES:
             return None
         while self._buckets and (
             len(self._buckets) >= self.MAX_BUCKETS or self.nbytes() + size > self.MAX_BYTES
         ):
             self._buckets.popitem(last=False)
-        bucket = self._buckets[key] = _Bucket(rows, length, kv_shape, dtype, device)
+        bucket = self._buckets[key] = _Bucket(kv_shape, dtype, device)
         return bucket
 
     def _fill(self, bucket, plans, pad_id):

@@ -426,8 +426,6 @@ class AsyncTransformer(BatchedAsyncLM):
             self.remove_lora(lora_name)
         self.model.load_adapter(lora_path, adapter_name=lora_name)
         self._state.rebuild(self.model, forget=False)
-        if self._graphs is not None:  # recorded before the adapter's layers were in place
-            self._graphs.clear()
         self._forget_adapter(lora_name)
         self._active_lora = default  # replacing the default adapter keeps it the default
 
@@ -438,8 +436,6 @@ class AsyncTransformer(BatchedAsyncLM):
             raise unknown_lora(lora_name)
         self.model.delete_adapter(lora_name)
         self._state.rebuild(self.model, forget=False)
-        if self._graphs is not None:
-            self._graphs.clear()
         self._forget_adapter(lora_name)
         if self._active_lora == lora_name:
             self._active_lora = None
@@ -461,11 +457,15 @@ class AsyncTransformer(BatchedAsyncLM):
         self._active_lora = None
 
     def _forget_adapter(self, lora_name):
+        """Drop what was computed with adapter ``lora_name``, loaded or removed, and the
+        recorded forwards, recorded over the model's layers before that change."""
         trie = self._kv_tries.pop(lora_name, None)
         if trie is not None:
             trie.clear()
         with self._lock:
             self._outputs.discard_where(lambda key: key[0] == lora_name)
+        if self._graphs is not None:
+            self._graphs.clear()
 
     def _activate(self, lora):
         # Set on every batch, never remembered: the model may be shared with another

@@ -559,7 +559,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("forward", &DecoderCPU::forward, pybind11::arg("tokens"), pybind11::arg("positions"),
              pybind11::arg("row_start"), pybind11::arg("cos"), pybind11::arg("sin"),
              pybind11::arg("runs"), pybind11::arg("run_start"))
-        .def_property_readonly("weight_bytes", &DecoderCPU::weight_bytes);
+        .def_property_readonly("weight_bytes", &DecoderCPU::weight_bytes)
+        .def_property_readonly("weight_dtype", &DecoderCPU::weight_dtype);
     pybind11::class_<genlm_fast::cpu::WeightWatch>(
         m, "WeightWatch", "Whether a model's parameters changed since it was built",
         pybind11::module_local())

@@ -38,6 +38,10 @@
 // all of them) and the values in one pass; the first of them prefetches both, since a past
 // read once per forward comes from memory, not cache.
 //
+// Weights: the embeddings and the packed projections in the model's dtype, float32 or bfloat16
+// (half the bytes to stream, widened exactly as they are loaded), the norms and biases in
+// float32: a bfloat16 model gives the same numbers as its float32 copy would.
+//
 // Numerics: float32 throughout; the products sum in blocks as linear_cpu.cpp does; exp, tanh
 // and erf are polynomial approximations within a few float32 ulps (tanh and erf within 1e-7
 // absolute). A NaN or infinity in the weights or activations propagates to the logits, where
@@ -168,8 +172,9 @@ struct Fwd {
   float* d;     // [T, H]
   float* logits;  // [B, V]
   int64_t weight_bytes;
-  const float *embed, *pos_embed, *final_norm, *final_norm_b, *head, *head_b;
-  const void* layers;  // const DecoderCPU::Layer*, cast back below
+  const void *embed, *pos_embed, *head;  // of the weights' type
+  const float *final_norm, *final_norm_b, *head_b;
+  const void* layers;  // const LayerPtrs*, cast back below
 };
 
 #if GF_DECODER
@@ -353,8 +358,8 @@ GF_AVX512 void rotate(float* x, const float* cos, const float* sin, int64_t dim)
 // speed on a shared machine; a static split leaves the faster one waiting at the barrier):
 // x [m, k] (rows ldx apart) times the packed weight; `epilogue(p, acc)` gets panel p's
 // [m, 16] block (pairs: [2, m, 16], the gate's then the up's). No barrier at the end.
-template <class Epilogue>
-GF_AVX512 void product(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels,
+template <class W, class Epilogue>
+GF_AVX512 void product(const float* x, int64_t ldx, int64_t m, int64_t k, const W* panels,
                        int64_t count, bool pairs, int nth, float* acc, Epilogue epilogue) {
   const int64_t stride = k * kPanel;
   // units of two panels (one pair), the last perhaps of one panel
@@ -362,7 +367,7 @@ GF_AVX512 void product(const float* x, int64_t ldx, int64_t m, int64_t k, const 
   const int64_t run = std::max<int64_t>(1, units / (16 * nth));
 #pragma omp for schedule(dynamic, run) nowait
   for (int64_t q = 0; q < units; ++q) {
-    const float* pa = panels + 2 * q * stride;
+    const W* pa = panels + 2 * q * stride;
     if (pairs) {
       panel_dot2(x, ldx, m, k, pa, pa + stride, acc, acc + m * kPanel, true, pa + 2 * stride,
                  pa + 3 * stride);
@@ -381,7 +386,8 @@ GF_AVX512 void product(const float* x, int64_t ldx, int64_t m, int64_t k, const 
 
 struct LayerPtrs {
   const float *norm1, *norm1_b, *post1, *norm2, *norm2_b, *post2, *q_norm, *k_norm;
-  const float *qkv, *qkv_b, *o, *o_b, *up, *up_b, *down, *down_b;
+  const float *qkv_b, *o_b, *up_b, *down_b;
+  const void *qkv, *o, *up, *down;  // the packed projections, of the weights' type
 };
 
 // Attention's two passes over the past, for D = ceil(hd / 16) registers per head vector
@@ -579,6 +585,8 @@ GF_AVX512 void attend(const Fwd& f, const LayerPtrs& L, int64_t l, int64_t b, in
   }
 }
 
+// W: the type of the embeddings and packed projections (float or BFloat16)
+template <class W>
 GF_AVX512 void run_forward(const Fwd& f) {
   const DecoderSpec& sp = *f.spec;
   const LayerPtrs* layers = static_cast<const LayerPtrs*>(f.layers);
@@ -599,11 +607,16 @@ GF_AVX512 void run_forward(const Fwd& f) {
     AttnScratch scratch;
 
     const float scale = static_cast<float>(sp.embed_scale);
+    const W* embed = static_cast<const W*>(f.embed);
+    const W* pos_embed = static_cast<const W*>(f.pos_embed);
     for (int64_t t = 0; t < T; ++t) {
-      const float* e = f.embed + f.tokens[t] * H;
+      const W* e = embed + f.tokens[t] * H;
       float* xr = x.data() + t * H;
-      for (int64_t i = 0; i < H; ++i) xr[i] = scale == 1.0f ? e[i] : e[i] * scale;
-      if (f.pos_embed) add_row(xr, f.pos_embed + f.positions[t] * H, H);
+      for (int64_t i = 0; i < H; ++i) xr[i] = scale == 1.0f ? widen(e[i]) : widen(e[i]) * scale;
+      if (pos_embed) {
+        const W* pe = pos_embed + f.positions[t] * H;
+        for (int64_t i = 0; i < H; ++i) xr[i] += widen(pe[i]);
+      }
     }
 
     for (int64_t l = 0; l < sp.layers; ++l) {
@@ -611,7 +624,7 @@ GF_AVX512 void run_forward(const Fwd& f) {
       for (int64_t t = 0; t < T; ++t)
         norm_row(x.data() + t * H, H, L.norm1, L.norm1_b, sp.layer_norm, eps, xn.data() + t * H);
       const int64_t qkv_panels = (Nqkv + kPanel - 1) / kPanel;
-      product(xn.data(), H, T, H, L.qkv, qkv_panels, false, nth, acc.data(),
+      product(xn.data(), H, T, H, static_cast<const W*>(L.qkv), qkv_panels, false, nth, acc.data(),
               [&](int64_t p, const float* a)
                   GF_AVX512 { store_biased(a, T, p, L.qkv_b, f.qkv, Nqkv); });
 #pragma omp barrier
@@ -621,7 +634,7 @@ GF_AVX512 void run_forward(const Fwd& f) {
         attend(f, L, l, item / sp.kv_heads, item % sp.kv_heads, scratch);
 #pragma omp barrier
       const int64_t o_panels = (H + kPanel - 1) / kPanel;
-      product(f.attn, Nq, T, Nq, L.o, o_panels, false, nth, acc.data(),
+      product(f.attn, Nq, T, Nq, static_cast<const W*>(L.o), o_panels, false, nth, acc.data(),
               [&](int64_t p, const float* a)
                   GF_AVX512 { store_biased(a, T, p, L.o_b, f.o, H); });
 #pragma omp barrier
@@ -631,7 +644,7 @@ GF_AVX512 void run_forward(const Fwd& f) {
         norm_row(xr, H, L.norm2, L.norm2_b, sp.layer_norm, eps, xn.data() + t * H);
       }
       const int64_t up_panels = (I + kPanel - 1) / kPanel;
-      product(xn.data(), H, T, H, L.up, up_panels, sp.gated, nth, acc.data(),
+      product(xn.data(), H, T, H, static_cast<const W*>(L.up), up_panels, sp.gated, nth, acc.data(),
               [&](int64_t p, const float* a) GF_AVX512 {
                 const int64_t c0 = p * kPanel, cols = std::min(kPanel, I - c0);
                 for (int64_t t = 0; t < T; ++t) {
@@ -647,7 +660,7 @@ GF_AVX512 void run_forward(const Fwd& f) {
                 }
               });
 #pragma omp barrier
-      product(f.h, I, T, I, L.down, o_panels, false, nth, acc.data(),
+      product(f.h, I, T, I, static_cast<const W*>(L.down), o_panels, false, nth, acc.data(),
               [&](int64_t p, const float* a)
                   GF_AVX512 { store_biased(a, T, p, L.down_b, f.d, H); });
 #pragma omp barrier
@@ -660,7 +673,7 @@ GF_AVX512 void run_forward(const Fwd& f) {
       norm_row(x.data() + (f.row_start[b + 1] - 1) * H, H, f.final_norm, f.final_norm_b,
                sp.layer_norm, eps, xn.data() + b * H);
     const int64_t head_panels = (V + kPanel - 1) / kPanel;
-    product(xn.data(), H, B, H, f.head, head_panels, false, nth, acc.data(),
+    product(xn.data(), H, B, H, static_cast<const W*>(f.head), head_panels, false, nth, acc.data(),
             [&](int64_t p, const float* a) GF_AVX512 {
               const int64_t c0 = p * kPanel, cols = std::min(kPanel, V - c0);
               for (int64_t b = 0; b < B; ++b) {
@@ -685,18 +698,20 @@ void check_vector(const torch::Tensor& t, const char* what, int64_t n) {
 
 }  // namespace
 
-const float* DecoderCPU::get(const std::string& name, std::vector<int64_t> shape, bool optional) {
+const void* DecoderCPU::get(const std::string& name, std::vector<int64_t> shape,
+                            c10::ScalarType dtype, bool optional) {
   auto it = weights_.find(name);
   if (it == weights_.end()) {
     TORCH_CHECK(optional, "DecoderCPU: weight '", name, "' is missing");
     return nullptr;
   }
   const torch::Tensor& t = it->second;
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.device().is_cpu() && t.is_contiguous(),
-              "DecoderCPU: weight '", name, "' must be a contiguous float32 CPU tensor");
+  TORCH_CHECK(t.scalar_type() == dtype && t.device().is_cpu() && t.is_contiguous(),
+              "DecoderCPU: weight '", name, "' must be a contiguous ", c10::toString(dtype),
+              " CPU tensor, got ", t.scalar_type());
   TORCH_CHECK(t.sizes().vec() == shape, "DecoderCPU: weight '", name, "' has shape ", t.sizes(),
               ", expected ", c10::IntArrayRef(shape));
-  return t.data_ptr<float>();
+  return t.data_ptr();
 }
 
 DecoderCPU::DecoderCPU(DecoderSpec spec, std::map<std::string, torch::Tensor> weights)
@@ -716,38 +731,60 @@ DecoderCPU::DecoderCPU(DecoderSpec spec, std::map<std::string, torch::Tensor> we
   auto emb = weights_.find("embed");
   TORCH_CHECK(emb != weights_.end() && emb->second.dim() == 2 && emb->second.size(1) == H,
               "DecoderCPU: 'embed' must be [vocab, hidden]");
-  embed_ = get("embed", emb->second.sizes().vec());
-  if (s.learned_positions) positions_ = get("pos_embed", {s.max_positions, H});
-  final_norm_ = get("final_norm", {H});
-  final_norm_b_ = get("final_norm_b", {H}, !s.layer_norm);
-  head_ = get("head", {panels(s.vocab), H, kPanel});
-  head_b_ = get("head_b", {s.vocab}, true);
+  weight_dtype_ = emb->second.scalar_type();
+  TORCH_CHECK(weight_dtype_ == torch::kFloat32 || weight_dtype_ == torch::kBFloat16,
+              "DecoderCPU: the weights must be float32 or bfloat16, got ", weight_dtype_);
+  const c10::ScalarType wt = weight_dtype_;
+  embed_ = get("embed", emb->second.sizes().vec(), wt);
+  if (s.learned_positions) positions_ = get("pos_embed", {s.max_positions, H}, wt);
+  final_norm_ = vector("final_norm", {H});
+  final_norm_b_ = vector("final_norm_b", {H}, !s.layer_norm);
+  head_ = get("head", {panels(s.vocab), H, kPanel}, wt);
+  head_b_ = vector("head_b", {s.vocab}, true);
   layers_.resize(s.layers);
   for (int64_t l = 0; l < s.layers; ++l) {
     const std::string p = std::to_string(l) + ".";
     Layer& L = layers_[l];
-    L.norm1 = get(p + "norm1", {H});
-    L.norm1_b = get(p + "norm1_b", {H}, !s.layer_norm);
-    L.norm2 = get(p + "norm2", {H});
-    L.norm2_b = get(p + "norm2_b", {H}, !s.layer_norm);
-    L.post1 = get(p + "post1", {H}, !s.post_norms);
-    L.post2 = get(p + "post2", {H}, !s.post_norms);
-    L.q_norm = get(p + "q_norm", {hd}, !s.qk_norm);
-    L.k_norm = get(p + "k_norm", {hd}, !s.qk_norm);
-    L.qkv = get(p + "qkv", {panels(Nqkv), H, kPanel});
-    L.qkv_b = get(p + "qkv_b", {Nqkv}, true);
-    L.o = get(p + "o", {panels(H), Nq, kPanel});
-    L.o_b = get(p + "o_b", {H}, true);
-    L.up = get(p + "up", {(s.gated ? 2 : 1) * panels(I), H, kPanel});
-    L.up_b = get(p + "up_b", {(s.gated ? 2 : 1) * I}, true);
-    L.down = get(p + "down", {panels(H), I, kPanel});
-    L.down_b = get(p + "down_b", {H}, true);
+    L.norm1 = vector(p + "norm1", {H});
+    L.norm1_b = vector(p + "norm1_b", {H}, !s.layer_norm);
+    L.norm2 = vector(p + "norm2", {H});
+    L.norm2_b = vector(p + "norm2_b", {H}, !s.layer_norm);
+    L.post1 = vector(p + "post1", {H}, !s.post_norms);
+    L.post2 = vector(p + "post2", {H}, !s.post_norms);
+    L.q_norm = vector(p + "q_norm", {hd}, !s.qk_norm);
+    L.k_norm = vector(p + "k_norm", {hd}, !s.qk_norm);
+    L.qkv = get(p + "qkv", {panels(Nqkv), H, kPanel}, wt);
+    L.qkv_b = vector(p + "qkv_b", {Nqkv}, true);
+    L.o = get(p + "o", {panels(H), Nq, kPanel}, wt);
+    L.o_b = vector(p + "o_b", {H}, true);
+    L.up = get(p + "up", {(s.gated ? 2 : 1) * panels(I), H, kPanel}, wt);
+    L.up_b = vector(p + "up_b", {(s.gated ? 2 : 1) * I}, true);
+    L.down = get(p + "down", {panels(H), I, kPanel}, wt);
+    L.down_b = vector(p + "down_b", {H}, true);
   }
   for (const auto& kv : weights_)
     if (kv.first != "embed" && kv.first != "pos_embed")
-      weight_bytes_ += kv.second.numel() * static_cast<int64_t>(sizeof(float));
+      weight_bytes_ += kv.second.numel() * static_cast<int64_t>(kv.second.element_size());
   // (the embedding's rows are read per token, not streamed)
 }
+
+namespace {
+
+// whether WeightWatch samples a tensor's values: float32 and 16-bit floats (bfloat16,
+// float16) on the CPU, contiguous
+bool sampled(const torch::Tensor& t) {
+  const c10::ScalarType d = t.scalar_type();
+  return (d == torch::kFloat32 || d == torch::kBFloat16 || d == torch::kHalf) &&
+         t.device().is_cpu() && t.is_contiguous();
+}
+
+// the bits of entry i of a sampled tensor
+uint32_t bits_at(const torch::Tensor& t, int64_t i) {
+  if (t.element_size() == 4) return static_cast<const uint32_t*>(t.data_ptr())[i];
+  return static_cast<const uint16_t*>(t.data_ptr())[i];
+}
+
+}  // namespace
 
 WeightWatch::WeightWatch(std::vector<torch::Tensor> params,
                          std::vector<std::pair<pybind11::dict, DictItems>> dicts)
@@ -757,18 +794,17 @@ WeightWatch::WeightWatch(std::vector<torch::Tensor> params,
     e.data = t.data_ptr();
     e.dtype = t.scalar_type();
     e.version = t.is_inference() ? -1 : static_cast<int64_t>(t._version());
-    if (t.scalar_type() == torch::kFloat32 && t.device().is_cpu() && t.is_contiguous()) {
-      // A small tensor (norm weights, biases) is kept whole and compared as one block. Each
-      // sample of a large one is a cache and TLB miss once a forward has streamed the
-      // weights: 64 a tensor took 0.58 ms on SmolLM2, 8 take 0.19.
+    if (sampled(t)) {
+      // A small tensor (norm weights, biases) is kept whole. Each sample of a large one is a
+      // cache and TLB miss once a forward has streamed the weights: 64 a tensor took 0.58 ms
+      // on SmolLM2, 8 take 0.19.
       const int64_t numel = t.numel();
-      const uint32_t* bits = static_cast<const uint32_t*>(t.data_ptr());
       if (numel <= 4096) {
-        e.bits.assign(bits, bits + numel);
+        for (int64_t i = 0; i < numel; ++i) e.bits.push_back(bits_at(t, i));
       } else {
         for (int64_t i = 0; i < numel; i += numel / 8) {
           e.at.push_back(i);
-          e.bits.push_back(bits[i]);
+          e.bits.push_back(bits_at(t, i));
         }
       }
     }
@@ -801,13 +837,18 @@ int64_t WeightWatch::changed() const {
     if (e.bits.empty()) continue;
     const int64_t extent = e.at.empty() ? static_cast<int64_t>(e.bits.size()) : e.at.back() + 1;
     if (!t.is_contiguous() || t.numel() < extent) return at;
-    const uint32_t* bits = static_cast<const uint32_t*>(t.data_ptr());
     if (e.at.empty()) {
-      if (std::memcmp(bits, e.bits.data(), e.bits.size() * sizeof(uint32_t)) != 0) return at;
+      if (t.element_size() == 4) {
+        if (std::memcmp(t.data_ptr(), e.bits.data(), e.bits.size() * sizeof(uint32_t)) != 0)
+          return at;
+      } else {
+        for (size_t j = 0; j < e.bits.size(); ++j)
+          if (bits_at(t, static_cast<int64_t>(j)) != e.bits[j]) return at;
+      }
       continue;
     }
     for (size_t j = 0; j < e.at.size(); ++j)
-      if (bits[e.at[j]] != e.bits[j]) return at;
+      if (bits_at(t, e.at[j]) != e.bits[j]) return at;
   }
   return -1;
 }
@@ -877,8 +918,9 @@ torch::Tensor DecoderCPU::forward(const torch::Tensor& tokens, const torch::Tens
   std::vector<LayerPtrs> layers(s.layers);
   for (int64_t l = 0; l < s.layers; ++l) {
     const Layer& L = layers_[l];
-    layers[l] = {L.norm1, L.norm1_b, L.post1, L.norm2, L.norm2_b, L.post2, L.q_norm, L.k_norm,
-                 L.qkv,   L.qkv_b,   L.o,     L.o_b,   L.up,      L.up_b,  L.down,   L.down_b};
+    layers[l] = {L.norm1, L.norm1_b, L.post1, L.norm2, L.norm2_b, L.post2,
+                 L.q_norm, L.k_norm,  L.qkv_b, L.o_b,   L.up_b,    L.down_b,
+                 L.qkv,   L.o,       L.up,    L.down};
   }
   Fwd f{&s,
         T,
@@ -900,15 +942,18 @@ torch::Tensor DecoderCPU::forward(const torch::Tensor& tokens, const torch::Tens
         weight_bytes_,
         embed_,
         positions_,
+        head_,
         final_norm_,
         final_norm_b_,
-        head_,
         head_b_,
         layers.data()};
 #if GF_DECODER
   {
     pybind11::gil_scoped_release released;
-    run_forward(f);
+    if (weight_dtype_ == torch::kBFloat16)
+      run_forward<BFloat16>(f);
+    else
+      run_forward<float>(f);
   }
 #endif
   return logits;

@@ -33,7 +33,9 @@ struct DecoderSpec {
 
 class DecoderCPU {
  public:
-  // `weights`: the packed projections and the vectors, by name (decoder.py, `_pack`).
+  // `weights`: the packed projections and the vectors, by name (decoder.py, `_pack`). The
+  // embeddings and the packed projections are float32 or bfloat16 (all the same; the
+  // arithmetic is float32 either way), the vectors (norms, biases) float32.
   DecoderCPU(DecoderSpec spec, std::map<std::string, torch::Tensor> weights);
 
   // One forward over B rows of new tokens (row b: tokens[row_start[b] .. row_start[b + 1]),
@@ -48,23 +50,31 @@ class DecoderCPU {
 
   // bytes of packed weights one forward streams
   int64_t weight_bytes() const { return weight_bytes_; }
+  // the dtype of the embeddings and packed projections: float32 or bfloat16
+  std::string weight_dtype() const { return c10::toString(weight_dtype_); }
 
  private:
   struct Layer {
     const float *norm1 = nullptr, *norm1_b = nullptr, *post1 = nullptr;
     const float *norm2 = nullptr, *norm2_b = nullptr, *post2 = nullptr;
     const float *q_norm = nullptr, *k_norm = nullptr;
-    const float *qkv = nullptr, *qkv_b = nullptr, *o = nullptr, *o_b = nullptr;
-    const float *up = nullptr, *up_b = nullptr, *down = nullptr, *down_b = nullptr;
+    const float *qkv_b = nullptr, *o_b = nullptr, *up_b = nullptr, *down_b = nullptr;
+    const void *qkv = nullptr, *o = nullptr, *up = nullptr, *down = nullptr;  // weight_dtype_
   };
 
-  const float* get(const std::string& name, std::vector<int64_t> shape, bool optional = false);
+  // the tensor `name` of `shape` and `dtype`: its data, or null if optional and missing
+  const void* get(const std::string& name, std::vector<int64_t> shape, c10::ScalarType dtype,
+                  bool optional = false);
+  const float* vector(const std::string& name, std::vector<int64_t> shape, bool optional = false) {
+    return static_cast<const float*>(get(name, std::move(shape), torch::kFloat32, optional));
+  }
 
   DecoderSpec spec_;
   std::map<std::string, torch::Tensor> weights_;
+  c10::ScalarType weight_dtype_ = torch::kFloat32;  // of the embeddings and packed projections
   std::vector<Layer> layers_;
-  const float *embed_ = nullptr, *positions_ = nullptr, *final_norm_ = nullptr,
-              *final_norm_b_ = nullptr, *head_ = nullptr, *head_b_ = nullptr;
+  const void *embed_ = nullptr, *positions_ = nullptr, *head_ = nullptr;
+  const float *final_norm_ = nullptr, *final_norm_b_ = nullptr, *head_b_ = nullptr;
   int64_t weight_bytes_ = 0;
 };
 
@@ -94,8 +104,8 @@ class WeightWatch {
     const void* data;
     c10::ScalarType dtype;
     int64_t version;  // -1: an inference tensor, which has none
-    // float32 entries' bits (other dtypes are not sampled): all of a small tensor (`at`
-    // empty), else those at the indices `at`
+    // float32 and 16-bit float entries' bits (other dtypes are not sampled): all of a small
+    // tensor (`at` empty), else those at the indices `at`
     std::vector<int64_t> at;
     std::vector<uint32_t> bits;
   };

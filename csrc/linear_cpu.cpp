@@ -7,8 +7,10 @@
 // the bandwidth.
 //
 // Layout: W is packed once (pack_linear_weight) into panels of 16 output features: panel p is
-// W[16p .. 16p + 16, k] for k = 0 .. K, each k's 16 floats side by side ([P][K][16] floats,
-// rows past N zero), so a thread reads one panel as one sequential stream.
+// W[16p .. 16p + 16, k] for k = 0 .. K, each k's 16 values side by side ([P][K][16], rows past
+// N zero), so a thread reads one panel as one sequential stream. The values are float32, or
+// bfloat16 for a model loaded in bfloat16 (the fused decoder): half the bytes to stream,
+// widened to float32 exactly as they are loaded, so the arithmetic is the float32 one.
 //
 // Kernel: each thread takes whole panels. A panel is walked in chunks of kChunk values of k;
 // for each chunk, every group of up to R rows keeps its 16 output columns in registers (one
@@ -37,9 +39,11 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -57,16 +61,31 @@ namespace cpu {
 
 namespace {
 
-constexpr int64_t kChunk = 256;  // values of k per chunk: 16 KB of a panel, kept in L1
-constexpr int64_t kPrefetch = 64;  // prefetch distance, in values of k (4 KB)
+constexpr int64_t kChunk = 256;  // values of k per chunk: 16 KB of a float32 panel, kept in L1
+constexpr int64_t kPrefetch = 64;  // prefetch distance, in values of k of a float32 panel (4 KB)
 constexpr int64_t kSumBlock = 64;  // values of k summed from zero before joining the buffer
 static_assert(kChunk % kSumBlock == 0, "a chunk holds whole summation blocks");
 
+#if GF_X86_KERNELS
+// one k-step of a panel: its 16 weights as float32
+__attribute__((target("avx512f"))) inline __m512 load_weights(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+__attribute__((target("avx512f"))) inline __m512 load_weights(const BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  // (the zero-masking forms: GCC 12 warns about the plain ones' undefined sources)
+  const __m512i wide = _mm512_maskz_cvtepu16_epi32(static_cast<__mmask16>(0xFFFF), bits);
+  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(static_cast<__mmask16>(0xFFFF), wide, 16));
+}
+
+// the prefetch distance in values of k of a panel of W: the same bytes whatever the type
+template <class W>
+constexpr int64_t kAhead = kPrefetch * static_cast<int64_t>(sizeof(float) / sizeof(W));
+
 // acc[r][0..16) = (first ? 0 : acc[r]) + sum over the blocks of kSumBlock values of k in
 // [k0, k1) of (sum_{k in block} x[r, k] * panel[k][0..16)), the blocks' sums added in order
-#if GF_X86_KERNELS
-template <int R>
-__attribute__((target("avx512f"))) void group_avx512(const float* x, int64_t ldx, const float* panel,
+template <class W, int R>
+__attribute__((target("avx512f"))) void group_avx512(const float* x, int64_t ldx, const W* panel,
                                                      int64_t k0, int64_t k1, bool first, float* acc) {
   __m512 a[R];
   for (int64_t b0 = k0; b0 < k1; b0 += kSumBlock) {
@@ -74,8 +93,8 @@ __attribute__((target("avx512f"))) void group_avx512(const float* x, int64_t ldx
 #pragma GCC unroll 24
     for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
     for (int64_t k = b0; k < b1; ++k) {
-      _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetch) * kPanel), _MM_HINT_T0);
-      const __m512 w = _mm512_loadu_ps(panel + k * kPanel);
+      _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAhead<W>)*kPanel), _MM_HINT_T0);
+      const __m512 w = load_weights(panel + k * kPanel);
 #pragma GCC unroll 24
       for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, a[r]);
     }
@@ -96,12 +115,12 @@ __attribute__((target("avx512f"))) void group_avx512(const float* x, int64_t ldx
 // its arithmetic is so short that the hardware prefetcher keeps ahead of the two streams alone,
 // and the prefetch instructions only take load slots (streaming 512 MB of panels at one row:
 // 64 GB/s without them, 60 with).
-template <int R>
-__attribute__((target("avx512f"))) void pair_avx512(const float* x, int64_t ldx, const float* pa,
-                                                    const float* pb, int64_t k0, int64_t k1,
+template <class W, int R>
+__attribute__((target("avx512f"))) void pair_avx512(const float* x, int64_t ldx, const W* pa,
+                                                    const W* pb, int64_t k0, int64_t k1,
                                                     bool first, float* acc, float* acc2,
-                                                    const float* next_a, const float* next_b,
-                                                    int64_t g, int64_t groups) {
+                                                    const W* next_a, const W* next_b, int64_t g,
+                                                    int64_t groups) {
   __m512 a[R], b[R];
   [[maybe_unused]] const int64_t len = k1 - k0;
   for (int64_t b0 = k0; b0 < k1; b0 += kSumBlock) {
@@ -114,7 +133,7 @@ __attribute__((target("avx512f"))) void pair_avx512(const float* x, int64_t ldx,
         _mm_prefetch(reinterpret_cast<const char*>(next_a + ahead * kPanel), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(next_b + ahead * kPanel), _MM_HINT_T0);
       }
-      const __m512 wa = _mm512_loadu_ps(pa + k * kPanel), wb = _mm512_loadu_ps(pb + k * kPanel);
+      const __m512 wa = load_weights(pa + k * kPanel), wb = load_weights(pb + k * kPanel);
 #pragma GCC unroll 12
       for (int r = 0; r < R; ++r) {
         const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
@@ -135,8 +154,9 @@ __attribute__((target("avx512f"))) void pair_avx512(const float* x, int64_t ldx,
 
 #endif
 
-void group_baseline(int rows, const float* x, int64_t ldx, const float* panel, int64_t k0,
-                    int64_t k1, bool first, float* acc) {
+template <class W>
+void group_baseline(int rows, const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1,
+                    bool first, float* acc) {
   if (first) std::fill(acc, acc + rows * kPanel, 0.0f);
   for (int r = 0; r < rows; ++r)
     for (int64_t b0 = k0; b0 < k1; b0 += kSumBlock) {
@@ -144,29 +164,33 @@ void group_baseline(int rows, const float* x, int64_t ldx, const float* panel, i
       float block[kPanel] = {};
       for (int64_t k = b0; k < b1; ++k) {
         const float xv = x[r * ldx + k];
-        for (int64_t j = 0; j < kPanel; ++j) block[j] += xv * panel[k * kPanel + j];
+        for (int64_t j = 0; j < kPanel; ++j) block[j] += xv * widen(panel[k * kPanel + j]);
       }
       for (int64_t j = 0; j < kPanel; ++j) acc[r * kPanel + j] += block[j];
     }
 }
 
-using GroupFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, bool, float*);
+template <class W>
+using GroupFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, bool, float*);
+template <class W>
+using PairFn = void (*)(const float*, int64_t, const W*, const W*, int64_t, int64_t, bool, float*,
+                        float*, const W*, const W*, int64_t, int64_t);
 
-// kernel tables: entry rows - 1 handles a group of exactly `rows` rows
+// kernel tables: entry rows - 1 handles a group of exactly `rows` rows (1 to 24 for one panel,
+// 1 to 12 for two)
 #if GF_X86_KERNELS
-const GroupFn kAvx512[24] = {
-    group_avx512<1>,  group_avx512<2>,  group_avx512<3>,  group_avx512<4>,  group_avx512<5>,
-    group_avx512<6>,  group_avx512<7>,  group_avx512<8>,  group_avx512<9>,  group_avx512<10>,
-    group_avx512<11>, group_avx512<12>, group_avx512<13>, group_avx512<14>, group_avx512<15>,
-    group_avx512<16>, group_avx512<17>, group_avx512<18>, group_avx512<19>, group_avx512<20>,
-    group_avx512<21>, group_avx512<22>, group_avx512<23>, group_avx512<24>};
-
-using PairFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, bool,
-                        float*, float*, const float*, const float*, int64_t, int64_t);
-const PairFn kPairAvx512[12] = {
-    pair_avx512<1>, pair_avx512<2>, pair_avx512<3>, pair_avx512<4>,  pair_avx512<5>,
-    pair_avx512<6>, pair_avx512<7>, pair_avx512<8>, pair_avx512<9>, pair_avx512<10>,
-    pair_avx512<11>, pair_avx512<12>};
+template <class W, size_t... R>
+constexpr std::array<GroupFn<W>, sizeof...(R)> group_table(std::index_sequence<R...>) {
+  return {group_avx512<W, R + 1>...};
+}
+template <class W, size_t... R>
+constexpr std::array<PairFn<W>, sizeof...(R)> pair_table(std::index_sequence<R...>) {
+  return {pair_avx512<W, R + 1>...};
+}
+template <class W>
+constexpr auto kAvx512 = group_table<W>(std::make_index_sequence<24>());
+template <class W>
+constexpr auto kPairAvx512 = pair_table<W>(std::make_index_sequence<12>());
 #endif
 
 bool cpu_has(const std::string& isa) {
@@ -179,12 +203,13 @@ bool cpu_has(const std::string& isa) {
 
 }  // namespace
 
-void panel_dot(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panel, float* acc,
+template <class W>
+void panel_dot(const float* x, int64_t ldx, int64_t m, int64_t k, const W* panel, float* acc,
                bool avx512) {
   int max_rows = 8;
-  const GroupFn* table = nullptr;
+  const GroupFn<W>* table = nullptr;
 #if GF_X86_KERNELS
-  if (avx512) max_rows = 24, table = kAvx512;
+  if (avx512) max_rows = 24, table = kAvx512<W>.data();
 #else
   (void)avx512;
 #endif
@@ -198,17 +223,18 @@ void panel_dot(const float* x, int64_t ldx, int64_t m, int64_t k, const float* p
       if (table)
         table[rows - 1](x + r0 * ldx, ldx, panel, k0, k1, k0 == 0, a);
       else
-        group_baseline(static_cast<int>(rows), x + r0 * ldx, ldx, panel, k0, k1, k0 == 0, a);
+        group_baseline<W>(static_cast<int>(rows), x + r0 * ldx, ldx, panel, k0, k1, k0 == 0, a);
     }
     if (k1 >= k) break;
   }
 }
 
-void panel_dot2(const float* x, int64_t ldx, int64_t m, int64_t k, const float* pa, const float* pb,
-                float* acc, float* acc2, bool avx512, const float* next_a, const float* next_b) {
+template <class W>
+void panel_dot2(const float* x, int64_t ldx, int64_t m, int64_t k, const W* pa, const W* pb,
+                float* acc, float* acc2, bool avx512, const W* next_a, const W* next_b) {
 #if GF_X86_KERNELS
   if (avx512) {
-    // chunks of 64 values of k: 8 KB of the two panels. Beside the next chunk being fetched
+    // chunks of 64 values of k: 8 KB of two float32 panels. Beside the next chunk being fetched
     // and the rows' slices of x that leaves most of L1 (48 KB) free; 16 KB chunks were 7%
     // slower at 1 to 32 rows (SmolLM2's fused forward, 2-core AMD EPYC)
     constexpr int64_t chunk = kChunk / 4;
@@ -217,11 +243,11 @@ void panel_dot2(const float* x, int64_t ldx, int64_t m, int64_t k, const float* 
     for (int64_t k0 = 0;; k0 += chunk) {
       const int64_t k1 = std::min(k, k0 + chunk);
       // what to fetch meanwhile: the next chunk, or the next panels' first one
-      const float* na = k1 < k ? pa + k1 * kPanel : next_a;
-      const float* nb = k1 < k ? pb + k1 * kPanel : next_b;
+      const W* na = k1 < k ? pa + k1 * kPanel : next_a;
+      const W* nb = k1 < k ? pb + k1 * kPanel : next_b;
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t r0 = m * g / groups, rows = m * (g + 1) / groups - r0;
-        kPairAvx512[rows - 1](x + r0 * ldx, ldx, pa, pb, k0, k1, k0 == 0, acc + r0 * kPanel,
+        kPairAvx512<W>[rows - 1](x + r0 * ldx, ldx, pa, pb, k0, k1, k0 == 0, acc + r0 * kPanel,
                               acc2 + r0 * kPanel, na, nb, g, groups);
       }
       if (k1 >= k) break;
@@ -234,6 +260,15 @@ void panel_dot2(const float* x, int64_t ldx, int64_t m, int64_t k, const float* 
   panel_dot(x, ldx, m, k, pb, acc2, avx512);
 }
 
+template void panel_dot<float>(const float*, int64_t, int64_t, int64_t, const float*, float*, bool);
+template void panel_dot<BFloat16>(const float*, int64_t, int64_t, int64_t, const BFloat16*, float*,
+                                  bool);
+template void panel_dot2<float>(const float*, int64_t, int64_t, int64_t, const float*, const float*,
+                                float*, float*, bool, const float*, const float*);
+template void panel_dot2<BFloat16>(const float*, int64_t, int64_t, int64_t, const BFloat16*,
+                                   const BFloat16*, float*, float*, bool, const BFloat16*,
+                                   const BFloat16*);
+
 std::string linear_best_isa() {
   return cpu_has("avx512") ? "avx512" : "baseline";
 }
@@ -241,8 +276,9 @@ std::string linear_best_isa() {
 torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_linear_weight: the weight must be 2-D [N, K], got ",
               weight.dim(), "-D");
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32,
-              "pack_linear_weight: the weight must be float32, got ", weight.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16,
+              "pack_linear_weight: the weight must be float32 or bfloat16, got ",
+              weight.scalar_type());
   TORCH_CHECK(weight.device().is_cpu(), "pack_linear_weight: the weight must be on the CPU");
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
   // [P, 16, K] -> [P, K, 16]: rows past N are zero

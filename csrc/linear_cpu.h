@@ -4,6 +4,8 @@
 
 #include <torch/extension.h>
 
+#include <cstdint>
+#include <cstring>
 #include <string>
 
 namespace genlm_fast {
@@ -11,7 +13,21 @@ namespace cpu {
 
 constexpr int64_t kPanel = 16;  // output features per panel of a packed weight
 
-// W [N, K] float32 -> panels [ceil(N / 16), K, 16] (rows past N zero)
+// A bfloat16 weight as stored (a model loaded in bfloat16): the high half of a float32, so
+// it widens to float32 exactly, and the products below sum in float32 as for float32 weights
+struct BFloat16 {
+  uint16_t bits;
+};
+
+inline float widen(float w) { return w; }
+inline float widen(BFloat16 w) {
+  const uint32_t bits = static_cast<uint32_t>(w.bits) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// W [N, K] float32 or bfloat16 -> panels [ceil(N / 16), K, 16] of its dtype (rows past N zero)
 torch::Tensor pack_linear_weight(const torch::Tensor& weight);
 
 // x [M, K] @ W^T (+ bias) -> [M, N], W given as its panels; isa: auto, avx512, baseline
@@ -21,15 +37,18 @@ torch::Tensor linear_small_batch(const torch::Tensor& x, const torch::Tensor& pa
 
 // acc[m, 16] = x[m, :k] @ panel[k, 16] (x's rows ldx apart): one panel of a packed weight, on the
 // calling thread (the building block of linear_small_batch and of the fused decoder); avx512
-// picks the AVX-512 kernel (the caller checked that the CPU runs it), else the plain loop
-void panel_dot(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panel, float* acc,
+// picks the AVX-512 kernel (the caller checked that the CPU runs it), else the plain loop.
+// W: float or BFloat16 (instantiated for both)
+template <class W>
+void panel_dot(const float* x, int64_t ldx, int64_t m, int64_t k, const W* panel, float* acc,
                bool avx512);
 
 // panel_dot of two panels at once (pa into acc, pb into acc2): the same sums, faster; next_a and
 // next_b (or null: what follows pa and pb) are the panels to fetch from memory meanwhile
-void panel_dot2(const float* x, int64_t ldx, int64_t m, int64_t k, const float* pa, const float* pb,
-                float* acc, float* acc2, bool avx512, const float* next_a = nullptr,
-                const float* next_b = nullptr);
+template <class W>
+void panel_dot2(const float* x, int64_t ldx, int64_t m, int64_t k, const W* pa, const W* pb,
+                float* acc, float* acc2, bool avx512, const W* next_a = nullptr,
+                const W* next_b = nullptr);
 
 // the widest kernel this CPU runs: "avx512" or "baseline"
 std::string linear_best_isa();

@@ -69,7 +69,7 @@ def info(model=None) -> int:
     why = decoder.fused_available()
     if why is None:
         print(
-            "AsyncTransformer CPU forward: fused decoder for float32 "
+            "AsyncTransformer CPU forward: fused decoder for float32 and bfloat16 "
             f"{', '.join(decoder.FAMILIES)} models (up to "
             f"{AsyncTransformer.FUSED_MAX_TOKENS} new tokens a forward), else transformers' "
             "forward on the linear layers above (AsyncTransformer.forward_path: which runs)"
@@ -121,7 +121,15 @@ def model_memory(model) -> None:
         dtype = getattr(torch, dtype, None)
     if not isinstance(dtype, torch.dtype):
         dtype = torch.float32
-    per_position, how = kv_bytes_per_position(config, dtype.itemsize)
+    # on a CPU where the fused decoder runs this model, its states are float32
+    from genlm_fast.backend.llm import decoder
+
+    fused = (
+        decoder.fused_available() is None
+        and getattr(config, "model_type", None) in decoder.FAMILIES
+        and dtype in decoder.WEIGHT_DTYPES
+    )
+    per_position, how = kv_bytes_per_position(config, 4 if fused else dtype.itemsize)
     defaults = inspect.signature(AsyncTransformer.__init__).parameters
     tokens = defaults["kv_cache_tokens"].default
     rows = defaults["cache_size"].default
@@ -129,7 +137,8 @@ def model_memory(model) -> None:
     vocab = int(text.vocab_size)
     print(f"model {model} ({str(dtype).removeprefix('torch.')}), as AsyncTransformer caches it:")
     print(
-        f"  key/value states: {per_position:,} bytes per position ({how}); the default "
+        f"  key/value states: {per_position:,} bytes per position ({how}"
+        f"{'; float32, as the fused CPU decoder keeps them' if fused else ''}); the default "
         f"kv_cache_tokens={tokens} holds up to {_mb(tokens * per_position)} per adapter "
         f"(kv_cache_bytes=... bounds it in bytes)"
     )

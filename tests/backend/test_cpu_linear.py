@@ -159,6 +159,16 @@ def test_small_batch_kernel_isas_agree():
     assert torch.equal(module.linear_small_batch(x, panels, None, 100), fast)  # auto
 
 
+def test_pack_linear_weight_keeps_bfloat16():
+    """A bfloat16 weight (the fused decoder's, for a bfloat16 model) packs into the same
+    panels as float32, in bfloat16: the same values, half the bytes."""
+    module = _built()
+    w = torch.randn(37, 11, generator=torch.Generator().manual_seed(3)).bfloat16()
+    panels = module.pack_linear_weight(w)
+    assert panels.dtype == torch.bfloat16 and panels.shape == (3, 11, 16)
+    assert torch.equal(panels.float(), module.pack_linear_weight(w.float()))
+
+
 def test_small_batch_kernel_rejects_bad_input():
     module = _built()
     w = torch.randn(20, 8)

@@ -229,6 +229,71 @@ async def test_decoding_rounds_match_float64(family, B, tokenizer):
         lm.cleanup()
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.asyncio
+async def test_bfloat16_weights_give_their_float32_copys_answers(family, tokenizer):
+    """A model in bfloat16 (what dtype="auto" loads for most hub checkpoints) runs fused on
+    its bfloat16 weights, half the bytes, widened exactly as they are read: every answer is
+    bit for bit its float32 copy's, through decoding rounds with 1 and 2 new tokens over
+    cached pasts, so against a float64 forward of the same bfloat16 weights it is as close
+    as a float32 model is."""
+    model = tiny_model(family).to(torch.bfloat16)
+    widened = copy.deepcopy(model).float()
+    oracle = Oracle(model)
+    lm, lm32 = AsyncTransformer(model, tokenizer), AsyncTransformer(widened, tokenizer)
+    try:
+        assert lm.forward_path == lm32.forward_path == "fused"
+        decoder, decoder32 = lm._state.decoder, lm32._state.decoder
+        assert decoder._impl.weight_dtype == "BFloat16"
+        assert decoder32._impl.weight_dtype == "Float"
+        assert decoder.weight_bytes < 0.6 * decoder32.weight_bytes
+        assert lm.kv_bytes_per_token == lm32.kv_bytes_per_token  # float32 states for both
+        rng = random.Random(7)
+        for ctxs in rounds(rng, 5, [1, 4, 9]):
+            rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in ctxs))
+            rows32 = await asyncio.gather(*(lm32.next_token_logprobs(c) for c in ctxs))
+            for row, row32 in zip(rows, rows32):
+                assert torch.equal(row, row32)
+            assert_matches(rows, ctxs, oracle)
+    finally:
+        lm.cleanup()
+        lm32.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_bfloat16_long_prefill_kept_as_float32_for_the_decoder(tokenizer):
+    """A bfloat16 model's prompt longer than FUSED_MAX_TOKENS runs transformers' (bfloat16)
+    forward; its keys and values are stored as float32, which the fused steps read in
+    place, and those steps' answers are the float32 copy's over the same stored states."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    widened = copy.deepcopy(model).float()
+    lm, lm32 = AsyncTransformer(model, tokenizer), AsyncTransformer(widened, tokenizer)
+    lm.FUSED_MAX_TOKENS = 8
+    try:
+        seen = spy_fused(lm)
+        rng = random.Random(5)
+        long = [rng.randrange(3, 49000) for _ in range(30)]
+        await lm.next_token_logprobs(long)
+        assert seen == []  # the prefill ran on transformers
+        trie = lm._kv_trie(None)
+        depth, runs = trie.match(long, len(long))
+        assert depth == len(long) and all(s.data.dtype == torch.float32 for s, _, _ in runs)
+        # the float32 copy decodes over the very same states (copied into its trie)
+        trie32 = lm32._kv_trie(None)
+        at = 0
+        for s, a, b in runs:
+            trie32.insert(long[: at + b - a], at, s.data[:, :, :, a:b].clone(), [])
+            at += b - a
+        ctxs = [long + [7], long + [8, 9]]
+        rows = await lm.batch_next_token_logprobs(ctxs)
+        rows32 = await lm32.batch_next_token_logprobs(ctxs)
+        assert seen == [(30, 1), (30, 2)]
+        assert torch.equal(rows, rows32)
+    finally:
+        lm.cleanup()
+        lm32.cleanup()
+
+
 @pytest.mark.asyncio
 async def test_long_prefill_on_transformers_then_fused_decoding(tokenizer):
     """A prompt longer than FUSED_MAX_TOKENS runs transformers' forward; its stored keys and
@@ -426,6 +491,7 @@ def _swap_dict_entry(model):  # behind __setattr__: the module's own dict edited
     proj._parameters["weight"] = torch.nn.Parameter(proj.weight.detach().clone())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 @pytest.mark.parametrize(
     "edit",
@@ -440,15 +506,15 @@ def _swap_dict_entry(model):  # behind __setattr__: the module's own dict edited
         _load_state_dict,
     ],
 )
-def test_model_watch(edit, compiled, monkeypatch):
+def test_model_watch(edit, compiled, dtype, monkeypatch):
     """ModelWatch sees each kind of change (and none where there is none), both the compiled
-    check and the Python one the package falls back to without the extension; the compiled
-    one names the first dict or parameter that changed."""
+    check and the Python one the package falls back to without the extension, on float32
+    and bfloat16 weights; the compiled one names the first dict or parameter that changed."""
     if not compiled:
         monkeypatch.setattr(decoder_mod, "_module", lambda: None)
     elif decoder_mod._module() is None:
         pytest.skip("the compiled extension is not built here")
-    model = tiny_model("llama")
+    model = tiny_model("llama").to(dtype)
     watch = decoder_mod.ModelWatch(model)
     assert (watch._impl is not None) == compiled
     assert not watch.changed() and not watch.changed()
@@ -611,6 +677,12 @@ def test_describe_reasons():
     model.model.layers[0].mlp.act_fn = torch.nn.Tanh()
     with pytest.raises(decoder_mod.Unsupported, match="Tanh"):
         decoder_mod.describe(model)
+    with pytest.raises(decoder_mod.Unsupported, match="float16 on cpu, not float32 or bf"):
+        decoder_mod.describe(tiny_model("qwen2").half())
+    mixed = tiny_model("qwen2").to(torch.bfloat16)
+    mixed.model.norm.float()
+    with pytest.raises(decoder_mod.Unsupported, match="mix"):
+        decoder_mod.describe(mixed)
 
 
 def test_info_names_the_forward_path(capsys):

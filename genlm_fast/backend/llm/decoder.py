@@ -9,7 +9,9 @@ the projections on packed copies of the weights (q|k|v and gate|up packed togeth
 past keys and values read where `AsyncTransformer`'s `KVTrie` keeps them and the new ones
 written straight into the segments it will keep.
 
-`describe` says whether a model is one the decoder knows: the families below, float32, on
+`describe` says whether a model is one the decoder knows: the families below, float32 or
+bfloat16 (the packed copies keep the model's dtype, so a bfloat16 model streams half the
+bytes; the arithmetic is float32 either way, the same as on the model's float32 copy), on
 the CPU, no peft adapters, on a CPU with AVX-512F; anything else keeps transformers' own
 forward (`AsyncTransformer.forward_path` says which runs). The architecture is read from the
 modules themselves (each norm's epsilon, each attention's scaling and sliding window, the
@@ -35,6 +37,7 @@ __all__ = [
     "FusedDecoder",
     "ModelWatch",
     "Unsupported",
+    "WEIGHT_DTYPES",
     "describe",
     "fused_available",
     "huge_page_empty",
@@ -64,6 +67,10 @@ _ACTIVATIONS = {
     "GELU": "gelu_erf",
     "ReLU": "relu",
 }
+
+
+# the weight dtypes the decoder streams (the arithmetic is float32 for both)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Unsupported(Exception):
@@ -176,9 +183,15 @@ def describe(model) -> _Arch:
         raise Unsupported(f"{_kind(model)} is not {cls}")
     if getattr(model, "_hf_peft_config_loaded", False):
         raise Unsupported("peft adapters are loaded")
+    dtypes = set()
     for p in model.parameters():
-        if p.dtype != torch.float32 or p.device.type != "cpu":
-            raise Unsupported(f"its weights are {p.dtype} on {p.device}, not float32 on the CPU")
+        if p.dtype not in WEIGHT_DTYPES or p.device.type != "cpu":
+            raise Unsupported(
+                f"its weights are {p.dtype} on {p.device}, not float32 or bfloat16 on the CPU"
+            )
+        dtypes.add(p.dtype)
+    if len(dtypes) > 1:
+        raise Unsupported(f"its weights mix {sorted(str(d) for d in dtypes)}")
     if model.training:
         raise Unsupported("the model is in training mode")
     read = _Reader(model)
@@ -376,8 +389,8 @@ def _panel_shape(weights, interleave):
     return (-(-sum(int(w.shape[0]) for w in weights) // 16), k, 16)
 
 
-def huge_page_empty(numel):
-    """A float32 CPU tensor of ``numel`` zeros in a mapping of its own, backed by 2 MB pages
+def huge_page_empty(numel, dtype=torch.float32):
+    """A CPU tensor of ``numel`` zeros of ``dtype`` in a mapping of its own, backed by 2 MB pages
     where the kernel allows it (Linux transparent huge pages, on request), unmapped when the
     tensor goes.
 
@@ -387,8 +400,8 @@ def huge_page_empty(numel):
     pages off (or no madvise), this is an ordinary zeroed mapping.
     """
     if numel == 0:
-        return torch.zeros(0)
-    buf = mmap.mmap(-1, numel * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return torch.zeros(0, dtype=dtype)
+    buf = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
         try:
@@ -396,7 +409,7 @@ def huge_page_empty(numel):
         except OSError:  # huge pages unsupported: small pages it is
             pass
     # (the tensor keeps the mapping alive; it is unmapped when the tensor is freed)
-    return torch.frombuffer(buf, dtype=torch.float32, count=numel)
+    return torch.frombuffer(buf, dtype=dtype, count=numel)
 
 
 def _pack(arch: _Arch, module):
@@ -418,7 +431,7 @@ def _pack(arch: _Arch, module):
         for name, parts in arch.linears.items()
     }
     sizes = {name: -(-math.prod(shape) // 16) * 16 for name, shape in shapes.items()}
-    store = huge_page_empty(sum(sizes.values()))
+    store = huge_page_empty(sum(sizes.values()), arch.embed.dtype)
     offset = 0
     for name, parts in arch.linears.items():
         gated = name.endswith("up") and arch.spec["gated"]
@@ -430,7 +443,7 @@ def _pack(arch: _Arch, module):
         if any(b is not None for b in biases):
             weights[name + "_b"] = torch.cat(
                 [
-                    b.detach() if b is not None else torch.zeros(w.shape[0])
+                    b.detach().to(torch.float32) if b is not None else torch.zeros(w.shape[0])
                     for (w, _), b in zip(parts, biases)
                 ]
             ).contiguous()

@@ -119,8 +119,8 @@ class AsyncTransformer(BatchedAsyncLM):
             True insists (an error on another device, a warning where it does not apply),
             False turns it off.
 
-    On a CPU with AVX-512, a float32 model of a family the fused decoder knows (Llama and
-    SmolLM, Mistral, Qwen2, Qwen3, Gemma, Gemma2, GPT-2) runs its forwards of up to
+    On a CPU with AVX-512, a float32 or bfloat16 model of a family the fused decoder knows
+    (Llama and SmolLM, Mistral, Qwen2, Qwen3, Gemma, Gemma2, GPT-2) runs its forwards of up to
     `FUSED_MAX_TOKENS` new tokens as one compiled call on packed copies of its weights
     (`genlm_fast.backend.llm.decoder`), reading and writing the cached keys and values in
     place; longer prefills, peft adapters and other models run transformers' forward, on
@@ -375,9 +375,14 @@ class AsyncTransformer(BatchedAsyncLM):
     @property
     def kv_bytes_per_token(self):
         """Bytes of key/value states one cached position takes (from the model's config
-        and dtype: layers x 2 x key/value heads x head size x element size)."""
+        and dtype: layers x 2 x key/value heads x head size x element size; float32 where
+        the fused decoder runs, whatever the model's dtype)."""
         self._check_open()
-        dtype = next(self.model.parameters()).dtype
+        dtype = (
+            torch.float32
+            if self._state.decoder is not None
+            else next(self.model.parameters()).dtype
+        )
         return kv_bytes_per_position(self.model.config, dtype.itemsize)[0]
 
     def cache_kv(self, prompt_tokens, lora_name=None):
@@ -725,9 +730,14 @@ class AsyncTransformer(BatchedAsyncLM):
                     for layer in layers
                 ]
             )  # [L, 2, B, H, max_new, D]
+        # the fused decoder keeps its states in float32: a bfloat16 model's prefills are
+        # stored so too, for it to read in place (not converted again on every read)
+        dtype = torch.float32 if self._state.decoder is not None else new.dtype
         for i, ((ids, d, runs), n) in enumerate(zip(plans, news)):
             # always a copy: the buffer is reused by the next forward
-            row = new[:, :, i, :, max_new - n :].clone(memory_format=torch.contiguous_format)
+            row = new[:, :, i, :, max_new - n :].to(
+                dtype=dtype, memory_format=torch.contiguous_format, copy=True
+            )
             trie.insert(ids, d, row, runs)
 
     # ---- genlm.backend's cache trie and query queue ------------------------------------

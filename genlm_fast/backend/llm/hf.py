@@ -652,10 +652,12 @@ class AsyncTransformer(BatchedAsyncLM):
         # model writes the new positions after it (_BufferLayer), and nothing is
         # concatenated or zero-filled but the gaps of rows with a shorter past (masked,
         # but they must be finite: 0 * NaN would poison the attention).
+        # (in the model's dtype: a bfloat16 model's stored states are float32, the fused
+        # decoder's, and copy_pasts converts)
         seg = next(runs[0][0] for _, d, runs in plans if d)
         L, _, H, _, D = seg.data.shape
         shape = (L, 2, B, H, max_past + max_new, D)
-        storage = self._take_kv_buffer(shape, seg.data.dtype, seg.data.device)
+        storage = self._take_kv_buffer(shape, self.model.dtype, seg.data.device)
         try:
             kv = storage[: math.prod(shape)].view(shape)
             copy_pasts(kv, plans, max_past)

@@ -4,6 +4,7 @@ the regression subset, and what every saved result records about the machine.
     python -m pytest bench -q --benchmark-only                # default: smollm2 + llama3, B <= 32
     python -m pytest bench -q --benchmark-only --bench-full   # + o200k_base, + references at B=128
     python -m pytest bench -q --benchmark-only --bench-regress  # genlm_fast only (bench_regress.sh)
+    python -m pytest bench/test_bench_lm.py --benchmark-only --bench-dtype bfloat16
 
 Tests marked ``full`` are skipped unless ``--bench-full`` is given. ``--bench-regress``
 keeps only `REGRESS_SUBSET`: genlm_fast's own timings, no reference package.
@@ -49,6 +50,13 @@ def pytest_addoption(parser):
         default=False,
         help="only the regression subset: genlm_fast's own benchmarks, "
         "no reference package (see scripts/bench_regress.sh)",
+    )
+    group.addoption(
+        "--bench-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the LM benchmarks' model weights, for both implementations (bfloat16: what "
+        "dtype='auto' loads for most hub checkpoints)",
     )
 
 

@@ -1,14 +1,16 @@
 """A decoding forward of SmolLM2-135M on the CPU against the machine's floors, same run.
 
-    python -m bench.lm_floor [--rounds 7] [--out bench/results/lm-cpu-<date>.md]
+    python -m bench.lm_floor [--rounds 7] [--dtype bfloat16] [--out bench/results/lm-cpu-<date>.md]
 
 The floor of a forward is reading the model's weights once: the bytes the fused decoder
 streams (its packed copies of every projection and the LM head) over the machine's read
 bandwidth, measured here by reading a buffer of the same size, on the same (huge) pages, as
 the decoder's threads do (`genlm_fast._C.stream_read`: each thread its share as 1, 2 or 4
 interleaved sequential streams; the fastest). Rows of new tokens also cost arithmetic: two
-FLOPs per weight per token, at the FLOP/s of register-only AVX-512 multiply-adds on the same
-threads (`genlm_fast._C.fma_rate`); a forward can be no faster than either floor.
+FLOPs per weight of the decoder layers per new token, and per weight of the LM head per row
+(it runs on each row's last token only), at the FLOP/s of register-only AVX-512
+multiply-adds on the same threads (`genlm_fast._C.fma_rate`); a forward can be no faster
+than either floor.
 
 Cases: 1, 4 and 16 rows x 1 and 2 new tokens over a cached past of 24 tokens (rows sharing
 the 15-token prompt of bench/test_bench_lm.py, as SMC particles do). Each round measures the
@@ -18,6 +20,11 @@ model with genlm_fast's packed CPU linear layers, the path before the fused deco
 best of the rounds is kept for each (a shared VM's bandwidth moves by 2x within minutes:
 measuring everything in every round keeps the ratios honest). Every case's logits are
 checked against a float64 forward first (max |log-prob error| over tokens > -20).
+
+``--dtype bfloat16`` runs the model as most hub checkpoints load (``dtype="auto"``): the
+decoder streams bfloat16 panels (half the bytes, so half the memory floor) and computes in
+float32; the float64 forward is of the same bfloat16 weights, and the comparison is
+transformers' own bfloat16 forward.
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ def _floor_bandwidth(module, buf):
     return best
 
 
-def run(rounds=7, cases=CASES):
+def run(rounds=7, cases=CASES, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     from genlm_fast.backend.llm import AsyncTransformer
@@ -80,22 +87,22 @@ def run(rounds=7, cases=CASES):
 
     module = extension.load_module()
     path = smollm2_path()
-    lm = AsyncTransformer.from_name(path)
+    lm = AsyncTransformer.from_name(path, hf_opts={"dtype": dtype})
     if lm.forward_path != "fused":
         raise SystemExit(f"the fused decoder does not run here: {lm.forward_path}")
     decoder = lm._state.decoder
     # the path before: transformers' forward on packed linear layers, its own model
-    hf = AsyncTransformer(
-        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lm.tokenizer
-    )
+    hf = AsyncTransformer(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), lm.tokenizer)
     hf.FUSED_MAX_TOKENS = 0
     packed = pack_linear_layers(hf.model)
-    ref64 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).double().eval()
+    ref64 = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).double().eval()
 
     nbytes = decoder.weight_bytes
+    # the decoder layers' weights (every new token) and the LM head's (each row's last one)
+    head = lm.model.get_output_embeddings().weight.numel()
     params = sum(p.numel() for n, p in lm.model.named_parameters() if "embed" not in n)
-    params += lm.model.lm_head.weight.numel() if lm.model.config.tie_word_embeddings else 0
-    buf = huge_page_empty(nbytes // 4).fill_(1.0)  # on the pages the packed weights use
+    params -= 0 if lm.model.config.tie_word_embeddings else head
+    buf = huge_page_empty(nbytes // 4).fill_(1.0)  # as many bytes, on the kind of pages they use
     flops = module.fma_rate(100_000_000)
 
     setups, errors = {}, {}
@@ -132,29 +139,34 @@ def run(rounds=7, cases=CASES):
         "bytes": nbytes,
         "flops": flops,
         "params": params,
+        "head_params": head,
         "best": best,
         "errors": errors,
         "packed": packed,
         "cases": cases,
+        "dtype": str(dtype).removeprefix("torch."),
     }
 
 
 def table(r):
     mem_floor = r["bytes"] / r["bandwidth"]
     lines = [
-        f"SmolLM2-135M-Instruct float32, one forward over a cached past of {PAST} tokens. "
+        f"SmolLM2-135M-Instruct {r['dtype']}, one forward over a cached past of {PAST} tokens. "
         f"Memory floor: {r['bytes'] / 1e6:.0f} MB of packed weights at "
         f"{r['bandwidth'] / 1e9:.1f} GB/s (streaming read, same run) = "
         f"{mem_floor * 1e3:.2f} ms; arithmetic: {r['flops'] / 1e9:.0f} GFLOP/s of AVX-512 "
-        f"FMA, {r['params'] / 1e6:.0f} M weights per token.",
+        f"FMA, {r['params'] / 1e6:.0f} M weights per new token and {r['head_params'] / 1e6:.0f} M "
+        "(the LM head) per row.",
         "",
         "| rows x new | fused ms | x memory floor | x max(memory, FMA) floor | "
-        "transformers ms (packed linears) | fused speedup | max err vs f64 |",
+        f"transformers ms ({'packed linears' if r['packed'] else r['dtype']}) | fused speedup | "
+        "max err vs f64 |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for rows, new in r["cases"]:
         fused, hf = r["best"][(rows, new), "fused"], r["best"][(rows, new), "transformers"]
-        floor = max(mem_floor, 2 * r["params"] * rows * new / r["flops"])
+        fma = 2 * (r["params"] * rows * new + r["head_params"] * rows)
+        floor = max(mem_floor, fma / r["flops"])
         lines.append(
             f"| {rows} x {new} | {fused * 1e3:.1f} | {fused / mem_floor:.2f} | "
             f"{fused / floor:.2f} | {hf * 1e3:.1f} | {hf / fused:.2f}x | "
@@ -171,10 +183,14 @@ def main(argv=None):
         default=",".join(f"{r}x{n}" for r, n in CASES),
         help="rows x new tokens, comma-separated (default: %(default)s)",
     )
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's weights"
+    )
     parser.add_argument("--out", help="also write the table to this markdown file")
     args = parser.parse_args(argv)
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
-    text = f"{machine_line()}\n\n{table(run(args.rounds, cases))}\n"
+    dtype = getattr(torch, args.dtype)
+    text = f"{machine_line()}\n\n{table(run(args.rounds, cases, dtype))}\n"
     print(text)
     if args.out:
         with open(args.out, "w") as f:

@@ -24,6 +24,9 @@ Two configurations of each backend, both timed:
   documented way to reuse the shared prompt's key/value states: its best configuration
   for this workload (it runs only the tokens past the prompt, about 4x less work here).
 
+``--bench-dtype bfloat16`` loads both models in bfloat16, as ``dtype="auto"`` loads most hub
+checkpoints (the float64 forward is then of the same bfloat16 weights).
+
 Checked: every log-probability genlm_fast returns is within 1e-3 of a float64 forward
 pass of the same weights (on tokens with log p > -20); genlm-backend's error is recorded
 too. Every side gets one untimed warm-up run and the same number of timed runs. After
@@ -68,22 +71,27 @@ def model_dir():
 
 
 @pytest.fixture(scope="module")
-def ours(model_dir):
+def dtype(request):
+    return getattr(torch, request.config.getoption("--bench-dtype"))
+
+
+@pytest.fixture(scope="module")
+def ours(model_dir, dtype):
     from genlm_fast.backend.llm import AsyncTransformer
 
-    lm = AsyncTransformer.from_name(model_dir)
+    lm = AsyncTransformer.from_name(model_dir, hf_opts={"dtype": dtype})
     yield lm
     lm.cleanup()
 
 
 @pytest.fixture(scope="module")
-def theirs(model_dir):
+def theirs(model_dir, dtype):
     import genlm.backend.llm as llm  # the reference, a pinned bench dependency
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # genlm-backend's from_name, spelled out for a local directory
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, device_map="auto", dtype="auto")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, device_map="auto", dtype=dtype)
     return llm.AsyncTransformer(model, tok)
 
 
@@ -108,11 +116,12 @@ def plan(ours):
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, plan):
-    """Float64 log-probabilities of every planned context (one batch per round)."""
+def reference(model_dir, plan, dtype):
+    """Float64 log-probabilities of every planned context (one batch per round), by the
+    benchmarked weights."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).double().eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).double().eval()
     return float64_logprobs(model, plan)
 
 
@@ -175,6 +184,7 @@ def _bench(benchmark, name, lm, plan, reference, config="plain"):
     benchmark.extra_info.update(
         backend=name,
         config=config,
+        dtype=str(next(lm.model.parameters()).dtype).removeprefix("torch."),
         particles=N_PARTICLES,
         rounds=N_ROUNDS,
         steps_per_s=round(steps / best, 2),
@@ -220,7 +230,8 @@ def _summary(benchmark, capsys):
     lines = [
         (
             f"SMC workload: {N_PARTICLES} particles x {N_ROUNDS} rounds, SmolLM2-135M-Instruct "
-            f"fp32, torch threads={torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}"
+            f"{benchmark.extra_info['dtype']}, torch threads={torch.get_num_threads()}, "
+            f"load average {os.getloadavg()[0]:.1f}"
         ),
         "| backend | config | min s/run | mean s/run | particle-steps/s (best run) "
         "| max abs err vs f64 |",

@@ -10,7 +10,10 @@
 // W[16p .. 16p + 16, k] for k = 0 .. K, each k's 16 values side by side ([P][K][16], rows past
 // N zero), so a thread reads one panel as one sequential stream. The values are float32, or
 // bfloat16 for a model loaded in bfloat16 (the fused decoder): half the bytes to stream,
-// widened to float32 exactly as they are loaded, so the arithmetic is the float32 one.
+// widened to float32 exactly as they are loaded, so the arithmetic is the float32 one. A
+// bfloat16 panel holds k-steps in pairs, each feature's two values side by side ([P][K/2][16]
+// [2], K even): one 64-byte load is two k-steps, widened by a shift (the first) and a mask
+// (the second), where [K][16] would take two loads and a zero-extension each.
 //
 // Kernel: each thread takes whole panels. A panel is walked in chunks of kChunk values of k;
 // for each chunk, every group of up to R rows keeps its 16 output columns in registers (one
@@ -66,16 +69,27 @@ constexpr int64_t kPrefetch = 64;  // prefetch distance, in values of k of a flo
 constexpr int64_t kSumBlock = 64;  // values of k summed from zero before joining the buffer
 static_assert(kChunk % kSumBlock == 0, "a chunk holds whole summation blocks");
 
-#if GF_X86_KERNELS
-// one k-step of a panel: its 16 weights as float32
-__attribute__((target("avx512f"))) inline __m512 load_weights(const float* p) {
-  return _mm512_loadu_ps(p);
+// k-steps one load of a panel of W covers
+template <class W>
+constexpr int kSteps = static_cast<int>(sizeof(float) / sizeof(W));
+
+// weight j of k-step k of a panel
+inline float weight_at(const float* panel, int64_t k, int64_t j) { return panel[k * kPanel + j]; }
+inline float weight_at(const BFloat16* panel, int64_t k, int64_t j) {
+  return widen(panel[(k & ~int64_t{1}) * kPanel + 2 * j + (k & 1)]);
 }
-__attribute__((target("avx512f"))) inline __m512 load_weights(const BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  // (the zero-masking forms: GCC 12 warns about the plain ones' undefined sources)
-  const __m512i wide = _mm512_maskz_cvtepu16_epi32(static_cast<__mmask16>(0xFFFF), bits);
-  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(static_cast<__mmask16>(0xFFFF), wide, 16));
+
+#if GF_X86_KERNELS
+// the kSteps<W> k-steps at p (k even for bfloat16), as float32: w[s] is k-step s's 16 weights
+__attribute__((target("avx512f"))) inline void load_weights(const float* p, __m512* w) {
+  w[0] = _mm512_loadu_ps(p);
+}
+__attribute__((target("avx512f"))) inline void load_weights(const BFloat16* p, __m512* w) {
+  const __m512i pairs = _mm512_loadu_si512(p);
+  // (the zero-masking shift: GCC 12 warns about the plain one's undefined source)
+  w[0] = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(static_cast<__mmask16>(0xFFFF), pairs, 16));
+  w[1] = _mm512_castsi512_ps(
+      _mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
 // the prefetch distance in values of k of a panel of W: the same bytes whatever the type
@@ -92,11 +106,14 @@ __attribute__((target("avx512f"))) void group_avx512(const float* x, int64_t ldx
     const int64_t b1 = std::min(k1, b0 + kSumBlock);
 #pragma GCC unroll 24
     for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
-    for (int64_t k = b0; k < b1; ++k) {
+    for (int64_t k = b0; k < b1; k += kSteps<W>) {
       _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAhead<W>)*kPanel), _MM_HINT_T0);
-      const __m512 w = load_weights(panel + k * kPanel);
+      __m512 w[kSteps<W>];
+      load_weights(panel + k * kPanel, w);
+      for (int s = 0; s < kSteps<W>; ++s)
 #pragma GCC unroll 24
-      for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, a[r]);
+        for (int r = 0; r < R; ++r)
+          a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + s]), w[s], a[r]);
     }
     const bool fresh = first && b0 == k0;
 #pragma GCC unroll 24
@@ -127,19 +144,22 @@ __attribute__((target("avx512f"))) void pair_avx512(const float* x, int64_t ldx,
     const int64_t b1 = std::min(k1, b0 + kSumBlock);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_ps();
-    for (int64_t k = b0; k < b1; ++k) {
+    for (int64_t k = b0; k < b1; k += kSteps<W>) {
       if constexpr (R > 1) {
         const int64_t ahead = ((k - k0) + g * len) / groups;
         _mm_prefetch(reinterpret_cast<const char*>(next_a + ahead * kPanel), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(next_b + ahead * kPanel), _MM_HINT_T0);
       }
-      const __m512 wa = load_weights(pa + k * kPanel), wb = load_weights(pb + k * kPanel);
+      __m512 wa[kSteps<W>], wb[kSteps<W>];
+      load_weights(pa + k * kPanel, wa);
+      load_weights(pb + k * kPanel, wb);
+      for (int s = 0; s < kSteps<W>; ++s)
 #pragma GCC unroll 12
-      for (int r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-        a[r] = _mm512_fmadd_ps(xv, wa, a[r]);
-        b[r] = _mm512_fmadd_ps(xv, wb, b[r]);
-      }
+        for (int r = 0; r < R; ++r) {
+          const __m512 xv = _mm512_set1_ps(x[r * ldx + k + s]);
+          a[r] = _mm512_fmadd_ps(xv, wa[s], a[r]);
+          b[r] = _mm512_fmadd_ps(xv, wb[s], b[r]);
+        }
     }
     const bool fresh = first && b0 == k0;
 #pragma GCC unroll 12
@@ -164,7 +184,7 @@ void group_baseline(int rows, const float* x, int64_t ldx, const W* panel, int64
       float block[kPanel] = {};
       for (int64_t k = b0; k < b1; ++k) {
         const float xv = x[r * ldx + k];
-        for (int64_t j = 0; j < kPanel; ++j) block[j] += xv * widen(panel[k * kPanel + j]);
+        for (int64_t j = 0; j < kPanel; ++j) block[j] += xv * weight_at(panel, k, j);
       }
       for (int64_t j = 0; j < kPanel; ++j) acc[r * kPanel + j] += block[j];
     }
@@ -280,11 +300,18 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
               "pack_linear_weight: the weight must be float32 or bfloat16, got ",
               weight.scalar_type());
   TORCH_CHECK(weight.device().is_cpu(), "pack_linear_weight: the weight must be on the CPU");
+  const bool pairs = weight.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(!pairs || weight.size(1) % 2 == 0,
+              "pack_linear_weight: a bfloat16 weight needs an even number of input features, got ",
+              weight.size(1));
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
   // [P, 16, K] -> [P, K, 16]: rows past N are zero
   auto padded = torch::zeros({panels * kPanel, k}, weight.options());
   padded.slice(0, 0, n).copy_(weight);
-  return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
+  auto packed = padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
+  if (!pairs) return packed;
+  // bfloat16: [P, K / 2, 2, 16] -> [P, K / 2, 16, 2], each feature's pair of k-steps side by side
+  return packed.view({panels, k / 2, 2, kPanel}).transpose(2, 3).contiguous().view({panels, k, kPanel});
 }
 
 torch::Tensor linear_small_batch(const torch::Tensor& x, const torch::Tensor& panels,

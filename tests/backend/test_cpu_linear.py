@@ -160,13 +160,17 @@ def test_small_batch_kernel_isas_agree():
 
 
 def test_pack_linear_weight_keeps_bfloat16():
-    """A bfloat16 weight (the fused decoder's, for a bfloat16 model) packs into the same
-    panels as float32, in bfloat16: the same values, half the bytes."""
+    """A bfloat16 weight (the fused decoder's, for a bfloat16 model) packs into the float32
+    panels' values, in bfloat16, its k-steps in pairs (each feature's two values side by
+    side); an odd number of input features cannot pair."""
     module = _built()
-    w = torch.randn(37, 11, generator=torch.Generator().manual_seed(3)).bfloat16()
+    w = torch.randn(37, 12, generator=torch.Generator().manual_seed(3)).bfloat16()
     panels = module.pack_linear_weight(w)
-    assert panels.dtype == torch.bfloat16 and panels.shape == (3, 11, 16)
-    assert torch.equal(panels.float(), module.pack_linear_weight(w.float()))
+    assert panels.dtype == torch.bfloat16 and panels.shape == (3, 12, 16)
+    unpaired = panels.view(3, 6, 16, 2).transpose(2, 3).reshape(3, 12, 16)
+    assert torch.equal(unpaired.float(), module.pack_linear_weight(w.float()))
+    with pytest.raises(RuntimeError, match="even number of input features"):
+        module.pack_linear_weight(w[:, :11].contiguous())
 
 
 def test_small_batch_kernel_rejects_bad_input():

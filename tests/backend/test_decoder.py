@@ -696,6 +696,14 @@ def test_describe_reasons():
     mixed.model.norm.float()
     with pytest.raises(decoder_mod.Unsupported, match="mix"):
         decoder_mod.describe(mixed)
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config.intermediate_size = 73  # the down projection's input: odd
+    odd = AutoModelForCausalLM.from_config(config).eval()
+    decoder_mod.describe(odd)  # float32: fine
+    with pytest.raises(decoder_mod.Unsupported, match="odd number of input features"):
+        decoder_mod.describe(odd.to(torch.bfloat16))
 
 
 def test_info_names_the_forward_path(capsys):

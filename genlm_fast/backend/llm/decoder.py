@@ -196,8 +196,14 @@ def describe(model) -> _Arch:
         raise Unsupported("the model is in training mode")
     read = _Reader(model)
     if family == "gpt2":
-        return _describe_gpt2(model, config, read, norm_cls)
-    return _describe_llama_like(model, config, read, family, norm_cls)
+        arch = _describe_gpt2(model, config, read, norm_cls)
+    else:
+        arch = _describe_llama_like(model, config, read, family, norm_cls)
+    if dtypes == {torch.bfloat16}:  # bfloat16 panels pair their k-steps
+        for name, parts in arch.linears.items():
+            if parts[0][0].shape[1] % 2:
+                raise Unsupported(f"bfloat16 weights with an odd number of input features ({name})")
+    return arch
 
 
 def _describe_llama_like(model, config, read, family, norm_cls):

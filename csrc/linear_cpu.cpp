@@ -100,7 +100,8 @@ constexpr int64_t kAhead = kPrefetch * static_cast<int64_t>(sizeof(float) / size
 // [k0, k1) of (sum_{k in block} x[r, k] * panel[k][0..16)), the blocks' sums added in order
 template <class W, int R>
 __attribute__((target("avx512f"))) void group_avx512(const float* x, int64_t ldx, const W* panel,
-                                                     int64_t k0, int64_t k1, bool first, float* acc) {
+                                                     int64_t k0, int64_t k1, bool first,
+                                                     float* acc) {
   __m512 a[R];
   for (int64_t b0 = k0; b0 < k1; b0 += kSumBlock) {
     const int64_t b1 = std::min(k1, b0 + kSumBlock);
@@ -311,7 +312,8 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
   auto packed = padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
   if (!pairs) return packed;
   // bfloat16: [P, K / 2, 2, 16] -> [P, K / 2, 16, 2], each feature's pair of k-steps side by side
-  return packed.view({panels, k / 2, 2, kPanel}).transpose(2, 3).contiguous().view({panels, k, kPanel});
+  return packed.view({panels, k / 2, 2, kPanel}).transpose(2, 3).contiguous().view(
+      {panels, k, kPanel});
 }
 
 torch::Tensor linear_small_batch(const torch::Tensor& x, const torch::Tensor& panels,

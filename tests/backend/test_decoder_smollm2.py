@@ -127,3 +127,33 @@ async def test_cached_answers_are_the_uncached_forward_bit_for_bit(lm):
     rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in ctxs))
     for ctx, have in zip(ctxs, rows):
         assert torch.equal(have, lm.next_token_logprobs_uncached(ctx)), len(ctx)
+
+
+@pytest.mark.asyncio
+async def test_bfloat16_smollm2_within_1e3_of_float64_of_its_weights():
+    """SmolLM2 loaded in bfloat16 (as dtype="auto" loads the hub checkpoint) runs fused on
+    its bfloat16 weights: through decoding rounds every log-probability is within 1e-3 of a
+    float64 forward of those weights, as for the float32 model (transformers' own bfloat16
+    forward is tenths of a nat away), and the greedy continuation is the float64 one."""
+    from transformers import AutoModelForCausalLM
+
+    lm = AsyncTransformer.from_name(smollm2_path(), hf_opts={"dtype": torch.bfloat16})
+    try:
+        assert lm.forward_path == "fused"
+        assert lm._state.decoder._impl.weight_dtype == "BFloat16"
+        ref = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.bfloat16)
+        ref = ref.double().eval()
+        rows = [lm.tokenizer.encode(t) for t in TEXTS]
+        for _ in range(3):
+            got = await asyncio.gather(*(lm.next_token_logprobs(r) for r in rows))
+            for r, row in zip(rows, got):
+                want = logprobs64(ref, r)
+                keep = want > -20
+                err = (row.double() - want)[keep].abs().max().item()
+                assert err < 1e-3, f"{len(r)} tokens: {err:.2e}"
+                top2 = want.topk(2).values
+                if top2[0] - top2[1] > 1e-3:  # not a tie within the tolerance
+                    assert int(row.argmax()) == int(want.argmax())
+                r.append(int(want.argmax()))
+    finally:
+        lm.cleanup()

@@ -54,7 +54,7 @@ def pytest_addoption(parser):
     group.addoption(
         "--bench-dtype",
         default="float32",
-        choices=["float32", "bfloat16"],
+        choices=["float32", "bfloat16", "float16"],
         help="the LM benchmarks' model weights, for both implementations (bfloat16: what "
         "dtype='auto' loads for most hub checkpoints)",
     )

@@ -1,6 +1,6 @@
 """A decoding forward of SmolLM2-135M on the CPU against the machine's floors, same run.
 
-    python -m bench.lm_floor [--rounds 7] [--dtype bfloat16] [--out bench/results/lm-cpu-<date>.md]
+    python -m bench.lm_floor [--rounds 7] [--dtype float32|bfloat16|float16] [--out FILE.md]
 
 The floor of a forward is reading the model's weights once: the bytes the fused decoder
 streams (its packed copies of every projection and the LM head) over the machine's read
@@ -21,10 +21,10 @@ best of the rounds is kept for each (a shared VM's bandwidth moves by 2x within 
 measuring everything in every round keeps the ratios honest). Every case's logits are
 checked against a float64 forward first (max |log-prob error| over tokens > -20).
 
-``--dtype bfloat16`` runs the model as most hub checkpoints load (``dtype="auto"``): the
-decoder streams bfloat16 panels (half the bytes, so half the memory floor) and computes in
-float32; the float64 forward is of the same bfloat16 weights, and the comparison is
-transformers' own bfloat16 forward.
+``--dtype bfloat16`` runs the model as most hub checkpoints load (``dtype="auto"``), and
+``--dtype float16`` as older ones do: the decoder streams 16-bit panels (half the bytes, so
+half the memory floor) and computes in float32; the float64 forward is of the same 16-bit
+weights, and the comparison is transformers' own forward in that dtype.
 """
 
 from __future__ import annotations
@@ -184,7 +184,10 @@ def main(argv=None):
         help="rows x new tokens, comma-separated (default: %(default)s)",
     )
     parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's weights"
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the model's weights",
     )
     parser.add_argument("--out", help="also write the table to this markdown file")
     args = parser.parse_args(argv)

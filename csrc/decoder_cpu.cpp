@@ -38,9 +38,9 @@
 // all of them) and the values in one pass; the first of them prefetches both, since a past
 // read once per forward comes from memory, not cache.
 //
-// Weights: the embeddings and the packed projections in the model's dtype, float32 or bfloat16
-// (half the bytes to stream, widened exactly as they are loaded), the norms and biases in
-// float32: a bfloat16 model gives the same numbers as its float32 copy would.
+// Weights: the embeddings and the packed projections in the model's dtype, float32, bfloat16 or
+// float16 (half the bytes to stream, widened exactly as they are loaded), the norms and biases
+// in float32: a 16-bit model gives the same numbers as its float32 copy would.
 //
 // Numerics: float32 throughout; the products sum in blocks as linear_cpu.cpp does; exp, tanh
 // and erf are polynomial approximations within a few float32 ulps (tanh and erf within 1e-7
@@ -585,7 +585,7 @@ GF_AVX512 void attend(const Fwd& f, const LayerPtrs& L, int64_t l, int64_t b, in
   }
 }
 
-// W: the type of the embeddings and packed projections (float or BFloat16)
+// W: the type of the embeddings and packed projections (float, BFloat16 or Float16)
 template <class W>
 GF_AVX512 void run_forward(const Fwd& f) {
   const DecoderSpec& sp = *f.spec;
@@ -732,8 +732,9 @@ DecoderCPU::DecoderCPU(DecoderSpec spec, std::map<std::string, torch::Tensor> we
   TORCH_CHECK(emb != weights_.end() && emb->second.dim() == 2 && emb->second.size(1) == H,
               "DecoderCPU: 'embed' must be [vocab, hidden]");
   weight_dtype_ = emb->second.scalar_type();
-  TORCH_CHECK(weight_dtype_ == torch::kFloat32 || weight_dtype_ == torch::kBFloat16,
-              "DecoderCPU: the weights must be float32 or bfloat16, got ", weight_dtype_);
+  TORCH_CHECK(weight_dtype_ == torch::kFloat32 || weight_dtype_ == torch::kBFloat16 ||
+                  weight_dtype_ == torch::kHalf,
+              "DecoderCPU: the weights must be float32, bfloat16 or float16, got ", weight_dtype_);
   const c10::ScalarType wt = weight_dtype_;
   embed_ = get("embed", emb->second.sizes().vec(), wt);
   if (s.learned_positions) positions_ = get("pos_embed", {s.max_positions, H}, wt);
@@ -952,6 +953,8 @@ torch::Tensor DecoderCPU::forward(const torch::Tensor& tokens, const torch::Tens
     pybind11::gil_scoped_release released;
     if (weight_dtype_ == torch::kBFloat16)
       run_forward<BFloat16>(f);
+    else if (weight_dtype_ == torch::kHalf)
+      run_forward<Float16>(f);
     else
       run_forward<float>(f);
   }

@@ -34,8 +34,8 @@ struct DecoderSpec {
 class DecoderCPU {
  public:
   // `weights`: the packed projections and the vectors, by name (decoder.py, `_pack`). The
-  // embeddings and the packed projections are float32 or bfloat16 (all the same; the
-  // arithmetic is float32 either way), the vectors (norms, biases) float32.
+  // embeddings and the packed projections are float32, bfloat16 or float16 (all the same;
+  // the arithmetic is float32 either way), the vectors (norms, biases) float32.
   DecoderCPU(DecoderSpec spec, std::map<std::string, torch::Tensor> weights);
 
   // One forward over B rows of new tokens (row b: tokens[row_start[b] .. row_start[b + 1]),
@@ -50,7 +50,7 @@ class DecoderCPU {
 
   // bytes of packed weights one forward streams
   int64_t weight_bytes() const { return weight_bytes_; }
-  // the dtype of the embeddings and packed projections: float32 or bfloat16
+  // the dtype of the embeddings and packed projections: float32, bfloat16 or float16
   std::string weight_dtype() const { return c10::toString(weight_dtype_); }
 
  private:

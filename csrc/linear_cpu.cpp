@@ -9,7 +9,7 @@
 // Layout: W is packed once (pack_linear_weight) into panels of 16 output features: panel p is
 // W[16p .. 16p + 16, k] for k = 0 .. K, each k's 16 values side by side ([P][K][16], rows past
 // N zero), so a thread reads one panel as one sequential stream. The values are float32, or
-// bfloat16 for a model loaded in bfloat16 (the fused decoder): half the bytes to stream,
+// bfloat16 or float16 for a model loaded so (the fused decoder): half the bytes to stream,
 // widened to float32 exactly as they are loaded, so the arithmetic is the float32 one. A
 // bfloat16 panel holds k-steps in pairs, each feature's two values side by side ([P][K/2][16]
 // [2], K even): one 64-byte load is two k-steps, widened by a shift (the first) and a mask
@@ -71,10 +71,15 @@ static_assert(kChunk % kSumBlock == 0, "a chunk holds whole summation blocks");
 
 // k-steps one load of a panel of W covers
 template <class W>
-constexpr int kSteps = static_cast<int>(sizeof(float) / sizeof(W));
+constexpr int kSteps = 1;
+template <>
+constexpr int kSteps<BFloat16> = 2;
 
 // weight j of k-step k of a panel
-inline float weight_at(const float* panel, int64_t k, int64_t j) { return panel[k * kPanel + j]; }
+template <class W>
+inline float weight_at(const W* panel, int64_t k, int64_t j) {
+  return widen(panel[k * kPanel + j]);
+}
 inline float weight_at(const BFloat16* panel, int64_t k, int64_t j) {
   return widen(panel[(k & ~int64_t{1}) * kPanel + 2 * j + (k & 1)]);
 }
@@ -90,6 +95,10 @@ __attribute__((target("avx512f"))) inline void load_weights(const BFloat16* p, _
   w[0] = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(static_cast<__mmask16>(0xFFFF), pairs, 16));
   w[1] = _mm512_castsi512_ps(
       _mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+__attribute__((target("avx512f"))) inline void load_weights(const Float16* p, __m512* w) {
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  w[0] = _mm512_maskz_cvtph_ps(static_cast<__mmask16>(0xFFFF), halves);
 }
 
 // the prefetch distance in values of k of a panel of W: the same bytes whatever the type
@@ -289,6 +298,11 @@ template void panel_dot2<float>(const float*, int64_t, int64_t, int64_t, const f
 template void panel_dot2<BFloat16>(const float*, int64_t, int64_t, int64_t, const BFloat16*,
                                    const BFloat16*, float*, float*, bool, const BFloat16*,
                                    const BFloat16*);
+template void panel_dot<Float16>(const float*, int64_t, int64_t, int64_t, const Float16*, float*,
+                                 bool);
+template void panel_dot2<Float16>(const float*, int64_t, int64_t, int64_t, const Float16*,
+                                  const Float16*, float*, float*, bool, const Float16*,
+                                  const Float16*);
 
 std::string linear_best_isa() {
   return cpu_has("avx512") ? "avx512" : "baseline";
@@ -297,11 +311,11 @@ std::string linear_best_isa() {
 torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_linear_weight: the weight must be 2-D [N, K], got ",
               weight.dim(), "-D");
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16,
-              "pack_linear_weight: the weight must be float32 or bfloat16, got ",
-              weight.scalar_type());
+  const c10::ScalarType dtype = weight.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf,
+              "pack_linear_weight: the weight must be float32, bfloat16 or float16, got ", dtype);
   TORCH_CHECK(weight.device().is_cpu(), "pack_linear_weight: the weight must be on the CPU");
-  const bool pairs = weight.scalar_type() == torch::kBFloat16;
+  const bool pairs = dtype == torch::kBFloat16;
   TORCH_CHECK(!pairs || weight.size(1) % 2 == 0,
               "pack_linear_weight: a bfloat16 weight needs an even number of input features, got ",
               weight.size(1));

@@ -13,9 +13,13 @@ namespace cpu {
 
 constexpr int64_t kPanel = 16;  // output features per panel of a packed weight
 
-// A bfloat16 weight as stored (a model loaded in bfloat16): the high half of a float32, so
-// it widens to float32 exactly, and the products below sum in float32 as for float32 weights
+// A 16-bit weight as stored (a model loaded in bfloat16 or float16). Both widen to float32
+// exactly (bfloat16 is the high half of a float32), and the products below sum in float32 as
+// for float32 weights.
 struct BFloat16 {
+  uint16_t bits;
+};
+struct Float16 {
   uint16_t bits;
 };
 
@@ -26,8 +30,10 @@ inline float widen(BFloat16 w) {
   std::memcpy(&out, &bits, sizeof out);
   return out;
 }
+inline float widen(Float16 w) { return static_cast<float>(c10::Half(w.bits, c10::Half::from_bits())); }
 
-// W [N, K] float32 or bfloat16 -> panels [ceil(N / 16), K, 16] of its dtype (rows past N zero)
+// W [N, K] float32, bfloat16 or float16 -> panels [ceil(N / 16), K, 16] of its dtype (rows past
+// N zero; bfloat16 pairs its k-steps: linear_cpu.cpp)
 torch::Tensor pack_linear_weight(const torch::Tensor& weight);
 
 // x [M, K] @ W^T (+ bias) -> [M, N], W given as its panels; isa: auto, avx512, baseline
@@ -38,7 +44,7 @@ torch::Tensor linear_small_batch(const torch::Tensor& x, const torch::Tensor& pa
 // acc[m, 16] = x[m, :k] @ panel[k, 16] (x's rows ldx apart): one panel of a packed weight, on the
 // calling thread (the building block of linear_small_batch and of the fused decoder); avx512
 // picks the AVX-512 kernel (the caller checked that the CPU runs it), else the plain loop.
-// W: float or BFloat16 (instantiated for both)
+// W: float, BFloat16 or Float16 (instantiated for each)
 template <class W>
 void panel_dot(const float* x, int64_t ldx, int64_t m, int64_t k, const W* panel, float* acc,
                bool avx512);

@@ -69,7 +69,7 @@ def info(model=None) -> int:
     why = decoder.fused_available()
     if why is None:
         print(
-            "AsyncTransformer CPU forward: fused decoder for float32 and bfloat16 "
+            "AsyncTransformer CPU forward: fused decoder for float32, bfloat16 and float16 "
             f"{', '.join(decoder.FAMILIES)} models (up to "
             f"{AsyncTransformer.FUSED_MAX_TOKENS} new tokens a forward), else transformers' "
             "forward on the linear layers above (AsyncTransformer.forward_path: which runs)"

@@ -159,10 +159,10 @@ def test_small_batch_kernel_isas_agree():
     assert torch.equal(module.linear_small_batch(x, panels, None, 100), fast)  # auto
 
 
-def test_pack_linear_weight_keeps_bfloat16():
+def test_pack_linear_weight_keeps_16_bit_weights():
     """A bfloat16 weight (the fused decoder's, for a bfloat16 model) packs into the float32
     panels' values, in bfloat16, its k-steps in pairs (each feature's two values side by
-    side); an odd number of input features cannot pair."""
+    side); an odd number of input features cannot pair. A float16 one, unpaired."""
     module = _built()
     w = torch.randn(37, 12, generator=torch.Generator().manual_seed(3)).bfloat16()
     panels = module.pack_linear_weight(w)
@@ -171,6 +171,10 @@ def test_pack_linear_weight_keeps_bfloat16():
     assert torch.equal(unpaired.float(), module.pack_linear_weight(w.float()))
     with pytest.raises(RuntimeError, match="even number of input features"):
         module.pack_linear_weight(w[:, :11].contiguous())
+    half = w[:, :11].half()  # float16 does not pair: any number of input features
+    panels = module.pack_linear_weight(half)
+    assert panels.dtype == torch.float16 and panels.shape == (3, 11, 16)
+    assert torch.equal(panels.float(), module.pack_linear_weight(half.float()))
 
 
 def test_small_batch_kernel_rejects_bad_input():

@@ -229,22 +229,25 @@ async def test_decoding_rounds_match_float64(family, B, tokenizer):
         lm.cleanup()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.asyncio
-async def test_bfloat16_weights_give_their_float32_copys_answers(family, tokenizer):
-    """A model in bfloat16 (what dtype="auto" loads for most hub checkpoints) runs fused on
-    its bfloat16 weights, half the bytes, widened exactly as they are read: every answer is
-    bit for bit its float32 copy's, through decoding rounds with 1 and 2 new tokens over
-    cached pasts, so against a float64 forward of the same bfloat16 weights it is as close
-    as a float32 model is."""
-    model = tiny_model(family).to(torch.bfloat16)
+async def test_16_bit_weights_give_their_float32_copys_answers(family, dtype, tokenizer):
+    """A model in bfloat16 (what dtype="auto" loads for most hub checkpoints) or float16
+    runs fused on its 16-bit weights, half the bytes, widened exactly as they are read: every
+    answer is bit for bit its float32 copy's, through decoding rounds with 1 and 2 new tokens
+    over cached pasts, so against a float64 forward of the same 16-bit weights it is as
+    close as a float32 model is."""
+    model = tiny_model(family).to(dtype)
     widened = copy.deepcopy(model).float()
     oracle = Oracle(model)
     lm, lm32 = AsyncTransformer(model, tokenizer), AsyncTransformer(widened, tokenizer)
     try:
         assert lm.forward_path == lm32.forward_path == "fused"
         decoder, decoder32 = lm._state.decoder, lm32._state.decoder
-        assert decoder._impl.weight_dtype == "BFloat16"
+        assert (
+            decoder._impl.weight_dtype == {torch.bfloat16: "BFloat16", torch.float16: "Half"}[dtype]
+        )
         assert decoder32._impl.weight_dtype == "Float"
         assert decoder.weight_bytes < 0.6 * decoder32.weight_bytes
         assert lm.kv_bytes_per_token == lm32.kv_bytes_per_token  # float32 states for both
@@ -690,8 +693,8 @@ def test_describe_reasons():
     model.model.layers[0].mlp.act_fn = torch.nn.Tanh()
     with pytest.raises(decoder_mod.Unsupported, match="Tanh"):
         decoder_mod.describe(model)
-    with pytest.raises(decoder_mod.Unsupported, match="float16 on cpu, not float32 or bf"):
-        decoder_mod.describe(tiny_model("qwen2").half())
+    with pytest.raises(decoder_mod.Unsupported, match="float64 on cpu, not float32, bf"):
+        decoder_mod.describe(tiny_model("qwen2").double())
     mixed = tiny_model("qwen2").to(torch.bfloat16)
     mixed.model.norm.float()
     with pytest.raises(decoder_mod.Unsupported, match="mix"):

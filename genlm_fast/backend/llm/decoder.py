@@ -9,9 +9,9 @@ the projections on packed copies of the weights (q|k|v and gate|up packed togeth
 past keys and values read where `AsyncTransformer`'s `KVTrie` keeps them and the new ones
 written straight into the segments it will keep.
 
-`describe` says whether a model is one the decoder knows: the families below, float32 or
-bfloat16 (the packed copies keep the model's dtype, so a bfloat16 model streams half the
-bytes; the arithmetic is float32 either way, the same as on the model's float32 copy), on
+`describe` says whether a model is one the decoder knows: the families below, float32,
+bfloat16 or float16 (the packed copies keep the model's dtype, so a 16-bit model streams half
+the bytes; the arithmetic is float32 either way, the same as on the model's float32 copy), on
 the CPU, no peft adapters, on a CPU with AVX-512F; anything else keeps transformers' own
 forward (`AsyncTransformer.forward_path` says which runs). The architecture is read from the
 modules themselves (each norm's epsilon, each attention's scaling and sliding window, the
@@ -69,8 +69,8 @@ _ACTIVATIONS = {
 }
 
 
-# the weight dtypes the decoder streams (the arithmetic is float32 for both)
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+# the weight dtypes the decoder streams (the arithmetic is float32 for each)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Unsupported(Exception):
@@ -187,7 +187,8 @@ def describe(model) -> _Arch:
     for p in model.parameters():
         if p.dtype not in WEIGHT_DTYPES or p.device.type != "cpu":
             raise Unsupported(
-                f"its weights are {p.dtype} on {p.device}, not float32 or bfloat16 on the CPU"
+                f"its weights are {p.dtype} on {p.device}, not float32, bfloat16 or float16 on "
+                "the CPU"
             )
         dtypes.add(p.dtype)
     if len(dtypes) > 1:

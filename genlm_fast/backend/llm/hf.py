@@ -119,8 +119,8 @@ class AsyncTransformer(BatchedAsyncLM):
             True insists (an error on another device, a warning where it does not apply),
             False turns it off.
 
-    On a CPU with AVX-512, a float32 or bfloat16 model of a family the fused decoder knows
-    (Llama and SmolLM, Mistral, Qwen2, Qwen3, Gemma, Gemma2, GPT-2) runs its forwards of up to
+    On a CPU with AVX-512, a float32, bfloat16 or float16 model of a family the fused decoder
+    knows (Llama and SmolLM, Mistral, Qwen2, Qwen3, Gemma, Gemma2, GPT-2) runs its forwards of up to
     `FUSED_MAX_TOKENS` new tokens as one compiled call on packed copies of its weights
     (`genlm_fast.backend.llm.decoder`), reading and writing the cached keys and values in
     place; longer prefills, peft adapters and other models run transformers' forward, on
@@ -732,7 +732,7 @@ class AsyncTransformer(BatchedAsyncLM):
                     for layer in layers
                 ]
             )  # [L, 2, B, H, max_new, D]
-        # the fused decoder keeps its states in float32: a bfloat16 model's prefills are
+        # the fused decoder keeps its states in float32: a 16-bit model's prefills are
         # stored so too, for it to read in place (not converted again on every read)
         dtype = torch.float32 if self._state.decoder is not None else new.dtype
         for i, ((ids, d, runs), n) in enumerate(zip(plans, news)):

@@ -50,6 +50,15 @@ def logprobs64(model, ctx):
         return torch.log_softmax(model(torch.tensor([list(ctx)])).logits[0, -1], -1)
 
 
+def assert_within_1e3(row, ctx, model):
+    """``row`` within 1e-3 of ``model``'s float64 log-probabilities after ``ctx`` (on tokens
+    above -20); returns those."""
+    want = logprobs64(model, ctx)
+    err = (row.double() - want)[want > -20].abs().max().item()
+    assert err < 1e-3, f"{len(ctx)} tokens: {err:.2e}"
+    return want
+
+
 @pytest.mark.asyncio
 async def test_decoding_rounds_within_1e3_of_float64(lm, ref64):
     assert lm.forward_path == "fused"
@@ -62,10 +71,7 @@ async def test_decoding_rounds_within_1e3_of_float64(lm, ref64):
     for step in range(4):
         got = await asyncio.gather(*(lm.next_token_logprobs(r) for r in rows))
         for r, row in zip(rows, got):
-            want = logprobs64(ref64, r)
-            keep = want > -20
-            err = (row.double() - want)[keep].abs().max().item()
-            assert err < 1e-3, f"{len(r)} tokens: {err:.2e}"
+            assert_within_1e3(row, r, ref64)
             checked += 1
         grow = 1 + step % 2
         rows = [list(rng.choice(rows)) for _ in rows]
@@ -104,9 +110,7 @@ async def test_long_prompt_then_fused_steps(lm, ref64):
     ctxs = [prompt + [100], prompt + [200, 300]]
     got = await lm.batch_next_token_logprobs(ctxs)
     for ctx, row in zip(ctxs, got):
-        want = logprobs64(ref64, ctx)
-        keep = want > -20
-        assert (row.double() - want)[keep].abs().max().item() < 1e-3
+        assert_within_1e3(row, ctx, ref64)
 
 
 @pytest.mark.asyncio
@@ -147,10 +151,7 @@ async def test_bfloat16_smollm2_within_1e3_of_float64_of_its_weights():
         for _ in range(3):
             got = await asyncio.gather(*(lm.next_token_logprobs(r) for r in rows))
             for r, row in zip(rows, got):
-                want = logprobs64(ref, r)
-                keep = want > -20
-                err = (row.double() - want)[keep].abs().max().item()
-                assert err < 1e-3, f"{len(r)} tokens: {err:.2e}"
+                want = assert_within_1e3(row, r, ref)
                 top2 = want.topk(2).values
                 if top2[0] - top2[1] > 1e-3:  # not a tie within the tolerance
                     assert int(row.argmax()) == int(want.argmax())

@@ -779,7 +779,7 @@ bool sampled(const torch::Tensor& t) {
          t.device().is_cpu() && t.is_contiguous();
 }
 
-// the bits of entry i of a sampled tensor
+// the bits of entry i of a sampled tensor (4 or 2 bytes)
 uint32_t bits_at(const torch::Tensor& t, int64_t i) {
   if (t.element_size() == 4) return static_cast<const uint32_t*>(t.data_ptr())[i];
   return static_cast<const uint16_t*>(t.data_ptr())[i];
@@ -801,7 +801,8 @@ WeightWatch::WeightWatch(std::vector<torch::Tensor> params,
       // on SmolLM2, 8 take 0.19.
       const int64_t numel = t.numel();
       if (numel <= 4096) {
-        for (int64_t i = 0; i < numel; ++i) e.bits.push_back(bits_at(t, i));
+        const unsigned char* bytes = static_cast<const unsigned char*>(t.data_ptr());
+        e.whole.assign(bytes, bytes + t.nbytes());
       } else {
         for (int64_t i = 0; i < numel; i += numel / 8) {
           e.at.push_back(i);
@@ -835,19 +836,15 @@ int64_t WeightWatch::changed() const {
     if (t.data_ptr() != e.data || t.scalar_type() != e.dtype ||
         (e.version >= 0 && (t.is_inference() || t._version() != e.version)))
       return at;
-    if (e.bits.empty()) continue;
-    const int64_t extent = e.at.empty() ? static_cast<int64_t>(e.bits.size()) : e.at.back() + 1;
-    if (!t.is_contiguous() || t.numel() < extent) return at;
-    if (e.at.empty()) {
-      if (t.element_size() == 4) {
-        if (std::memcmp(t.data_ptr(), e.bits.data(), e.bits.size() * sizeof(uint32_t)) != 0)
-          return at;
-      } else {
-        for (size_t j = 0; j < e.bits.size(); ++j)
-          if (bits_at(t, static_cast<int64_t>(j)) != e.bits[j]) return at;
-      }
+    if (e.whole.empty() && e.at.empty()) continue;
+    if (!t.is_contiguous()) return at;
+    if (!e.whole.empty()) {
+      if (t.nbytes() < e.whole.size() ||
+          std::memcmp(t.data_ptr(), e.whole.data(), e.whole.size()) != 0)
+        return at;
       continue;
     }
+    if (t.numel() <= e.at.back()) return at;
     for (size_t j = 0; j < e.at.size(); ++j)
       if (bits_at(t, e.at[j]) != e.bits[j]) return at;
   }

@@ -104,8 +104,9 @@ class WeightWatch {
     const void* data;
     c10::ScalarType dtype;
     int64_t version;  // -1: an inference tensor, which has none
-    // float32 and 16-bit float entries' bits (other dtypes are not sampled): all of a small
-    // tensor (`at` empty), else those at the indices `at`
+    // float32 and 16-bit float values (other dtypes are not sampled): a small tensor's bytes,
+    // whole; of a large one, the bits of the entries at the indices `at`
+    std::vector<unsigned char> whole;
     std::vector<int64_t> at;
     std::vector<uint32_t> bits;
   };

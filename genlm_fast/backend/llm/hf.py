@@ -378,12 +378,14 @@ class AsyncTransformer(BatchedAsyncLM):
         and dtype: layers x 2 x key/value heads x head size x element size; float32 where
         the fused decoder runs, whatever the model's dtype)."""
         self._check_open()
-        dtype = (
-            torch.float32
-            if self._state.decoder is not None
-            else next(self.model.parameters()).dtype
-        )
-        return kv_bytes_per_position(self.model.config, dtype.itemsize)[0]
+        return kv_bytes_per_position(self.model.config, self._kv_dtype.itemsize)[0]
+
+    @property
+    def _kv_dtype(self):
+        """The dtype of the stored key/value states: float32 where the fused decoder runs
+        (its own states, and a 16-bit model's prefills widened for it to read in place, not
+        converted again on every read), else the model's."""
+        return torch.float32 if self._state.decoder is not None else self.model.dtype
 
     def cache_kv(self, prompt_tokens, lora_name=None):
         """Run ``prompt_tokens`` now and keep its key/value states for later queries.
@@ -732,9 +734,7 @@ class AsyncTransformer(BatchedAsyncLM):
                     for layer in layers
                 ]
             )  # [L, 2, B, H, max_new, D]
-        # the fused decoder keeps its states in float32: a 16-bit model's prefills are
-        # stored so too, for it to read in place (not converted again on every read)
-        dtype = torch.float32 if self._state.decoder is not None else new.dtype
+        dtype = self._kv_dtype
         for i, ((ids, d, runs), n) in enumerate(zip(plans, news)):
             # always a copy: the buffer is reused by the next forward
             row = new[:, :, i, :, max_new - n :].to(

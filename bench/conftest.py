@@ -34,6 +34,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 
 from bench import kernels as K
+from bench.lm_floor import dtype_names
 
 
 def pytest_addoption(parser):
@@ -54,7 +55,7 @@ def pytest_addoption(parser):
     group.addoption(
         "--bench-dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16"],
+        choices=dtype_names(),
         help="the LM benchmarks' model weights, for both implementations (bfloat16: what "
         "dtype='auto' loads for most hub checkpoints)",
     )

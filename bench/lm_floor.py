@@ -175,6 +175,13 @@ def table(r):
     return "\n".join(lines)
 
 
+def dtype_names():
+    """The weight dtypes the fused decoder runs, by name: the LM benchmarks' choices."""
+    from genlm_fast.backend.llm.decoder import WEIGHT_DTYPES
+
+    return [str(d).removeprefix("torch.") for d in WEIGHT_DTYPES]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -184,10 +191,7 @@ def main(argv=None):
         help="rows x new tokens, comma-separated (default: %(default)s)",
     )
     parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="the model's weights",
+        "--dtype", default="float32", choices=dtype_names(), help="the model's weights"
     )
     parser.add_argument("--out", help="also write the table to this markdown file")
     args = parser.parse_args(argv)

@@ -30,7 +30,9 @@ inline float widen(BFloat16 w) {
   std::memcpy(&out, &bits, sizeof out);
   return out;
 }
-inline float widen(Float16 w) { return static_cast<float>(c10::Half(w.bits, c10::Half::from_bits())); }
+inline float widen(Float16 w) {
+  return static_cast<float>(c10::Half(w.bits, c10::Half::from_bits()));
+}
 
 // W [N, K] float32, bfloat16 or float16 -> panels [ceil(N / 16), K, 16] of its dtype (rows past
 // N zero; bfloat16 pairs its k-steps: linear_cpu.cpp)

@@ -30,11 +30,14 @@ run ``--seconds`` and ``--min-calls`` calls, for every (condition, workload). Co
 ``idle``; ``idle-1t`` (idle, each worker's torch threads, and so the kernels' teams, set to
 1: what losing a CPU alone costs, for comparison); ``busy-loop`` (a process running
 ``while True: pass``); ``torch-2t`` (a process multiplying 512 x 512 float32 matrices on 2
-torch threads, with torch's default OpenMP settings). Each competitor
-starts 1 s before the condition's first block. The figure is the mean time per call (what a
-program sees: a call that waited for a CPU counts in full; medians are saved too), and the
-slowdown factor is a condition's mean over the idle one. The goals: genlm_fast's factor under
-each competitor no worse than the reference's, and at most 2.5 beside the busy loop.
+torch threads, with torch's default OpenMP settings); ``lm-program`` (another genlm_fast
+program: SmolLM2 decoding 8 rows a step with a 2 ms pause between steps, so that the CPUs it
+leaves free come and go within a second). Each competitor starts 1 s before the
+condition's first block (``lm-program``: 1 s after its first step). The figure is the mean
+time per call (what a program sees: a call that waited for a CPU counts in full; medians are
+saved too), and the slowdown factor is a condition's mean over the idle one. The goals:
+genlm_fast's factor under each competitor no worse than the reference's, and at most 2.5
+beside the busy loop.
 
 Run it alone on the machine (the shared lock): the competitors are its own. The table, the
 machine (CPU, usable CPUs, load), the environment's OpenMP settings and the commit go to
@@ -62,7 +65,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 WORKLOADS = ("trie-sum-B1", "trie-sum-B32", "lm-step", "beam", "control")
-CONDITIONS = ("idle", "idle-1t", "busy-loop", "torch-2t")
+CONDITIONS = ("idle", "idle-1t", "busy-loop", "torch-2t", "lm-program")
 SIDES = ("genlm_fast", "reference")
 BUSY_LOOP_GOAL = 2.5
 # pause before each block: the other side's work is over (its threads asleep, genlm_fast's
@@ -76,12 +79,38 @@ a = torch.randn(512, 512)
 while True:
     a @ a
 """
+# another genlm_fast program on the machine: SmolLM2 decoding 8 rows a step, with a short
+# pause for host work between steps, so that it takes the CPUs in bursts (its forwards
+# follow the contention they see, as ours do); prints "ready" once its model is loaded
+_LM_COMPETITOR = """
+import asyncio, random, time
+from genlm_fast.backend.llm import AsyncTransformer
+from genlm_fast.models import smollm2_path
+lm = AsyncTransformer.from_name(smollm2_path())
+prompt = lm.tokenizer.encode("Another experiment on the same machine:")
+rng = random.Random(0)
+async def main():
+    contexts, steps = [], 0
+    while True:
+        if not contexts or len(contexts[0]) >= len(prompt) + 48:
+            contexts = [list(prompt) for _ in range(8)]
+        contexts = [c + [rng.randrange(1000, 20000)] for c in contexts]
+        await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+        steps += 1
+        if steps == 1:
+            print("ready", flush=True)
+        time.sleep(0.002)
+asyncio.run(main())
+"""
 COMPETITORS = {
     "idle": None,
     "idle-1t": None,
     "busy-loop": ["-c", "while True: pass"],
     "torch-2t": ["-c", _TORCH_COMPETITOR],
+    "lm-program": ["-c", _LM_COMPETITOR],
 }
+# competitors that say "ready" on their first line of output when their work has begun
+ANNOUNCING = ("lm-program",)
 
 _REPLY = "@@contention "
 
@@ -350,15 +379,20 @@ def _threads_info():
 # --------------------------------------------------------------------------- driver
 
 
+def _child_env():
+    """The environment of the workers and competitors: offline, this checkout importable."""
+    return dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
+
+
 class Worker:
     def __init__(self, side, log_dir):
-        env = dict(
-            os.environ,
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            TOKENIZERS_PARALLELISM="false",
-            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        )
+        env = _child_env()
         self.side = side
         self.log = open(Path(log_dir) / f"worker-{side}.log", "w+")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -405,16 +439,27 @@ class Worker:
 class Competitor:
     def __init__(self, condition):
         args = COMPETITORS[condition]
+        self.condition = condition
+        self.announces = condition in ANNOUNCING
         self.proc = (
             None
             if args is None
             else subprocess.Popen(
-                [sys.executable, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+                [sys.executable, *args],
+                cwd=REPO,
+                env=_child_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if self.announces else subprocess.DEVNULL,
+                text=True,
             )
         )
 
     def __enter__(self):
         if self.proc is not None:
+            if self.announces and self.proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(
+                    f"the {self.condition} competitor exited (status {self.proc.wait()})"
+                )
             time.sleep(1.0)
         return self
 
@@ -425,9 +470,18 @@ class Competitor:
             time.sleep(0.5)  # its CPU time leaves the others' readings of the next condition
 
 
-def run(workloads=WORKLOADS, conditions=CONDITIONS, seconds=2.0, block=0.4, min_calls=2, log=print):
+def run(
+    workloads=WORKLOADS,
+    conditions=CONDITIONS,
+    seconds=2.0,
+    block=0.4,
+    min_calls=2,
+    fast_threads=None,
+    log=print,
+):
     """``{condition: {workload: {side: [seconds per call]}}}`` and the workers' thread
-    readings."""
+    readings. ``fast_threads``: genlm_fast's torch threads (and so its kernels' teams) in
+    every condition, instead of its own choice."""
     results = {c: {w: {s: [] for s in SIDES} for w in workloads} for c in conditions}
     readings = {c: {} for c in conditions}
     with tempfile.TemporaryDirectory() as logs:
@@ -446,13 +500,14 @@ def run(workloads=WORKLOADS, conditions=CONDITIONS, seconds=2.0, block=0.4, min_
                             len(done[s]) < min_calls or sum(done[s]) < seconds for s in SIDES
                         ):
                             for side in SIDES:
+                                threads = fast_threads if side == "genlm_fast" else None
                                 time.sleep(SETTLE_S)
                                 answer = workers[side].ask(
                                     cmd="block",
                                     workload=name,
                                     seconds=block,
                                     min_calls=1,
-                                    threads=1 if condition == "idle-1t" else None,
+                                    threads=1 if condition == "idle-1t" else threads,
                                 )
                                 done[side] += answer["times"]
                                 if side == "genlm_fast":
@@ -527,9 +582,9 @@ def goals(rows):
             if c == "busy-loop":
                 met = met and f <= BUSY_LOOP_GOAL
                 text += f" (and <= {BUSY_LOOP_GOAL}x)"
-                if "idle-1t" in fast:  # what the lost CPU alone explains
-                    one = fast[c]["mean_ms"] / fast["idle-1t"]["mean_ms"]
-                    text += f"; genlm_fast beside it: {one:.2f}x its idle time on one thread"
+            if "idle-1t" in fast:  # what the lost CPU alone explains
+                one = fast[c]["mean_ms"] / fast["idle-1t"]["mean_ms"]
+                text += f"; genlm_fast beside it: {one:.2f}x its idle time on one thread"
             out.append((text, met))
     return out
 
@@ -656,6 +711,13 @@ def main(argv=None):
     )
     parser.add_argument("--min-calls", type=int, default=2, help="calls at least (default 2)")
     parser.add_argument(
+        "--fast-threads",
+        type=int,
+        default=None,
+        help="genlm_fast's torch threads in every condition (default: its own choice); "
+        "--fast-threads 1 asks what a single-threaded genlm_fast would keep",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="--seconds 1 --min-calls 1 (about half the time; the slow "
@@ -680,7 +742,13 @@ def main(argv=None):
     conditions = ["idle"] + [c for c in conditions if c != "idle"]
     started = time.perf_counter()
     info = machine_info()
-    results, readings = run(workloads, conditions, args.seconds, args.block, args.min_calls)
+    if args.fast_threads is not None:
+        info["genlm_fast's torch threads"] = f"{args.fast_threads} in every condition"
+    if args.fast_threads is not None and args.fast_threads < 1:
+        parser.error("--fast-threads must be at least 1")
+    results, readings = run(
+        workloads, conditions, args.seconds, args.block, args.min_calls, args.fast_threads
+    )
     info["load average at end"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     info["run time"] = f"{time.perf_counter() - started:.0f} s"
     rows = summary(results)

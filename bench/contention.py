@@ -348,9 +348,10 @@ def worker(side):
                 torch.set_num_threads(msg.get("threads") or threads)
                 try:
                     times = _block(works[msg["workload"]], msg["seconds"], msg["min_calls"])
+                    info = _threads_info()  # what the block ran with
                 finally:
                     torch.set_num_threads(threads)
-                reply({"ok": True, "times": times, "info": _threads_info()})
+                reply({"ok": True, "times": times, "info": info})
             elif msg["cmd"] == "quit":
                 reply({"ok": True})
                 return

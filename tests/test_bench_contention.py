@@ -39,9 +39,9 @@ def test_trie_beside_the_lm_program_with_genlm_fast_on_one_thread(tmp_path):
         reading = data["readings"][condition]["trie-sum-B1"]
         assert reading["torch_threads"] == 1, reading  # --fast-threads held it
     # the competitor ran: other work kept at least half a CPU busy while genlm_fast's worker
-    # took its calls (idle: it is alone)
+    # took its calls (idle is not checked the other way: the reference's worker runs between
+    # genlm_fast's blocks, inside the windows of its readings)
     assert data["readings"]["lm-program"]["trie-sum-B1"]["others_busy"] > 0.5
-    assert data["readings"]["idle"]["trie-sum-B1"]["others_busy"] < 0.5
     for row in data["rows"]:
         for condition, cell in row["cells"].items():
             assert cell["calls"] >= 1 and cell["mean_ms"] > 0, (row["side"], condition)

@@ -741,12 +741,12 @@ def main(argv=None):
     if "idle" not in conditions:
         parser.error("the conditions must include idle (the factors are over it)")
     conditions = ["idle"] + [c for c in conditions if c != "idle"]
+    if args.fast_threads is not None and args.fast_threads < 1:
+        parser.error("--fast-threads must be at least 1")
     started = time.perf_counter()
     info = machine_info()
     if args.fast_threads is not None:
         info["genlm_fast's torch threads"] = f"{args.fast_threads} in every condition"
-    if args.fast_threads is not None and args.fast_threads < 1:
-        parser.error("--fast-threads must be at least 1")
     results, readings = run(
         workloads, conditions, args.seconds, args.block, args.min_calls, args.fast_threads
     )

@@ -42,8 +42,9 @@
 #   BENCH_CONTENTION   1 (default): after a comparison, also print the contention report
 #                      (python -m bench.contention --quick: each workload idle, beside a busy
 #                      loop, a 2-thread torch process and another genlm_fast LM program,
-#                      genlm_fast and the references; about 6 minutes on 2 cores; a report, it does not fail the check; with
-#                      OMP_WAIT_POLICY as the caller set it, unset by default); 0: not
+#                      genlm_fast and the references; about 6 minutes on 2 cores; a report,
+#                      it does not fail the check; with OMP_WAIT_POLICY as the caller set
+#                      it, unset by default); 0: not
 #   PYTHON             interpreter (default python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -26,6 +26,8 @@ from genlm_fast.backend.llm.cpu_linear import pack_linear_layers, unpack_linear_
 from genlm_fast.backend.llm.decoder import FusedDecoder, ModelWatch, Unsupported
 from genlm_fast.backend.llm.graphs import CaptureFailed, DecodeGraphs, graphs_unsupported
 from genlm_fast.backend.llm.kv_buffer import buffer_cache, buffer_layer_class, copy_pasts
+from genlm_fast.backend.llm.paged_forward import PagedForward, paged_unsupported
+from genlm_fast.backend.llm.paged_kv import PagedKVPool, PagedKVTrie
 
 __all__ = ["AsyncTransformer"]
 
@@ -118,6 +120,18 @@ class AsyncTransformer(BatchedAsyncLM):
             eagerly. Defaults to None: on for a model on a CUDA device where it applies;
             True insists (an error on another device, a warning where it does not apply),
             False turns it off.
+        paged_kv (bool, optional): Keep the key/value states in a paged pool on the model's
+            device (blocks of `PAGE` positions, ``kv_cache_tokens`` / ``kv_cache_bytes`` of
+            them, allocated once) and run every forward over it with an attention that
+            reads each row's past in place, through its block table
+            (`genlm_fast.backend.llm.paged_kv`, `genlm_fast.ops.paged_attention`); on a
+            CUDA device one-token steps replay CUDA graphs over block tables
+            (`genlm_fast.backend.llm.paged_forward`). Rows sharing a prefix share its
+            blocks. A batch whose pasts and new positions the pool cannot hold, even after
+            evicting the least recently used blocks no row of it reads, raises
+            `PagedPoolFull`, naming the budget. Off by default: it replaces the fused CPU
+            decoder and the CUDA-graph buckets of ``cuda_graphs`` for this model. Models
+            with cross-attention or per-layer rescaled scores are refused (ValueError).
 
     On a CPU with AVX-512, a float32, bfloat16 or float16 model of a family the fused decoder
     knows (Llama and SmolLM, Mistral, Qwen2, Qwen3, Gemma, Gemma2, GPT-2) runs its forwards of up to
@@ -139,6 +153,8 @@ class AsyncTransformer(BatchedAsyncLM):
 
     # the most new tokens one fused forward takes; rows of more go to transformers' forward
     FUSED_MAX_TOKENS = 64
+    # positions per block of the paged key/value pool (``paged_kv=True``)
+    PAGE = 16
 
     @classmethod
     def from_name(cls, model_id, bitsandbytes_opts=None, hf_opts=None, **kwargs):
@@ -215,6 +231,7 @@ class AsyncTransformer(BatchedAsyncLM):
         follow_contention=True,
         kv_cache_bytes=None,
         cuda_graphs=None,
+        paged_kv=False,
     ):
         self.model = hf_model
         self.model.eval()
@@ -252,7 +269,47 @@ class AsyncTransformer(BatchedAsyncLM):
         params = inspect.signature(hf_model.forward).parameters
         self._keeps_logits = "logits_to_keep" in params
         self._position_limit = _learned_position_limit(hf_model)
-        self._graphs = self._decode_graphs(cuda_graphs)
+        self._paged = self._paged_forward(paged_kv)
+        self._graphs = None if self._paged is not None else self._decode_graphs(cuda_graphs)
+
+    def _paged_forward(self, wanted):
+        """The `PagedForward` of ``paged_kv``, or None."""
+        if not isinstance(wanted, bool):
+            raise TypeError(f"paged_kv must be True or False, got {wanted!r}")
+        if not wanted:
+            return None
+        why_not = paged_unsupported(self.model)
+        if why_not is not None:
+            raise ValueError(f"paged_kv=True cannot run {type(self.model).__name__}: {why_not}")
+        if not self._kv_on:
+            raise ValueError(
+                "paged_kv=True keeps every forward's states in the pool: kv_cache_tokens and "
+                "kv_cache_bytes must leave room for some (got 0)"
+            )
+        return PagedForward(self.model, self._keeps_logits, capture=self._device.type == "cuda")
+
+    def _new_pool(self):
+        """A `PagedKVPool` for one adapter's trie, as large as the key/value budget."""
+        dtype = self.model.dtype
+        per_position = kv_bytes_per_position(self.model.config, dtype.itemsize)[0]
+        positions = self.kv_cache_tokens
+        if self.kv_cache_bytes is not None:
+            positions = min(positions, self.kv_cache_bytes // per_position)
+        config = self.model.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+        head_dim = int(
+            getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        )
+        return PagedKVPool(
+            int(text.num_hidden_layers),
+            heads,
+            head_dim,
+            dtype,
+            self._device,
+            blocks=positions // self.PAGE + 1,
+            page=self.PAGE,
+        )
 
     def _decode_graphs(self, wanted):
         """The `DecodeGraphs` of ``cuda_graphs`` (None: where they apply), or None."""
@@ -291,6 +348,9 @@ class AsyncTransformer(BatchedAsyncLM):
         state = self._state
         if state is None:
             return "closed"
+        if self._paged is not None:
+            graphs = ", one-token steps as CUDA graphs" if self._paged.capture else ""
+            return f"paged (attention over a paged key/value pool{graphs})"
         if state.decoder is not None:
             return "fused"
         graphs = ", one-token steps as CUDA graphs" if self._graphs is not None else ""
@@ -316,7 +376,8 @@ class AsyncTransformer(BatchedAsyncLM):
         if self.follow_contention:
             cpu_threads.restore_threads()
         self._drop_kv()
-        self._graphs = None
+        self._kv_tries = {}
+        self._graphs = self._paged = None
         model, self.model = self.model, None
         state, self._state = self._state, None
         state.users -= 1
@@ -351,7 +412,10 @@ class AsyncTransformer(BatchedAsyncLM):
         self._kv_buffer = None
         for trie in self._kv_tries.values():
             trie.clear()
-        self._kv_tries = {}
+        if self._paged is None:
+            self._kv_tries = {}
+        # (a paged trie keeps its pool: its blocks are free again, and the recorded steps
+        # still write to its memory)
 
     def reload_weights(self):
         """Say that the model's weights changed: the next forward packs them again and
@@ -369,7 +433,11 @@ class AsyncTransformer(BatchedAsyncLM):
     def _kv_trie(self, lora):
         trie = self._kv_tries.get(lora)
         if trie is None:
-            trie = self._kv_tries[lora] = KVTrie(self.kv_cache_tokens, self.kv_cache_bytes)
+            if self._paged is not None:
+                trie = PagedKVTrie(self._new_pool())
+            else:
+                trie = KVTrie(self.kv_cache_tokens, self.kv_cache_bytes)
+            self._kv_tries[lora] = trie
         return trie
 
     @property
@@ -385,7 +453,8 @@ class AsyncTransformer(BatchedAsyncLM):
         """The dtype of the stored key/value states: float32 where the fused decoder runs
         (its own states, and a 16-bit model's prefills widened for it to read in place, not
         converted again on every read), else the model's."""
-        return torch.float32 if self._state.decoder is not None else self.model.dtype
+        fused = self._state.decoder is not None and self._paged is None
+        return torch.float32 if fused else self.model.dtype
 
     def cache_kv(self, prompt_tokens, lora_name=None):
         """Run ``prompt_tokens`` now and keep its key/value states for later queries.
@@ -473,6 +542,8 @@ class AsyncTransformer(BatchedAsyncLM):
             self._outputs.discard_where(lambda key: key[0] == lora_name)
         if self._graphs is not None:
             self._graphs.clear()
+        if self._paged is not None:
+            self._paged.clear()
 
     def _activate(self, lora):
         # Set on every batch, never remembered: the model may be shared with another
@@ -498,6 +569,8 @@ class AsyncTransformer(BatchedAsyncLM):
             self.clear_kv_cache()
             if self._graphs is not None:  # recorded over parameters that may be gone
                 self._graphs.clear()
+            if self._paged is not None:
+                self._paged.clear()
             with self._lock:
                 self._outputs.clear()
 
@@ -505,6 +578,8 @@ class AsyncTransformer(BatchedAsyncLM):
     def _forward(self, lora, rows):
         self._sync_with_model()
         self._activate(lora)
+        if self._paged is not None:
+            return self._run_paged(lora, rows)
         trie = self._kv_trie(lora) if self._kv_on else None
         plans = []
         for ids in rows:
@@ -538,6 +613,31 @@ class AsyncTransformer(BatchedAsyncLM):
                 out = logits.new_empty((len(rows), logits.shape[1]))
             out[torch.tensor(chunk, device=logits.device)] = logits
         return out
+
+    def _run_paged(self, lora, rows):
+        """One forward over the adapter's paged pool: plan it (slots, copies), run it,
+        then keep its states, or give its blocks back if it failed."""
+        trie = self._kv_trie(lora)
+        plan = trie.plan(rows)
+        try:
+            # recorded steps are the base model's: an adapter's forwards run eagerly
+            logits = self._paged.run(plan, trie.pool, self._pad_id, buckets=lora is None)
+            check_finite_logits(logits, rows)
+        except CaptureFailed as exc:
+            trie.release_plan(plan)
+            warnings.warn(
+                f"paged_kv: {type(self.model).__name__}'s step could not be recorded as a "
+                f"CUDA graph, so it runs eagerly ({exc})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._paged.capture = False
+            return self._run_paged(lora, rows)
+        except BaseException:
+            trie.release_plan(plan)
+            raise
+        trie.commit(plan)
+        return logits
 
     def _fused_chunks(self, plans):
         """Rows for the fused decoder, in forwards of at most `FUSED_MAX_TOKENS` new tokens,

@@ -145,6 +145,10 @@ class PagedKVTrie:
         # and refreshed with it), or the row's path would lose its ancestors
         self._source = {}
         self._sourced = {}  # block -> the blocks whose source it is
+        # the contexts of the last committed forward -> their last node, while no node has
+        # lost its states since: the next step's rows extend them (found by one hash of the
+        # context, not a walk down the trie)
+        self._ends = {}
 
     def __len__(self):
         return len(self._owners)
@@ -218,8 +222,13 @@ class PagedKVTrie:
         plan = PagedPlan([])
         pinned = set()
         matched = []
+        ends = self._ends
         for ids in rows:
-            depth, node = self.match(ids, len(ids) - 1)
+            node = ends.get(tuple(ids[:-1]))
+            if node is not None:
+                depth = len(ids) - 1
+            else:
+                depth, node = self.match(ids, len(ids) - 1)
             table = self.table(node)
             pinned.update(self._with_sources(table))
             matched.append((ids, depth, node, table))
@@ -284,6 +293,7 @@ class PagedKVTrie:
         those states; a block left holding no node goes back to the pool."""
         page = self.page
         touched = []
+        ends = self._ends = {}
         for row in plan.rows:
             node = row.node
             for position in range(row.depth, len(row.ids)):
@@ -306,6 +316,7 @@ class PagedKVTrie:
                             self._sourced.setdefault(node.block, set()).add(block)
                 node = child
             touched.append(row.table)
+            ends[tuple(row.ids)] = node
         for block in plan.taken:
             if block not in self._owners:
                 self._give_back(block)
@@ -342,6 +353,7 @@ class PagedKVTrie:
         """Forget the states block ``block`` holds. Their stored descendants in other blocks
         stay, unreachable (``match`` stops at the gap) until they are evicted in turn or
         the gap is computed again."""
+        self._ends = {}
         for node in self._owners.get(block, ()):
             node.block = None
             if not node.children:
@@ -357,6 +369,7 @@ class PagedKVTrie:
             block, n.block = n.block, None
             if block is None:
                 continue
+            self._ends = {}
             owners = self._owners.get(block)
             if owners is not None:
                 owners.remove(n)
@@ -389,6 +402,7 @@ class PagedKVTrie:
         """Forget every context; every block goes back to the pool."""
         for block in list(self._owners):
             self._give_back(block)
+        self._ends = {}
         self._fill.clear()
         self._source.clear()
         self._sourced.clear()

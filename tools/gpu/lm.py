@@ -14,8 +14,9 @@ float64 forward of the same weights.
    concurrent ``next_token_logprobs`` and one more token each), every side on its own copy
    of the model, plain and with ``cache_kv(prompt)``, in interleaved rounds; best and mean
    run, and genlm_fast's largest error against float64 (it must stay under 1e-3). On a
-   GPU genlm_fast runs twice: as it comes (its one-token steps replayed as CUDA graphs),
-   and with ``cuda_graphs=False``.
+   GPU genlm_fast runs three times: as it comes (its one-token steps replayed as CUDA
+   graphs), with ``cuda_graphs=False``, and with ``paged_kv=True`` (the key/value states in a
+   paged pool read in place; also in the CPU dry run).
 2. One decoding forward of 1, 4 and 16 rows by one token over a 64-token past held in a
    transformers ``StaticCache``, float32 and bfloat16: eager, and captured once as a CUDA
    graph and replayed; both against the weight-streaming floor (the weights' bytes over the
@@ -47,6 +48,7 @@ PAST = 64
 ROWS = (1, 4, 16)
 TOL = 1e-3
 EAGER = "genlm_fast, cuda_graphs=False"
+PAGED = "genlm_fast, paged_kv=True"
 
 
 def random_model(model_dir, layers=None, seed=0):
@@ -79,6 +81,9 @@ def smc(model, tokenizer, device, rounds):
     if device.type == "cuda":
         eager = AsyncTransformer(copy.deepcopy(model).to(device), tokenizer, cuda_graphs=False)
         backends.insert(1, (EAGER, eager))
+    # the paged pool read in place (its steps replayed as graphs over block tables on a GPU)
+    paged = AsyncTransformer(copy.deepcopy(model).to(device), tokenizer, paged_kv=True)
+    backends.insert(1, (PAGED, paged))
     plan = draw_plan(ours)
     f64 = copy.deepcopy(model).double().to(device)
     expected = float64_logprobs(f64, plan)

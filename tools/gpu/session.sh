@@ -37,7 +37,8 @@ export PATH=/tmp/site/bin:$PATH  # ninja from .whl: torch's extension build runs
 PY=python3
 GPU_TESTS="tests/ops/test_trie_reduce.py tests/ops/test_triton_kernels.py
   tests/ops/test_log_softmax_rows.py tests/ops/test_extension_build.py tests/ops/test_layout.py
-  tests/backend/test_cuda_graphs.py"
+  tests/backend/test_cuda_graphs.py tests/ops/test_paged_attention.py
+  tests/backend/test_paged_kv.py"
 
 # whether genlm_fast._C holds CUDA kernels built from the csrc/ here (GENLM_FAST_NO_JIT:
 # the probe must not JIT-build the CPU kernels instead)

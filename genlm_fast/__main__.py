@@ -56,10 +56,7 @@ def info(model=None) -> int:
         print(f"{device}: backends {available_backends(device)}; auto -> {chosen}")
     from genlm_fast.backend.llm import cpu_linear
 
-    try:
-        linear = cpu_linear._chosen_kernel() or "torch"
-    except ValueError as exc:  # GENLM_FAST_CPU_LINEAR names a kernel that cannot run
-        linear = f"error: {exc}"
+    linear = cpu_linear.choose_kernel("auto") or "torch"
     print(
         f"AsyncTransformer CPU linear layers: {linear} "
         f"(kernels here: {', '.join(cpu_linear.available_kernels()) or 'none'})"

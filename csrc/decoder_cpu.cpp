@@ -797,8 +797,7 @@ WeightWatch::WeightWatch(std::vector<torch::Tensor> params,
     e.version = t.is_inference() ? -1 : static_cast<int64_t>(t._version());
     if (sampled(t)) {
       // A small tensor (norm weights, biases) is kept whole. Each sample of a large one is a
-      // cache and TLB miss once a forward has streamed the weights: 64 a tensor took 0.58 ms
-      // on SmolLM2, 8 take 0.19.
+      // cache and TLB miss once a forward has streamed the weights, so it gets few samples.
       const int64_t numel = t.numel();
       if (numel <= 4096) {
         const unsigned char* bytes = static_cast<const unsigned char*>(t.data_ptr());

@@ -82,8 +82,8 @@ def links_shared_libstdcxx(compiler: str) -> bool | None:
     is linked: it builds a two-line one and reads its dynamic section. None where that
     cannot be told (no readelf, the probe does not build).
 
-    A compiler that copies a static libstdc++ into the extension instead (seen: /opt/gcc on
-    an H200 machine we ran on) gives it a second C++ runtime with its own locale, beside torch's:
+    A compiler that copies a static libstdc++ into the extension instead (some /opt/gcc
+    installs do) gives it a second C++ runtime with its own locale, beside torch's:
     the extension's error messages (TORCH_CHECK) then crash the process when they format a
     number."""
     if shutil.which("readelf") is None:

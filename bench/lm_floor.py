@@ -38,7 +38,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 
-from bench.kernels import machine_line
+from bench.machine import machine_line
 
 PROMPT = "In a quiet village at the edge of the forest, an old clockmaker"
 PAST = 24

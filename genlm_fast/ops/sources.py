@@ -24,8 +24,10 @@ CPU_SOURCES = (
     "decoder_cpu.cpp",
     "linear_cpu.cpp",
     "trie_reduce_cpu.cpp",
+    "trie_reduce_cpu_op.cpp",
 )
-CUDA_SOURCES = ("trie_reduce_cuda.cu",)  # added, with -DWITH_CUDA, by a CUDA build only
+# added, with -DWITH_CUDA, by a CUDA build only
+CUDA_SOURCES = ("trie_reduce_cuda.cu", "trie_reduce_cuda_op.cpp")
 CXX_FLAGS = ("-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno")  # no -march: any x86-64
 _SUFFIXES = (".cpp", ".h", ".cu", ".cuh")
 

@@ -134,14 +134,15 @@ def _extensions():
                 return
             except Exception:  # noqa: BLE001
                 failure = traceback.format_exc(limit=3)
-            if any(src.endswith(".cu") for src in extension.sources):
+            cuda_sources = {f"{csrc}/{name}" for name in SOURCES.CUDA_SOURCES}
+            if cuda_sources & set(extension.sources):
                 # a CUDA toolchain problem (nvcc/host compiler/arch) must not cost the CPU
-                # kernels: retry without the .cu and without -DWITH_CUDA
+                # kernels: retry without the CUDA sources and without -DWITH_CUDA
                 _warn(
                     "building the CUDA trie kernels failed; retrying with the CPU kernels "
                     "only.\n" + failure
                 )
-                extension.sources = [s for s in extension.sources if not s.endswith(".cu")]
+                extension.sources = [s for s in extension.sources if s not in cuda_sources]
                 args = extension.extra_compile_args
                 if isinstance(args, dict):
                     args["cxx"] = [a for a in args.get("cxx", []) if a != "-DWITH_CUDA"]

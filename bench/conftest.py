@@ -34,6 +34,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 
 from bench import kernels as K
+from bench import machine
 from bench.lm_floor import dtype_names
 
 
@@ -130,7 +131,7 @@ def machine_key():
     Linux box; timings only compare on the same hardware, so the baselines of each kind of
     machine live in their own ``bench/results/baselines/<machine_key>/``.
     """
-    parts = [K.cpu_model(), f"{os.cpu_count()}c"]
+    parts = [machine.cpu_model(), f"{os.cpu_count()}c"]
     gpu = cuda_device()
     if gpu:
         parts.append(gpu)
@@ -147,8 +148,8 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     gpu = cuda_device()
     machine_info["genlm_fast"] = {
         "machine_key": machine_key(),
-        "device": gpu or f"cpu: {K.cpu_model()}",
-        "cpu": K.cpu_model(),
+        "device": gpu or f"cpu: {machine.cpu_model()}",
+        "cpu": machine.cpu_model(),
         "cores": os.cpu_count(),
         "cuda_device": gpu,
         "torch": torch.__version__,
@@ -161,8 +162,8 @@ def pytest_benchmark_update_machine_info(config, machine_info):
 
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
-    commit = K.git("rev-parse", "HEAD") or None
-    dirty = K.git("status", "--porcelain", "--untracked-files=no")
+    commit = machine.git("rev-parse", "HEAD") or None
+    dirty = machine.git("status", "--porcelain", "--untracked-files=no")
     output_json["genlm_fast"] = {
         "commit": commit,
         "uncommitted_changes": bool(dirty),

@@ -667,10 +667,10 @@ def _reference_name(workload):
 
 
 def machine_info():
-    from bench import kernels as K
+    from bench import machine
     from genlm_fast.backend.llm.threads import threads_info
 
-    info = K.machine_info()
+    info = machine.machine_info()
     t = threads_info()
     if t is not None:
         info["usable CPUs (affinity / cgroup quota)"] = (
@@ -678,7 +678,7 @@ def machine_info():
         )
     for k in ("numba", "genlm_fast cpu backends"):
         info.pop(k, None)
-    info["genlm-control"] = K.dist_version("genlm-control")
+    info["genlm-control"] = machine.dist_version("genlm-control")
     return info
 
 

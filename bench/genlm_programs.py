@@ -502,10 +502,10 @@ def plot(rows, path) -> None:
 
 
 def machine() -> dict:
-    from bench import kernels
+    from bench.machine import dist_version, machine_info
 
-    info = kernels.machine_info()
-    info["genlm-control"] = kernels.dist_version("genlm-control")
+    info = machine_info()
+    info["genlm-control"] = dist_version("genlm-control")
     return info
 
 

@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.kernels import machine_line
+from bench.machine import machine_line
 
 LAYERS = 30
 SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))

@@ -6,8 +6,8 @@ kernel.
 On the real SmolLM2-135M-Instruct: the same model in float64 (transformers, no cache) is
 the oracle. Contexts: three of special tokens ([1..7], [1..16], [0, 0, 0]: large
 activations that cancel), two text prompts, and ``--contexts`` random token-id contexts of
-1-39 tokens (seed 0). For each kernel (``GENLM_FAST_CPU_LINEAR``, chosen per process: each
-kernel runs in a child process) the max abs error over the vocabulary of every context,
+1-39 tokens (seed 0). For each kernel (``cpu_linear.pack_linear_layers``'s ``kernel``, one
+child process each) the max abs error over the vocabulary of every context,
 then the median, mean, 90th percentile and max over the contexts. A few random contexts
 are ill-conditioned (float32 noise of any summation order grows to ~1e-3 there), so the
 median and the 90th percentile say more about a kernel than the max.
@@ -41,14 +41,18 @@ def _contexts(tokenizer, count):
     return out
 
 
-def _errors(count):
-    """Errors of this process's kernel choice, one per context (runs in the child)."""
+def _errors(count, kernel):
+    """Errors of ``kernel``, one per context (runs in the child)."""
+    import functools
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    from genlm_fast.backend.llm import AsyncTransformer
+    from genlm_fast.backend.llm import AsyncTransformer, cpu_linear, hf
     from genlm_fast.models import smollm2_path
 
+    # AsyncTransformer packs its linear layers with the default kernel: this child's instead
+    hf.pack_linear_layers = functools.partial(cpu_linear.pack_linear_layers, kernel=kernel)
     path = smollm2_path()
     lm = AsyncTransformer.from_name(path)
     oracle = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
@@ -68,23 +72,24 @@ def main(argv=None):
     parser.add_argument(
         "--kernels",
         default="auto,torch,onednn",
-        help="GENLM_FAST_CPU_LINEAR values, comma-separated",
+        help="CPU linear kernels (auto, avx512, onednn, torch), comma-separated",
     )
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", metavar="KERNEL", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(_errors(args.contexts)))
+        print(json.dumps(_errors(args.contexts, args.child)))
         return
     print("| kernel | contexts | median | mean | p90 | max | [1..7] | [1..16] | [0, 0, 0] |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for kernel in args.kernels.split(","):
-        env = dict(os.environ, GENLM_FAST_CPU_LINEAR=kernel, HF_HUB_OFFLINE="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
         proc = subprocess.run(
             [
                 sys.executable,
                 "-m",
                 "bench.lm_accuracy",
                 "--child",
+                kernel,
                 "--contexts",
                 str(args.contexts),
             ],

@@ -5,12 +5,12 @@
 The floor of a forward is reading the model's weights once: the bytes the fused decoder
 streams (its packed copies of every projection and the LM head) over the machine's read
 bandwidth, measured here by reading a buffer of the same size, on the same (huge) pages, as
-the decoder's threads do (`genlm_fast._C.stream_read`: each thread its share as 1, 2 or 4
-interleaved sequential streams; the fastest). Rows of new tokens also cost arithmetic: two
-FLOPs per weight of the decoder layers per new token, and per weight of the LM head per row
-(it runs on each row's last token only), at the FLOP/s of register-only AVX-512
-multiply-adds on the same threads (`genlm_fast._C.fma_rate`); a forward can be no faster
-than either floor.
+the decoder's threads do (`stream_read` of `bench/csrc/probes.cpp`: each thread its share as
+1, 2 or 4 interleaved sequential streams; the fastest). Rows of new tokens also cost
+arithmetic: two FLOPs per weight of the decoder layers per new token, and per weight of the LM
+head per row (it runs on each row's last token only), at the FLOP/s of register-only AVX-512
+multiply-adds on the same threads (its `fma_rate`); a forward can be no faster than either
+floor.
 
 Cases: 1, 4 and 16 rows x 1 and 2 new tokens over a cached past of 24 tokens (rows sharing
 the 15-token prompt of bench/test_bench_lm.py, as SMC particles do). Each round measures the
@@ -38,7 +38,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 
-from bench.kernels import machine_line
+from bench.machine import machine_line
 
 PROMPT = "In a quiet village at the edge of the forest, an old clockmaker"
 PAST = 24
@@ -67,11 +67,11 @@ def _plans(lm, ctxs, new):
     return plans, trie
 
 
-def _floor_bandwidth(module, buf):
+def _floor_bandwidth(probes, buf, threads):
     best = 0.0
     for streams in (1, 2, 4):
         t = time.perf_counter()
-        module.stream_read(buf, streams)
+        probes.stream_read(buf, streams, threads)
         best = max(best, buf.numel() * 4 / (time.perf_counter() - t))
     return best
 
@@ -79,13 +79,14 @@ def _floor_bandwidth(module, buf):
 def run(rounds=7, cases=CASES, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
+    from bench import probes as probe_module
     from genlm_fast.backend.llm import AsyncTransformer
     from genlm_fast.backend.llm.cpu_linear import pack_linear_layers, unpack_linear_layers
     from genlm_fast.backend.llm.decoder import huge_page_empty
     from genlm_fast.models import smollm2_path
     from genlm_fast.ops import extension
 
-    module = extension.load_module()
+    module, probes = extension.load_module(), probe_module.load()
     path = smollm2_path()
     lm = AsyncTransformer.from_name(path, hf_opts={"dtype": dtype})
     if lm.forward_path != "fused":
@@ -103,7 +104,9 @@ def run(rounds=7, cases=CASES, dtype=torch.float32):
     params = sum(p.numel() for n, p in lm.model.named_parameters() if "embed" not in n)
     params -= 0 if lm.model.config.tie_word_embeddings else head
     buf = huge_page_empty(nbytes // 4).fill_(1.0)  # as many bytes, on the kind of pages they use
-    flops = module.fma_rate(100_000_000)
+    # the decoder's team: as many threads as its parallel regions over these bytes get
+    threads = module.cpu_team_size(nbytes)
+    flops = probes.fma_rate(100_000_000, module.cpu_team_size(1 << 40))
 
     setups, errors = {}, {}
     with torch.no_grad():
@@ -120,7 +123,7 @@ def run(rounds=7, cases=CASES, dtype=torch.float32):
     bandwidth, best = 0.0, {}
     with torch.no_grad():
         for _ in range(rounds):
-            bandwidth = max(bandwidth, _floor_bandwidth(module, buf))
+            bandwidth = max(bandwidth, _floor_bandwidth(probes, buf, threads))
             for case in cases:
                 ((plans, trie), (hf_plans, hf_trie)) = setups[case]
                 for name, fn in (

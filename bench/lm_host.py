@@ -38,7 +38,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 
-from bench.kernels import git_commit, machine_line
+from bench.machine import machine_line
 
 PATHS = ("buckets", "paged")
 
@@ -167,7 +167,6 @@ def report(result, rows, steps, rounds, prompt_len):
         "# Host work per decoding step, forward excluded (python -m bench.lm_host)",
         "",
         f"- machine: {machine_line()}",
-        f"- commit: {git_commit()}",
         f"- workload: SMC, {rows} particles over a {prompt_len}-token prompt, {steps} steps "
         f"a round (pasts {prompt_len + 1}-{prompt_len + steps + 2} tokens), {rounds} rounds, "
         "paths alternated; SmolLM2-135M's architecture, states on the meta device",

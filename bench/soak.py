@@ -236,7 +236,7 @@ def verdict(result, plateau_mb=64.0):
 
 
 def report(result, args, command):
-    from bench import kernels as K
+    from bench import machine
 
     trace = result["trace"]
     lines = [
@@ -244,7 +244,7 @@ def report(result, args, command):
         "",
         f"`{command}`",
         "",
-        f"- machine: {K.cpu_model()}, {os.cpu_count()} CPUs; commit {K.git_commit()}",
+        f"- machine: {machine.cpu_model()}, {os.cpu_count()} CPUs; commit {machine.git_commit()}",
         (
             f"- {len(trace)} runs ({args.particles} particles x {args.tokens} tokens, a "
             f"byte beam every {args.beam_every}), {result['steps']} steps, "

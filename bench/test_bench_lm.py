@@ -39,7 +39,6 @@ Other load on the machine inflates single runs; the best run is the figure to qu
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,11 +46,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-N_PARTICLES = 16
-N_ROUNDS = 8
-PROMPT = "In a quiet village at the edge of the forest, an old clockmaker"
+from bench.smc import N_PARTICLES, N_ROUNDS, draw_plan, float64_logprobs, max_error, run_cold
+
 TOL = 1e-3
-FLOOR = -20.0
 GOAL = 4.0  # each in its best configuration (genlm-backend's is cache_kv)
 GOAL_PLAIN = 8.0  # both plain: genlm-backend as genlm-control drives it, out of the box
 # timed runs of every side, after one untimed warm-up run (on an idle 2-core machine a
@@ -95,21 +92,6 @@ def theirs(model_dir, dtype):
     return llm.AsyncTransformer(model, tok)
 
 
-def draw_plan(lm):
-    """Contexts of every round, drawn once from ``lm``'s distributions (seeded)."""
-    prompt = lm.tokenizer.encode(PROMPT)
-    gen = torch.Generator().manual_seed(1234)
-    particles = [list(prompt) for _ in range(N_PARTICLES)]
-    rounds = []
-    for _ in range(N_ROUNDS):
-        rounds.append([list(p) for p in particles])
-        logps = lm.batch_next_token_logprobs_sync(particles)
-        for p, row in zip(particles, logps):
-            p.append(int(torch.multinomial(row.float().cpu().exp(), 1, generator=gen)))
-    lm.clear_cache()
-    return rounds
-
-
 @pytest.fixture(scope="module")
 def plan(ours):
     return draw_plan(ours)
@@ -125,60 +107,16 @@ def reference(model_dir, plan, dtype):
     return float64_logprobs(model, plan)
 
 
-def float64_logprobs(model, plan):
-    """Each round's next-token log-probabilities by ``model`` (float64), on the CPU."""
-    out = []
-    with torch.no_grad():
-        for ctxs in plan:  # all contexts of a round have the same length: no padding
-            logits = model(torch.tensor(ctxs, device=model.device)).logits[:, -1]
-            out.append(torch.log_softmax(logits, dim=-1).cpu())
-    return out
-
-
-async def _replay(lm, plan):
-    answers = []
-    for ctxs in plan:
-        answers.append(await asyncio.gather(*(lm.next_token_logprobs(c) for c in ctxs)))
-    return answers
-
-
-_loop = None
-
-
-def _run_cold(lm, plan, cache_prompt=False):
-    """One timed run: caches emptied, then every round, on one event loop for all runs
-    (as a program has one). Not `asyncio.run` per run: on Python 3.11 its exit, restoring
-    the SIGINT handler, formats the handler it installed, which holds the main task and so
-    the returned rows, into an error message it discards: 10-20 ms a run here, in either
-    library's runs."""
-    global _loop
-    if _loop is None:
-        _loop = asyncio.new_event_loop()
-    lm.clear_cache()
-    if cache_prompt:  # the prompt shared by every particle: the first context of round 1
-        lm.cache_kv(plan[0][0])
-    return _loop.run_until_complete(_replay(lm, plan))
-
-
-def _max_error(answers, reference):
-    worst = 0.0
-    for rows, ref in zip(answers, reference):
-        got = torch.stack([r.cpu().double() for r in rows])
-        keep = ref > FLOOR
-        worst = max(worst, (got - ref)[keep].abs().max().item())
-    return worst
-
-
 def _bench(benchmark, name, lm, plan, reference, config="plain"):
     benchmark.group = "smc-smollm2-16x8"
     answers = benchmark.pedantic(
-        _run_cold,
+        run_cold,
         args=(lm, plan, config == "cache_kv"),
         rounds=ROUNDS,
         iterations=1,
         warmup_rounds=WARMUP_ROUNDS,
     )
-    err = _max_error(answers, reference)
+    err = max_error(answers, reference)
     steps = N_PARTICLES * N_ROUNDS
     mean, best = benchmark.stats.stats.mean, benchmark.stats.stats.min
     benchmark.extra_info.update(

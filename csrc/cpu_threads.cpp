@@ -142,7 +142,7 @@ double cgroup_quota() {
 int64_t busy_ticks(const std::vector<char>& wanted) {
   // the per-CPU lines come first: read only as far as they go (the rest can be long). The
   // file stays open: reading it again from offset 0 regenerates it, without the cost of an
-  // open and a close each time (about half of a reading's 20-40 us)
+  // open and a close each time (about half of a reading's cost)
   static const int fd = ::open("/proc/stat", O_RDONLY | O_CLOEXEC);
   static std::string text;  // (callers hold the sampler's mutex)
   if (fd < 0) return -1;

@@ -17,7 +17,7 @@
 // Contention: the busy time of the usable CPUs (/proc/stat) minus this process's own CPU
 // time (CLOCK_PROCESS_CPUTIME_ID), over the wall time since the last reading, is the number
 // of CPUs other work kept busy. It is read at most every 100 ms, by whichever call finds the
-// last reading stale (12-35 us on a 2-CPU VM); every other call costs a clock read and a
+// last reading stale (a read of /proc/stat); every other call costs a clock read and a
 // few atomic loads. Busy other work takes CPUs away from the team for as long as it runs:
 // a competing busy loop on a 2-CPU machine leaves one thread. The reading is an average
 // over its window (/proc/stat counts in 10 ms ticks: a shorter window would be noise), so

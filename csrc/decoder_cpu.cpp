@@ -84,78 +84,6 @@ bool decoder_supported() {
 #endif
 }
 
-#if GF_DECODER
-namespace {
-
-GF_AVX512 double stream_read_avx512(const float* x, int64_t n, int64_t streams, int threads) {
-  double total = 0.0;
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-  {
-    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-    const int64_t lo = n * tid / nth, hi = n * (tid + 1) / nth;
-    const int64_t len = (hi - lo) / streams / 32 * 32;  // each stream: whole pairs of vectors
-    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-    for (int64_t i = 0; i < len; i += 32)
-      for (int64_t s = 0; s < streams; ++s) {
-        const float* p = x + lo + s * len + i;
-        a = _mm512_add_ps(a, _mm512_loadu_ps(p));
-        b = _mm512_add_ps(b, _mm512_loadu_ps(p + 16));
-      }
-    for (int64_t i = lo + streams * len; i < hi; ++i) total += x[i];
-    total += _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-  }
-  return total;
-}
-
-GF_AVX512 double fma_rate_avx512(int64_t iterations, int threads) {
-  double flops = 0.0;
-  const double start = omp_get_wtime();
-#pragma omp parallel num_threads(threads) reduction(+ : flops)
-  {
-    __m512 acc[12];
-    for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
-    const __m512 m = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-4f);
-    for (int64_t it = 0; it < iterations; ++it)
-#pragma GCC unroll 12
-      for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], m, c);
-    __m512 sum = acc[0];
-    for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);
-    // (the sum keeps the loop alive; it is ~0, and a finite value adds nothing)
-    flops += 2.0 * 16 * 12 * static_cast<double>(iterations) + 0.0 * _mm512_reduce_add_ps(sum);
-  }
-  return flops / (omp_get_wtime() - start);
-}
-
-}  // namespace
-#endif
-
-double stream_read(const torch::Tensor& data, int64_t streams) {
-  TORCH_CHECK(data.scalar_type() == torch::kFloat32 && data.device().is_cpu() &&
-                  data.is_contiguous() && streams >= 1,
-              "stream_read: a contiguous float32 CPU tensor and streams >= 1");
-  TORCH_CHECK(decoder_supported(), "stream_read: this CPU lacks AVX-512F");
-  const int64_t n = data.numel();
-  const int threads = team_size(n * static_cast<int64_t>(sizeof(float)));
-#if GF_DECODER
-  pybind11::gil_scoped_release released;
-  return stream_read_avx512(data.data_ptr<float>(), n, streams, threads);
-#else
-  (void)threads;
-  return 0.0;
-#endif
-}
-
-double fma_rate(int64_t iterations) {
-  TORCH_CHECK(iterations >= 1, "fma_rate: iterations >= 1");
-  TORCH_CHECK(decoder_supported(), "fma_rate: this CPU lacks AVX-512F");
-#if GF_DECODER
-  pybind11::gil_scoped_release released;
-  return fma_rate_avx512(iterations, team_size(int64_t{1} << 40));
-#else
-  return 0.0;
-#endif
-}
-
 namespace {
 
 // Everything one forward reads and writes, as raw pointers (the threads' code uses no torch).
@@ -797,8 +725,7 @@ WeightWatch::WeightWatch(std::vector<torch::Tensor> params,
     e.version = t.is_inference() ? -1 : static_cast<int64_t>(t._version());
     if (sampled(t)) {
       // A small tensor (norm weights, biases) is kept whole. Each sample of a large one is a
-      // cache and TLB miss once a forward has streamed the weights: 64 a tensor took 0.58 ms
-      // on SmolLM2, 8 take 0.19.
+      // cache and TLB miss once a forward has streamed the weights, so it gets few samples.
       const int64_t numel = t.numel();
       if (numel <= 4096) {
         const unsigned char* bytes = static_cast<const unsigned char*>(t.data_ptr());

@@ -117,12 +117,5 @@ class WeightWatch {
 // whether this CPU runs the decoder (AVX-512F)
 bool decoder_supported();
 
-// The machine's floors, for the benchmark that compares a forward with them
-// (bench/lm_floor.py): the sum of `data` read by the decoder's threads, each its share as
-// `streams` interleaved sequential streams (the time to read the weights once); and the
-// FLOP/s of register-only AVX-512 multiply-adds on those threads (`iterations` each).
-double stream_read(const torch::Tensor& data, int64_t streams);
-double fma_rate(int64_t iterations);
-
 }  // namespace cpu
 }  // namespace genlm_fast

@@ -134,14 +134,12 @@ __attribute__((target("avx512f"))) void group_avx512(const float* x, int64_t ldx
 }
 
 // The same for two panels at once (`pa` into acc, `pb` into acc2): each broadcast of x feeds
-// two FMAs, which keeps the FMA units busier than one panel does (SmolLM2's projections at 32
-// rows, weights hot in cache, 2-core AMD EPYC: 93% of peak FMA throughput against 68%).
+// two FMAs, which keeps the FMA units busier than one panel does.
 // Memory: while the G groups of rows walk a chunk, they fetch the next one (`next_a`,
 // `next_b`: its start), group g the g-th of G slices of it, so that the fetch is spread over
 // the whole chunk's arithmetic instead of stalling the first group. One row is the exception:
 // its arithmetic is so short that the hardware prefetcher keeps ahead of the two streams alone,
-// and the prefetch instructions only take load slots (streaming 512 MB of panels at one row:
-// 64 GB/s without them, 60 with).
+// and the prefetch instructions only take load slots.
 template <class W, int R>
 __attribute__((target("avx512f"))) void pair_avx512(const float* x, int64_t ldx, const W* pa,
                                                     const W* pb, int64_t k0, int64_t k1,
@@ -265,8 +263,8 @@ void panel_dot2(const float* x, int64_t ldx, int64_t m, int64_t k, const W* pa, 
 #if GF_X86_KERNELS
   if (avx512) {
     // chunks of 64 values of k: 8 KB of two float32 panels. Beside the next chunk being fetched
-    // and the rows' slices of x that leaves most of L1 (48 KB) free; 16 KB chunks were 7%
-    // slower at 1 to 32 rows (SmolLM2's fused forward, 2-core AMD EPYC)
+    // and the rows' slices of x that leaves most of L1 (48 KB) free; 16 KB chunks, which
+    // crowd it, were slower at 1 to 32 rows
     constexpr int64_t chunk = kChunk / 4;
     const int64_t groups = (m + 11) / 12;
     if (!next_a) next_a = pa + k * kPanel, next_b = pb + k * kPanel;

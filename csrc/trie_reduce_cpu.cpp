@@ -327,7 +327,7 @@ constexpr int64_t kMinLockstepNodes = 4096;  // per chunk, or the thread's share
 // sweep() over S chunks [nb[k], nb[k + 1]) at once, a node of each in turn. Within a chunk the
 // acc[parent] updates form a chain through memory (a store, then the load of the next update
 // of the same parent: siblings, single-child links), so one chunk keeps the core waiting;
-// S independent chains overlap (Llama-3's one-row sum: 0.51 -> 0.40 ms on one thread, S = 4).
+// S independent chains overlap, so the core has other work while one waits.
 template <int RED, bool WRITE, int S, class Out>
 inline void sweep_lockstep(double* __restrict acc, const int32_t* __restrict parent,
                            Out* __restrict out, const int32_t* nb,
@@ -675,9 +675,9 @@ __attribute__((always_inline)) inline int run_rows_stacked_t(const Args& A, int6
   return R;
 }
 
-// The sweep's clones. log_mass (double lanes) also gets an x86-64-v4 (AVX-512) one: with it,
-// 32 rows of Llama-3 took 13.0 ms instead of 16.5 on an AVX-512 Intel VM, where the same
-// clone made sum/max (float lanes) slower (7.3 -> 9.9 ms), so they keep AVX2.
+// The sweep's clones. log_mass (double lanes) also gets an x86-64-v4 (AVX-512) one, which
+// gains on its double lanes; the same clone made sum/max (float lanes) slower, so they keep
+// AVX2 (`python -m bench.kernels` on an AVX-512 CPU compares them).
 template <int RED, int R, class In, class Out>
 GF_VECTOR_CLONES int run_rows_stacked(const Args& A, int64_t r0) {
   return run_rows_stacked_t<RED, R, In, Out>(A, r0);
@@ -703,8 +703,7 @@ inline int block_rows(int64_t rows) { return rows >= 8 ? 8 : rows >= 4 ? 4 : row
 
 // Rows [r0, r0 + count), count <= 8, as blocks of 8/4/2/1; returns the first failed row or -1.
 // A last single row takes the one-row sweep on this thread unless `lone_stacked`: stacked,
-// its run arrays are read for one row only, which costs more than sweeping the nodes
-// (SmolLM2's log_mass: 0.35 ms against 0.23, Llama-3's sum 0.81 against 0.40). (A row gives
+// its run arrays are read for one row only, which costs more than sweeping the nodes. (A row gives
 // the same bits in a block of any size, not in the one-row sweep.)
 template <int RED, class In, class Out>
 int64_t run_block(const Args& A, int64_t r0, int count, bool lone_stacked) {
@@ -879,9 +878,8 @@ int64_t run_typed(const Args& A) {
   // Rows go in blocks of up to 8 rows stacked in one sweep (the cheapest per row), a block per
   // thread at a time. Where a row can have all threads (a big trie: >= 16384 nodes per
   // thread), the rows too few to give each thread a block of two go one by one with all
-  // threads on each, rather than as a last round of blocks that leaves threads idle (SmolLM2's
-  // log_mass on 2 threads, B = 2 / 5 / 10: 0.35 / 0.74 / 0.96 ms in blocks only, 0.24 / 0.51 /
-  // 0.79 this way); a single row in a block takes the one-row sweep too (run_block).
+  // threads on each, rather than as a last round of blocks that leaves threads idle; a single
+  // row in a block takes the one-row sweep too (run_block).
   // A row's bits depend on which of the two sweeps it takes and, in the one-row sweep, on
   // how its nodes are shared, not on the size of its block: so which rows are swept alone,
   // and in how many shares, is decided for the usable CPUs P (fixed for the process), and

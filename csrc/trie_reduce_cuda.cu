@@ -70,7 +70,7 @@
 //      consecutive threads at consecutive nodes; the wider ones up to `span_warp` (at most
 //      SPAN_WARP_TILES tiles, Llama-3: 31 nodes of 17 to 95) one warp per (node, row), its
 //      lanes striding over the tiles; the widest (the root and a few more: 2 on Llama-3, the
-//      root's ~2,000 tiles took a warp ~5 us) one block per (node, row). One launch: blocks
+//      root's ~2,000 tiles too many for one warp) one block per (node, row). One launch: blocks
 //      of a thread per narrow node, then blocks of kSpanWarps warp nodes, then the block
 //      nodes. Each thread issues its elements' loads a chunk at a time (one round trip for
 //      ~95% of the narrow nodes, the warp nodes and the root). Sums in double; log_mass as
@@ -106,7 +106,7 @@ namespace {
 constexpr int kTileThreads = 256;
 constexpr int kTileWarps = kTileThreads / 32;
 // as a launch bound: up to 64 registers a thread (it takes ~56; bounds of 5, 6 or 8 blocks an SM
-// were no faster on the H200)
+// gained nothing)
 constexpr int kTileBlocksPerSM = 4;
 // node ids a tile block keeps the sources of in shared memory (Llama-3: 201 a tile on
 // average, 462 at most), a multiple of kTileThreads
@@ -509,7 +509,7 @@ __global__ void __launch_bounds__(kSpanWarps * 32)
   double m = neg_inf(), z = 0.0;
   bool bad = false;
   // kMergeChunk partials a lane at a time, their loads issued together (at most one round
-  // trip a row at up to 32 * kMergeChunk splits: ~250 at B=64 on an H100)
+  // trip a row at up to 32 * kMergeChunk splits)
   for (int64_t k0 = lane; k0 < splits; k0 += 32 * kMergeChunk) {
     double part_m[kMergeChunk], part_s[kMergeChunk];
 #pragma unroll
@@ -842,8 +842,8 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSM)
 // kernel of a call, (a1), is an ordinary launch: it runs after whatever came before it (the
 // memsets of launch() included). Dependent launches need the waits compiled in (ptxVersion
 // >= 90; below that wait_for_previous_kernel is empty); the kernels are then launched the
-// ordinary way (on the H100 dependent launches were 1.03-1.17x faster at every shape
-// timed: bench/results/gpu-h100-2026-11-26.md).
+// ordinary way. Overlapping a kernel's start with its predecessor's end hides part of the
+// launch latency, which matters at these kernels' sizes.
 
 #ifdef __CUDACC__
 constexpr int kMaxDevices = 64;

@@ -1,4 +1,4 @@
-"""``python -m genlm_fast {info,bench,demo}`` (also installed as the ``genlm-fast`` script)."""
+"""``python -m genlm_fast {info,demo}`` (also installed as the ``genlm-fast`` script)."""
 
 from __future__ import annotations
 
@@ -56,10 +56,7 @@ def info(model=None) -> int:
         print(f"{device}: backends {available_backends(device)}; auto -> {chosen}")
     from genlm_fast.backend.llm import cpu_linear
 
-    try:
-        linear = cpu_linear._chosen_kernel() or "torch"
-    except ValueError as exc:  # GENLM_FAST_CPU_LINEAR names a kernel that cannot run
-        linear = f"error: {exc}"
+    linear = cpu_linear.choose_kernel("auto") or "torch"
     print(
         f"AsyncTransformer CPU linear layers: {linear} "
         f"(kernels here: {', '.join(cpu_linear.available_kernels()) or 'none'})"
@@ -148,25 +145,6 @@ def model_memory(model) -> None:
     )
 
 
-def bench(args) -> int:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not os.path.isdir(os.path.join(root, "bench")):
-        print(
-            "`bench` runs from a source checkout of genlm_fast (the bench/ folder).",
-            file=sys.stderr,
-        )
-        return 2
-    sys.path.insert(0, root)
-    from bench import kernels
-
-    rows = kernels.run(quick=args.quick)
-    print(kernels.table(rows))
-    if args.plot:
-        kernels.plot(rows, args.plot)
-        print(f"plot written to {args.plot}")
-    return 0
-
-
 def demo(args) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Idle OpenMP threads sleep instead of spinning: on a machine shared with other work,
@@ -247,9 +225,6 @@ def main(argv=None) -> int:
         help="also say what AsyncTransformer's caches cost for this model (a "
         "directory, a Hub name when online, or smollm2), from its config",
     )
-    b = sub.add_parser("bench", help="kernel microbenchmarks side by side with genlm-backend")
-    b.add_argument("--quick", action="store_true", help="Llama-3 only, B in {1, 32}")
-    b.add_argument("--plot", metavar="PNG", help="also write a speedup-vs-batch plot")
     from genlm_fast.demo import DEFAULT_PROMPT, DEFAULT_STRING
 
     d = sub.add_parser(
@@ -320,9 +295,7 @@ def main(argv=None) -> int:
         except BrokenPipeError:  # `genlm-fast info | head -1`: the reader has gone
             sys.stdout = None  # nothing left to flush at exit
             return 0
-    if args.command == "demo":
-        return demo(args)
-    return bench(args)
+    return demo(args)
 
 
 if __name__ == "__main__":

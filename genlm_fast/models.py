@@ -8,7 +8,7 @@ dequantized weights in, and saves an ordinary Hugging Face directory (float32
 safetensors, about 538 MB, plus the tokenizer) into a cache directory, once.
 
     from genlm_fast.models import smollm2_path
-    path = smollm2_path()  # slow the first time (~30 s), instant afterwards
+    path = smollm2_path()  # converts the first time, then reads the cache
 
 The one-time conversion shows a progress bar on standard error when that is a terminal
 (``quiet=False`` forces it, ``quiet=True`` silences it and transformers' own bars).

@@ -35,10 +35,9 @@ logger = logging.getLogger("genlm_fast.ops")
 
 BACKENDS = ("reference", "triton", "cuda", "cpu")
 REDUCTIONS = ("sum", "max", "log_mass")
-# "auto" on a GPU, fastest first, for every reduction: on the H100 with the Llama-3
-# vocabulary, kernels alone, CUDA was ahead at every B from 1 to 128 for every op
-# (bench/results/gpu-h100-2026-11-27.md: sum B=32 cuda 0.062 ms, triton 0.144 ms; max
-# B=64 0.128 against 0.223 ms; log_mass B=64 0.140 against 0.299 ms), as on the H200.
+# "auto" on a GPU, fastest first, for every reduction: with the Llama-3 vocabulary, kernels
+# alone, CUDA is ahead of Triton at every batch size and for every op on the GPUs measured
+# (`python -m tools.gpu.bench`; docs/gpu.md lists the runs).
 GPU_PREFERENCE = ("cuda", "triton")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _warned = set()

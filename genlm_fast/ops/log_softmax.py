@@ -90,7 +90,7 @@ def log_softmax_rows(
         # exact, x - m is exact or rounded once relative to itself, torch's sum of
         # exp(x - m) is a cascade (its error does not grow with the row's length), and
         # (x - m) - log(sum) never rounds a large lse = m + log(sum) to float32. A float64
-        # log_softmax took 4-8x longer: conversions and 8-byte temporaries.
+        # log_softmax costs conversions and 8-byte temporaries.
         rows = logits[src.to(logits.device)].float()
         top = rows.amax(dim=-1, keepdim=True)
         rows -= torch.where(top == float("-inf"), 0.0, top)  # all -inf: NaN, as log_softmax

@@ -24,8 +24,10 @@ CPU_SOURCES = (
     "decoder_cpu.cpp",
     "linear_cpu.cpp",
     "trie_reduce_cpu.cpp",
+    "trie_reduce_cpu_op.cpp",
 )
-CUDA_SOURCES = ("trie_reduce_cuda.cu",)  # added, with -DWITH_CUDA, by a CUDA build only
+# added, with -DWITH_CUDA, by a CUDA build only
+CUDA_SOURCES = ("trie_reduce_cuda.cu", "trie_reduce_cuda_op.cpp")
 CXX_FLAGS = ("-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno")  # no -march: any x86-64
 _SUFFIXES = (".cpp", ".h", ".cu", ".cuh")
 
@@ -82,8 +84,8 @@ def links_shared_libstdcxx(compiler: str) -> bool | None:
     is linked: it builds a two-line one and reads its dynamic section. None where that
     cannot be told (no readelf, the probe does not build).
 
-    A compiler that copies a static libstdc++ into the extension instead (seen: /opt/gcc on
-    an H200 machine we ran on) gives it a second C++ runtime with its own locale, beside torch's:
+    A compiler that copies a static libstdc++ into the extension instead (some /opt/gcc
+    installs do) gives it a second C++ runtime with its own locale, beside torch's:
     the extension's error messages (TORCH_CHECK) then crash the process when they format a
     number."""
     if shutil.which("readelf") is None:

@@ -2,7 +2,7 @@
 
 ``trie_reduce`` follows the backend contract of ``genlm_fast.ops.dispatch``. Runs on CUDA
 tensors, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before
-triton is imported; a correctness tool, ~100x slower than torch).
+triton is imported; a correctness tool, far slower than torch).
 
 Paths (see the kernel module's docstring for the algorithm):
 
@@ -41,11 +41,9 @@ DOT_RB = 64  # ranges per chunk (the N side of the mask product) in the dot tile
 DOT_UB = 64  # unit ranges per chunk (one gather from the registers) in the dot tile kernel
 DOT_SUB = 16  # ranges per step of the dot kernel's dense rewrite (sum with inf weights)
 # Rows per dot-kernel program (the M side of the product; >= 16 for tl.dot) and its warps,
-# and the max kernel's rows: the fastest of `python -m tools.gpu.bench --sweep` on the H200
-# (bench/results/gpu-h200-2026-11-26-2.md, Llama-3): log_mass B=64 16 x 4 warps 0.278 ms
-# (16 x 8: 0.356, 32 rows: 0.50); sum B=32 16 x 4 0.126 ms (16 x 8: 0.133); max B=64
-# 8 rows 0.201 ms (16: 0.245). Taller blocks need more registers than an SM can give
-# several programs (tests/ops/test_triton_sm90.py prints the counts).
+# and the max kernel's rows: the fastest of `python -m tools.gpu.bench --sweep` on the
+# Llama-3 vocabulary (docs/gpu.md lists the runs). Taller blocks need more registers than an
+# SM can give several programs (tests/ops/test_triton_sm90.py prints the counts).
 DOT_ROWS = 16
 DOT_WARPS = 4
 MAX_ROWS = 8  # rows per program of the max kernel (its sparse table: 7 x [8, 64] values)

@@ -3,6 +3,8 @@ on each kernel that runs here: genlm_fast's small-batch kernel (csrc/linear_cpu.
 called raw, on each of its ISAs) and oneDNN's; on small layers and on the real SmolLM2
 through AsyncTransformer."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,8 +32,8 @@ def _cpu_has_avx512() -> bool:
 
 
 @pytest.fixture(params=cpu_linear.KERNELS)
-def kernel(request, monkeypatch):
-    """Each packed kernel in turn, chosen through GENLM_FAST_CPU_LINEAR."""
+def kernel(request):
+    """Each packed kernel in turn, passed to pack_linear_layers."""
     if request.param == "avx512" and _cpu_has_avx512():
         _built()  # the CPU runs it: a missing build is a failure
     if request.param not in available_kernels():
@@ -39,7 +41,6 @@ def kernel(request, monkeypatch):
             f"the {request.param} kernel does not run here (avx512: needs "
             "genlm_fast._C and AVX-512F; onednn: needs torch's oneDNN packed linear)"
         )
-    monkeypatch.setenv(cpu_linear.ENV, request.param)
     return request.param
 
 
@@ -63,7 +64,7 @@ def small_model(bias=True):
 @pytest.mark.parametrize("bias", [True, False])
 def test_matches_float64(shape, bias, kernel):
     model = small_model(bias)
-    assert pack_linear_layers(model) == 2
+    assert pack_linear_layers(model, kernel) == 2
     assert all("forward" in m.__dict__ for m in model if isinstance(m, torch.nn.Linear))
     x = torch.randn(*shape)
     with torch.no_grad():
@@ -76,13 +77,12 @@ def test_matches_float64(shape, bias, kernel):
     assert (cpu_linear._PACK in model[0].__dict__) == packed  # the kernel ran, or F.linear
 
 
-def test_small_batch_kernel_is_chosen_where_it_runs(monkeypatch):
-    monkeypatch.delenv(cpu_linear.ENV, raising=False)
+def test_small_batch_kernel_is_chosen_where_it_runs():
     runs = _built().linear_best_isa() == "avx512"
     assert runs == _cpu_has_avx512()  # the extension's CPU check agrees with torch's
     assert ("avx512" in available_kernels()) == runs
     if runs:
-        assert cpu_linear._chosen_kernel() == "avx512"
+        assert cpu_linear.choose_kernel() == "avx512"
 
 
 def _small_batch_isas():
@@ -208,7 +208,7 @@ def test_small_batch_kernel_rejects_bad_input():
 
 def test_follows_weight_changes(kernel):
     layer = torch.nn.Linear(16, 24)
-    pack_linear_layers(layer)
+    pack_linear_layers(layer, kernel)
     x = torch.randn(4, 16)
     with torch.no_grad():
         layer(x)  # packs
@@ -227,7 +227,7 @@ def test_follows_edits_behind_the_version_counter(kernel):
     peft's merge_adapter does ``weight.data += delta``. The sampled snapshot sees edits of
     the whole tensor; forget_packed_weights covers the rest."""
     layer = torch.nn.Linear(40, 300)
-    pack_linear_layers(layer)
+    pack_linear_layers(layer, kernel)
     x = torch.randn(5, 40)
 
     def check():
@@ -257,7 +257,7 @@ def test_inference_mode_weights(kernel):
     with torch.inference_mode():
         model = small_model()
     assert model[0].weight.is_inference()
-    assert pack_linear_layers(model) == 2
+    assert pack_linear_layers(model, kernel) == 2
     x = torch.randn(6, 37)
 
     def check():
@@ -281,7 +281,7 @@ def test_packed_model_copies_and_pickles(kernel):
     import io
 
     model = small_model()
-    pack_linear_layers(model)
+    pack_linear_layers(model, kernel)
     x = torch.randn(4, 37)
 
     def want(m):
@@ -309,7 +309,7 @@ def test_converted_model_drops_its_stale_copies(kernel):
     product in the new dtype, not held until a float32 product that may never come. A
     float32 input against a bfloat16 weight gets torch's own dtype error, not a kernel's."""
     model = small_model()
-    pack_linear_layers(model)
+    pack_linear_layers(model, kernel)
     linears = [model[0], model[2]]
     x = torch.randn(3, 37)
     with torch.no_grad():
@@ -329,7 +329,7 @@ def test_converted_model_drops_its_stale_copies(kernel):
 
 def test_other_inputs_use_torch(kernel):
     layer = torch.nn.Linear(8, 3)
-    pack_linear_layers(layer)
+    pack_linear_layers(layer, kernel)
     x = torch.randn(2, 8, requires_grad=True)
     layer(x).sum().backward()  # autograd: F.linear, so gradients flow
     torch.testing.assert_close(x.grad, layer.weight.detach().sum(0).expand(2, 8))
@@ -339,34 +339,30 @@ def test_other_inputs_use_torch(kernel):
     assert y.dtype == torch.float64
     frozen = torch.nn.Linear(8, 3)  # a frozen weight and a trainable bias: still autograd
     frozen.weight.requires_grad_(False)
-    pack_linear_layers(frozen)
+    pack_linear_layers(frozen, kernel)
     frozen(torch.randn(5, 8)).sum().backward()
     torch.testing.assert_close(frozen.bias.grad, torch.full((3,), 5.0))
     double = torch.nn.Linear(8, 3).double()
-    assert pack_linear_layers(double) == 0  # only float32 layers are packed
+    assert pack_linear_layers(double, kernel) == 0  # only float32 layers are packed
 
 
-def test_switch_and_undo(monkeypatch):
-    monkeypatch.setenv(cpu_linear.ENV, "torch")
+def test_switch_and_undo():
     model = small_model()
-    assert pack_linear_layers(model) == 0
+    assert pack_linear_layers(model, "torch") == 0
     assert not any("forward" in m.__dict__ for m in model)
-    monkeypatch.setenv(cpu_linear.ENV, "mkl")
-    with pytest.raises(ValueError, match="GENLM_FAST_CPU_LINEAR"):
-        pack_linear_layers(model)
+    with pytest.raises(ValueError, match="must be 'auto', 'avx512', 'onednn' or 'torch'"):
+        pack_linear_layers(model, "mkl")
     for kernel in cpu_linear.KERNELS:
-        monkeypatch.setenv(cpu_linear.ENV, kernel)
         if kernel not in available_kernels():
             with pytest.raises(ValueError, match=f"{kernel}: that kernel does not run here"):
-                pack_linear_layers(model)
+                pack_linear_layers(model, kernel)
             continue
-        assert pack_linear_layers(model) == 2
+        assert pack_linear_layers(model, kernel) == 2
         with torch.no_grad():
             model(torch.randn(2, 37))
         unpack_linear_layers(model)
         assert not any("forward" in m.__dict__ or cpu_linear._PACK in m.__dict__ for m in model)
-    monkeypatch.setenv(cpu_linear.ENV, "auto")
-    assert pack_linear_layers(model) == (2 if available_kernels() else 0)
+    assert pack_linear_layers(model) == (2 if available_kernels() else 0)  # "auto"
     unpack_linear_layers(model)
 
 
@@ -385,6 +381,10 @@ def test_smollm2_packed_and_given_back(kernel, monkeypatch):
         raise hf.Unsupported("refused for this test")
 
     monkeypatch.setattr(hf, "FusedDecoder", refuse)
+    # AsyncTransformer packs with the default kernel; this test runs each in turn
+    monkeypatch.setattr(
+        hf, "pack_linear_layers", functools.partial(pack_linear_layers, kernel=kernel)
+    )
 
     path = smollm2_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

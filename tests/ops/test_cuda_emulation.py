@@ -22,7 +22,7 @@ The results are compared with the plain-torch reference backend on random tries
 logits, hundreds of nats, fp16/bf16 logits) and with the row chunking of ``launch``
 (gridDim.y <= 65535) forced down to 2 rows. What it cannot show: the device's own
 arithmetic (CUDA's exp/log are within 1-2 ulp of glibc's), memory-model races between
-blocks (blocks run one after another), timing, and csrc/bindings.cpp (torch + CUDA).
+blocks (blocks run one after another), timing, and csrc/trie_reduce_cuda_op.cpp (torch + CUDA).
 """
 
 from __future__ import annotations

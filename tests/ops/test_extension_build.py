@@ -11,8 +11,8 @@
 * bad input to the raw extension function raises a clear error;
 * the build without function multiversioning (what CPUs without AVX2 run) is correct too;
 * ``nvcc -c csrc/trie_reduce_cuda.cu`` compiles, also for sm_90 without spills, and the
-  -DWITH_CUDA part of ``csrc/bindings.cpp`` compiles against torch's c10/cuda headers
-  (skipped only when nvcc / the CUDA toolkit is absent).
+  -DWITH_CUDA parts of ``csrc/bindings.cpp`` and ``csrc/trie_reduce_cuda_op.cpp`` compile
+  against torch's c10/cuda headers (skipped only when nvcc / the CUDA toolkit is absent).
 
 The big cross-backend numerics test lives in test_trie_reduce.py.
 """
@@ -887,11 +887,11 @@ def test_cuda_dependent_kernels_wait_before_touching_results(tmp_path):
 
 
 def test_cuda_bindings_compile(tmp_path):
-    """The -DWITH_CUDA half of csrc/bindings.cpp (CUDA guard, stream, launch) against torch's
-    real c10/cuda headers: a syntax and type check with the host compiler, as the CUDA build
-    would compile it. The CPU torch wheel lacks one generated header,
-    c10/cuda/impl/cuda_cmake_macros.h; a CUDA build's copy only defines
-    C10_CUDA_BUILD_SHARED_LIBS, so the test writes that."""
+    """The -DWITH_CUDA parts of csrc/bindings.cpp and csrc/trie_reduce_cuda_op.cpp (CUDA
+    guard, stream, launch) against torch's real c10/cuda headers: a syntax and type check
+    with the host compiler, as the CUDA build would compile them. The CPU torch wheel lacks
+    one generated header, c10/cuda/impl/cuda_cmake_macros.h; a CUDA build's copy only
+    defines C10_CUDA_BUILD_SHARED_LIBS, so the test writes that."""
     from torch.utils import cpp_extension
 
     cxx = shutil.which("c++") or shutil.which("g++")
@@ -928,7 +928,13 @@ def test_cuda_bindings_compile(tmp_path):
         "-DWITH_CUDA",
         "-DTORCH_EXTENSION_NAME=_C",
         *(f"-I{p}" for p in includes),
-        os.path.join(REPO, "csrc", "bindings.cpp"),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    for source in ("bindings.cpp", "trie_reduce_cuda_op.cpp"):
+        proc = subprocess.run(
+            [*cmd, os.path.join(REPO, "csrc", source)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]

@@ -531,6 +531,7 @@ def run(args) -> tuple[list[dict], dict]:
     _kernels_alias()
 
     from bench import kernels as K
+    from bench import machine
     from genlm_fast.backend.trie import ParallelTokenCharacterTrie
     from genlm_fast.bytes import TokenByteTrie
     from genlm_fast.ops import dispatch
@@ -576,7 +577,7 @@ def run(args) -> tuple[list[dict], dict]:
     if device.type == "cuda":
         dev_name = torch.cuda.get_device_name(device)
     else:
-        dev_name = f"CPU ({K.cpu_model()}, {os.cpu_count()} cores) -- dry run"
+        dev_name = f"CPU ({machine.cpu_model()}, {os.cpu_count()} cores) -- dry run"
     peak = detect_peak(dev_name, args.peak_gbs)
     rows, failures = [], []
     breakdown_b = GOAL_PEAK_B if GOAL_PEAK_B in args.batch_sizes else max(args.batch_sizes)
@@ -678,7 +679,7 @@ def run(args) -> tuple[list[dict], dict]:
                 )
     info = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "git commit": K.git_commit(),
+        "git commit": machine.git_commit(),
         "device": dev_name,
         "peak HBM bandwidth used": (
             f"{peak:g} GB/s"
@@ -688,7 +689,7 @@ def run(args) -> tuple[list[dict], dict]:
         else "unknown (pass --peak-gbs)",
         "torch": torch.__version__,
         "CUDA (torch build)": torch.version.cuda or "-",
-        "triton": K.dist_version("triton"),
+        "triton": machine.dist_version("triton"),
         "python": platform.python_version(),
         "vocabulary": f"{label}: {len(vocab)} tokens, {N} nodes (genlm_fast TokenByteTrie)",
         "backends": ", ".join(backends)
@@ -710,7 +711,7 @@ def run(args) -> tuple[list[dict], dict]:
             + ("" if b in INDEX_ARRAYS else " (assumed: same as triton)")
             for b in backends
         ),
-        "genlm-backend": K.dist_version("genlm-backend"),
+        "genlm-backend": machine.dist_version("genlm-backend"),
     }
     if failures:
         info["FAILED (not timed)"] = "; ".join(failures)

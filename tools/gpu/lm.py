@@ -10,13 +10,13 @@ transfer limit), so the model there is SmolLM2's own config and tokenizer (``--m
 Times depend on the shapes, not on the values; every answer is still checked against a
 float64 forward of the same weights.
 
-1. SMC: ``bench/test_bench_lm.py``'s workload (16 particles share a prompt, 8 rounds of
-   concurrent ``next_token_logprobs`` and one more token each), every side on its own copy
-   of the model, plain and with ``cache_kv(prompt)``, in interleaved rounds; best and mean
-   run, and genlm_fast's largest error against float64 (it must stay under 1e-3). On a
-   GPU genlm_fast runs three times: as it comes (its one-token steps replayed as CUDA
-   graphs), with ``cuda_graphs=False``, and with ``paged_kv=True`` (the key/value states in a
-   paged pool read in place; also in the CPU dry run).
+1. SMC: ``bench/smc.py``'s workload, that of ``bench/test_bench_lm.py`` (16 particles share
+   a prompt, 8 rounds of concurrent ``next_token_logprobs`` and one more token each), every
+   side on its own copy of the model, plain and with ``cache_kv(prompt)``, in interleaved
+   rounds; best and mean run, and genlm_fast's largest error against float64 (it must stay
+   under 1e-3). On a GPU genlm_fast runs three times: as it comes (its one-token steps
+   replayed as CUDA graphs), with ``cuda_graphs=False``, and with ``paged_kv=True`` (the
+   key/value states in a paged pool read in place; also in the CPU dry run).
 2. One decoding forward of 1, 4 and 16 rows by one token over a 64-token past held in a
    transformers ``StaticCache``, float32 and bfloat16: eager, and captured once as a CUDA
    graph and replayed; both against the weight-streaming floor (the weights' bytes over the
@@ -71,7 +71,7 @@ def smc(model, tokenizer, device, rounds):
     """Interleaved timed runs of the SMC workload by both backends, both configurations."""
     import genlm.backend.llm as reference
 
-    from bench.test_bench_lm import _max_error, _run_cold, draw_plan, float64_logprobs
+    from bench.smc import draw_plan, float64_logprobs, max_error, run_cold
     from genlm_fast.backend.llm import AsyncTransformer
 
     # genlm_fast's default (CUDA graphs where they apply), and on a GPU without them too
@@ -95,11 +95,11 @@ def smc(model, tokenizer, device, rounds):
         for (name, config), lm in sides.items():
             synchronize(device)
             start = time.perf_counter()
-            answers = _run_cold(lm, plan, config == "cache_kv")
+            answers = run_cold(lm, plan, config == "cache_kv")
             synchronize(device)
             if round_:
                 times[name, config].append(time.perf_counter() - start)
-            errors[name, config] = _max_error(answers, expected)
+            errors[name, config] = max_error(answers, expected)
     path = ours.forward_path
     for name, lm in backends:
         if name != "genlm-backend":

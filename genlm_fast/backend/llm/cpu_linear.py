@@ -7,13 +7,12 @@ the weight packed once into its own layout:
 
 * ``avx512``: genlm_fast's small-batch kernel (``csrc/linear_cpu.cpp``, in ``genlm_fast._C``),
   on CPUs with AVX-512F, for products of up to `SMALL_BATCH_ROWS` rows; larger ones (prompt
-  prefills) go to ``F.linear``. SmolLM2's weights, 16 rows, on a 2-core Intel Xeon VM: 27 ms
-  against 47 ms (MKL) and 42 ms (oneDNN), with the weights streamed from memory as in a
-  forward pass (``python -m bench.linear``).
+  prefills) go to ``F.linear``, whose BLAS kernels are made for them. It reads each weight
+  once per product, with the rows of the batch held in registers (``python -m bench.linear``
+  compares it with MKL and oneDNN).
 * ``onednn``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op behind
   torch.compile's CPU linear fusion) on a weight reordered into oneDNN's blocked layout:
-  the choice where AVX-512 is missing. On a 2-core AMD EPYC it took SmolLM2's LM head at 9 rows
-  from 19 ms (MKL) to 5 ms and a decoding step from ~90 to ~45 ms.
+  the choice where AVX-512 is missing.
 
 `pack_linear_layers` gives every float32 ``nn.Linear`` on the CPU a forward that runs the
 kernel on its packed copy. The weight itself is untouched and stays the source of truth:
@@ -30,16 +29,15 @@ memory as the layers' weights. A layer whose weight has moved on (``model.to(dty
 its stale copy at its next product; a copy of the model (``copy.deepcopy``, ``torch.save``)
 packs its own weights.
 
-``GENLM_FAST_CPU_LINEAR`` picks the kernel: ``auto`` (the default: ``avx512`` where it runs,
-else ``onednn`` where this torch has it, else torch's own layers), ``avx512``, ``onednn`` or
-``torch``.
+The ``kernel`` argument of `pack_linear_layers` picks the kernel: ``auto`` (the default:
+``avx512`` where it runs, else ``onednn`` where this torch has it, else torch's own layers),
+``avx512``, ``onednn`` or ``torch``.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +47,12 @@ __all__ = [
     "unpack_linear_layers",
     "forget_packed_weights",
     "available_kernels",
+    "choose_kernel",
     "SMALL_BATCH_ROWS",
 ]
 
 logger = logging.getLogger("genlm_fast.backend")
 
-ENV = "GENLM_FAST_CPU_LINEAR"
 KERNELS = ("avx512", "onednn")  # in order of preference
 SMALL_BATCH_ROWS = 48  # the avx512 kernel's products: up to this many rows (bench/linear.py)
 _PACK = "_genlm_fast_packed_weight"  # a _Packed on the module
@@ -103,23 +101,29 @@ def available_kernels() -> list[str]:
     return [kernel for kernel in KERNELS if _available[kernel]]
 
 
-def _chosen_kernel():
-    """The kernel GENLM_FAST_CPU_LINEAR asks for and that runs here, or None (torch's)."""
-    choice = os.environ.get(ENV, "auto").strip().lower()
-    if choice not in ("auto", "torch") + KERNELS:
-        raise ValueError(f"{ENV} must be 'auto', 'avx512', 'onednn' or 'torch', not {choice!r}")
-    if choice == "torch":
+def choose_kernel(kernel: str = "auto"):
+    """The packed kernel that ``kernel`` (``auto``, ``avx512``, ``onednn`` or ``torch``)
+    names and that runs here, or None for torch's own layers.
+
+    Raises:
+        ValueError: ``kernel`` names no kernel, or one that does not run here.
+    """
+    if kernel not in ("auto", "torch") + KERNELS:
+        raise ValueError(
+            f"CPU linear kernel must be 'auto', 'avx512', 'onednn' or 'torch', not {kernel!r}"
+        )
+    if kernel == "torch":
         return None
     runs = available_kernels()
-    if choice == "auto":
+    if kernel == "auto":
         return runs[0] if runs else None
-    if choice not in runs:
+    if kernel not in runs:
         raise ValueError(
-            f"{ENV}={choice}: that kernel does not run here (available: "
+            f"CPU linear kernel {kernel}: that kernel does not run here (available: "
             f"{', '.join(runs) or 'none'}; 'avx512' needs genlm_fast._C and a CPU "
             "with AVX-512F)"
         )
-    return choice
+    return kernel
 
 
 def _version(weight: torch.Tensor):
@@ -207,17 +211,17 @@ def _packed_forward(self, kernel, x):
     return torch.ops.mkldnn._linear_pointwise(x, state.packed, bias, "none", [], "")
 
 
-def pack_linear_layers(model: torch.nn.Module) -> int:
-    """Route ``model``'s float32 CPU ``nn.Linear`` layers through the packed kernel
-    ``GENLM_FAST_CPU_LINEAR`` picks (module docstring).
+def pack_linear_layers(model: torch.nn.Module, kernel: str = "auto") -> int:
+    """Route ``model``'s float32 CPU ``nn.Linear`` layers through the packed ``kernel``
+    (`choose_kernel`; module docstring).
 
     Returns the number of layers changed: 0 when the choice is ``torch``, when no kernel runs
     here, or when no layer is a float32 CPU linear. `unpack_linear_layers` undoes it.
 
     Raises:
-        ValueError: ``GENLM_FAST_CPU_LINEAR`` names no kernel, or one that does not run here.
+        ValueError: ``kernel`` names no kernel, or one that does not run here.
     """
-    kernel = _chosen_kernel()
+    kernel = choose_kernel(kernel)
     if kernel is None:
         return 0
     count = 0

@@ -402,9 +402,8 @@ def huge_page_empty(numel, dtype=torch.float32):
     tensor goes.
 
     A forward streams every packed weight once; on 4 KB pages each 4 KB of it is one more
-    TLB miss and a point where prefetching stops. On huge pages SmolLM2's panel products
-    stream 8% (1 row) to 11% (16 rows) faster (2-core AMD EPYC). Where the kernel has huge
-    pages off (or no madvise), this is an ordinary zeroed mapping.
+    TLB miss and a point where prefetching stops, which huge pages avoid. Where the kernel
+    has huge pages off (or no madvise), this is an ordinary zeroed mapping.
     """
     if numel == 0:
         return torch.zeros(0, dtype=dtype)
@@ -542,9 +541,8 @@ def _strided_positions(data, keep):
 class ModelWatch:
     """Whether a model still is what it was when the watch was made: the same submodules and
     parameters in place (none replaced, no adapter injected) and the parameters' contents
-    unchanged. `genlm_fast._C.WeightWatch` checks both in one call (SmolLM2: about 0.24 ms
-    with the model's memory cold, as it is after a forward); without the compiled extension
-    the same checks run in Python (about 1.4 ms)."""
+    unchanged. `genlm_fast._C.WeightWatch` checks both in one call; without the compiled
+    extension the same checks run in Python, several times slower."""
 
     def __init__(self, model):
         # every dict of the model's structure, with the (name, object) items it held

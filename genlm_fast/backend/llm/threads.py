@@ -3,16 +3,15 @@
 torch splits every op over its intra-op threads in a fork-join region (the ops of a forward
 pass, and every op on a vocabulary-sized row). When another process keeps one of the CPUs
 busy, one of those threads waits for a CPU in every region, and the region waits a scheduler
-time slice for it. On 2 CPUs (AMD EPYC VM), beside one single-threaded busy loop, a 16-row
-SmolLM2 step took 217 ms on 2 threads and 97 ms on 1 (idle: 60-84 ms on 2); beside a process
-running 2-thread torch matmuls, the byte beam's 33 reads took 3.7-7.1 s on 2 threads and
-1.3-1.7 s on 1 (idle: 0.9 s on 2, 1.1 s on 1): there the small ops between forward passes,
-each a region that waits for a CPU, cost more than the forwards.
+time slice for it. On a machine with few CPUs, one busy process beside it makes a forward
+on all the CPUs slower than on the ones left free, and the small ops between forward passes,
+each a region that waits for a CPU, can cost more than the forwards (``python -m
+bench.contention`` measures both).
 
 So `follow_contention`, called before each CPU forward of `AsyncTransformer`, sets torch's
 intra-op threads in the calling thread to the CPUs other work leaves free, capped by the
 user's own setting (``csrc/cpu_threads.h``: the CPUs this process may use, by affinity and
-cgroup quota, less those other processes kept busy over the last ~100 ms; the compiled
+cgroup quota, less those other processes kept busy over a recent window; the compiled
 kernels size their own teams the same way). The setting stays until the next call, so that
 the ops between forwards (in the byte beam, in genlm-control's samplers) run on it too, and
 goes back to the user's when the CPUs are free again (the kernels' teams, capped by torch's

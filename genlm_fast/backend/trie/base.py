@@ -14,8 +14,8 @@ from genlm_fast.trie_core import CompiledTrie, as_vocabulary, item_entry, one_ro
 # GPU results reach the host through page-locked ("pinned") memory: torch's caching host
 # allocator hands the same block back call after call, so the copy runs at the link's speed
 # into pages already mapped. A pageable copy (``result.cpu()``) lands in a fresh [B, N]
-# block each call, every page of it faulted in (the H100 and H200 machines: ~1.4 GB/s, 31-42 ms
-# for B=32 on Llama-3, for genlm's trie and ours alike). The array returned is a view of
+# block each call, every page of it faulted in, far below the link's speed (for genlm's trie
+# and ours alike). The array returned is a view of
 # the pinned block, which goes back to the cache once the array is freed. Pinned memory is
 # RAM the OS cannot page out: past PINNED_LIMIT bytes of such arrays alive at once (an app
 # that keeps every result), a call takes the pageable copy instead.

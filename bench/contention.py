@@ -113,6 +113,9 @@ COMPETITORS = {
 ANNOUNCING = ("lm-program",)
 
 _REPLY = "@@contention "
+# exit status of a run that finished with a goal not met: its finding, told apart from a
+# failure to run (an uncaught exception exits with 1)
+GOALS_NOT_MET = 3
 
 # --------------------------------------------------------------------------- workloads
 
@@ -464,6 +467,15 @@ class Competitor:
             time.sleep(1.0)
         return self
 
+    def cpu_seconds(self):
+        """CPU time the competitor has used so far (user + system, of the process and the
+        children it waited for), from /proc: evidence that it ran, whatever else did."""
+        if self.proc is None:
+            return 0.0
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
     def __exit__(self, *exc):
         if self.proc is not None:
             self.proc.kill()
@@ -480,11 +492,13 @@ def run(
     fast_threads=None,
     log=print,
 ):
-    """``{condition: {workload: {side: [seconds per call]}}}`` and the workers' thread
-    readings. ``fast_threads``: genlm_fast's torch threads (and so its kernels' teams) in
-    every condition, instead of its own choice."""
+    """``{condition: {workload: {side: [seconds per call]}}}``, the workers' thread
+    readings, and ``{condition: {"cpu_seconds", "wall_seconds"}}``: the competitor's own CPU
+    time over the condition (0 where there is none). ``fast_threads``: genlm_fast's torch
+    threads (and so its kernels' teams) in every condition, instead of its own choice."""
     results = {c: {w: {s: [] for s in SIDES} for w in workloads} for c in conditions}
     readings = {c: {} for c in conditions}
+    competitors = {}  # condition -> the competitor's CPU seconds over the condition's
     with tempfile.TemporaryDirectory() as logs:
         workers = {}
         try:
@@ -494,7 +508,8 @@ def run(
                 log(f"setting up {side}: {', '.join(workloads)} ...")
                 workers[side].ask(cmd="setup", workloads=list(workloads))
             for condition in conditions:
-                with Competitor(condition):
+                with Competitor(condition) as competitor:
+                    begun = time.perf_counter()
                     for name in workloads:
                         done = results[condition][name]
                         while any(
@@ -520,10 +535,14 @@ def run(
                                 for s in SIDES
                             )
                         )
+                    competitors[condition] = {
+                        "cpu_seconds": competitor.cpu_seconds(),
+                        "wall_seconds": time.perf_counter() - begun,
+                    }
         finally:
             for w in workers.values():
                 w.close()
-    return results, readings
+    return results, readings, competitors
 
 
 def summary(results):
@@ -747,7 +766,7 @@ def main(argv=None):
     info = machine_info()
     if args.fast_threads is not None:
         info["genlm_fast's torch threads"] = f"{args.fast_threads} in every condition"
-    results, readings = run(
+    results, readings, competitors = run(
         workloads, conditions, args.seconds, args.block, args.min_calls, args.fast_threads
     )
     info["load average at end"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -765,11 +784,18 @@ def main(argv=None):
     out.write_text(text)
     out.with_suffix(".json").write_text(
         json.dumps(
-            {"info": info, "rows": rows, "readings": readings, "spread": spread(results)}, indent=1
+            {
+                "info": info,
+                "rows": rows,
+                "readings": readings,
+                "competitors": competitors,
+                "spread": spread(results),
+            },
+            indent=1,
         )
     )
     print(f"wrote {out} and {out.with_suffix('.json').name}")
-    return 0 if all(met for _, met in goals(rows)) else 1
+    return 0 if all(met for _, met in goals(rows)) else GOALS_NOT_MET
 
 
 if __name__ == "__main__":

@@ -296,8 +296,8 @@ class Workers:
         self.timeout = timeout
         self.procs = {}
         self.info = {}
-        for impl in impls:  # loaded one after the other: loading is not timed anyway
-            proc = subprocess.Popen(
+        for impl in impls:  # loading together: it is not timed
+            self.procs[impl] = subprocess.Popen(
                 [sys.executable, "-W", "ignore", "-m", "bench.genlm_programs", "--worker", impl],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -306,7 +306,7 @@ class Workers:
                 env=env,
                 bufsize=1,
             )
-            self.procs[impl] = proc
+        for impl in impls:
             self.info[impl] = self._read(impl)
 
     def _read(self, impl):
@@ -316,16 +316,24 @@ class Workers:
             raise RuntimeError(f"the {impl} worker exited (status {proc.wait()}); see stderr")
         return json.loads(line)
 
-    def run(self, impl, program, seed=0, profile=False):
+    def submit(self, impl, program, seed=0, profile=False):
+        """Start a program in ``impl``'s worker; `receive` returns its reply. Workers of
+        different implementations may run at once (for outcomes; timed runs go one by one)."""
         proc = self.procs[impl]
         proc.stdin.write(json.dumps({"program": program, "seed": seed, "profile": profile}) + "\n")
         proc.stdin.flush()
+
+    def receive(self, impl, program):
         reply = self._read(impl)
         if "error" in reply:
             raise RuntimeError(
                 f"{program} failed on {impl}: {reply['error']}\n{reply['traceback']}"
             )
         return reply
+
+    def run(self, impl, program, seed=0, profile=False):
+        self.submit(impl, program, seed, profile)
+        return self.receive(impl, program)
 
     def close(self):
         for proc in self.procs.values():

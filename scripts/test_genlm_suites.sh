@@ -3,11 +3,14 @@
 #
 # Each suite comes from its PyPI source distribution (downloaded once into .genlm-suites/,
 # gitignored; never copied into this repository) and runs twice, offline: with the real genlm
-# packages, then with `-p genlm_fast.dropin` (genlm.backend / genlm.bytes imports resolve to
-# genlm_fast). The Hub models the suites load are offline stand-ins (scripts/make_hf_standins.py:
-# the real tokenizers, small models of seeded random weights, in an HF cache of their own under
-# .genlm-suites/hf-home). Every test that passes with the real packages must pass on genlm_fast
-# (but for any listed, with its reason, in scripts/genlm_suite_outcomes.py); tests that
+# packages, and with `-p genlm_fast.dropin` (genlm.backend / genlm.bytes imports resolve to
+# genlm_fast), both at once on CPUs of their own where there are two. Each run records what
+# genlm.backend / genlm.bytes resolved to: the drop-in run must be on this checkout's
+# genlm_fast, the real run on genlm. The Hub models the suites load are offline stand-ins
+# (scripts/make_hf_standins.py: the real tokenizers, small models of seeded random weights, in
+# an HF cache of their own under .genlm-suites/hf-home). Every test that passes with the real
+# packages must pass on genlm_fast (but for any listed, with its reason, in
+# scripts/genlm_suite_outcomes.py); tests that
 # fail with the real packages too (CUDA, vLLM, MLX, what only a trained model would say, ...)
 # are not required. Each suite, and each file of it that matters, must also pass a minimum
 # number of tests on both sides (MINIMUM_PASSED there), so pytest arguments that deselect
@@ -42,8 +45,9 @@ mkdir -p "$CACHE/sdists" "$CACHE/results"
 # weights (scripts/make_hf_standins.py), in an HF cache of their own
 export HF_HOME="$CACHE/hf-home"
 HF_HUB_DISABLE_PROGRESS_BARS=1 $PY -W ignore "$ROOT/scripts/make_hf_standins.py" "$HF_HOME" >/dev/null
-# no ini file of genlm's applies, and this repository's pytest.ini must not: use an empty one
-printf '[pytest]\n' > "$CACHE/pytest.ini"
+# no ini file of genlm's applies, and this repository's pytest.ini must not: use one of our
+# own, with only the per-test timeout (pytest-timeout, in the test extra): a hang fails
+printf '[pytest]\ntimeout = 600\ntimeout_method = thread\n' > "$CACHE/pytest.ini"
 
 fetch() {  # fetch SPEC BASE: the sdist's tests (everything but the genlm/ sources) in $CACHE/BASE
   local spec=$1 base=$2 tmp
@@ -64,7 +68,7 @@ run_suite() {  # run_suite BASE LABEL [pytest args...]: outcomes to results/BASE
   local base=$1 label=$2
   shift 2
   (cd "$CACHE/$base" &&
-    GENLM_SUITE_OUTCOMES="$CACHE/results/$base.$label.json" $PY -m pytest $TESTS \
+    GENLM_SUITE_OUTCOMES="$CACHE/results/$base.$label.json" ${PIN:-} $PY -m pytest $TESTS \
       -c "$CACHE/pytest.ini" --rootdir "$CACHE/$base" -p no:cacheprovider \
       -p genlm_suite_outcomes "$@") || true  # failures are judged by the comparison
 }
@@ -79,6 +83,11 @@ declare -A SELECTION=(
 if [ "${GENLM_SUITES_FULL:-0}" = "1" ]; then
   SELECTION=()
 fi
+
+# the CPUs this process may run on (two or more: the two sides of a suite run at once)
+mapfile -t CPUS < <($PY -c "import os; print(*sorted(os.sched_getaffinity(0)), sep='\n')" \
+  2>/dev/null || true)
+command -v taskset >/dev/null 2>&1 || CPUS=()
 
 status=0
 summary=()
@@ -97,19 +106,43 @@ for spec in $SUITES; do
   fetch "$spec" "$base"
   TESTS=${SELECTION[$name]:-tests}
   rm -f "$CACHE/results/$base".*
+  # The two sides at once where two CPUs are ours: genlm_fast's pinned to one CPU, the real
+  # packages' to the others (taskset). genlm_fast sizes its threads by the CPUs that other
+  # work leaves free; on a CPU of its own that size, and so its answers' rounding, does not
+  # change with the other side's load (genlm's tests ask for answers bit-identical between
+  # calls). Otherwise one after the other. Output files and logs are separate, printed in
+  # turn.
   start=$SECONDS
+  if [ ${#CPUS[@]} -ge 2 ]; then
+    (PIN="taskset -c $(IFS=,; echo "${CPUS[*]:0:1},${CPUS[*]:2}" | sed 's/,$//')" \
+      run_suite "$base" real -q --tb=no "$@" > "$CACHE/results/$base.real.log" 2>&1
+      echo $((SECONDS - start)) > "$CACHE/results/$base.real.seconds") &
+    (PIN="taskset -c ${CPUS[1]}" run_suite "$base" dropin -p genlm_fast.dropin -q --tb=no "$@" \
+      > "$CACHE/results/$base.dropin.log" 2>&1
+      echo $((SECONDS - start)) > "$CACHE/results/$base.dropin.seconds") &
+    wait
+    together=", run together"
+  else
+    run_suite "$base" real -q --tb=no "$@" > "$CACHE/results/$base.real.log" 2>&1
+    echo $((SECONDS - start)) > "$CACHE/results/$base.real.seconds"
+    start=$SECONDS
+    run_suite "$base" dropin -p genlm_fast.dropin -q --tb=no "$@" \
+      > "$CACHE/results/$base.dropin.log" 2>&1
+    echo $((SECONDS - start)) > "$CACHE/results/$base.dropin.seconds"
+    together=""
+  fi
   echo "=== $spec: real packages"
-  run_suite "$base" real -q --tb=no "$@"
-  real_s=$((SECONDS - start))
+  cat "$CACHE/results/$base.real.log"
   echo "=== $spec: genlm_fast (-p genlm_fast.dropin)"
-  run_suite "$base" dropin -p genlm_fast.dropin -q --tb=no "$@"
-  dropin_s=$((SECONDS - start - real_s))
+  cat "$CACHE/results/$base.dropin.log"
+  real_s=$(cat "$CACHE/results/$base.real.seconds")
+  dropin_s=$(cat "$CACHE/results/$base.dropin.seconds")
   report="$CACHE/results/$base.compare.txt"
   ok=1
   $PY "$ROOT/scripts/genlm_suite_outcomes.py" compare "$name" "$CACHE/results/$base.real.json" \
     "$CACHE/results/$base.dropin.json" "$CACHE/results/$base.regressed.txt" > "$report" || ok=0
   cat "$report"
-  summary+=("$(head -n 1 "$report")  (${real_s}s real, ${dropin_s}s dropin)")
+  summary+=("$(head -n 1 "$report")  (${real_s}s real, ${dropin_s}s dropin${together})")
   if [ $ok -eq 0 ]; then
     status=1
     if [ -s "$CACHE/results/$base.regressed.txt" ]; then

@@ -1,7 +1,7 @@
 """bench/contention.py end to end at a small size: both workers (genlm_fast and genlm-backend's
 numba trie) beside the competing LM program, with genlm_fast held to one thread. What it
-checks comes from outside the benchmark's own figures: the workers' torch settings and the
-machine's load as /proc/stat saw it."""
+checks comes from outside the benchmark's own figures: the workers' torch settings, and the
+competitor's own CPU time as /proc saw it (not the machine's load, which anything raises)."""
 
 from __future__ import annotations
 
@@ -31,17 +31,21 @@ def test_trie_beside_the_lm_program_with_genlm_fast_on_one_thread(tmp_path):
         text=True,
         timeout=900,
     )
-    # exit status 1: a goal not met, which is the run's finding, not a failure to run
-    assert proc.returncode in (0, 1), proc.stdout[-2000:] + proc.stderr[-4000:]
+    # a goal not met is the run's finding (GOALS_NOT_MET), not a failure to run; any other
+    # status (an uncaught exception exits with 1) fails
+    from bench.contention import GOALS_NOT_MET
+
+    assert proc.returncode in (0, GOALS_NOT_MET), proc.stdout[-2000:] + proc.stderr[-4000:]
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["info"]["genlm_fast's torch threads"] == "1 in every condition"
     for condition in ("idle", "lm-program"):
         reading = data["readings"][condition]["trie-sum-B1"]
         assert reading["torch_threads"] == 1, reading  # --fast-threads held it
-    # the competitor ran: other work kept at least half a CPU busy while genlm_fast's worker
-    # took its calls (idle is not checked the other way: the reference's worker runs between
-    # genlm_fast's blocks, inside the windows of its readings)
-    assert data["readings"]["lm-program"]["trie-sum-B1"]["others_busy"] > 0.5
+    # the competitor ran: its own CPU time (from /proc, whatever else loads the machine);
+    # none where there is none
+    competitors = data["competitors"]
+    assert competitors["idle"]["cpu_seconds"] == 0.0
+    assert competitors["lm-program"]["cpu_seconds"] > 0.05, competitors
     for row in data["rows"]:
         for condition, cell in row["cells"].items():
             assert cell["calls"] >= 1 and cell["mean_ms"] > 0, (row["side"], condition)

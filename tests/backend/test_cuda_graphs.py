@@ -117,12 +117,13 @@ def test_mixed_batches_run_the_one_token_rows_from_buckets_only(tokenizer, monke
         eager.cleanup()
 
 
-def test_a_bad_step_raises_and_the_bucket_recovers(tokenizer):
+def test_a_bad_step_raises_and_the_bucket_recovers(tokenizer, monkeypatch):
     """A stored past poisoned with NaN makes a bucket's step raise for its contexts; once
     the stored states are cleared, the next steps from the same bucket (whose buffers held
     the NaN) answer as a forward over the whole context does."""
     model = small_model(len(tokenizer), seed=2)
     lm = with_buckets(model, tokenizer)
+    from_bucket = count_bucket_runs(lm, monkeypatch)
     contexts = [tokenizer.encode(t) for t in ("Some prompt", "Another one", "A third")]
     try:
         lm.batch_next_token_logprobs_sync(contexts)
@@ -130,10 +131,13 @@ def test_a_bad_step_raises_and_the_bucket_recovers(tokenizer):
         runs[0][0].data.fill_(float("nan"))
         with pytest.raises(NonFiniteLogitsError):
             lm.batch_next_token_logprobs_sync([c + [3] for c in contexts])
+        assert from_bucket == [3]  # the bad step ran from the bucket
         lm.clear_kv_cache()
         lm.batch_next_token_logprobs_sync([c + [3] for c in contexts])  # prefills, eager
+        assert from_bucket == [3]
         steps = [c + [3, 4] for c in contexts]
-        got = lm.batch_next_token_logprobs_sync(steps)  # steps, from the bucket
+        got = lm.batch_next_token_logprobs_sync(steps)  # steps, from the same bucket
+        assert from_bucket == [3, 3]
         for ids, row in zip(steps, got):
             want = lm.next_token_logprobs_uncached(ids).double()
             torch.testing.assert_close(row.double().cpu(), want, atol=max(TOL, 1e-5), rtol=0)

@@ -22,11 +22,15 @@ import torch
 from genlm_fast.backend.llm import AsyncTransformer, NonFiniteLogitsError
 from genlm_fast.backend.llm import decoder as decoder_mod
 from genlm_fast.models import smollm2_path
+from tests.backend.fused import needs_fused
 
-pytestmark = pytest.mark.skipif(
-    decoder_mod.fused_available() is not None,
-    reason=f"fused decoder: {decoder_mod.fused_available()}",
-)
+
+@needs_fused
+def test_the_fused_decoder_is_built():
+    """On a CPU with AVX-512F the extension has the decoder: a missing, stale or broken build
+    fails here (and in every test that needs it) instead of skipping them."""
+    assert decoder_mod.fused_available() is None
+
 
 V = 49157  # the SmolLM2 tokenizer's 49152 tokens and a few more: the LM head has a ragged panel
 ATOL = 2e-4  # float32 against float64 log-probabilities, on models this small
@@ -206,6 +210,7 @@ def rounds(rng, B, prompt_lengths):
     return out
 
 
+@needs_fused
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("B", [1, 16])
 @pytest.mark.asyncio
@@ -229,6 +234,7 @@ async def test_decoding_rounds_match_float64(family, B, tokenizer):
         lm.cleanup()
 
 
+@needs_fused
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.asyncio
@@ -263,6 +269,7 @@ async def test_16_bit_weights_give_their_float32_copys_answers(family, dtype, to
         lm32.cleanup()
 
 
+@needs_fused
 @pytest.mark.asyncio
 async def test_bfloat16_long_prefill_kept_as_float32_for_the_decoder(tokenizer):
     """A bfloat16 model's prompt longer than FUSED_MAX_TOKENS runs transformers' (bfloat16)
@@ -303,13 +310,14 @@ async def test_bfloat16_long_prefill_kept_as_float32_for_the_decoder(tokenizer):
         want = Oracle(model)(longer)
         with torch.no_grad():
             direct = torch.log_softmax(model(torch.tensor([longer])).logits[0, -1].double(), -1)
-        limit = 2 * (direct - want).abs().max().item() + 1e-2
+        limit = 2 * (direct - want).abs().max().item()
         assert (row.double() - want).abs().max().item() < limit
     finally:
         lm.cleanup()
         lm32.cleanup()
 
 
+@needs_fused
 @pytest.mark.asyncio
 async def test_long_prefill_on_transformers_then_fused_decoding(tokenizer):
     """A prompt longer than FUSED_MAX_TOKENS runs transformers' forward; its stored keys and
@@ -381,6 +389,7 @@ def rng_token(i):
     return 3 + (i * 7919) % 49000
 
 
+@needs_fused
 @pytest.mark.parametrize("how", ["nan weight", "overflow"])
 @pytest.mark.asyncio
 async def test_non_finite_model(how, tokenizer):
@@ -554,6 +563,7 @@ def test_model_watch(edit, compiled, dtype, monkeypatch):
         assert got == first if first < len(dicts_before) else got >= first
 
 
+@needs_fused
 @pytest.mark.parametrize(
     "edit",
     [
@@ -586,12 +596,14 @@ async def test_weights_changed_after_packing(edit, tokenizer):
         lm.cleanup()
 
 
+@needs_fused
 @pytest.mark.asyncio
 async def test_peft_adapter_injected_then_merged(tokenizer):
     """peft wrapping the model's layers (get_peft_model) sends forwards to transformers'
     path; merge_and_unload puts plain layers back with merged weights, and the fused path
     computes with them."""
-    peft = pytest.importorskip("peft")
+    import peft  # a test dependency: never skipped
+
     model = tiny_model("llama")
     lm = AsyncTransformer(model, tokenizer)
     try:
@@ -621,6 +633,7 @@ async def test_peft_adapter_injected_then_merged(tokenizer):
 # ---------------------------------------------------------------------------- fallback, sharing
 
 
+@needs_fused
 @pytest.mark.asyncio
 async def test_unknown_architecture_runs_transformers(tokenizer):
     import transformers as tf
@@ -648,6 +661,7 @@ async def test_unknown_architecture_runs_transformers(tokenizer):
         lm.cleanup()
 
 
+@needs_fused
 @pytest.mark.asyncio
 async def test_non_float32_model_runs_transformers(tokenizer):
     model = tiny_model("llama").double()
@@ -660,6 +674,7 @@ async def test_non_float32_model_runs_transformers(tokenizer):
         lm.cleanup()
 
 
+@needs_fused
 @pytest.mark.asyncio
 async def test_shared_model_and_cleanup(tokenizer):
     """Two AsyncTransformers over one model share one decoder; closing one leaves the other
@@ -670,10 +685,12 @@ async def test_shared_model_and_cleanup(tokenizer):
     assert decoder is not None and second._state.decoder is decoder
     gone = weakref.ref(decoder)
     del decoder
+    oracle = Oracle(model)
     ctx = [5, 6, 7, 8]
-    want = await first.next_token_logprobs(ctx)
+    assert_matches([await first.next_token_logprobs(ctx)], [ctx], oracle)
     first.cleanup()
-    torch.testing.assert_close(await second.next_token_logprobs(ctx), want, rtol=0, atol=1e-5)
+    ctxs = [ctx, ctx + [9]]  # one answered before, one new: both over the shared decoder
+    assert_matches(await second.batch_next_token_logprobs(ctxs), ctxs, oracle)
     assert gone() is not None
     second.cleanup()
     gc.collect()
@@ -683,6 +700,7 @@ async def test_shared_model_and_cleanup(tokenizer):
     assert model not in _states
 
 
+@needs_fused
 def test_describe_reasons():
     """What keeps a model off the fused path is named."""
     model = tiny_model("llama")
@@ -709,6 +727,7 @@ def test_describe_reasons():
         decoder_mod.describe(odd.to(torch.bfloat16))
 
 
+@needs_fused
 def test_info_names_the_forward_path(capsys):
     from genlm_fast.__main__ import info
 

@@ -12,16 +12,11 @@ import pytest
 import torch
 
 from genlm_fast.backend.llm import AsyncTransformer
-from genlm_fast.backend.llm import decoder as decoder_mod
 from genlm_fast.models import smollm2_path
+from tests.backend.fused import needs_fused
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        decoder_mod.fused_available() is not None,
-        reason=f"fused decoder: {decoder_mod.fused_available()}",
-    ),
-]
+# on a CPU with AVX-512F a missing or broken decoder fails (test_decoder.py says why)
+pytestmark = [pytest.mark.slow, needs_fused]
 
 TEXTS = [
     "The capital of France is",
@@ -51,11 +46,14 @@ def logprobs64(model, ctx):
 
 
 def assert_within_1e3(row, ctx, model):
-    """``row`` within 1e-3 of ``model``'s float64 log-probabilities after ``ctx`` (on tokens
-    above -20); returns those."""
+    """``row`` within 1e-3 of ``model``'s float64 log-probabilities after ``ctx``, on every
+    token (the LM head's ragged last panel included), plus 1e-4 of the magnitude for the
+    unlikely ones (float32 logits of size ~30 carry ~1e-5 of it); returns those."""
     want = logprobs64(model, ctx)
-    err = (row.double() - want)[want > -20].abs().max().item()
-    assert err < 1e-3, f"{len(ctx)} tokens: {err:.2e}"
+    assert row.shape == want.shape and torch.isfinite(row).all()
+    err = (row.double() - want).abs() - 1e-4 * want.abs()
+    worst = int(err.argmax())
+    assert err[worst] < 1e-3, f"{len(ctx)} tokens: token {worst}: {row[worst]} vs {want[worst]}"
     return want
 
 

@@ -48,6 +48,14 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
+def ref_vocab(tokenizer):
+    """genlm's own decoding of the vocabulary (for its tries, the oracles)."""
+    from genlm.backend.tokenization import decode_vocab
+
+    return decode_vocab(tokenizer)[0]
+
+
+@pytest.fixture(scope="module")
 def reference():
     """The same weights, untouched by any backend (genlm_fast packs its model's layers)."""
     return _tiny_llama()
@@ -243,13 +251,23 @@ async def test_add_query_is_answered_by_the_timer(tokenizer, reference):
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kind", ["character", "byte"])
-async def test_async_trie_task(kind, tokenizer):
+async def test_async_trie_task(kind, tokenizer, ref_vocab):
+    import genlm.backend.trie as ref_trie
+    import genlm.bytes.trie as ref_bytes
+
     from genlm_fast.backend.tokenization import decode_vocab
     from genlm_fast.backend.trie import AsyncTokenCharacterTrie
     from genlm_fast.bytes.trie import AsyncTokenByteTrie
 
     byte_vocab, _ = decode_vocab(tokenizer)
     vocab = byte_vocab[:300]
+    ref_vocab = ref_vocab[:300]
+    # the oracle: genlm's own trie over the same tokens, not our sync trie
+    ref = (
+        ref_trie.TokenCharacterTrie(ref_vocab)
+        if kind == "character"
+        else ref_bytes.TokenByteTrie(ref_vocab, device="cpu")
+    )
     trie = (
         AsyncTokenCharacterTrie.from_vocab(vocab)
         if kind == "character"
@@ -259,9 +277,14 @@ async def test_async_trie_task(kind, tokenizer):
     trie.start()
     task = trie._task
     assert isinstance(task, asyncio.Task) and not task.done()
-    row = torch.rand(len(vocab))
-    want = trie.trie.weight_sum(row)
-    torch.testing.assert_close(torch.as_tensor(await trie.weight_sum(row)), torch.as_tensor(want))
+    row = torch.rand(len(vocab), dtype=torch.float64)
+    want = ref.weight_sum(row.numpy() if kind == "character" else row)
+    torch.testing.assert_close(
+        torch.as_tensor(await trie.weight_sum(row), dtype=torch.float64),
+        torch.as_tensor(want, dtype=torch.float64),
+        rtol=1e-5,  # sums of up to 300 float32 weights
+        atol=1e-6,
+    )
     await trie.cleanup()
     assert trie._task is None and task.done()
 

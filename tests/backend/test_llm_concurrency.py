@@ -4,9 +4,12 @@
 duplicates), a quarter of the good ones cancelled at random moments, and malformed ones
 among them. Every request that is not cancelled gets the answer it gets alone (a lone
 request on a model sharing the weights, with no cache: a full forward of its context alone;
-equal up to float32 rounding, 1e-4, as batched and unbatched forwards are elsewhere), every
+bit for bit on the fused decoder, which is row- and batch-invariant; within float32
+rounding, 1e-4, on transformers' forward, whose padded batches round otherwise), every
 cancelled one its CancelledError (or its answer, if that came first), every malformed one
-the error naming its problem; and nothing is left queued or running afterwards.
+the error naming its problem; and nothing is left queued or running afterwards. Half the
+cancelled requests are cancelled before they first run (those must raise CancelledError,
+whatever the machine's speed), half at random moments (queued, mid-sample, or done).
 """
 
 import asyncio
@@ -18,7 +21,8 @@ import torch
 from genlm_fast.backend.llm import AsyncTransformer, UnknownLoraError
 from genlm_fast.models import smollm2_path
 
-pytestmark = pytest.mark.slow
+# 500 requests and their lone answers through the real model: longer than most tests
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 N_LOGPROBS = 300
 N_SAMPLES = 150
@@ -112,9 +116,14 @@ async def test_many_concurrent_requests_with_cancellations_and_bad_ones(lm):
     for i in order:
         kind, args, _ = requests[i]
         tasks[i] = asyncio.create_task(_ask(lm, kind, args))
-    victims = set(rng.sample(range(len(good)), int(CANCEL_SHARE * len(good))))
-    for i in victims:  # at random moments: before its first batch, while queued, mid-sample
-        loop.call_later(rng.uniform(0.0, 1.0), tasks[i].cancel)
+    victims = rng.sample(range(len(good)), int(CANCEL_SHARE * len(good)))
+    early = set(victims[::2])
+    for i in victims:
+        if i in early:  # before the task first runs: it must end cancelled
+            tasks[i].cancel()
+        else:  # at random moments: while queued, mid-sample, or after its answer
+            loop.call_later(rng.uniform(0.0, 1.0), tasks[i].cancel)
+    victims = set(victims)
     results = dict(zip(tasks, await asyncio.gather(*tasks.values(), return_exceptions=True)))
 
     # nothing left behind: no queued row, no wakeup, no task
@@ -123,6 +132,9 @@ async def test_many_concurrent_requests_with_cancellations_and_bad_ones(lm):
     assert asyncio.all_tasks() == {asyncio.current_task()}
 
     answers = await _alone(lm, good)
+    # the fused decoder answers bit for bit whatever the batch; transformers' forward within
+    # float32 rounding
+    atol = 0.0 if lm.forward_path == "fused" else 1e-4
     cancelled = 0
     for i, (kind, _args, _) in enumerate(good):
         got = results[i]
@@ -132,10 +144,12 @@ async def test_many_concurrent_requests_with_cancellations_and_bad_ones(lm):
             continue
         assert not isinstance(got, BaseException), f"request {i} ({kind}) failed: {got!r}"
         if kind == "logprobs":
-            torch.testing.assert_close(got, answers[i], rtol=0, atol=1e-4)
+            torch.testing.assert_close(got, answers[i], rtol=0, atol=atol)
         else:
             assert got == answers[i], f"sample {i}: {got} alone {answers[i]}"
-    assert cancelled >= len(victims) // 4, (cancelled, len(victims))
+    for i in early:
+        assert isinstance(results[i], asyncio.CancelledError), f"request {i}: {results[i]!r}"
+    assert cancelled >= len(early)
     for j, (kind, args, (error, words)) in enumerate(bad):
         got = results[len(good) + j]
         assert isinstance(got, error) and words in str(got), (kind, args, got)
@@ -143,4 +157,4 @@ async def test_many_concurrent_requests_with_cancellations_and_bad_ones(lm):
     # and the model still answers, as it would alone
     ctx = good[0][1][0]
     lm.clear_cache()
-    torch.testing.assert_close(await lm.next_token_logprobs(ctx), answers[0], rtol=0, atol=1e-4)
+    torch.testing.assert_close(await lm.next_token_logprobs(ctx), answers[0], rtol=0, atol=atol)

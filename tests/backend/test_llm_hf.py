@@ -22,6 +22,7 @@ from genlm_fast.backend.llm import (
     load_model_by_name,
 )
 from genlm_fast.models import smollm2_path
+from tests.backend.forward64 import load_ref64, logprobs64
 from tests.backend.ownership import check_callers_own_their_rows
 from tests.lora import make_lora_adapter
 
@@ -59,17 +60,7 @@ def prompts(lm):
 
 @pytest.fixture(scope="module")
 def ref64(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).double()
-    model.eval()
-    return model
-
-
-def logprobs64(model, ctx):
-    with torch.no_grad():
-        logits = model(torch.tensor([list(ctx)]), logits_to_keep=1).logits[0, -1]
-    return torch.log_softmax(logits, dim=-1)
+    return load_ref64(model_dir)
 
 
 def assert_close_where_likely(ours, ref, atol=1e-3, floor=-20.0):

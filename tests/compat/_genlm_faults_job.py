@@ -14,10 +14,11 @@ programs of `bench.programs`:
   (``cleanup``) while they run.
 
 For each: what the caller got (the exception's type and message), how long it took to
-get it (a hang shows as the ``WAIT`` timeout), whether the LM's queue was empty afterwards,
-and whether the model (for ``closed``: the first model, which shares the weights) still gives
-exactly the clean run's result: the getting-started regex program is run once before any
-fault and once after each, seeded alike. Written to OUT.json.
+get it (a hang shows as the ``WAIT`` timeout), whether the LM's queue was empty afterwards
+(for ``closed``: the closed model's queue and the first model's, both), and whether the
+model (for ``closed``: the first model, which shares the weights) still gives exactly the
+clean run's result: the getting-started regex program is run once before any fault and
+once after each, seeded alike. Written to OUT.json.
 """
 
 from __future__ import annotations
@@ -122,7 +123,9 @@ async def main():
         await _after_batches(other, 3)
         other.cleanup()
         caught = await _caught(task)
-        caught.update(await usable(llm))
+        await asyncio.sleep(0.05)  # let the cancelled callers unwind
+        caught["closed_pending_after"] = len(other.queries)  # the closed model's own queue
+        caught.update(await usable(llm))  # the first model's queue, and its answers
         result[f"closed_{program}"] = caught
     return result
 

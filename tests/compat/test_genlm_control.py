@@ -36,7 +36,8 @@ import regex
 
 from tests.compat import _genlm_control_job as job
 
-pytestmark = pytest.mark.slow
+# the fixture runs two jobs, each loading the model (up to 900 s each)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOLERANCE = {"token": {"logw": 1e-3, "sequence": 2e-3}, "byte": {"logw": 2e-3, "sequence": 5e-3}}
@@ -125,7 +126,8 @@ def test_smc_samples_are_valid_and_scored_alike(runs, level):
         dropin["smc_scores"], real["other_smc_scores"], rtol=0, atol=TOLERANCE[level]["sequence"]
     )
     # both runs seed their RNGs alike, so they draw the same particles unless a draw falls
-    # within ~1e-4 of a decision boundary; then their SMC log weights must agree too
+    # within ~1e-4 of a decision boundary (test_smc_runs_drew_the_same_particles requires
+    # that they did); then their SMC log weights must agree too
     if dropin["smc"]["contexts"] == real["smc"]["contexts"]:
         np.testing.assert_allclose(
             dropin["smc"]["log_weights"],
@@ -133,3 +135,14 @@ def test_smc_samples_are_valid_and_scored_alike(runs, level):
             rtol=0,
             atol=TOLERANCE[level]["sequence"],
         )
+
+
+def test_smc_runs_drew_the_same_particles(runs):
+    """The SMC log weights above are compared only where both runs drew the same particles;
+    with two levels, each seeded alike, both must have, or that comparison may never run."""
+    differ = [
+        level
+        for level in ("token", "byte")
+        if runs["dropin"][level]["smc"]["contexts"] != runs["real"][level]["smc"]["contexts"]
+    ]
+    assert differ == [], f"different particles drawn at the {differ} level"

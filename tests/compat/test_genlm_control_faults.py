@@ -76,4 +76,5 @@ def test_a_cancelled_run(faults, program):
 def test_a_model_closed_under_a_running_sampler(faults, program):
     record = faults[f"closed_{program}"]
     _check(record, {"ModelClosedError", "QueriesResetError"})
+    assert record["closed_pending_after"] == 0, record  # nothing left in the closed one
     assert "clean" in record["message"] or "closed" in record["message"], record

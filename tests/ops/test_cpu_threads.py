@@ -128,9 +128,12 @@ _CHILD = textwrap.dedent("""
 )
 def test_a_busy_neighbour_takes_a_cpu_from_the_team_and_gives_it_back():
     """A process pinned to two CPUs, beside a busy loop pinned to one of them: the kernels'
-    team and torch's threads (after follow_contention) drop to one, and come back to two
-    when the loop ends. Other load on the machine may take CPUs too, so what is checked is
-    the busy loop's own share: the others' reading rises by most of a CPU while it runs."""
+    team and torch's threads (after follow_contention) drop to one, and follow the reading
+    back when the loop ends. Whatever else loads the machine, the busy loop alone keeps its
+    CPU busy for others (this process sleeps), so the reading during it is at least most of a
+    CPU; in every phase the team and torch's threads are what the reading gives by the rule
+    (csrc/cpu_threads.cpp: a CPU is free while others keep less than 0.65 of it busy), so
+    that with the loop gone and nothing else running they are two again."""
     import json
 
     env = dict(
@@ -148,12 +151,13 @@ def test_a_busy_neighbour_takes_a_cpu_from_the_team_and_gives_it_back():
     r = json.loads(out.stdout.strip().splitlines()[-1])
     before, during, after = r["before"], r["during"], r["after"]
     assert before["affinity_cpus"] == 2 and before["contention_known"]
-    assert during["others_busy"] - before["others_busy"] > 0.6, r
+    assert during["others_busy"] > 0.8, r  # the busy loop's own CPU
     assert during["free_cpus"] == 1 and during["team"] == 1, r
     assert during["torch_follows"] == 1 and during["torch_now"] == 1, r
-    if before["free_cpus"] == 2:  # the machine was otherwise idle: the CPU comes back
-        assert after["free_cpus"] == 2 and after["team"] == 2, r
-        assert after["torch_follows"] == 2 and after["torch_now"] == 2, r
+    for phase in (before, during, after):
+        free = max(1, min(phase["usable_cpus"], math.floor(2 - phase["others_busy"] + 0.35)))
+        assert phase["free_cpus"] == free, r
+        assert phase["team"] == free and phase["torch_follows"] == phase["torch_now"] == free, r
 
 
 def test_follow_contention_keeps_the_users_setting_as_its_cap(monkeypatch):

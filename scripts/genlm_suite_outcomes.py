@@ -19,8 +19,8 @@ run's ``genlm.backend`` / ``genlm.bytes`` did not resolve where that run must (t
 packages; this checkout's genlm_fast for the drop-in run), as each run records them: were
 the import hook to fail silently, both runs would test genlm and agree.
 ``KNOWN_DIFFERENCES`` lists the tests that demand what genlm_fast deliberately does
-otherwise; each is accepted only when it fails at the assertion named there
-(any other failure of it still counts).
+otherwise; each is accepted only on the machines where the difference applies and when it
+fails at the assertion named there (any other failure of it still counts).
 """
 
 from __future__ import annotations
@@ -74,8 +74,28 @@ MINIMUM_PASSED = {
     },
 }
 
-# node id -> (pattern the failure's message must match, why genlm_fast differs)
-KNOWN_DIFFERENCES: dict[str, tuple[str, str]] = {}
+
+def _cpu_lacks_avx512() -> bool:
+    """Whether this machine's CPU lacks AVX-512F (genlm_fast's fused decoder needs it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f" not in f.read()
+    except OSError:
+        return True
+
+
+# node id -> (pattern the failure's message must match, why genlm_fast differs, whether the
+# difference applies on this machine)
+KNOWN_DIFFERENCES: dict[str, tuple[str, str, object]] = {
+    "tests/test_hf_llm.py::test_caching": (
+        r"assert [-+0-9.e]+ == 0",
+        "without AVX-512 (no fused decoder) a context extending stored states runs "
+        "transformers' forward over them, whose rounding differs from a whole-context "
+        "forward in the last bits (genlm reuses states only after cache_kv); the fused "
+        "decoder is row-invariant and passes it",
+        _cpu_lacks_avx512,
+    ),
+}
 
 _outcomes: dict[str, str] = {}
 _messages: dict[str, str] = {}
@@ -199,6 +219,7 @@ def compare(name: str, real_path: str, dropin_path: str, regressed_path: str | N
         known = KNOWN_DIFFERENCES.get(nodeid)
         if (
             known
+            and known[2]()
             and dropin.get(nodeid) == "failed"
             and re.search(known[0], messages.get(nodeid, ""))
         ):

@@ -145,3 +145,34 @@ def test_the_recorder_reads_what_the_imports_resolve_to(hook):
     modules = json.loads(proc.stdout.strip().splitlines()[-1])
     assert G._wrong_modules("dropin" if hook else "real", modules) == []
     assert G._wrong_modules("real" if hook else "dropin", modules) != []
+
+
+@pytest.mark.parametrize("applies", [True, False])
+def test_a_known_difference_is_accepted_only_where_it_applies_and_as_named(
+    tmp_path, monkeypatch, applies
+):
+    nodeid = "tests/test_a.py::test_0"
+    monkeypatch.setitem(
+        G.KNOWN_DIFFERENCES, nodeid, (r"assert [-+0-9.e]+ == 0", "why", lambda: applies)
+    )
+    real_path = _write(tmp_path / "real.json", _outcomes(), _real_modules())
+
+    def dropin(message):
+        path = tmp_path / "dropin.json"
+        path.write_text(
+            json.dumps(
+                {
+                    "outcomes": _outcomes({nodeid: "failed"}),
+                    "messages": {nodeid: message},
+                    "modules": _dropin_modules(),
+                }
+            )
+        )
+        return str(path)
+
+    named = G.compare(
+        SUITE, real_path, dropin("t.py:81: AssertionError: assert 6.2e-07 == 0"), None
+    )
+    assert named == (0 if applies else 1)
+    # another failure of the same test still counts
+    assert G.compare(SUITE, real_path, dropin("t.py:74: AssertionError: 17"), None) == 1

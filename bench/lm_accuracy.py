@@ -43,18 +43,14 @@ def _contexts(tokenizer, count):
 
 def _errors(count, kernel):
     """Errors of ``kernel``, one per context (runs in the child)."""
-    import functools
-
     import torch
     from transformers import AutoModelForCausalLM
 
-    from genlm_fast.backend.llm import AsyncTransformer, cpu_linear, hf
+    from genlm_fast.backend.llm import AsyncTransformer
     from genlm_fast.models import smollm2_path
 
-    # AsyncTransformer packs its linear layers with the default kernel: this child's instead
-    hf.pack_linear_layers = functools.partial(cpu_linear.pack_linear_layers, kernel=kernel)
     path = smollm2_path()
-    lm = AsyncTransformer.from_name(path)
+    lm = AsyncTransformer.from_name(path, cpu_linear=kernel)
     oracle = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
     errors = []
     for ctx in _contexts(lm.tokenizer, count):

@@ -88,7 +88,8 @@ def _cpu_lacks_avx512() -> bool:
 # difference applies on this machine)
 KNOWN_DIFFERENCES: dict[str, tuple[str, str, object]] = {
     "tests/test_hf_llm.py::test_caching": (
-        r"assert [-+0-9.e]+ == 0",
+        # the second comparison: the prompt over the preprompt's stored states
+        r"test_hf_llm\.py:81: AssertionError: .*\nassert (np\.float64\()?[-+0-9.e]+\)? == 0",
         "without AVX-512 (no fused decoder) a context extending stored states runs "
         "transformers' forward over them, whose rounding differs from a whole-context "
         "forward in the last bits (genlm reuses states only after cache_kv); the fused "

@@ -400,3 +400,23 @@ def test_smollm2_packed_and_given_back(kernel, monkeypatch):
     assert int(packed[0, -1].argmax()) == int(plain[0, -1].argmax())
     lm.cleanup()
     assert not any("forward" in m.__dict__ for m in linears)
+
+
+def test_async_transformer_takes_the_kernel_as_an_argument():
+    """``AsyncTransformer(cpu_linear=...)`` reaches `pack_linear_layers`: "torch" leaves the
+    model's layers as they are, an unknown name is refused."""
+    from transformers import AutoTokenizer
+
+    from genlm_fast.backend.llm import AsyncTransformer
+    from genlm_fast.models import smollm2_path
+    from tests.backend.small_models import small_model
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path(quiet=True))
+    model = small_model(len(tok), "llama").float().cpu()
+    before = {name: type(m) for name, m in model.named_modules()}
+    lm = AsyncTransformer(model, tok, cpu_linear="torch")
+    assert lm._packed_linears == 0
+    assert {name: type(m) for name, m in model.named_modules()} == before
+    lm.cleanup()
+    with pytest.raises(ValueError, match="CPU linear kernel must be"):
+        AsyncTransformer(model, tok, cpu_linear="mkl")

@@ -132,6 +132,10 @@ class AsyncTransformer(BatchedAsyncLM):
             `PagedPoolFull`, naming the budget. Off by default: it replaces the fused CPU
             decoder and the CUDA-graph buckets of ``cuda_graphs`` for this model. Models
             with cross-attention or per-layer rescaled scores are refused (ValueError).
+        cpu_linear (str, optional): The kernel of the linear layers of transformers' forward
+            on the CPU, where the fused decoder does not run (`cpu_linear.choose_kernel`:
+            ``"auto"``, ``"avx512"``, ``"onednn"`` or ``"torch"`` for torch's own layers).
+            Defaults to "auto".
 
     On a CPU with AVX-512, a float32, bfloat16 or float16 model of a family the fused decoder
     knows (Llama and SmolLM, Mistral, Qwen2, Qwen3, Gemma, Gemma2, GPT-2) runs its forwards of up to
@@ -232,6 +236,7 @@ class AsyncTransformer(BatchedAsyncLM):
         kv_cache_bytes=None,
         cuda_graphs=None,
         paged_kv=False,
+        cpu_linear="auto",
     ):
         self.model = hf_model
         self.model.eval()
@@ -243,7 +248,9 @@ class AsyncTransformer(BatchedAsyncLM):
         self._state, self._generation = state, state.generation
         # the fused decoder has its own packed copies; transformers' forward then runs only
         # long prefills and adapters, on torch's own layers
-        self._packed_linears = 0 if state.decoder is not None else pack_linear_layers(hf_model)
+        self._packed_linears = (
+            0 if state.decoder is not None else pack_linear_layers(hf_model, cpu_linear)
+        )
         if self._packed_linears:
             _packers[hf_model] = _packers.get(hf_model, 0) + 1
         super().__init__(

@@ -220,7 +220,46 @@ class _SlotPool:
             self.free = [(c, j) for c, j in self.free if c != chunk]
 
 
-class KVTrie:
+class TriePaths:
+    """What a trie of token ids (``self.root``, nodes with ``children`` by token and a
+    ``parent``) answers by path; the key/value tries share it. ``STATE``: the node attribute
+    that holds its key/value states (None: not stored)."""
+
+    STATE = "seg"
+
+    def walk(self, token_ids):
+        """How many leading tokens of ``token_ids`` the trie has nodes for (with or
+        without key/value states)."""
+        node = self.root
+        depth = 0
+        for tok in token_ids:
+            node = node.children.get(tok)
+            if node is None:
+                break
+            depth += 1
+        return depth
+
+    def next_tokens(self, token_ids):
+        """The tokens that extend the prefix ``token_ids`` in the trie, in insertion order
+        (empty if the trie has no node for that prefix)."""
+        node = self.root
+        for tok in token_ids:
+            node = node.children.get(tok)
+            if node is None:
+                return []
+        return list(node.children)
+
+    def _prune(self, node):
+        """Unlink ``node`` and its ancestors while they hold no states and no children."""
+        state = self.STATE
+        while node.parent is not None and getattr(node, state) is None and not node.children:
+            parent = node.parent
+            del parent.children[node.token]
+            node.parent = None
+            node = parent
+
+
+class KVTrie(TriePaths):
     """Key/value states of a causal LM, shared along a trie of token ids.
 
     Each node stands for a prefix and may hold the KV of its last position as a slice
@@ -376,38 +415,6 @@ class KVTrie:
                 node.seg = None
                 self._prune(node)
         seg.nodes = []
-
-    @staticmethod
-    def _prune(node):
-        while node.parent is not None and node.seg is None and not node.children:
-            parent = node.parent
-            del parent.children[node.token]
-            node.parent = None
-            node = parent
-
-    # ---- reading the trie by path (genlm's cache-trie API is built on these) ----------
-
-    def walk(self, token_ids):
-        """How many leading tokens of ``token_ids`` the trie has nodes for (with or
-        without key/value states)."""
-        node = self.root
-        depth = 0
-        for tok in token_ids:
-            node = node.children.get(tok)
-            if node is None:
-                break
-            depth += 1
-        return depth
-
-    def next_tokens(self, token_ids):
-        """The tokens that extend the prefix ``token_ids`` in the trie, in insertion order
-        (empty if the trie has no node for that prefix)."""
-        node = self.root
-        for tok in token_ids:
-            node = node.children.get(tok)
-            if node is None:
-                return []
-        return list(node.children)
 
     def drop_extensions(self, token_ids):
         """Forget the states of every context that strictly extends ``token_ids`` (the

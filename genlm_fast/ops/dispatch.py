@@ -98,6 +98,21 @@ def require_triton(device: torch.device):
         )
 
 
+def resolve_reference_or_triton(op: str, backend: str, device) -> str:
+    """The backend of an op offered as ``reference`` and ``triton`` that ``backend`` names on
+    ``device``: ``"auto"`` is Triton on CUDA where it runs, else the reference."""
+    device = torch.device(device)
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_usable(device) else "reference"
+    if backend not in ("reference", "triton"):
+        raise ValueError(
+            f"unknown {op} backend {backend!r}; expected 'auto', 'reference' or 'triton'"
+        )
+    if backend == "triton":
+        require_triton(device)
+    return backend
+
+
 def _extension_usable(kind: str, device: torch.device) -> bool:
     if device.type != kind:
         return False

@@ -12,24 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from genlm_fast.ops.dispatch import require_triton, triton_usable
+from genlm_fast.ops.dispatch import resolve_reference_or_triton
 
 BACKENDS = ("reference", "triton")
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 TRITON_BLOCK = 1024  # logits per program per step (a row of 128k: 125 steps per pass)
-
-
-def resolve(backend: str, device) -> str:
-    device = torch.device(device)
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_usable(device) else "reference"
-    if backend not in BACKENDS:
-        raise ValueError(
-            f"unknown log_softmax_rows backend {backend!r}; expected 'auto' or one of {BACKENDS}"
-        )
-    if backend == "triton":
-        require_triton(device)
-    return backend
 
 
 def log_softmax_rows(
@@ -58,7 +45,7 @@ def log_softmax_rows(
         raise IndexError(f"destination rows must be in [0, {out.shape[0]})")
     if torch.unique(dst).numel() != dst.numel():
         raise ValueError("destination rows must be distinct")
-    chosen = resolve(backend, logits.device)
+    chosen = resolve_reference_or_triton("log_softmax_rows", backend, logits.device)
     if src.numel() == 0:
         return chosen
     if chosen == "triton":

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from genlm_fast.ops.dispatch import require_triton, triton_usable
+from genlm_fast.ops.dispatch import resolve_reference_or_triton
 
 BACKENDS = ("reference", "triton")
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -48,19 +48,6 @@ class PagedQuery:
     positions: torch.Tensor
     page: int
     window: int | None = None
-
-
-def resolve(backend: str, device) -> str:
-    device = torch.device(device)
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_usable(device) else "reference"
-    if backend not in BACKENDS:
-        raise ValueError(
-            f"unknown paged_attention backend {backend!r}; expected 'auto' or one of {BACKENDS}"
-        )
-    if backend == "triton":
-        require_triton(device)
-    return backend
 
 
 def check_inputs(query, k_pool, v_pool, where: PagedQuery):
@@ -119,7 +106,7 @@ def paged_attention(
     ``[B, T, heads, head_dim]`` in the query's dtype (the layout a decoder layer's output
     projection reads). See the module docstring for the semantics."""
     check_inputs(query, k_pool, v_pool, where)
-    chosen = resolve(backend, query.device)
+    chosen = resolve_reference_or_triton("paged_attention", backend, query.device)
     if chosen == "triton" and torch.float64 in (query.dtype, k_pool.dtype):
         raise TypeError("the 'triton' paged_attention backend takes 16- and 32-bit tensors")
     if chosen == "triton":

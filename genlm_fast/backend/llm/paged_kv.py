@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from genlm_fast.backend.cache import TriePaths
+
 __all__ = ["PagedKVPool", "PagedKVTrie", "PagedPlan", "PagedPoolFull", "RowPlan"]
 
 
@@ -127,11 +129,13 @@ class PagedPlan:
     appended: list = field(default_factory=list)  # (block, its fill before) of blocks continued
 
 
-class PagedKVTrie:
+class PagedKVTrie(TriePaths):
     """Key/value states of contexts in a `PagedKVPool`, shared along a trie of token ids
     (module docstring). ``match`` / ``gather`` / ``walk`` / ``next_tokens`` /
     ``drop_extensions`` / ``clear`` read and edit it as genlm's cache API does the CPU
     path's `KVTrie` (``match``'s second item is the matched node, which ``gather`` takes)."""
+
+    STATE = "block"
 
     def __init__(self, pool):
         self.pool = pool
@@ -193,25 +197,6 @@ class PagedKVTrie:
         n = torch.arange(length, device=blocks.device)
         slots = blocks[n // self.page] * self.page + n % self.page
         return self.pool.kv[:, :, slots].permute(0, 1, 3, 2, 4).contiguous()
-
-    def walk(self, token_ids):
-        """How many leading tokens of ``token_ids`` the trie has nodes for."""
-        node, depth = self.root, 0
-        for tok in token_ids:
-            node = node.children.get(tok)
-            if node is None:
-                break
-            depth += 1
-        return depth
-
-    def next_tokens(self, token_ids):
-        """The tokens that extend the prefix ``token_ids`` in the trie, in insertion order."""
-        node = self.root
-        for tok in token_ids:
-            node = node.children.get(tok)
-            if node is None:
-                return []
-        return list(node.children)
 
     # ---- a forward: plan, then commit or release ------------------------------------
 
@@ -376,14 +361,6 @@ class PagedKVTrie:
                 if not owners:
                     self._give_back(block)
         self._prune(node)
-
-    @staticmethod
-    def _prune(node):
-        while node.parent is not None and node.block is None and not node.children:
-            parent = node.parent
-            del parent.children[node.token]
-            node.parent = None
-            node = parent
 
     def drop_extensions(self, token_ids):
         """Forget the states of every context that strictly extends ``token_ids``."""

@@ -3,7 +3,6 @@ on each kernel that runs here: genlm_fast's small-batch kernel (csrc/linear_cpu.
 called raw, on each of its ISAs) and oneDNN's; on small layers and on the real SmolLM2
 through AsyncTransformer."""
 
-import functools
 
 import pytest
 import torch
@@ -381,17 +380,13 @@ def test_smollm2_packed_and_given_back(kernel, monkeypatch):
         raise hf.Unsupported("refused for this test")
 
     monkeypatch.setattr(hf, "FusedDecoder", refuse)
-    # AsyncTransformer packs with the default kernel; this test runs each in turn
-    monkeypatch.setattr(
-        hf, "pack_linear_layers", functools.partial(pack_linear_layers, kernel=kernel)
-    )
 
     path = smollm2_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = torch.tensor([AutoTokenizer.from_pretrained(path).encode("The capital of France is")])
     with torch.no_grad():
         plain = model(ids).logits
-    lm = AsyncTransformer(model, AutoTokenizer.from_pretrained(path))
+    lm = AsyncTransformer(model, AutoTokenizer.from_pretrained(path), cpu_linear=kernel)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert lm._packed_linears == len(linears) > 200
     with torch.no_grad():

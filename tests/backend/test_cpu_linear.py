@@ -3,7 +3,6 @@ on each kernel that runs here: genlm_fast's small-batch kernel (csrc/linear_cpu.
 called raw, on each of its ISAs) and oneDNN's; on small layers and on the real SmolLM2
 through AsyncTransformer."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F

@@ -122,9 +122,9 @@ async def test_kv_reuse_equals_no_cache(lm, prompts, monkeypatch):
     pasts = []
     run, run_fused = cached._run, cached._run_fused
 
-    def spy(plans, trie):
+    def spy(plans, trie, *rest):
         pasts.extend(d for _, d, _ in plans)
-        return run(plans, trie)
+        return run(plans, trie, *rest)
 
     def spy_fused(decoder, plans, trie):
         pasts.extend(d for _, d, _ in plans)

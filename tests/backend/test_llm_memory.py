@@ -210,7 +210,6 @@ _MEMORY_CHILD = textwrap.dedent("""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # (their modules load lazily)
     from genlm_fast.backend.llm import AsyncTransformer
     from genlm_fast.models import smollm2_path
-from tests.backend.forward64 import load_ref64, logprobs64
 
     def rss():
         with open("/proc/self/statm") as f:

@@ -780,7 +780,7 @@ class AsyncTransformer(BatchedAsyncLM):
         return out.logits[:, -1]
 
     # A KV buffer up to this size is kept for the next forward: a fresh one would be
-    # page-faulted in again (~5 ms for SmolLM2's 16 rows x 20 positions on a CPU VM).
+    # page-faulted in again, every forward of a decoding run.
     _KV_BUFFER_KEEP_BYTES = 64 << 20
 
     def _take_kv_buffer(self, shape, dtype, device):

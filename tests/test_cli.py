@@ -378,13 +378,14 @@ def test_cli_bad_numbers(args, capsys):
 
 
 def test_model_preparation_is_quiet_when_asked(model_dir, capsys):
-    from genlm_fast.models import _show_progress, smollm2_path
+    from genlm_fast.models import smollm2_path
+    from genlm_fast.models.store import show_progress
 
     assert smollm2_path(quiet=True) == model_dir  # prepared already: instant, silent
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == ""
-    assert _show_progress(True) is False and _show_progress(False) is True
-    assert _show_progress(None) is False  # pytest's captured stderr is not a terminal
+    assert show_progress(True) is False and show_progress(False) is True
+    assert show_progress(None) is False  # pytest's captured stderr is not a terminal
 
 
 def test_cli_printed_weights_are_normalized(model_dir, capsys):
@@ -471,13 +472,13 @@ def test_cli_cuda_is_checked_before_converting(tmp_path, monkeypatch, capsys):
     """--device cuda on a machine without CUDA fails at once, not after a conversion."""
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")
-    from genlm_fast import models
+    from genlm_fast.models import smollm2
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("converted a model before checking the device")
 
     monkeypatch.setenv("GENLM_FAST_CACHE", str(tmp_path))
-    monkeypatch.setattr(models, "_convert", no_conversion)
+    monkeypatch.setattr(smollm2, "_convert", no_conversion)
     assert main(["demo", "--device", "cuda"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "models")

@@ -1,6 +1,6 @@
 """genlm_fast.models: where the SmolLM2 copy goes, and how its cache directory is kept safe.
 
-The file-system tests replace the slow GGUF conversion (`models._convert`) by a stub that
+The file-system tests replace the slow GGUF conversion (`smollm2._convert`) by a stub that
 writes a tiny model directory; what they check is read back from the file system (files
 present or not, modes, whether safetensors can load the weights), not from genlm_fast.
 One slow test runs the real conversion into a temporary cache and compares the converted
@@ -19,6 +19,7 @@ import threading
 import pytest
 
 from genlm_fast import models
+from genlm_fast.models import smollm2, store
 
 SUBDIR = os.path.join("models", "smollm2-135m-instruct")
 
@@ -92,7 +93,7 @@ def test_existing_user_directory_is_not_overwritten(tmp_path, monkeypatch):
     """``smollm2_path(cache_dir=...)`` on a directory holding someone's files refuses,
     before converting anything, and leaves the files alone."""
     calls = []
-    monkeypatch.setattr(models, "_convert", fake_convert(calls))
+    monkeypatch.setattr(smollm2, "_convert", fake_convert(calls))
     target = tmp_path / "my models"
     target.mkdir()
     (target / "notes.txt").write_text("precious")
@@ -104,7 +105,7 @@ def test_existing_user_directory_is_not_overwritten(tmp_path, monkeypatch):
 
 
 def test_existing_file_is_not_overwritten(tmp_path, monkeypatch):
-    monkeypatch.setattr(models, "_convert", fake_convert())
+    monkeypatch.setattr(smollm2, "_convert", fake_convert())
     target = tmp_path / "model"
     target.write_text("a file")
     with pytest.raises(FileExistsError):
@@ -113,7 +114,7 @@ def test_existing_file_is_not_overwritten(tmp_path, monkeypatch):
 
 
 def test_empty_directory_and_unicode_path(tmp_path, monkeypatch):
-    monkeypatch.setattr(models, "_convert", fake_convert())
+    monkeypatch.setattr(smollm2, "_convert", fake_convert())
     target = tmp_path / "sp ace ü" / "empty"
     target.mkdir(parents=True)
     assert models.smollm2_path(str(target), quiet=True) == str(target)
@@ -137,7 +138,7 @@ def test_empty_directory_and_unicode_path(tmp_path, monkeypatch):
 def test_damaged_cache_is_converted_again(tmp_path, monkeypatch, damage):
     """A copy damaged after it was finished is not handed out: it is converted again."""
     calls = []
-    monkeypatch.setattr(models, "_convert", fake_convert(calls))
+    monkeypatch.setattr(smollm2, "_convert", fake_convert(calls))
     target = str(tmp_path / "smol")
     assert models.smollm2_path(target, quiet=True) == target and len(calls) == 1
     assert models.smollm2_path(target, quiet=True) == target and len(calls) == 1  # cached
@@ -155,7 +156,7 @@ def test_damaged_cache_is_converted_again(tmp_path, monkeypatch, damage):
     elif damage == "delete config":
         os.remove(os.path.join(target, "config.json"))
     else:
-        with open(os.path.join(target, models._MARKER), "w") as f:
+        with open(os.path.join(target, store._MARKER), "w") as f:
             f.write("[]")
     assert models.smollm2_path(target, quiet=True) == target
     assert len(calls) == 2
@@ -171,31 +172,31 @@ def test_damaged_cache_is_converted_again(tmp_path, monkeypatch, damage):
 def test_leftovers_of_killed_conversions_are_removed(tmp_path, monkeypatch):
     """A conversion killed half-way leaves its temporary directory (up to 538 MB); the next
     conversion removes it, unless its process still runs."""
-    monkeypatch.setattr(models, "_convert", fake_convert())
+    monkeypatch.setattr(smollm2, "_convert", fake_convert())
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     host = __import__("socket").gethostname()
-    for name, pid in ((".smollm2-killed", dead.pid), (".smollm2-running", os.getpid())):
+    for name, pid in ((".smol-killed", dead.pid), (".smol-running", os.getpid())):
         work = tmp_path / name
         work.mkdir()
         (work / "model.safetensors").write_bytes(b"\0" * 1000)  # half-written weights
         (work / ".genlm_fast_owner").write_text(json.dumps({"pid": pid, "host": host}))
-    old = tmp_path / ".smollm2-from-an-older-version"  # no owner file, untouched for 2 h
+    old = tmp_path / ".smol-from-an-older-version"  # no owner file, untouched for 2 h
     old.mkdir()
     (old / "config.json").write_text("{}")
     two_hours_ago = os.path.getmtime(old) - 7200
     os.utime(old, (two_hours_ago, two_hours_ago))
-    fresh = tmp_path / ".smollm2-just-started"  # no owner file yet, fresh: keep
+    fresh = tmp_path / ".smol-just-started"  # no owner file yet, fresh: keep
     fresh.mkdir()
     target = str(tmp_path / "smol")
     assert models.smollm2_path(target, quiet=True) == target and loads(target)
-    assert sorted(os.listdir(tmp_path)) == [".smollm2-just-started", ".smollm2-running", "smol"]
+    assert sorted(os.listdir(tmp_path)) == [".smol-just-started", ".smol-running", "smol"]
 
 
 def test_concurrent_conversions_agree(tmp_path, monkeypatch):
     """Two conversions finishing at the same moment: both return the one finished copy."""
     barrier = threading.Barrier(2)
-    monkeypatch.setattr(models, "_convert", fake_convert(barrier=barrier))
+    monkeypatch.setattr(smollm2, "_convert", fake_convert(barrier=barrier))
     target = str(tmp_path / "smol")
     results, errors = [], []
 
@@ -217,7 +218,7 @@ def test_concurrent_conversions_agree(tmp_path, monkeypatch):
 def test_permissions_follow_the_umask(tmp_path, monkeypatch):
     """mkdtemp makes 0700 directories and safetensors 0600 files; the finished copy gets
     the umask's permissions, so a shared $GENLM_FAST_CACHE is readable by its other users."""
-    monkeypatch.setattr(models, "_convert", fake_convert())
+    monkeypatch.setattr(smollm2, "_convert", fake_convert())
     target = str(tmp_path / "smol")
     old = os.umask(0o022)
     try:
@@ -263,9 +264,9 @@ def test_real_conversion_matches_transformers_reading_the_gguf(tmp_path):
     path = out.stdout.strip().splitlines()[-1]
     assert path == os.path.join(str(tmp_path), SUBDIR)
     assert sorted(os.listdir(os.path.join(str(tmp_path), "models"))) == ["smollm2-135m-instruct"]
-    assert not os.path.exists(os.path.join(path, models._OWNER))
+    assert not os.path.exists(os.path.join(path, store._OWNER))
 
-    folder, gguf = models._gguf_source()
+    folder, gguf = smollm2._gguf_source()
     ids = torch.tensor([[1, 504, 3575, 282, 4649, 314]])
     with torch.no_grad():
         plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

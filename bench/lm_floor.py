@@ -14,7 +14,7 @@ floor.
 
 Cases: 1, 4 and 16 rows x 1 and 2 new tokens over a cached past of 24 tokens (rows sharing
 the 15-token prompt of bench/test_bench_lm.py, as SMC particles do). Each round measures the
-bandwidth, then every case on the fused decoder (`engines.FusedEngine`, run through
+bandwidth, then every case on the fused decoder (`decoder.FusedEngine`, run through
 `engines.Forwards.run_on` with the trie insertions) and on transformers' forward over the same
 stored key/values (a second model with genlm_fast's packed CPU linear layers, the path before
 the fused decoder); the
@@ -58,7 +58,7 @@ def _contexts(tokenizer, rows, new):
 
 def _plans(lm, ctxs, new):
     """Each context's past (its first PAST tokens) stored in lm's trie, as `engines.Row`s."""
-    from genlm_fast.backend.llm.engines import Row
+    from genlm_fast.backend.llm.plan import Row
 
     trie = lm._kv_trie(None)
     lm._forward(None, [c[:PAST] for c in ctxs])

@@ -73,8 +73,7 @@ def smollm2_tokenizer():
 def make_lm(path, model, tokenizer, kv_tokens):
     """An AsyncTransformer on ``path`` whose forward is the stand-in (module docstring)."""
     from genlm_fast.backend.llm import AsyncTransformer
-    from genlm_fast.backend.llm.engines import GraphsEngine
-    from genlm_fast.backend.llm.graphs import DecodeGraphs
+    from genlm_fast.backend.llm.graphs import DecodeGraphs, GraphsEngine
     from genlm_fast.backend.llm.kv_buffer import buffer_cache
     from genlm_fast.backend.llm.paged_kv import PagedKVPool, PagedKVTrie
 

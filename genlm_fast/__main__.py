@@ -62,7 +62,7 @@ def info(model=None) -> int:
         f"(kernels here: {', '.join(cpu_linear.available_kernels()) or 'none'})"
     )
     from genlm_fast.backend.llm import decoder
-    from genlm_fast.backend.llm.engines import FusedEngine
+    from genlm_fast.backend.llm.decoder import FusedEngine
 
     why = decoder.fused_available()
     if why is None:

@@ -19,8 +19,12 @@ import torch
 
 from genlm_fast.backend.llm import AsyncTransformer
 from genlm_fast.backend.llm.checks import NonFiniteLogitsError
-from genlm_fast.backend.llm.engines import GraphsEngine
-from genlm_fast.backend.llm.graphs import CaptureFailed, DecodeGraphs, graphs_unsupported
+from genlm_fast.backend.llm.graphs import (
+    CaptureFailed,
+    DecodeGraphs,
+    GraphsEngine,
+    graphs_unsupported,
+)
 from tests.backend.small_models import ON_GPU, small_model, smc_rounds, tokenizer
 
 __all__ = ["tokenizer"]  # (a fixture)

@@ -21,7 +21,8 @@ from genlm_fast.backend.llm import (
     UnknownLoraError,
     load_model_by_name,
 )
-from genlm_fast.backend.llm.engines import EagerEngine, Row
+from genlm_fast.backend.llm.kv_buffer import EagerEngine
+from genlm_fast.backend.llm.plan import Row
 from genlm_fast.models import smollm2_path
 from tests.backend.forward64 import load_ref64, logprobs64
 from tests.backend.ownership import check_callers_own_their_rows

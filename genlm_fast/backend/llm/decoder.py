@@ -27,6 +27,7 @@ import mmap
 
 import torch
 
+from genlm_fast.backend.llm.checks import check_finite_logits
 from genlm_fast.backend.llm.decoder_spec import (
     FAMILIES,
     WEIGHT_DTYPES,
@@ -34,10 +35,12 @@ from genlm_fast.backend.llm.decoder_spec import (
     Unsupported,
     describe,
 )
+from genlm_fast.backend.llm.plan import Output, Row, row_ids
 
 __all__ = [
     "FAMILIES",
     "FusedDecoder",
+    "FusedEngine",
     "Unsupported",
     "WEIGHT_DTYPES",
     "fused_available",
@@ -222,3 +225,50 @@ def _strided_positions(data, keep):
         data = data.float().contiguous()
         keep.append(data)
     return data
+
+
+class FusedEngine:
+    """The `plan.Engine` of the fused decoder: the base model's forwards of up to
+    ``max_tokens`` new tokens (all rows together) in one call of the `FusedDecoder` that
+    ``state`` (`model_state.ModelState`) builds where the model allows it (and builds
+    again when its weights change)."""
+
+    name = "fused"
+    MAX_TOKENS = 64
+
+    def __init__(self, state):
+        self.state = state
+        self.max_tokens = self.MAX_TOKENS
+
+    def why_not(self, row, lora):
+        if self.state.decoder is None:
+            return self.state.reason
+        if lora is not None:
+            return "an adapter is active"
+        if row.new > self.max_tokens:
+            return f"more than {self.max_tokens} new tokens"
+        return None
+
+    def pack(self, rows, chosen):
+        """``chosen`` (indices of ``rows``) cut into forwards of at most ``max_tokens`` new
+        tokens, in order."""
+        chunks, chunk, size = [], [], 0
+        for i in chosen:
+            n = rows[i].new
+            if size + n > self.max_tokens:
+                chunks.append(chunk)
+                chunk, size = [], 0
+            chunk.append(i)
+            size += n
+        if chunk:
+            chunks.append(chunk)
+        return chunks
+
+    def run(self, rows, keep):
+        logits, segments = self.state.decoder.forward(rows)
+        check_finite_logits(logits, row_ids(rows))
+        return Output(logits, segments if keep else None)
+
+    def uncached(self, ids):
+        """The last position's logits [V] of ``ids`` run from scratch."""
+        return self.state.decoder.forward([Row(tuple(ids), 0, [])])[0][0]

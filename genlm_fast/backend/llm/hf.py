@@ -82,7 +82,7 @@ class AsyncTransformer(BatchedAsyncLM):
             True insists (an error on another device, a warning where it does not apply),
             False turns it off.
         paged_kv (bool, optional): Keep the key/value states in a paged pool on the model's
-            device (blocks of `engines.PagedEngine.PAGE` positions, ``kv_cache_tokens`` /
+            device (blocks of `paged_forward.PagedEngine.PAGE` positions, ``kv_cache_tokens`` /
             ``kv_cache_bytes`` of them, allocated once) and run every forward over it with an
             attention that reads each row's past in place, through its block table
             (`genlm_fast.backend.llm.paged_kv`, `genlm_fast.ops.paged_attention`); on a
@@ -100,7 +100,7 @@ class AsyncTransformer(BatchedAsyncLM):
 
     On a CPU with AVX-512, a float32, bfloat16 or float16 model of a family the fused decoder
     knows (Llama and SmolLM, Mistral, Qwen2, Qwen3, Gemma, Gemma2, GPT-2) runs its forwards of up to
-    `engines.FusedEngine.MAX_TOKENS` new tokens as one compiled call on packed copies of its weights
+    `decoder.FusedEngine.MAX_TOKENS` new tokens as one compiled call on packed copies of its weights
     (`genlm_fast.backend.llm.decoder`), reading and writing the cached keys and values in
     place; longer prefills, peft adapters and other models run transformers' forward, on
     CPU linear layers over prepacked weights (`genlm_fast.backend.llm.cpu_linear`).

@@ -14,9 +14,10 @@ floor.
 
 Cases: 1, 4 and 16 rows x 1 and 2 new tokens over a cached past of 24 tokens (rows sharing
 the 15-token prompt of bench/test_bench_lm.py, as SMC particles do). Each round measures the
-bandwidth, then every case on the fused decoder (`AsyncTransformer._run_fused`, with the
-trie insertions) and on transformers' forward over the same stored key/values (a second
-model with genlm_fast's packed CPU linear layers, the path before the fused decoder); the
+bandwidth, then every case on the fused decoder (`decoder.FusedEngine`, run through
+`engines.Forwards.run_on` with the trie insertions) and on transformers' forward over the same
+stored key/values (a second model with genlm_fast's packed CPU linear layers, the path before
+the fused decoder); the
 best of the rounds is kept for each (a shared VM's bandwidth moves by 2x within minutes:
 measuring everything in every round keeps the ratios honest). Every case's logits are
 checked against a float64 forward first (max |log-prob error| over tokens > -20).
@@ -56,14 +57,16 @@ def _contexts(tokenizer, rows, new):
 
 
 def _plans(lm, ctxs, new):
-    """Each context's past (its first PAST tokens) stored in lm's trie, as `_forward` plans."""
+    """Each context's past (its first PAST tokens) stored in lm's trie, as `engines.Row`s."""
+    from genlm_fast.backend.llm.plan import Row
+
     trie = lm._kv_trie(None)
     lm._forward(None, [c[:PAST] for c in ctxs])
     plans = []
     for c in ctxs:
         d, runs = trie.match(c, PAST)
         assert d == PAST
-        plans.append((c, d, runs))
+        plans.append(Row(c, d, runs))
     return plans, trie
 
 
@@ -94,7 +97,7 @@ def run(rounds=7, cases=CASES, dtype=torch.float32):
     decoder = lm._state.decoder
     # the path before: transformers' forward on packed linear layers, its own model
     hf = AsyncTransformer(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), lm.tokenizer)
-    hf.FUSED_MAX_TOKENS = 0
+    hf._forwards.fused.max_tokens = 0
     packed = pack_linear_layers(hf.model)
     ref64 = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).double().eval()
 
@@ -114,7 +117,7 @@ def run(rounds=7, cases=CASES, dtype=torch.float32):
             ctxs = _contexts(lm.tokenizer, rows, new)
             setups[rows, new] = (_plans(lm, ctxs, new), _plans(hf, ctxs, new))
             (plans, trie), _ = setups[rows, new]
-            logits = lm._run_fused(decoder, plans, trie)
+            logits = lm._forwards.run_on(lm._forwards.fused, plans, trie)[0]
             got = torch.log_softmax(logits.double(), -1)
             want = torch.log_softmax(ref64(torch.tensor([list(c) for c in ctxs])).logits[:, -1], -1)
             errors[rows, new] = float((got - want)[want > -20].abs().max())
@@ -127,8 +130,14 @@ def run(rounds=7, cases=CASES, dtype=torch.float32):
             for case in cases:
                 ((plans, trie), (hf_plans, hf_trie)) = setups[case]
                 for name, fn in (
-                    ("fused", lambda p=plans, t=trie: lm._run_fused(decoder, p, t)),
-                    ("transformers", lambda p=hf_plans, t=hf_trie: hf._run(p, t)),
+                    (
+                        "fused",
+                        lambda p=plans, t=trie: lm._forwards.run_on(lm._forwards.fused, p, t),
+                    ),
+                    (
+                        "transformers",
+                        lambda p=hf_plans, t=hf_trie: hf._forwards.run_on(hf._forwards.eager, p, t),
+                    ),
                 ):
                     t = time.perf_counter()
                     fn()

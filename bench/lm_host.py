@@ -73,9 +73,9 @@ def smollm2_tokenizer():
 def make_lm(path, model, tokenizer, kv_tokens):
     """An AsyncTransformer on ``path`` whose forward is the stand-in (module docstring)."""
     from genlm_fast.backend.llm import AsyncTransformer
-    from genlm_fast.backend.llm.graphs import DecodeGraphs
+    from genlm_fast.backend.llm.graphs import DecodeGraphs, GraphsEngine
     from genlm_fast.backend.llm.kv_buffer import buffer_cache
-    from genlm_fast.backend.llm.paged_kv import PagedKVPool
+    from genlm_fast.backend.llm.paged_kv import PagedKVPool, PagedKVTrie
 
     config = model.config
     L, H, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
@@ -85,16 +85,21 @@ def make_lm(path, model, tokenizer, kv_tokens):
     if path == "paged":
         lm = AsyncTransformer(model, tokenizer, paged_kv=True, kv_cache_tokens=kv_tokens)
 
-        def new_pool():
-            return PagedKVPool(L, H, D, torch.float32, "meta", kv_tokens // lm.PAGE + 1, lm.PAGE)
+        engine = lm._forwards.paged
 
-        lm._new_pool = new_pool
+        def new_trie(tokens, max_bytes):
+            blocks = kv_tokens // engine.PAGE + 1
+            return PagedKVTrie(PagedKVPool(L, H, D, torch.float32, "meta", blocks, engine.PAGE))
+
+        engine.new_trie = new_trie
         # a replay: the new states are written by the recorded forward, on the device
-        lm._paged._call = lambda kv, input_ids, *rest: logits[: input_ids.shape[0], -1]
+        engine.forward._call = lambda kv, input_ids, *rest: logits[: input_ids.shape[0], -1]
         return lm
 
     lm = AsyncTransformer(model, tokenizer, cuda_graphs=False, kv_cache_tokens=kv_tokens)
-    graphs = lm._graphs = DecodeGraphs(model, lm._keeps_logits, capture=False)
+    eager = lm._forwards.eager
+    graphs = DecodeGraphs(model, eager.keeps_logits, capture=False)
+    lm._forwards.graphs = GraphsEngine(graphs, eager)
 
     def bucket_call(bucket):
         # a replay: the recorded forward's cache object, its layers filled to the bucket's

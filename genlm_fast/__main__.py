@@ -61,14 +61,15 @@ def info(model=None) -> int:
         f"AsyncTransformer CPU linear layers: {linear} "
         f"(kernels here: {', '.join(cpu_linear.available_kernels()) or 'none'})"
     )
-    from genlm_fast.backend.llm import AsyncTransformer, decoder
+    from genlm_fast.backend.llm import decoder
+    from genlm_fast.backend.llm.decoder import FusedEngine
 
     why = decoder.fused_available()
     if why is None:
         print(
             "AsyncTransformer CPU forward: fused decoder for float32, bfloat16 and float16 "
             f"{', '.join(decoder.FAMILIES)} models (up to "
-            f"{AsyncTransformer.FUSED_MAX_TOKENS} new tokens a forward), else transformers' "
+            f"{FusedEngine.MAX_TOKENS} new tokens a forward), else transformers' "
             "forward on the linear layers above (AsyncTransformer.forward_path: which runs)"
         )
     else:
@@ -106,11 +107,11 @@ def model_memory(model) -> None:
 
     from genlm_fast.backend.cache import kv_bytes_per_position
     from genlm_fast.backend.llm import AsyncTransformer
-    from genlm_fast.backend.llm.hf import _is_missing_path
+    from genlm_fast.backend.llm.loader import is_missing_path
     from genlm_fast.models import resolve_model_name
 
     name = resolve_model_name(model)
-    if isinstance(name, str) and _is_missing_path(name):
+    if isinstance(name, str) and is_missing_path(name):
         raise FileNotFoundError(f"model directory {name!r} does not exist")
     config = AutoConfig.from_pretrained(name)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)

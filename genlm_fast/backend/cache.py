@@ -11,10 +11,11 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["KVSegment", "KVTrie", "OutputCache", "kv_bytes_per_position", "trim_heap"]
+__all__ = ["KVRun", "KVSegment", "KVTrie", "OutputCache", "kv_bytes_per_position", "trim_heap"]
 
 
 @functools.cache
@@ -155,6 +156,15 @@ class KVSegment:
             pool, chunk, index = self.slot
             self.slot = None
             pool.give_back(chunk, index)
+
+
+class KVRun(NamedTuple):
+    """Consecutive stored positions of a context, read from one segment: positions
+    ``start .. stop - 1`` of ``segment.data`` (``[layers, 2, kv_heads, length, head_dim]``)."""
+
+    segment: KVSegment
+    start: int
+    stop: int
 
 
 class _SlotPool:
@@ -309,8 +319,8 @@ class KVTrie(TriePaths):
         """Longest prefix of ``token_ids[:limit]`` whose KV is fully stored.
 
         Returns:
-            (tuple[int, list]): The prefix length, and its KV as runs
-            ``(segment, start, stop)`` in position order.
+            (tuple[int, list[KVRun]]): The prefix length, and its KV as runs in position
+            order.
         """
         if limit is None:
             limit = len(token_ids)
@@ -322,11 +332,10 @@ class KVTrie(TriePaths):
             if child is None or child.seg is None:
                 break
             node = child
-            if runs and runs[-1][0] is child.seg and runs[-1][2] == child.off:
-                seg, start, _ = runs[-1]
-                runs[-1] = (seg, start, child.off + 1)
+            if runs and runs[-1].segment is child.seg and runs[-1].stop == child.off:
+                runs[-1] = runs[-1]._replace(stop=child.off + 1)
             else:
-                runs.append((child.seg, child.off, child.off + 1))
+                runs.append(KVRun(child.seg, child.off, child.off + 1))
             depth += 1
         return depth, runs
 

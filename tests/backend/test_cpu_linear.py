@@ -223,7 +223,7 @@ def test_follows_weight_changes(kernel):
 def test_follows_edits_behind_the_version_counter(kernel):
     """Edits through ``.data`` move neither the version counter nor (in place) the storage:
     peft's merge_adapter does ``weight.data += delta``. The sampled snapshot sees edits of
-    the whole tensor; forget_packed_weights covers the rest."""
+    the whole tensor; drop_packed_copies (what reload_weights does) covers the rest."""
     layer = torch.nn.Linear(40, 300)
     pack_linear_layers(layer, kernel)
     x = torch.randn(5, 40)
@@ -244,7 +244,7 @@ def test_follows_edits_behind_the_version_counter(kernel):
         layer.weight.data[7, 3] += 1.0  # one entry, between the sampled ones:
         assert (7 * 40 + 3) % (300 * 40 // cpu_linear._PROBE_SIZE) != 0
         assert (layer(x) - float64_linear(layer, x).float()).abs().max() > 0.1  # not seen
-        cpu_linear.forget_packed_weights(layer)
+        cpu_linear.drop_packed_copies(layer)
         check()
 
 
@@ -372,13 +372,13 @@ def test_smollm2_packed_and_given_back(kernel, monkeypatch):
     back."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from genlm_fast.backend.llm import AsyncTransformer, hf
+    from genlm_fast.backend.llm import AsyncTransformer, model_state
     from genlm_fast.models import smollm2_path
 
     def refuse(model):
-        raise hf.Unsupported("refused for this test")
+        raise model_state.Unsupported("refused for this test")
 
-    monkeypatch.setattr(hf, "FusedDecoder", refuse)
+    monkeypatch.setattr(model_state, "FusedDecoder", refuse)
 
     path = smollm2_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

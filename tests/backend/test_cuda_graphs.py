@@ -19,7 +19,12 @@ import torch
 
 from genlm_fast.backend.llm import AsyncTransformer
 from genlm_fast.backend.llm.checks import NonFiniteLogitsError
-from genlm_fast.backend.llm.graphs import CaptureFailed, DecodeGraphs, graphs_unsupported
+from genlm_fast.backend.llm.graphs import (
+    CaptureFailed,
+    DecodeGraphs,
+    GraphsEngine,
+    graphs_unsupported,
+)
 from tests.backend.small_models import ON_GPU, small_model, smc_rounds, tokenizer
 
 __all__ = ["tokenizer"]  # (a fixture)
@@ -31,21 +36,23 @@ def with_buckets(model, tokenizer, length_step=None, max_buckets=None):
     on a GPU, eagerly on a CPU."""
     if ON_GPU:
         lm = AsyncTransformer(model, tokenizer)  # on by default
-        assert lm._graphs is not None and "CUDA graphs" in lm.forward_path
+        assert lm._forwards.graphs is not None and "CUDA graphs" in lm.forward_path
     else:
         lm = AsyncTransformer(model, tokenizer)
-        lm._graphs = DecodeGraphs(model, lm._keeps_logits, capture=False)
+        eager = lm._forwards.eager
+        buckets = DecodeGraphs(model, eager.keeps_logits, capture=False)
+        lm._forwards.graphs = GraphsEngine(buckets, eager)
     if length_step:
-        lm._graphs.LENGTH_STEP = length_step
+        lm._forwards.graphs.buckets.LENGTH_STEP = length_step
     if max_buckets:
-        lm._graphs.MAX_BUCKETS = max_buckets
+        lm._forwards.graphs.buckets.MAX_BUCKETS = max_buckets
     return lm
 
 
 def count_bucket_runs(lm, monkeypatch):
     """How many batches ran from a bucket (a list, appended to per run)."""
     runs = []
-    real = lm._graphs.run
+    real = lm._forwards.graphs.buckets.run
 
     def spy(plans, pad_id):
         done = real(plans, pad_id)
@@ -53,7 +60,7 @@ def count_bucket_runs(lm, monkeypatch):
             runs.append(len(plans))
         return done
 
-    monkeypatch.setattr(lm._graphs, "run", spy)
+    monkeypatch.setattr(lm._forwards.graphs.buckets, "run", spy)
     return runs
 
 
@@ -159,15 +166,15 @@ def test_cuda_graphs_option(tokenizer):
         with pytest.raises(ValueError, match="cuda_graphs=True needs a model on a CUDA device"):
             AsyncTransformer(model, tokenizer, cuda_graphs=True)
         lm = AsyncTransformer(model, tokenizer)
-        assert lm._graphs is None and "CUDA graphs" not in lm.forward_path
+        assert lm._forwards.graphs is None and "CUDA graphs" not in lm.forward_path
         lm.cleanup()
         return
     lm = AsyncTransformer(sliding, tokenizer)
-    assert lm._graphs is None  # quietly: it was not asked for
+    assert lm._forwards.graphs is None  # quietly: it was not asked for
     lm.cleanup()
     with pytest.warns(RuntimeWarning, match="keeps the eager forward"):
         lm = AsyncTransformer(sliding, tokenizer, cuda_graphs=True)
-    assert lm._graphs is None
+    assert lm._forwards.graphs is None
     lm.cleanup()
 
 
@@ -186,19 +193,19 @@ def test_a_forward_that_cannot_be_recorded_runs_eagerly(tokenizer, monkeypatch):
 
         monkeypatch.setattr(model.lm_head, "forward", syncing_head)
     else:
-        lm._graphs.capture = True
+        lm._forwards.graphs.buckets.capture = True
 
         def fails(bucket):
             raise CaptureFailed("RuntimeError: operation not permitted when stream is capturing")
 
-        monkeypatch.setattr(lm._graphs, "_record", fails)
+        monkeypatch.setattr(lm._forwards.graphs.buckets, "_record", fails)
     ids = tokenizer.encode("A prompt")
     try:
         want = [eager.next_token_logprobs_sync(ids + t) for t in ([], [4], [4, 5])]
         got = [lm.next_token_logprobs_sync(ids)]
         with pytest.warns(RuntimeWarning, match="could not be recorded as a CUDA graph"):
             got.append(lm.next_token_logprobs_sync(ids + [4]))
-        assert lm._graphs is None and "CUDA graphs" not in lm.forward_path
+        assert lm._forwards.graphs is None and "CUDA graphs" not in lm.forward_path
         got.append(lm.next_token_logprobs_sync(ids + [4, 5]))
         for w, g in zip(want, got):
             torch.testing.assert_close(g.double().cpu(), w.double().cpu(), atol=TOL, rtol=0)
@@ -226,7 +233,7 @@ def test_buckets_hold_to_their_byte_budget(tokenizer, monkeypatch):
     runs = count_bucket_runs(lm, monkeypatch)
     position = lm.kv_bytes_per_token  # one row, one position
     # room for a bucket of 2 rows x 8 positions, not for one of 1 x 8 beside it
-    lm._graphs.MAX_BYTES = (2 * 8 + 1) * position
+    lm._forwards.graphs.buckets.MAX_BYTES = (2 * 8 + 1) * position
     a, b = tokenizer.encode("One prompt"), tokenizer.encode("A second prompt")
     assert max(len(a), len(b)) < 6
     longer = [a + [7] * 12, b + [7] * 12]  # pasts of 13-17 positions: 2 x 24 is too large
@@ -239,12 +246,13 @@ def test_buckets_hold_to_their_byte_budget(tokenizer, monkeypatch):
             answers += m.batch_next_token_logprobs_sync(batches[1])
             if m is lm:
                 assert runs == [2, 1]
-                assert [key[:2] for key in lm._graphs._buckets] == [(1, 8)]  # rows, length
-                assert lm._graphs.nbytes() == 8 * position <= lm._graphs.MAX_BYTES
+                buckets = lm._forwards.graphs.buckets
+                assert [key[:2] for key in buckets._buckets] == [(1, 8)]  # rows, length
+                assert buckets.nbytes() == 8 * position <= buckets.MAX_BYTES
             m.batch_next_token_logprobs_sync(longer)  # prefills
             answers += m.batch_next_token_logprobs_sync(batches[2])
         assert runs == [2, 1]  # the last batch ran eagerly
-        assert lm._graphs.nbytes() <= lm._graphs.MAX_BYTES
+        assert lm._forwards.graphs.buckets.nbytes() <= lm._forwards.graphs.buckets.MAX_BYTES
         for g, w in zip(got, want):
             torch.testing.assert_close(g.double().cpu(), w.double().cpu(), atol=TOL, rtol=0)
     finally:

@@ -19,7 +19,7 @@ import weakref
 import pytest
 import torch
 
-from genlm_fast.backend.llm import AsyncTransformer, NonFiniteLogitsError
+from genlm_fast.backend.llm import AsyncTransformer, NonFiniteLogitsError, decoder_spec, model_state
 from genlm_fast.backend.llm import decoder as decoder_mod
 from genlm_fast.models import smollm2_path
 from tests.backend.fused import needs_fused
@@ -183,13 +183,14 @@ def assert_matches(rows, ctxs, oracle, atol=ATOL):
 def spy_fused(lm):
     """Record (past, new) of every row the fused decoder runs."""
     seen = []
-    run = lm._run_fused
+    engine = lm._forwards.fused
+    run = engine.run
 
-    def spy(decoder, plans, trie):
-        seen.extend((d, len(ids) - d) for ids, d, _ in plans)
-        return run(decoder, plans, trie)
+    def spy(rows, keep):
+        seen.extend((row.depth, row.new) for row in rows)
+        return run(rows, keep)
 
-    lm._run_fused = spy
+    engine.run = spy
     return seen
 
 
@@ -272,7 +273,7 @@ async def test_16_bit_weights_give_their_float32_copys_answers(family, dtype, to
 @needs_fused
 @pytest.mark.asyncio
 async def test_bfloat16_long_prefill_kept_as_float32_for_the_decoder(tokenizer):
-    """A bfloat16 model's prompt longer than FUSED_MAX_TOKENS runs transformers' (bfloat16)
+    """A bfloat16 model's prompt longer than FusedEngine.MAX_TOKENS runs transformers' (bfloat16)
     forward; its keys and values are stored as float32, which the fused steps read in
     place, and those steps' answers are the float32 copy's over the same stored states.
     An extension too long for the decoder runs transformers' forward over those float32
@@ -280,7 +281,7 @@ async def test_bfloat16_long_prefill_kept_as_float32_for_the_decoder(tokenizer):
     model = tiny_model("llama").to(torch.bfloat16)
     widened = copy.deepcopy(model).float()
     lm, lm32 = AsyncTransformer(model, tokenizer), AsyncTransformer(widened, tokenizer)
-    lm.FUSED_MAX_TOKENS = 8
+    lm._forwards.fused.max_tokens = 8
     try:
         seen = spy_fused(lm)
         rng = random.Random(5)
@@ -320,13 +321,13 @@ async def test_bfloat16_long_prefill_kept_as_float32_for_the_decoder(tokenizer):
 @needs_fused
 @pytest.mark.asyncio
 async def test_long_prefill_on_transformers_then_fused_decoding(tokenizer):
-    """A prompt longer than FUSED_MAX_TOKENS runs transformers' forward; its stored keys and
+    """A prompt longer than FusedEngine.MAX_TOKENS runs transformers' forward; its stored keys and
     values are then read by fused decoding steps, and a batch mixing both paths answers
     every row."""
     model = tiny_model("llama")
     oracle = Oracle(model)
     lm = AsyncTransformer(model, tokenizer)
-    lm.FUSED_MAX_TOKENS = 8
+    lm._forwards.fused.max_tokens = 8
     try:
         seen = spy_fused(lm)
         rng = random.Random(3)
@@ -536,11 +537,11 @@ def test_model_watch(edit, compiled, dtype, monkeypatch):
     check and the Python one the package falls back to without the extension, on float32
     and bfloat16 weights; the compiled one names the first dict or parameter that changed."""
     if not compiled:
-        monkeypatch.setattr(decoder_mod, "_module", lambda: None)
-    elif decoder_mod._module() is None:
+        monkeypatch.setattr(model_state, "_watch_module", lambda: None)
+    elif model_state._watch_module() is None:
         pytest.skip("the compiled extension is not built here")
     model = tiny_model("llama").to(dtype)
-    watch = decoder_mod.ModelWatch(model)
+    watch = model_state.ModelWatch(model)
     assert (watch._impl is not None) == compiled
     assert not watch.changed() and not watch.changed()
     if edit is None:
@@ -695,7 +696,7 @@ async def test_shared_model_and_cleanup(tokenizer):
     second.cleanup()
     gc.collect()
     assert gone() is None
-    from genlm_fast.backend.llm.hf import _states
+    from genlm_fast.backend.llm.model_state import _states
 
     assert model not in _states
 
@@ -706,25 +707,25 @@ def test_describe_reasons():
     model = tiny_model("llama")
     model.train()
     with pytest.raises(decoder_mod.Unsupported, match="training"):
-        decoder_mod.describe(model)
+        decoder_spec.describe(model)
     model.eval()
     model.model.layers[0].mlp.act_fn = torch.nn.Tanh()
     with pytest.raises(decoder_mod.Unsupported, match="Tanh"):
-        decoder_mod.describe(model)
+        decoder_spec.describe(model)
     with pytest.raises(decoder_mod.Unsupported, match="float64 on cpu, not float32, bf"):
-        decoder_mod.describe(tiny_model("qwen2").double())
+        decoder_spec.describe(tiny_model("qwen2").double())
     mixed = tiny_model("qwen2").to(torch.bfloat16)
     mixed.model.norm.float()
     with pytest.raises(decoder_mod.Unsupported, match="mix"):
-        decoder_mod.describe(mixed)
+        decoder_spec.describe(mixed)
     from transformers import AutoModelForCausalLM
 
     config = tiny_config("llama")
     config.intermediate_size = 73  # the down projection's input: odd
     odd = AutoModelForCausalLM.from_config(config).eval()
-    decoder_mod.describe(odd)  # float32: fine
+    decoder_spec.describe(odd)  # float32: fine
     with pytest.raises(decoder_mod.Unsupported, match="odd number of input features"):
-        decoder_mod.describe(odd.to(torch.bfloat16))
+        decoder_spec.describe(odd.to(torch.bfloat16))
 
 
 @needs_fused

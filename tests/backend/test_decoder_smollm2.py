@@ -99,11 +99,11 @@ def test_greedy_continuation_as_transformers(lm):
 
 @pytest.mark.asyncio
 async def test_long_prompt_then_fused_steps(lm, ref64):
-    """A prompt over FUSED_MAX_TOKENS is prefilled by transformers' forward; the fused
+    """A prompt over FusedEngine.MAX_TOKENS is prefilled by transformers' forward; the fused
     decoder continues from its stored keys and values."""
     lm.clear_cache()
     prompt = lm.tokenizer.encode(" ".join(TEXTS) * 3)
-    assert len(prompt) > lm.FUSED_MAX_TOKENS
+    assert len(prompt) > lm._forwards.fused.max_tokens
     await lm.next_token_logprobs(prompt)
     ctxs = [prompt + [100], prompt + [200, 300]]
     got = await lm.batch_next_token_logprobs(ctxs)

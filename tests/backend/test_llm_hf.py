@@ -21,6 +21,8 @@ from genlm_fast.backend.llm import (
     UnknownLoraError,
     load_model_by_name,
 )
+from genlm_fast.backend.llm.kv_buffer import EagerEngine
+from genlm_fast.backend.llm.plan import Row
 from genlm_fast.models import smollm2_path
 from tests.backend.forward64 import load_ref64, logprobs64
 from tests.backend.ownership import check_callers_own_their_rows
@@ -76,6 +78,12 @@ def sharing(lm, **kw):
     return AsyncTransformer(lm.model, lm.tokenizer, **kw)
 
 
+def engines_of(lm):
+    """The engines that run ``lm``'s forwards of `Row`s (`engines.Forwards`)."""
+    forwards = lm._forwards
+    return [e for e in (forwards.fused, forwards.eager, forwards.graphs) if e is not None]
+
+
 # ---------------------------------------------------------------------------- accuracy
 
 
@@ -120,18 +128,16 @@ async def test_kv_reuse_equals_no_cache(lm, prompts, monkeypatch):
     plain = sharing(lm, kv_cache_tokens=0)
     tiny = sharing(lm, kv_cache_tokens=12)  # constant eviction
     pasts = []
-    run, run_fused = cached._run, cached._run_fused
 
-    def spy(plans, trie, *rest):
-        pasts.extend(d for _, d, _ in plans)
-        return run(plans, trie, *rest)
+    def spy(run):
+        def spied(rows, keep):
+            pasts.extend(row.depth for row in rows)
+            return run(rows, keep)
 
-    def spy_fused(decoder, plans, trie):
-        pasts.extend(d for _, d, _ in plans)
-        return run_fused(decoder, plans, trie)
+        return spied
 
-    monkeypatch.setattr(cached, "_run", spy)
-    monkeypatch.setattr(cached, "_run_fused", spy_fused)
+    for engine in engines_of(cached):
+        monkeypatch.setattr(engine, "run", spy(engine.run))
     rng = random.Random(1)
     particles = [list(prompts[2]) for _ in range(3)] + [list(prompts[0])]
     for step in range(3):
@@ -170,12 +176,13 @@ async def test_kv_buffer_contents_never_leak(lm, prompts):
     masked gaps of rows with a shorter past or through the states stored for later. (The
     buffer belongs to transformers' forward: the fused decoder is turned off here.)"""
     cached = sharing(lm)
-    cached.FUSED_MAX_TOKENS = 0
+    cached._forwards.fused.max_tokens = 0
+    eager = cached._forwards.eager
     plain = sharing(lm, kv_cache_tokens=0)
     await cached.batch_next_token_logprobs([prompts[0], prompts[2], prompts[1][:4]])
     kept = torch.full((4 << 20,), float("nan"))
     for step in range(3):
-        cached._kv_buffer = kept
+        eager.kv_buffer = kept
         # pasts of 3 to ~14 positions in one forward: most rows have a masked gap
         ctxs = [
             prompts[0] + [5 + step],
@@ -184,7 +191,7 @@ async def test_kv_buffer_contents_never_leak(lm, prompts):
             prompts[2] + [8],
         ]
         got = await cached.batch_next_token_logprobs(ctxs)
-        assert cached._kv_buffer is kept  # the buffer was taken, used and given back
+        assert eager.kv_buffer is kept  # the buffer was taken, used and given back
         assert not torch.isnan(got).any()
         # (float32 noise of two different batchings: up to ~1.2e-4 on unlikely tokens)
         torch.testing.assert_close(
@@ -192,10 +199,10 @@ async def test_kv_buffer_contents_never_leak(lm, prompts):
         )
         kept.fill_(float("nan"))  # the states stored from it must be copies
     # memory: a buffer over the limit is not kept, and clear_kv_cache drops the kept one
-    cached._give_back_kv_buffer(torch.empty(cached._KV_BUFFER_KEEP_BYTES // 4 + 1))
-    assert cached._kv_buffer is kept
+    eager.give_back_kv_buffer(torch.empty(eager.KV_BUFFER_KEEP_BYTES // 4 + 1))
+    assert eager.kv_buffer is kept
     cached.clear_kv_cache()
-    assert cached._kv_buffer is None
+    assert eager.kv_buffer is None
 
 
 @pytest.mark.asyncio
@@ -436,8 +443,8 @@ async def test_bad_input_and_faults(lm, prompts, model_dir, monkeypatch, tmp_pat
     def explode(*args):
         raise RuntimeError("forward failed")
 
-    monkeypatch.setattr(broken, "_run", explode)
-    monkeypatch.setattr(broken, "_run_fused", explode)
+    for engine in engines_of(broken):
+        monkeypatch.setattr(engine, "run", explode)
     results = await asyncio.gather(
         *(broken.next_token_logprobs(prompts[i % 4] + [i]) for i in range(6)),
         return_exceptions=True,
@@ -468,16 +475,16 @@ def test_a_shared_model_is_unpacked_only_when_its_last_lm_closes(model_dir, monk
     closing the last gives the caller's model its own layers back."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from genlm_fast.backend.llm import hf
+    from genlm_fast.backend.llm import model_state
     from genlm_fast.backend.llm.cpu_linear import available_kernels
 
     if not available_kernels():
         pytest.skip("no packed CPU linear kernel runs on this machine")
 
     def refuse(model):
-        raise hf.Unsupported("refused for this test")
+        raise model_state.Unsupported("refused for this test")
 
-    monkeypatch.setattr(hf, "FusedDecoder", refuse)
+    monkeypatch.setattr(model_state, "FusedDecoder", refuse)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
@@ -501,12 +508,12 @@ def test_padding_aware_split():
     """Short rows share one forward; a long prefill does not pad a batch of decodes."""
 
     def plans(new_lengths):
-        return [(tuple(range(n + 3)), 3, []) for n in new_lengths]
+        return [Row(tuple(range(n + 3)), 3, []) for n in new_lengths]
 
-    assert AsyncTransformer._split(plans([1, 1, 1])) == [[0, 1, 2]]
-    assert AsyncTransformer._split(plans([1, 15, 1, 1, 14])) == [[0, 1, 2, 3, 4]]
-    assert AsyncTransformer._split(plans([2] + [1] * 15)) == [list(range(16))]
-    chunks = AsyncTransformer._split(plans([1, 200, 1, 1, 195, 1]))
+    assert EagerEngine.split(plans([1, 1, 1])) == [[0, 1, 2]]
+    assert EagerEngine.split(plans([1, 15, 1, 1, 14])) == [[0, 1, 2, 3, 4]]
+    assert EagerEngine.split(plans([2] + [1] * 15)) == [list(range(16))]
+    chunks = EagerEngine.split(plans([1, 200, 1, 1, 195, 1]))
     assert sorted(map(sorted, chunks)) == [[0, 2, 3, 5], [1, 4]]
 
 

@@ -186,13 +186,13 @@ def paged_lm(model, tokenizer, **kwargs):
 def count_steps(lm, monkeypatch):
     """How many rows each one-token step from a bucket ran (a list appended to per step)."""
     steps = []
-    real = lm._paged._step
+    real = lm._forwards.paged.forward._step
 
     def spy(rows, pool, pad_id):
         steps.append(len(rows))
         return real(rows, pool, pad_id)
 
-    monkeypatch.setattr(lm._paged, "_step", spy)
+    monkeypatch.setattr(lm._forwards.paged.forward, "_step", spy)
     return steps
 
 
@@ -206,7 +206,7 @@ def test_smc_rounds_match_a_float64_forward(tokenizer, monkeypatch, family, n_pa
     bucket."""
     model = small_model(len(tokenizer), family)
     lm = paged_lm(model, tokenizer)
-    lm.PAGE = 4
+    lm._forwards.paged.PAGE = 4
     steps = count_steps(lm, monkeypatch)
     prompts = [tokenizer.encode(PROMPTS[i % 3]) for i in range(n_particles)]
     answers = asyncio.run(smc_rounds(lm, prompts, 10, seed=n_particles))
@@ -225,8 +225,8 @@ def test_the_triton_kernel_in_the_model_under_the_interpreter(tokenizer):
     float32 copy of the model: within float32 rounding of float64."""
     model = small_model(len(tokenizer), "llama").float()
     lm = paged_lm(model, tokenizer)
-    lm.PAGE = 4
-    lm._paged.backend = "triton"
+    lm._forwards.paged.PAGE = 4
+    lm._forwards.paged.forward.backend = "triton"
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     answers = asyncio.run(smc_rounds(lm, prompts, 4, seed=3))
     check_against_float64("llama", answers, atol=5e-5)
@@ -267,7 +267,7 @@ def test_a_small_pool_evicts_and_still_answers_right(tokenizer):
     model = small_model(len(tokenizer), "llama")
     per_position = AsyncTransformer(model, tokenizer).kv_bytes_per_token
     lm = paged_lm(model, tokenizer, kv_cache_tokens=64)
-    lm.PAGE = 4
+    lm._forwards.paged.PAGE = 4
     assert lm.kv_bytes_per_token == per_position
     prompts = [tokenizer.encode(p) for p in PROMPTS] * 2
     answers = asyncio.run(smc_rounds(lm, prompts, 6, seed=5))

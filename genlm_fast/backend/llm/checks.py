@@ -18,11 +18,13 @@ __all__ = [
     "NonFiniteLogitsError",
     "QueriesResetError",
     "UnknownLoraError",
+    "check_byte_budget",
     "check_finite_logits",
     "check_sampling",
     "check_temperature",
     "check_token_ids",
     "context_list",
+    "learned_position_limit",
     "unknown_lora",
 ]
 
@@ -190,3 +192,36 @@ def check_token_ids(token_ids, vocab_size=None, allow_empty=False):
             bad = lo if lo < 0 else hi
             raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {vocab_size})")
     return ids
+
+
+def check_byte_budget(value):
+    """``kv_cache_bytes`` checked: None, or a whole number of bytes >= 0."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not 0 <= float(value) < float("inf")
+        or float(value) != int(value)
+    ):
+        raise ValueError(
+            f"kv_cache_bytes must be None or a whole number of bytes >= 0, got {value!r}"
+        )
+    return int(value)
+
+
+def learned_position_limit(model):
+    """How many positions a model with a learned position embedding (GPT-2's ``wpe``, OPT's
+    ``embed_positions``) has, or None for a model without one (rotary, ALiBi)."""
+    config = getattr(model, "config", None)
+    names = ("wpe", "embed_positions", "position_embeddings")
+    if not any(
+        name.rsplit(".", 1)[-1] in names and isinstance(module, torch.nn.Embedding)
+        for name, module in model.named_modules()
+    ):
+        return None
+    for key in ("n_positions", "max_position_embeddings", "n_ctx"):
+        limit = getattr(config, key, None)
+        if isinstance(limit, int) and limit > 0:
+            return limit
+    return None

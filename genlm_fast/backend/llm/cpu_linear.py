@@ -21,13 +21,13 @@ weight was replaced (another tensor or storage), changed in place through torch 
 counter moves), or changed behind the version counter through ``.data`` (as peft's
 ``merge_adapter`` does): a strided sample of `_PROBE_SIZE` of its entries is compared with a
 snapshot taken at packing, which sees any edit of the whole tensor. An edit of a few entries
-through ``.data`` can slip past the sample: then call `forget_packed_weights(model)`, which
-drops the copies (repacking SmolLM2 takes a fraction of a second, which is why
-``clear_cache`` does not). Inputs the kernels do not cover (another dtype or device, or
-anything that needs autograd) go to ``F.linear`` as before. The packed copies cost as much
-memory as the layers' weights. A layer whose weight has moved on (``model.to(dtype)``) drops
-its stale copy at its next product; a copy of the model (``copy.deepcopy``, ``torch.save``)
-packs its own weights.
+through ``.data`` can slip past the sample: `AsyncTransformer.reload_weights` announces it,
+and `drop_packed_copies` then drops the copies (repacking SmolLM2 takes a fraction of a
+second, which is why ``clear_cache`` does not). Inputs the kernels do not cover (another
+dtype or device, or anything that needs autograd) go to ``F.linear`` as before. The packed
+copies cost as much memory as the layers' weights. A layer whose weight has moved on
+(``model.to(dtype)``) drops its stale copy at its next product; a copy of the model
+(``copy.deepcopy``, ``torch.save``) packs its own weights.
 
 The ``kernel`` argument of `pack_linear_layers` picks the kernel: ``auto`` (the default:
 ``avx512`` where it runs, else ``onednn`` where this torch has it, else torch's own layers),
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 __all__ = [
     "pack_linear_layers",
     "unpack_linear_layers",
-    "forget_packed_weights",
+    "drop_packed_copies",
     "available_kernels",
     "choose_kernel",
     "SMALL_BATCH_ROWS",
@@ -243,11 +243,12 @@ def unpack_linear_layers(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             module.__dict__.pop("forward", None)
-    forget_packed_weights(model)
+    drop_packed_copies(model)
 
 
-def forget_packed_weights(model: torch.nn.Module) -> None:
-    """Drop the packed copies; the next product of each layer packs its weight afresh."""
+def drop_packed_copies(model: torch.nn.Module) -> None:
+    """Drop the packed copies; the next product of each layer packs its weight afresh
+    (`model_state.ModelState` does, when the model's weights changed)."""
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             module.__dict__.pop(_PACK, None)

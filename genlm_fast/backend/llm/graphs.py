@@ -32,9 +32,11 @@ from collections import OrderedDict
 
 import torch
 
+from genlm_fast.backend.llm.checks import check_finite_logits
 from genlm_fast.backend.llm.kv_buffer import buffer_cache, copy_pasts
+from genlm_fast.backend.llm.plan import Output, row_ids
 
-__all__ = ["CaptureFailed", "DecodeGraphs", "graphs_unsupported"]
+__all__ = ["CaptureFailed", "DecodeGraphs", "GraphsEngine", "graphs_unsupported"]
 
 
 class CaptureFailed(RuntimeError):
@@ -105,14 +107,14 @@ class DecodeGraphs:
         return 1 << (rows - 1).bit_length(), -(-(past + 1) // self.LENGTH_STEP) * self.LENGTH_STEP
 
     def run(self, plans, pad_id):
-        """One forward of ``plans`` (``(ids, depth, runs)``, each with one new token and a
-        stored past) from its bucket: ``(logits [B, V], kv, cache)``, the logits a copy,
+        """One forward of ``plans`` (`plan.Row`s, each with one new token and a stored
+        past) from its bucket: ``(logits [B, V], kv, cache)``, the logits a copy,
         ``kv`` the bucket's buffer and ``cache`` the forward's cache (their positions
         ``length - 1`` hold the new states, read them before the next `run`); or None when
         the bucket alone would be larger than `MAX_BYTES`."""
-        segment = plans[0][2][0][0].data  # [L, 2, H, T, D]
+        segment = plans[0].runs[0].segment.data  # [L, 2, H, T, D]
         L, two, H, _, D = segment.shape
-        rows, length = self.bucket_shape(len(plans), max(d for _, d, _ in plans))
+        rows, length = self.bucket_shape(len(plans), max(row.depth for row in plans))
         bucket = self._bucket((L, two, rows, H, length, D), segment.dtype, segment.device)
         if bucket is None:
             return None
@@ -147,8 +149,8 @@ class DecodeGraphs:
     def _fill(self, bucket, plans, pad_id):
         """The batch's tokens, positions, mask and pasts into the bucket's buffers."""
         B, length = len(plans), bucket.length
-        depths = torch.tensor([d for _, d, _ in plans] + [0] * (bucket.rows - B))
-        tokens = [ids[-1] for ids, _, _ in plans] + [pad_id] * (bucket.rows - B)
+        depths = torch.tensor([row.depth for row in plans] + [0] * (bucket.rows - B))
+        tokens = [row.ids[-1] for row in plans] + [pad_id] * (bucket.rows - B)
         bucket.input_ids.copy_(torch.tensor(tokens)[:, None])
         bucket.position_ids.copy_(depths[:, None])
         positions = torch.arange(length)
@@ -191,3 +193,37 @@ class DecodeGraphs:
             self.clear()
             raise CaptureFailed(f"{type(exc).__name__}: {exc}") from exc
         bucket.graph = graph
+
+
+class GraphsEngine:
+    """The `plan.Engine` of the buckets: batches of the base model whose rows each add one
+    token to a stored past, from the buckets of ``buckets`` (`DecodeGraphs`), their states
+    read from the bucket's buffer by ``eager`` (`kv_buffer.EagerEngine`: the same layout as
+    its own forward's)."""
+
+    name = "CUDA graphs"
+
+    def __init__(self, buckets: DecodeGraphs, eager):
+        self.buckets = buckets
+        self.eager = eager
+
+    def why_not(self, rows, lora):
+        if lora is not None:
+            return "an adapter is active"  # the recorded forwards are the base model's
+        if not all(row.new == 1 and row.depth for row in rows):
+            return "not every row is one token after a stored past"
+        return None
+
+    def run(self, rows, keep):
+        """The rows' `Output`, or None when their bucket alone would be too large.
+
+        Raises:
+            CaptureFailed: the forward could not be recorded (the buckets are gone).
+        """
+        done = self.buckets.run(rows, self.eager.pad_id)
+        if done is None:
+            return None
+        logits, kv, cache = done
+        check_finite_logits(logits, row_ids(rows))
+        states = self.eager.new_states(rows, kv.shape[4] - 1, cache, kv) if keep else None
+        return Output(logits, states)

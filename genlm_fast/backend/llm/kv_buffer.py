@@ -1,17 +1,26 @@
-"""Key/value buffers a transformers forward reads its past from and writes its new
-positions into: one ``[L, 2, B, H, T, D]`` tensor per forward, the rows' stored pasts copied
-in once (`copy_pasts`), each layer's new keys and values written in place after them
-(`buffer_cache`)."""
+"""transformers' forward over a padded batch (`EagerEngine`), and the key/value buffers it
+reads its past from and writes its new positions into: one ``[L, 2, B, H, T, D]`` tensor
+per forward, the rows' stored pasts copied in once (`copy_pasts`), each layer's new keys and
+values written in place after them (`buffer_cache`). `graphs.DecodeGraphs` fills its
+buckets' buffers the same way."""
 
 from __future__ import annotations
 
 import functools
+import math
+
+import torch
+
+from genlm_fast.backend.llm.checks import check_finite_logits
+from genlm_fast.backend.llm.plan import Output, row_ids
+
+__all__ = ["EagerEngine", "buffer_cache", "buffer_layer_class", "copy_pasts"]
 
 
 def copy_pasts(kv, plans, fill_to):
     """Copy each row's stored past into ``kv`` ``[L, 2, B, H, T, D]``: row ``i`` of
-    ``plans`` (``(ids, depth, runs)``, ``runs`` the `KVTrie` segments ``(segment, a, b)`` of
-    its first ``depth`` positions) to positions ``[0, depth)``, and zeros in
+    ``plans`` (`plan.Row`s, whose `KVRun`s hold the states of their first ``depth``
+    positions) to positions ``[0, depth)``, and zeros in
     ``[depth, fill_to)``: masked, but they must be finite (0 * NaN would poison the
     attention). Rows that read the same run to the same positions (the shared prompt of
     many particles) get it in one broadcast copy per block of consecutive rows."""
@@ -90,3 +99,174 @@ def buffer_cache(kv, filled):
     cache = DynamicCache()
     cache.layers = [layer(kv[i, 0], kv[i, 1], filled) for i in range(kv.shape[0])]
     return cache
+
+
+class EagerEngine:
+    """The `plan.Engine` of transformers' forward over a padded batch, its pasts copied
+    into a buffer kept from one forward to the next (module docstring). New tokens are
+    left-padded, so that every row's last token sits at the same position and the LM head
+    runs once per row (``logits_to_keep=1``)."""
+
+    name = "transformers"
+
+    # Cost model of one forward, in token-rows: a fixed overhead, plus the padded work,
+    # which costs no less than reading the weights once (small batches are memory-bound).
+    FORWARD_OVERHEAD = 16
+    MEMORY_FLOOR = 64
+    # A KV buffer up to this size is kept for the next forward: a fresh one would be
+    # page-faulted in again, every forward of a decoding run.
+    KV_BUFFER_KEEP_BYTES = 64 << 20
+
+    def __init__(self, model, state, pad_id, keeps_logits):
+        self.model = model
+        self.state = state
+        self.pad_id = pad_id
+        self.keeps_logits = keeps_logits
+        self.kv_buffer = None  # flat storage of the last forward's KV (`take_kv_buffer`)
+
+    def why_not(self, rows, lora):
+        return None  # it runs anything
+
+    @property
+    def kv_dtype(self):
+        """The dtype of the stored states: float32 where the fused decoder runs (its own
+        states, and a 16-bit model's prefills widened for it to read in place, not converted
+        again on every read), else the model's."""
+        return torch.float32 if self.state.decoder is not None else self.model.dtype
+
+    @classmethod
+    def split(cls, rows):
+        """Partition rows into forwards so that right-padding does not dominate.
+
+        Rows sorted by new-token count are cut into contiguous groups minimising
+        ``sum(overhead + max(floor, rows * longest))`` (exact, by dynamic programming).
+        Returns lists of indices of ``rows``.
+        """
+        order = sorted(range(len(rows)), key=lambda i: -rows[i].new)
+        lengths = [rows[i].new for i in order]
+        n = len(order)
+        best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j rows
+        cut = [0] * (n + 1)
+        for j in range(1, n + 1):
+            for i in range(j):  # rows i..j-1 in one forward; the longest is row i
+                cost = best[i] + cls.FORWARD_OVERHEAD + max(cls.MEMORY_FLOOR, (j - i) * lengths[i])
+                if cost < best[j]:
+                    best[j], cut[j] = cost, i
+        chunks = []
+        j = n
+        while j > 0:
+            chunks.append(sorted(order[cut[j] : j]))
+            j = cut[j]
+        return chunks[::-1]
+
+    def run(self, rows, keep):
+        dev = self.model.device
+        B = len(rows)
+        max_past = max(row.depth for row in rows)
+        max_new = max(row.new for row in rows)
+        pad = self.pad_id
+        input_ids, positions, mask = [], [], []
+        for ids, d, _ in rows:
+            n = len(ids) - d
+            input_ids.append([pad] * (max_new - n) + list(ids[d:]))
+            positions.append([0] * (max_new - n) + list(range(d, d + n)))
+            mask.append([1] * d + [0] * (max_past - d) + [0] * (max_new - n) + [1] * n)
+        kwargs = {
+            "input_ids": torch.tensor(input_ids, device=dev),
+            "attention_mask": torch.tensor(mask, device=dev),
+            "position_ids": torch.tensor(positions, device=dev),
+            "use_cache": keep,
+        }
+        if self.keeps_logits:
+            kwargs["logits_to_keep"] = 1
+        if not max_past:
+            out = self.model(**kwargs)
+            check_finite_logits(out.logits[:, -1], row_ids(rows))
+            states = self.new_states(rows, 0, out.past_key_values) if keep else None
+            return Output(out.logits[:, -1], states)
+
+        # The past and the new positions share one [L, 2, B, H, max_past + max_new, D]
+        # buffer, reused from the last forward: the rows' stored KV is copied in once, the
+        # model writes the new positions after it (_BufferLayer), and nothing is
+        # concatenated or zero-filled but the gaps of rows with a shorter past (masked,
+        # but they must be finite: 0 * NaN would poison the attention).
+        # (in the model's dtype: a bfloat16 model's stored states are float32, the fused
+        # decoder's, and copy_pasts converts)
+        seg = next(row.runs[0].segment for row in rows if row.depth)
+        L, _, H, _, D = seg.data.shape
+        shape = (L, 2, B, H, max_past + max_new, D)
+        storage = self.take_kv_buffer(shape, self.model.dtype, seg.data.device)
+        try:
+            kv = storage[: math.prod(shape)].view(shape)
+            copy_pasts(kv, rows, max_past)
+            kwargs["past_key_values"] = buffer_cache(kv, max_past)
+            out = self.model(**kwargs)
+            check_finite_logits(out.logits[:, -1], row_ids(rows))
+            # (a past came from the trie, so the states are kept)
+            states = self.new_states(rows, max_past, out.past_key_values, kv)
+        finally:
+            self.give_back_kv_buffer(storage)
+        return Output(out.logits[:, -1], states)
+
+    def take_kv_buffer(self, shape, dtype, device):
+        """Flat storage for at least ``prod(shape)`` elements: the kept one if it fits,
+        else a new one with room to grow (a context grows by a token a round)."""
+        need = math.prod(shape)
+        kept, self.kv_buffer = self.kv_buffer, None  # taken: no other caller shares it
+        if (
+            kept is not None
+            and kept.numel() >= need
+            and kept.dtype == dtype
+            and kept.device == device
+        ):
+            return kept
+        return torch.empty(need + need // 4, dtype=dtype, device=device)
+
+    def give_back_kv_buffer(self, storage):
+        if storage.numel() * storage.element_size() <= self.KV_BUFFER_KEEP_BYTES:
+            self.kv_buffer = storage
+
+    def new_states(self, rows, max_past, cache, kv=None):
+        """Each row's new positions, copied (the buffer is reused by the next forward): from
+        ``kv`` (the forward's buffer) when the model wrote them all there, else from the
+        cache's layers; None when the cache is not one whose states can be reused."""
+        from transformers.cache_utils import DynamicLayer
+
+        layers = getattr(cache, "layers", None)
+        max_new = max(row.new for row in rows)
+        reusable = (DynamicLayer, buffer_layer_class())  # not their subclasses (sliding...)
+        usable = bool(layers) and all(
+            type(layer) in reusable
+            and isinstance(getattr(layer, "keys", None), torch.Tensor)
+            and layer.keys.dim() == 4
+            and layer.keys.shape[2] == max_past + max_new
+            and layer.keys.device == layers[0].keys.device
+            and layer.keys.shape[1:] == layers[0].keys.shape[1:]
+            for layer in layers
+        )
+        if not usable:
+            return None
+        if (
+            kv is not None
+            and len(layers) == kv.shape[0]
+            and all(getattr(layer, "in_place", False) for layer in layers)
+        ):
+            new = kv[:, :, :, :, max_past:]  # [L, 2, B, H, max_new, D], a view
+        else:
+            new = torch.stack(
+                [
+                    torch.stack((layer.keys[:, :, max_past:], layer.values[:, :, max_past:]))
+                    for layer in layers
+                ]
+            )  # [L, 2, B, H, max_new, D]
+        dtype = self.kv_dtype
+        return [
+            new[:, :, i, :, max_new - row.new :].to(
+                dtype=dtype, memory_format=torch.contiguous_format, copy=True
+            )
+            for i, row in enumerate(rows)
+        ]
+
+    def uncached(self, ids):
+        ids_in = torch.tensor([list(ids)], device=self.model.device)
+        return self.model(ids_in, use_cache=False).logits[0, -1]

@@ -21,14 +21,19 @@ nothing. Other batches (prefills, mixed lengths) run eagerly, the same computati
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from genlm_fast.backend.cache import kv_bytes_per_position
+from genlm_fast.backend.llm.checks import check_finite_logits
+from genlm_fast.backend.llm.graphs import CaptureFailed
+from genlm_fast.backend.llm.paged_kv import PagedKVPool, PagedKVTrie
 from genlm_fast.ops.paged_attention import PagedQuery, paged_attention
 
-__all__ = ["ATTENTION", "PagedForward", "PagedStep", "paged_unsupported"]
+__all__ = ["ATTENTION", "PagedEngine", "PagedForward", "PagedStep", "paged_unsupported"]
 
 ATTENTION = "genlm_fast_paged"
 SCRATCH_SLOT = 0  # block 0 of every pool is scratch
@@ -302,3 +307,64 @@ class PagedForward:
             self.clear()
             raise CaptureFailed(f"{type(exc).__name__}: {exc}") from exc
         bucket.graph = graph
+
+
+class PagedEngine:
+    """The engine of ``paged_kv=True``: every forward of a model over its adapters' paged
+    pools (`PagedForward`). Rows are planned against a `PagedKVTrie` (which blocks they
+    read, which they write), run, and their states committed to the trie, or the blocks
+    given back if the forward failed."""
+
+    name = "paged"
+    PAGE = 16  # positions per block of the pool
+
+    def __init__(self, model, forward: PagedForward, pad_id):
+        self.model = model
+        self.forward = forward
+        self.pad_id = pad_id
+
+    def new_trie(self, tokens, max_bytes):
+        """A `PagedKVTrie` over a pool as large as the key/value budget."""
+        model = self.model
+        dtype = model.dtype
+        per_position = kv_bytes_per_position(model.config, dtype.itemsize)[0]
+        positions = tokens if max_bytes is None else min(tokens, max_bytes // per_position)
+        config = model.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+        head_dim = int(
+            getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        )
+        pool = PagedKVPool(
+            int(text.num_hidden_layers),
+            heads,
+            head_dim,
+            dtype,
+            model.device,
+            blocks=positions // self.PAGE + 1,
+            page=self.PAGE,
+        )
+        return PagedKVTrie(pool)
+
+    def run(self, rows, trie, lora):
+        """The last-position logits of ``rows`` (token id sequences), their states kept."""
+        plan = trie.plan(rows)
+        try:
+            # recorded steps are the base model's: an adapter's forwards run eagerly
+            logits = self.forward.run(plan, trie.pool, self.pad_id, buckets=lora is None)
+            check_finite_logits(logits, rows)
+        except CaptureFailed as exc:
+            trie.release_plan(plan)
+            warnings.warn(
+                f"paged_kv: {type(self.model).__name__}'s step could not be recorded as a "
+                f"CUDA graph, so it runs eagerly ({exc})",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self.forward.capture = False
+            return self.run(rows, trie, lora)
+        except BaseException:
+            trie.release_plan(plan)
+            raise
+        trie.commit(plan)
+        return logits

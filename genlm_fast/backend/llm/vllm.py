@@ -28,6 +28,10 @@ its rows back through vLLM's RPC queue, as a CPU tensor. Everything runs on the 
 runner (``VLLM_USE_V2_MODEL_RUNNER=0``, also set on import), whose logits-processor
 interface this uses. Import this module before vLLM is first imported, or set both
 variables yourself.
+
+(One module past 500 lines: the processor and `AsyncVirtualLM`, which drives it, share
+vLLM's imports, which the environment settings below must precede, and worker processes
+find the processor by this module's name.)
 """
 
 from __future__ import annotations

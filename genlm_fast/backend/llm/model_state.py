@@ -1,0 +1,167 @@
+"""What every `AsyncTransformer` over one model shares: `ModelState`.
+
+Several AsyncTransformers may wrap one model (``sharing`` it in tests, one per adapter set,
+...). What they derive from its weights is made once and owned here: the fused decoder's
+packed copies (`decoder.FusedDecoder`, or why there is none), the packed CPU linear layers of
+transformers' forward (`cpu_linear`, counted: the last AsyncTransformer to close gives the
+model its own layers back) and the one `ModelWatch` that notices the weights changing. When
+they change (noticed by the watch, or announced by `AsyncTransformer.reload_weights`), the
+packed copies are rebuilt and ``generation`` moves on, which tells each AsyncTransformer to
+forget the caches it computed before.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from genlm_fast.backend.llm.cpu_linear import (
+    drop_packed_copies,
+    pack_linear_layers,
+    unpack_linear_layers,
+)
+from genlm_fast.backend.llm.decoder import FusedDecoder, Unsupported
+from genlm_fast.ops import extension
+
+__all__ = ["ModelState", "ModelWatch"]
+
+# each model's ModelState, while an open AsyncTransformer uses it
+_states = weakref.WeakKeyDictionary()
+
+
+class ModelState:
+    """The packed weights of one model, who uses them, and the watch over its weights.
+
+    Get it with `attach`, give it back with `detach`."""
+
+    def __init__(self, model):
+        self.users = 0  # open AsyncTransformers over the model
+        self.linear_users = 0  # ... of them that packed its linear layers
+        self.generation = 0  # weight changes seen
+        self.stale = False
+        self.decoder = None
+        self.reason = None  # why there is no decoder
+        self.watch = None
+        self.rebuild(model, forget=False)
+
+    @classmethod
+    def attach(cls, model, cpu_linear):
+        """The model's state, one more user counted; its linear layers packed with kernel
+        ``cpu_linear`` (`cpu_linear.choose_kernel`) where the fused decoder does not run
+        (which has its own packed copies). Returns ``(state, layers packed)``."""
+        state = _states.get(model)
+        if state is None:
+            state = _states[model] = cls(model)
+        packed = 0 if state.decoder is not None else pack_linear_layers(model, cpu_linear)
+        state.users += 1
+        if packed:
+            state.linear_users += 1
+        return state, packed
+
+    def detach(self, model, packed):
+        """One user fewer (``packed``: it had packed the linear layers); the last one gives
+        the model its own layers back and drops the packed copies."""
+        self.users -= 1
+        if packed:
+            self.linear_users -= 1
+            if self.linear_users == 0:  # the caller's model gets its own layers back
+                unpack_linear_layers(model)
+        if self.users == 0 and _states.get(model) is self:
+            del _states[model]
+
+    def rebuild(self, model, forget=True):
+        """Read the model again; ``forget``: its answers may have changed, so the packed
+        linear copies and the caches computed before go too (not for an adapter loaded
+        through `AsyncTransformer`, which leaves the base model's answers as they were)."""
+        self.stale = False
+        self.decoder = None  # the old packed copies go before new ones are made
+        try:
+            self.decoder, self.reason = FusedDecoder(model), None
+        except Unsupported as exc:
+            self.reason = str(exc)
+        self.watch = ModelWatch(model)
+        if forget:
+            drop_packed_copies(model)
+            self.generation += 1
+
+    def weights_changed(self):
+        """Say that the weights changed in a way the watch may not see: the next `sync`
+        rebuilds."""
+        self.stale = True
+
+    def sync(self, model):
+        """Rebuild if the model changed since the last build (or was said to)."""
+        if self.stale or self.watch.changed():
+            self.rebuild(model)
+
+
+def _watch_module():
+    """genlm_fast._C if it has the compiled `ModelWatch` check, else None."""
+    module = extension.load_module()
+    return module if module is not None and hasattr(module, "WeightWatch") else None
+
+
+class ModelWatch:
+    """Whether a model still is what it was when the watch was made: the same submodules and
+    parameters in place (none replaced, no adapter injected) and the parameters' contents
+    unchanged. `genlm_fast._C.WeightWatch` checks both in one call; without the compiled
+    extension the same checks run in Python, several times slower."""
+
+    def __init__(self, model):
+        # every dict of the model's structure, with the (name, object) items it held
+        self._dicts = []
+        for m in model.modules():
+            self._dicts.append((m._modules, list(m._modules.items())))
+            self._dicts.append((m._parameters, list(m._parameters.items())))
+        params = {}
+        for _, items in self._dicts[1::2]:
+            for _, p in items:
+                if p is not None:
+                    params[id(p)] = p
+        self._tensors = list(params.values())
+        module = _watch_module()
+        self._impl = module.WeightWatch(self._tensors, self._dicts) if module is not None else None
+        self._versions = (
+            None
+            if self._impl is not None
+            else [(p.data_ptr(), p.dtype, _version(p), _sample(p)) for p in self._tensors]
+        )
+
+    def changed(self) -> bool:
+        if self._impl is not None:
+            return self._impl.changed() >= 0
+        for d, items in self._dicts:
+            if len(d) != len(items) or any(d.get(name) is not obj for name, obj in items):
+                return True
+        for p, (data, dtype, version, (at, bits)) in zip(self._tensors, self._versions):
+            if (p.data_ptr(), p.dtype, _version(p)) != (data, dtype, version):
+                return True
+            if at is not None and not torch.equal(_bits(p.detach().reshape(-1)[at]), bits):
+                return True
+        return False
+
+
+def _bits(t):
+    """``t``'s elements as integers of their size, so that equal bits compare equal (NaN too)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(ints[t.element_size()]) if t.element_size() in ints else t
+
+
+def _sample(p):
+    """The entries ModelWatch compares (as WeightWatch does: all of a tensor of up to 4096,
+    else 8 evenly spaced) and their bits, or (None, None) for an empty tensor or one off the
+    CPU: reading a GPU tensor's entries back waits for the device, a wait per parameter and
+    forward (its pointer and version are still checked)."""
+    n = p.numel()
+    if n == 0 or p.device.type != "cpu":
+        return None, None
+    at = torch.arange(0, n, 1 if n <= 4096 else n // 8, device=p.device)
+    return at, _bits(p.detach().reshape(-1)[at]).clone()
+
+
+def _version(p):
+    try:
+        return p._version
+    except RuntimeError:  # an inference tensor has none
+        return None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import zlib
 from dataclasses import dataclass
@@ -252,9 +253,7 @@ def _write_weights(work: str, arch: Architecture, dtype: str, seed: int) -> None
     shapes = _tensor_shapes(arch)
     shards, current, size = [], [], 0
     for name, shape in shapes:
-        nbytes = torch_dtype.itemsize
-        for n in shape:
-            nbytes *= n
+        nbytes = torch_dtype.itemsize * math.prod(shape)
         if current and size + nbytes > _SHARD_BYTES:
             shards.append(current)
             current, size = [], 0

@@ -69,7 +69,7 @@ def is_ready(path: str, recipe: dict) -> bool:
     tokenizer, and whole weights.
 
     Checked on every call (a few KB read), so that a cache damaged after the fact (a weights
-    file truncated or deleted, a config overwritten) is converted again instead of being
+    file truncated or deleted, a config overwritten) is built again instead of being
     handed to transformers, which would fail on it with a low-level error.
     """
     info = _read_marker(path)
@@ -88,12 +88,8 @@ def is_ready(path: str, recipe: dict) -> bool:
     return bool(weights) and all(_safetensors_complete(os.path.join(path, n)) for n in weights)
 
 
-_OWNER = ".genlm_fast_owner"
-_STALE_S = 3600.0  # a work directory with no live owner, untouched this long, is a leftover
-
-
 def _owner_alive(work: str) -> bool | None:
-    """Whether the process converting into ``work`` still runs: True/False, or None when
+    """Whether the process building into ``work`` still runs: True/False, or None when
     that cannot be told (no owner file, or another machine sharing the cache)."""
     try:
         with open(os.path.join(work, _OWNER)) as f:

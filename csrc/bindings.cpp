@@ -1,7 +1,7 @@
 // Python bindings of genlm_fast's compiled ops: module genlm_fast._C (or genlm_fast_C when
 // JIT-built). Only the bindings live here; each op's checks and logic are in its own file
 // (trie_reduce_cpu_op.cpp, trie_reduce_cuda_op.cpp, decoder_cpu.cpp, linear_cpu.cpp,
-// cpu_threads.cpp).
+// linear_rows_cpu.cpp, cpu_threads.cpp).
 //
 //   trie_reduce_cpu(values, parent, node_of_leaf, leaf_token, empty_nodes, run_end, run_depth,
 //                   run_child_slot, run_join_slot, run_leaf, run_of, max_depth, reduction,
@@ -36,6 +36,10 @@
 //                   isa="auto") -> x @ weight.T + bias;  linear_best_isa() -> "avx512" | ...
 //                   the small-batch float32 linear layer of linear_cpu.cpp (AsyncTransformer's
 //                   decoding steps on the CPU: genlm_fast/backend/llm/cpu_linear.py)
+//   linear_rows(x, weight, bias, isa="auto") -> x @ weight.T + bias in float32, the weight
+//                   float32/bfloat16/float16 read in place (linear_rows_cpu.cpp: a 16-bit
+//                   model's transformers forward in float32, genlm_fast/backend/llm/widen.py);
+//                   linear_rows_best_isa() -> "avx2" | "baseline"
 //
 // The index arrays are the int32 arrays of genlm_fast.ops.layout.TrieLayout.device_arrays,
 // plus those the CUDA path derives once per layout (cuda_backend.py: `column_leaf[c]` = the
@@ -51,6 +55,7 @@
 #include "cpu_threads.h"
 #include "decoder_cpu.h"
 #include "linear_cpu.h"
+#include "linear_rows_cpu.h"
 #include "trie_reduce_ops.h"
 
 #include <pybind11/stl.h>
@@ -105,6 +110,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out_features"), pybind11::arg("isa") = "auto");
   m.def("linear_best_isa", &genlm_fast::cpu::linear_best_isa,
         "The widest linear_small_batch kernel this CPU runs: avx512 or baseline");
+  m.def("linear_rows", &genlm_fast::cpu::linear_rows,
+        "x @ weight.T + bias in float32 from a float32, bfloat16 or float16 weight read in place",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
+        pybind11::arg("isa") = "auto");
+  m.def("linear_rows_best_isa", &genlm_fast::cpu::linear_rows_best_isa,
+        "The widest linear_rows kernel this CPU runs: avx2 or baseline");
   {
     using genlm_fast::cpu::DecoderCPU;
     using genlm_fast::cpu::DecoderSpec;

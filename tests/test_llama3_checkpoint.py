@@ -203,3 +203,45 @@ def test_1b_distributions_are_peaked_and_depend_on_the_context(tmp_path_factory)
     mean = sum(entropies) / len(entropies)
     assert 0.5 < mean < 0.6 * math.log(llama3.VOCAB), entropies
     assert len(tops) >= 3, tops
+
+
+LONG_PROMPT = (
+    "The committee met on a grey Tuesday to settle the budget for the coming year. After "
+    "an hour of argument about the library's roof, the bridge over the river and the new "
+    "school buses, the chair proposed that every department cut its spending by a tenth, "
+    "except the hospital, whose costs had risen with the winter. Nobody agreed. The "
+    "treasurer then read out the figures for the last five years, line by line, while the "
+    "rain beat on the windows and the clock above the door ticked towards noon."
+)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_1b_bfloat16_long_prompt_and_steps_are_float64_of_its_weights():
+    """The 1B architecture in bfloat16, as a hub checkpoint loads: a prompt longer than the
+    fused forward takes and the steps after it, through AsyncTransformer, are within 1e-3
+    of a float64 forward of the very same bfloat16 weights (one float64 forward of the
+    whole context gives every prefix's answer)."""
+    from transformers import AutoModelForCausalLM
+
+    from genlm_fast.backend.llm import AsyncTransformer
+
+    path = llama3.llama3_path("llama3.2-1b", quiet=True)
+    tok = llama3.llama3_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    prompt = tok(LONG_PROMPT)["input_ids"]
+    assert len(prompt) > 100
+    lm = AsyncTransformer(model, tok)
+    try:
+        ctx = list(prompt)
+        rows = [await lm.next_token_logprobs(ctx)]
+        for _ in range(2):
+            ctx.append(int(rows[-1].argmax()))
+            rows.append(await lm.next_token_logprobs(ctx))
+    finally:
+        lm.cleanup()
+    oracle = model.double()  # in place: the bfloat16 weights, widened exactly
+    with torch.no_grad():
+        want = torch.log_softmax(oracle(torch.tensor([ctx])).logits[0].double(), -1)
+    for i, row in enumerate(rows):
+        assert (row.double() - want[len(prompt) - 1 + i]).abs().max() < 1e-3

@@ -23,6 +23,7 @@ CPU_SOURCES = (
     "cpu_threads.cpp",
     "decoder_cpu.cpp",
     "linear_cpu.cpp",
+    "linear_rows_cpu.cpp",
     "trie_reduce_cpu.cpp",
     "trie_reduce_cpu_op.cpp",
 )

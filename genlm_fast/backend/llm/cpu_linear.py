@@ -38,9 +38,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 
 import torch
 import torch.nn.functional as F
+
+from genlm_fast.backend.llm.memory import shortfall
 
 __all__ = [
     "pack_linear_layers",
@@ -216,7 +219,9 @@ def pack_linear_layers(model: torch.nn.Module, kernel: str = "auto") -> int:
     (`choose_kernel`; module docstring).
 
     Returns the number of layers changed: 0 when the choice is ``torch``, when no kernel runs
-    here, or when no layer is a float32 CPU linear. `unpack_linear_layers` undoes it.
+    here, when no layer is a float32 CPU linear, or when their packed copies would not fit
+    in the memory this process may still take (`memory.shortfall`: with a warning).
+    `unpack_linear_layers` undoes it.
 
     Raises:
         ValueError: ``kernel`` names no kernel, or one that does not run here.
@@ -224,25 +229,34 @@ def pack_linear_layers(model: torch.nn.Module, kernel: str = "auto") -> int:
     kernel = choose_kernel(kernel)
     if kernel is None:
         return 0
-    count = 0
-    for module in model.modules():
-        if (
-            type(module) is torch.nn.Linear
-            and module.weight.dtype == torch.float32
-            and module.weight.device.type == "cpu"
-        ):
-            # a partial of a module-level function, not a bound method: the module must still
-            # pickle (torch.save(model)) and deep-copy, with its copy bound to the copy
-            module.forward = functools.partial(_packed_forward, module, kernel)
-            count += 1
-    return count
+    layers = [
+        module
+        for module in model.modules()
+        if type(module) is torch.nn.Linear
+        and module.weight.dtype == torch.float32
+        and module.weight.device.type == "cpu"
+    ]
+    weights = {id(m.weight): m.weight for m in layers}.values()  # tied weights once
+    short = shortfall(
+        sum(w.numel() * w.element_size() for w in weights),
+        f"packing the linear layers for the {kernel} kernel",
+    )
+    if short is not None:
+        warnings.warn(f"{short}: they run torch's own layers", RuntimeWarning, stacklevel=3)
+        return 0
+    for module in layers:
+        # a partial of a module-level function, not a bound method: the module must still
+        # pickle (torch.save(model)) and deep-copy, with its copy bound to the copy
+        module.forward = functools.partial(_packed_forward, module, kernel)
+    return len(layers)
 
 
 def unpack_linear_layers(model: torch.nn.Module) -> None:
     """Give ``model``'s linear layers back their own forward and drop the packed copies."""
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.__dict__.pop("forward", None)
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, functools.partial) and forward.func is _packed_forward:
+            del module.__dict__["forward"]
     drop_packed_copies(model)
 
 

@@ -35,12 +35,14 @@ from genlm_fast.backend.llm.decoder_spec import (
     Unsupported,
     describe,
 )
+from genlm_fast.backend.llm.memory import shortfall
 from genlm_fast.backend.llm.plan import Output, Row, row_ids
 
 __all__ = [
     "FAMILIES",
     "FusedDecoder",
     "FusedEngine",
+    "NoRoom",
     "Unsupported",
     "WEIGHT_DTYPES",
     "fused_available",
@@ -144,6 +146,11 @@ def _pack(arch: Architecture, module):
     return module.DecoderCPU(spec, weights)
 
 
+class NoRoom(Unsupported):
+    """The fused decoder's packed weights would not fit in memory (the message says how
+    much they take and what the process may still take)."""
+
+
 class FusedDecoder:
     """A model's decoding forward in one compiled call (module docstring).
 
@@ -152,6 +159,8 @@ class FusedDecoder:
 
     Raises:
         Unsupported: the model is not one the decoder runs.
+        NoRoom: its packed copy of the weights would not fit in the memory this process
+            may still take (`memory.shortfall`).
     """
 
     def __init__(self, model):
@@ -159,6 +168,10 @@ class FusedDecoder:
         if why:
             raise Unsupported(why)
         arch = describe(model)
+        need = sum(w.numel() * w.element_size() for ws in arch.linears.values() for w, _ in ws)
+        short = shortfall(need, "the fused decoder's packed copy of the weights")
+        if short is not None:
+            raise NoRoom(short)
         module = _module()
         self.family = arch.family
         self.layers = arch.spec.layers

@@ -38,6 +38,7 @@ from genlm_fast.backend.llm.graphs import (
 from genlm_fast.backend.llm.kv_buffer import EagerEngine
 from genlm_fast.backend.llm.paged_forward import PagedEngine, PagedForward, paged_unsupported
 from genlm_fast.backend.llm.plan import Row
+from genlm_fast.backend.llm.widen import compute_dtype
 
 __all__ = ["Forwards"]
 
@@ -121,7 +122,7 @@ class Forwards:
     @property
     def kv_dtype(self):
         """The dtype of the stored key/value states."""
-        return self.model.dtype if self.paged is not None else self.eager.kv_dtype
+        return compute_dtype(self.model) if self.paged is not None else self.eager.kv_dtype
 
     def new_trie(self, tokens, max_bytes):
         """An empty trie of stored states for one adapter, within the budgets."""

@@ -103,12 +103,14 @@ class AsyncTransformer(BatchedAsyncLM):
     `decoder.FusedEngine.MAX_TOKENS` new tokens as one compiled call on packed copies of its weights
     (`genlm_fast.backend.llm.decoder`), reading and writing the cached keys and values in
     place; longer prefills, peft adapters and other models run transformers' forward, on
-    CPU linear layers over prepacked weights (`genlm_fast.backend.llm.cpu_linear`).
-    `forward_path` says which applies. Either way the copies are kept until `cleanup`, and
-    a forward that finds the model changed (a parameter replaced or edited, an adapter
-    injected) repacks them and forgets the cached keys, values and log-probabilities
-    computed before (`reload_weights` for the edits it cannot see); a query answered from the
-    output cache runs no forward, so call `clear_cache` too after editing weights.
+    CPU linear layers over prepacked weights (`genlm_fast.backend.llm.cpu_linear`). On the
+    CPU, a bfloat16 or float16 model computes in float32 either way, on its weights as stored
+    (`genlm_fast.backend.llm.widen`). `forward_path` says which applies. Either way the
+    copies are kept until `cleanup`, and a forward that finds the model changed (a parameter
+    replaced or edited, an adapter injected) repacks them and forgets the cached keys, values
+    and log-probabilities computed before (`reload_weights` for the edits it cannot see); a
+    query answered from the output cache runs no forward, so call `clear_cache` too after
+    editing weights.
 
     Raises (from the query methods):
         ValueError: a context longer than a model with learned position embeddings has
@@ -288,7 +290,7 @@ class AsyncTransformer(BatchedAsyncLM):
     def kv_bytes_per_token(self):
         """Bytes of key/value states one cached position takes (from the model's config
         and dtype: layers x 2 x key/value heads x head size x element size; float32 where
-        the fused decoder runs, whatever the model's dtype)."""
+        the model computes in float32, whatever its dtype)."""
         self._check_open()
         return kv_bytes_per_position(self.model.config, self._forwards.kv_dtype.itemsize)[0]
 

@@ -13,6 +13,7 @@ import torch
 
 from genlm_fast.backend.llm.checks import check_finite_logits
 from genlm_fast.backend.llm.plan import Output, row_ids
+from genlm_fast.backend.llm.widen import compute_dtype
 
 __all__ = ["EagerEngine", "buffer_cache", "buffer_layer_class", "copy_pasts"]
 
@@ -130,9 +131,9 @@ class EagerEngine:
     @property
     def kv_dtype(self):
         """The dtype of the stored states: float32 where the fused decoder runs (its own
-        states, and a 16-bit model's prefills widened for it to read in place, not converted
-        again on every read), else the model's."""
-        return torch.float32 if self.state.decoder is not None else self.model.dtype
+        states, read in place) or transformers' forward computes in float32 (`widen`), else
+        the model's."""
+        return torch.float32 if self.state.decoder is not None else compute_dtype(self.model)
 
     @classmethod
     def split(cls, rows):
@@ -190,12 +191,11 @@ class EagerEngine:
         # model writes the new positions after it (_BufferLayer), and nothing is
         # concatenated or zero-filled but the gaps of rows with a shorter past (masked,
         # but they must be finite: 0 * NaN would poison the attention).
-        # (in the model's dtype: a bfloat16 model's stored states are float32, the fused
-        # decoder's, and copy_pasts converts)
+        # (in the dtype the forward computes in: copy_pasts converts stored states of another)
         seg = next(row.runs[0].segment for row in rows if row.depth)
         L, _, H, _, D = seg.data.shape
         shape = (L, 2, B, H, max_past + max_new, D)
-        storage = self.take_kv_buffer(shape, self.model.dtype, seg.data.device)
+        storage = self.take_kv_buffer(shape, compute_dtype(self.model), seg.data.device)
         try:
             kv = storage[: math.prod(shape)].view(shape)
             copy_pasts(kv, rows, max_past)

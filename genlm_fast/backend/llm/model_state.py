@@ -4,7 +4,8 @@ Several AsyncTransformers may wrap one model (``sharing`` it in tests, one per a
 ...). What they derive from its weights is made once and owned here: the fused decoder's
 packed copies (`decoder.FusedDecoder`, or why there is none), the packed CPU linear layers of
 transformers' forward (`cpu_linear`, counted: the last AsyncTransformer to close gives the
-model its own layers back) and the one `ModelWatch` that notices the weights changing. When
+model its own layers back), a 16-bit CPU model's float32 forward (`widen`) and the one
+`ModelWatch` that notices the weights changing. When
 they change (noticed by the watch, or announced by `AsyncTransformer.reload_weights`), the
 packed copies are rebuilt and ``generation`` moves on, which tells each AsyncTransformer to
 forget the caches it computed before.
@@ -12,6 +13,7 @@ forget the caches it computed before.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -21,7 +23,8 @@ from genlm_fast.backend.llm.cpu_linear import (
     pack_linear_layers,
     unpack_linear_layers,
 )
-from genlm_fast.backend.llm.decoder import FusedDecoder, Unsupported
+from genlm_fast.backend.llm.decoder import FusedDecoder, NoRoom, Unsupported
+from genlm_fast.backend.llm.widen import unwiden_forward, widen_forward
 from genlm_fast.ops import extension
 
 __all__ = ["ModelState", "ModelWatch"]
@@ -43,6 +46,9 @@ class ModelState:
         self.decoder = None
         self.reason = None  # why there is no decoder
         self.watch = None
+        # a 16-bit CPU model's transformers forward computes in float32, as the fused decoder
+        # does: a context's answers do not depend on which of them ran it (widen.py)
+        self.widened = widen_forward(model) is None
         self.rebuild(model, forget=False)
 
     @classmethod
@@ -69,6 +75,8 @@ class ModelState:
                 unpack_linear_layers(model)
         if self.users == 0 and _states.get(model) is self:
             del _states[model]
+            if self.widened:
+                unwiden_forward(model)
 
     def rebuild(self, model, forget=True):
         """Read the model again; ``forget``: its answers may have changed, so the packed
@@ -80,6 +88,12 @@ class ModelState:
             self.decoder, self.reason = FusedDecoder(model), None
         except Unsupported as exc:
             self.reason = str(exc)
+            if isinstance(exc, NoRoom):
+                warnings.warn(
+                    f"{exc}: decoding runs transformers' forward on the model's own weights",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         self.watch = ModelWatch(model)
         if forget:
             drop_packed_copies(model)

@@ -31,6 +31,7 @@ from genlm_fast.backend.cache import kv_bytes_per_position
 from genlm_fast.backend.llm.checks import check_finite_logits
 from genlm_fast.backend.llm.graphs import CaptureFailed
 from genlm_fast.backend.llm.paged_kv import PagedKVPool, PagedKVTrie
+from genlm_fast.backend.llm.widen import compute_dtype
 from genlm_fast.ops.paged_attention import PagedQuery, paged_attention
 
 __all__ = ["ATTENTION", "PagedEngine", "PagedForward", "PagedStep", "paged_unsupported"]
@@ -326,7 +327,7 @@ class PagedEngine:
     def new_trie(self, tokens, max_bytes):
         """A `PagedKVTrie` over a pool as large as the key/value budget."""
         model = self.model
-        dtype = model.dtype
+        dtype = compute_dtype(model)
         per_position = kv_bytes_per_position(model.config, dtype.itemsize)[0]
         positions = tokens if max_bytes is None else min(tokens, max_bytes // per_position)
         config = model.config

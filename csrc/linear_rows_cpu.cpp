@@ -1,0 +1,267 @@
+// A linear layer on the weight as the model stores it: y[M, N] = x[M, K] @ W[N, K]^T (+ bias),
+// in float32 arithmetic, W float32, bfloat16 or float16, read in place.
+//
+// Why: a 16-bit model whose forward is transformers' (no fused decoder on this CPU, or a prompt
+// longer than the fused forward takes) would round every layer's output to 16 bits, so the
+// same context would get other log-probabilities than the fused decoder's float32 ones; and
+// torch's 16-bit CPU products are slow without AVX-512. Here each weight is widened to float32
+// as it is loaded (exact: bfloat16 is the high half of a float32, every float16 is a float32)
+// and the sums are float32, so the model's stored weights stay its only copy and its answers
+// are the float32 ones. Made for the few rows of decoding (AsyncTransformer's small forwards);
+// prompt prefills go to BLAS on widened slices of W (widen.py).
+//
+// Kernel: threads split W's rows (output features) into blocks of kBlockFeatures. A block is
+// walked along k in chunks of kChunk; for each chunk and each pair of features, the pair's
+// chunk of W is widened once into a small float32 buffer (L1), then every group of up to 4
+// rows of x takes dot products against it: 8-wide vectors of k, 2 x 4 accumulators, one FMA
+// per (feature, row) per vector. The chunk of x (M x kChunk floats) stays in L1 across the
+// block's features, the buffer across the row groups: W leaves memory once whatever M is.
+//
+// Numerics: each chunk's dot products are summed in float32 over 8 lanes, the lanes reduced,
+// and the chunk's sum added to the output (which started at the bias, or zero): K / kChunk +
+// kChunk / 8 + 3 additions per output, not K. The AVX2 kernel (FMA) and the plain loop (any
+// CPU, the reference the tests compare with) give the same sums up to the rounding of fused
+// multiply-adds.
+
+#include "linear_rows_cpu.h"
+
+#include "cpu_threads.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "linear_cpu.h"  // BFloat16, Float16, widen
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define GF_ROWS_X86 1
+#define GF_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define GF_ROWS_X86 0
+#endif
+
+namespace genlm_fast {
+namespace cpu {
+namespace {
+
+constexpr int64_t kChunk = 256;          // values of k per chunk (x's chunk: M KB for M rows)
+constexpr int64_t kBlockFeatures = 32;   // output features per thread work item
+constexpr int64_t kPair = 2;             // features widened and summed together
+constexpr int64_t kGroup = 4;            // rows of x summed together
+
+bool has_avx2() {
+#if GF_ROWS_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+// The pair's chunk of W (rows w0 and w1, or null: zeros) as float32, padded with zeros to a
+// multiple of 8: buf[0 .. padded) and buf[kChunk .. kChunk + padded).
+template <class W>
+void widen_pair_plain(const W* w0, const W* w1, int64_t kc, int64_t padded, float* buf) {
+  for (int64_t j = 0; j < padded; ++j) {
+    buf[j] = j < kc ? widen(w0[j]) : 0.0f;
+    buf[kChunk + j] = (w1 != nullptr && j < kc) ? widen(w1[j]) : 0.0f;
+  }
+}
+
+// sums[f][r] = dot(buf row f, x row r) over the chunk, for r < rows
+void dot_group_plain(const float* x, int64_t ldx, int64_t rows, int64_t kc, const float* buf,
+                     float sums[kPair][kGroup]) {
+  for (int64_t f = 0; f < kPair; ++f)
+    for (int64_t r = 0; r < rows; ++r) {
+      float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      const float* xr = x + r * ldx;
+      const float* wf = buf + f * kChunk;
+      for (int64_t j = 0; j < kc; ++j) lanes[j % 8] += xr[j] * wf[j];
+      // lanes reduced as the AVX2 kernel does: (0+4, 1+5, 2+6, 3+7), then pairwise
+      float a = lanes[0] + lanes[4], b = lanes[1] + lanes[5];
+      float c = lanes[2] + lanes[6], d = lanes[3] + lanes[7];
+      sums[f][r] = (a + b) + (c + d);
+    }
+}
+
+#if GF_ROWS_X86
+GF_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+GF_AVX2 inline __m256 load8(const BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+GF_AVX2 inline __m256 load8(const Float16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <class W>
+GF_AVX2 void widen_pair_avx2(const W* w0, const W* w1, int64_t kc, int64_t padded, float* buf) {
+  const int64_t whole = kc & ~int64_t{7};
+  for (int64_t j = 0; j < whole; j += 8) {
+    _mm256_storeu_ps(buf + j, load8(w0 + j));
+    _mm256_storeu_ps(buf + kChunk + j, w1 != nullptr ? load8(w1 + j) : _mm256_setzero_ps());
+  }
+  for (int64_t j = whole; j < padded; ++j) {
+    buf[j] = j < kc ? widen(w0[j]) : 0.0f;
+    buf[kChunk + j] = (w1 != nullptr && j < kc) ? widen(w1[j]) : 0.0f;
+  }
+}
+
+// x's last partial vector of a row: the chunk's values, zeros past kc (never read past the row)
+GF_AVX2 inline __m256 load_x(const float* p, int64_t j, int64_t kc) {
+  if (j + 8 <= kc) return _mm256_loadu_ps(p + j);
+  alignas(32) float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t t = 0; j + t < kc; ++t) tail[t] = p[j + t];
+  return _mm256_load_ps(tail);
+}
+
+// the 8 lanes of v summed as dot_group_plain does
+GF_AVX2 inline float reduce8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 ab_cd = _mm_add_ps(s, _mm_movehdup_ps(s));  // (a+b, ., c+d, .)
+  return _mm_cvtss_f32(_mm_add_ss(ab_cd, _mm_movehl_ps(ab_cd, ab_cd)));
+}
+
+template <int R>
+GF_AVX2 void dot_group_avx2(const float* x, int64_t ldx, int64_t kc, int64_t padded,
+                            const float* buf, float sums[kPair][kGroup]) {
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  const int64_t whole = kc & ~int64_t{7};
+  for (int64_t j = 0; j < whole; j += 8) {
+    const __m256 w0 = _mm256_loadu_ps(buf + j);
+    const __m256 w1 = _mm256_loadu_ps(buf + kChunk + j);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * ldx + j);
+      acc0[r] = _mm256_fmadd_ps(xv, w0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(xv, w1, acc1[r]);
+    }
+  }
+  if (whole < padded) {  // the chunk's last, partial vector (K not a multiple of 8)
+    const __m256 w0 = _mm256_loadu_ps(buf + whole);
+    const __m256 w1 = _mm256_loadu_ps(buf + kChunk + whole);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = load_x(x + r * ldx, whole, kc);
+      acc0[r] = _mm256_fmadd_ps(xv, w0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(xv, w1, acc1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    sums[0][r] = reduce8(acc0[r]);
+    sums[1][r] = reduce8(acc1[r]);
+  }
+}
+
+GF_AVX2 void dot_group_avx2_rows(const float* x, int64_t ldx, int64_t rows, int64_t kc,
+                                 int64_t padded, const float* buf, float sums[kPair][kGroup]) {
+  switch (rows) {
+    case 1: return dot_group_avx2<1>(x, ldx, kc, padded, buf, sums);
+    case 2: return dot_group_avx2<2>(x, ldx, kc, padded, buf, sums);
+    case 3: return dot_group_avx2<3>(x, ldx, kc, padded, buf, sums);
+    default: return dot_group_avx2<4>(x, ldx, kc, padded, buf, sums);
+  }
+}
+#endif
+
+template <class W>
+void run(const float* x, int64_t m, int64_t k, const W* w, int64_t ldw, int64_t n, float* y,
+         bool avx2) {
+  const int64_t blocks = (n + kBlockFeatures - 1) / kBlockFeatures;
+  const int64_t bytes = n * k * static_cast<int64_t>(sizeof(W)) + (m * k + m * n) * 4;
+#pragma omp parallel num_threads(team_size(bytes))
+  {
+    std::vector<float> buf(2 * kChunk);
+    float sums[kPair][kGroup];
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t n0 = b * kBlockFeatures, n1 = std::min(n, n0 + kBlockFeatures);
+      for (int64_t c = 0; c < k; c += kChunk) {
+        const int64_t kc = std::min(kChunk, k - c);
+        const int64_t padded = (kc + 7) & ~int64_t{7};
+        for (int64_t f = n0; f < n1; f += kPair) {
+          const W* w0 = w + f * ldw + c;
+          const W* w1 = f + 1 < n1 ? w0 + ldw : nullptr;
+#if GF_ROWS_X86
+          if (avx2)
+            widen_pair_avx2(w0, w1, kc, padded, buf.data());
+          else
+#endif
+            widen_pair_plain(w0, w1, kc, padded, buf.data());
+          for (int64_t r0 = 0; r0 < m; r0 += kGroup) {
+            const int64_t rows = std::min(kGroup, m - r0);
+            const float* xr = x + r0 * k + c;
+#if GF_ROWS_X86
+            if (avx2)
+              dot_group_avx2_rows(xr, k, rows, kc, padded, buf.data(), sums);
+            else
+#endif
+              dot_group_plain(xr, k, rows, kc, buf.data(), sums);
+            for (int64_t r = 0; r < rows; ++r) {
+              y[(r0 + r) * n + f] += sums[0][r];
+              if (w1 != nullptr) y[(r0 + r) * n + f + 1] += sums[1][r];
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::string linear_rows_best_isa() { return has_avx2() ? "avx2" : "baseline"; }
+
+torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& weight,
+                          const c10::optional<torch::Tensor>& bias, const std::string& isa_name) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(),
+              "linear_rows: x and the weight must be on the CPU, got ", x.device(), " and ",
+              weight.device());
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32,
+              "linear_rows: x must be a 2-D float32 tensor, got ", x.dim(), "-D ",
+              x.scalar_type());
+  TORCH_CHECK(weight.dim() == 2, "linear_rows: the weight must be 2-D [N, K], got ",
+              weight.dim(), "-D");
+  const c10::ScalarType dtype = weight.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf,
+              "linear_rows: the weight must be float32, bfloat16 or float16, got ", dtype);
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(weight.size(1) == k, "linear_rows: x has ", k, " columns but the weight ",
+              weight.size(1));
+  TORCH_CHECK(weight.stride(1) == 1 || k <= 1, "linear_rows: the weight's rows must be contiguous");
+  const std::string isa = isa_name == "auto" ? linear_rows_best_isa() : isa_name;
+  TORCH_CHECK(isa == "avx2" || isa == "baseline", "linear_rows: unknown isa '", isa_name,
+              "' (expected auto, avx2 or baseline)");
+  TORCH_CHECK(isa == "baseline" || has_avx2(), "linear_rows: this CPU cannot run the avx2 kernel");
+
+  torch::Tensor y;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_rows: the bias must be [", n,
+                "], got ", bias->sizes());
+    y = torch::empty({m, n}, x.options());  // a tensor of its own: the sums go into it
+    y.copy_(bias->reshape({1, n}).expand({m, n}));
+  } else {
+    y = torch::zeros({m, n}, x.options());
+  }
+  if (m == 0 || n == 0 || k == 0) return y;
+  const torch::Tensor xc = x.contiguous();
+  const float* xs = xc.data_ptr<float>();
+  float* ys = y.data_ptr<float>();
+  const int64_t ldw = weight.stride(0);
+  const bool avx2 = isa == "avx2";
+  if (dtype == torch::kFloat32)
+    run(xs, m, k, weight.data_ptr<float>(), ldw, n, ys, avx2);
+  else if (dtype == torch::kBFloat16)
+    run(xs, m, k, reinterpret_cast<const BFloat16*>(weight.data_ptr<at::BFloat16>()), ldw, n, ys,
+        avx2);
+  else
+    run(xs, m, k, reinterpret_cast<const Float16*>(weight.data_ptr<at::Half>()), ldw, n, ys, avx2);
+  return y;
+}
+
+}  // namespace cpu
+}  // namespace genlm_fast

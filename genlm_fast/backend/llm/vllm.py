@@ -84,7 +84,7 @@ else:
     VLLM_MISSING = None
 HAS_VLLM = VLLM_MISSING is None  # genlm's public flag, for apps that check it
 
-from genlm_fast.backend.llm.batched import BatchedAsyncLM  # noqa: E402 (after vllm's)
+from genlm_fast.backend.llm.batched import BatchedAsyncLM, Evaluated  # noqa: E402 (after vllm's)
 from genlm_fast.backend.llm.checks import (  # noqa: E402
     check_sampling,
     check_token_ids,
@@ -415,7 +415,7 @@ class AsyncVirtualLM(BatchedAsyncLM):
         batch = self._forward_in_chunks(
             lora, rows, lambda lora, chunk: self._capture(lora, chunk, "logprobs")
         )
-        return batch, batch, self._keep_rows(lora, rows, batch)
+        return Evaluated(batch, batch, self._keep_rows(lora, rows, batch))
 
     async def release_all(self):
         """genlm.backend API: evict idle engine requests. Each batch here is a finished

@@ -64,6 +64,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.programs import seed_everything  # noqa: E402 (after the checkout's path)
+from bench.workers import Worker, child_env, serve  # noqa: E402
+
 WORKLOADS = ("trie-sum-B1", "trie-sum-B32", "lm-step", "beam", "control")
 CONDITIONS = ("idle", "idle-1t", "busy-loop", "torch-2t", "lm-program")
 SIDES = ("genlm_fast", "reference")
@@ -112,7 +115,6 @@ COMPETITORS = {
 # competitors that say "ready" on their first line of output when their work has begun
 ANNOUNCING = ("lm-program",)
 
-_REPLY = "@@contention "
 # exit status of a run that finished with a goal not met: its finding, told apart from a
 # failure to run (an uncaught exception exits with 1)
 GOALS_NOT_MET = 3
@@ -278,13 +280,8 @@ class Control(Workload):
         self.sampler = AWRS(potential, fsa.coerce(potential, f=b"".join))
 
     def prepare(self):
-        import numpy as np
-        import torch
-
         self.models.lm.clear_cache()
-        random.seed(SEED)
-        np.random.seed(SEED)
-        torch.manual_seed(SEED)
+        seed_everything(SEED)
 
     def call(self):
         self.models.run(
@@ -323,7 +320,8 @@ def _block(work, seconds, min_calls):
 
 
 def worker(side):
-    """Serve the driver: JSON commands on stdin, replies on stdout after ``_REPLY``."""
+    """Serve the driver (`bench.workers.serve`): ``setup`` builds and warms the workloads,
+    ``block`` runs one block of calls and returns their times."""
     import warnings
 
     warnings.simplefilter("ignore")
@@ -332,42 +330,24 @@ def worker(side):
     models = Models(side)
     works = {}
 
-    def reply(obj):
-        sys.stdout.write(_REPLY + json.dumps(obj) + "\n")
-        sys.stdout.flush()
+    def handle(msg):
+        if msg["cmd"] == "setup":
+            for name in msg["workloads"]:
+                works[name] = _build(name, side, models)
+                _block(works[name], 0.0, 1)  # warm-up
+            return {"info": _threads_info()}
+        import torch
 
-    for line in sys.stdin:
-        msg = json.loads(line)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(msg.get("threads") or threads)
         try:
-            if msg["cmd"] == "setup":
-                for name in msg["workloads"]:
-                    works[name] = _build(name, side, models)
-                    _block(works[name], 0.0, 1)  # warm-up
-                reply({"ok": True, "info": _threads_info()})
-            elif msg["cmd"] == "block":
-                import torch
+            times = _block(works[msg["workload"]], msg["seconds"], msg["min_calls"])
+            info = _threads_info()  # what the block ran with
+        finally:
+            torch.set_num_threads(threads)
+        return {"times": times, "info": info}
 
-                threads = torch.get_num_threads()
-                torch.set_num_threads(msg.get("threads") or threads)
-                try:
-                    times = _block(works[msg["workload"]], msg["seconds"], msg["min_calls"])
-                    info = _threads_info()  # what the block ran with
-                finally:
-                    torch.set_num_threads(threads)
-                reply({"ok": True, "times": times, "info": info})
-            elif msg["cmd"] == "quit":
-                reply({"ok": True})
-                return
-        except Exception as exc:  # noqa: BLE001  reported to the driver, which stops
-            import traceback
-
-            reply(
-                {
-                    "ok": False,
-                    "error": f"{type(exc).__name__}: {exc}",
-                    "traceback": traceback.format_exc(),
-                }
-            )
+    serve(handle)
 
 
 def _threads_info():
@@ -384,60 +364,8 @@ def _threads_info():
 
 
 def _child_env():
-    """The environment of the workers and competitors: offline, this checkout importable."""
-    return dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    )
-
-
-class Worker:
-    def __init__(self, side, log_dir):
-        env = _child_env()
-        self.side = side
-        self.log = open(Path(log_dir) / f"worker-{side}.log", "w+")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.contention", "--worker", side],
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-        )
-
-    def ask(self, **msg):
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-        for line in self.proc.stdout:
-            if line.startswith(_REPLY):
-                answer = json.loads(line[len(_REPLY) :])
-                if not answer["ok"]:
-                    raise RuntimeError(
-                        f"{self.side} worker: {answer['error']}\n{answer['traceback']}"
-                    )
-                return answer
-        self.log.seek(0)
-        raise RuntimeError(
-            f"the {self.side} worker exited (status {self.proc.wait()}):\n"
-            + self.log.read()[-4000:]
-        )
-
-    def close(self):
-        if self.proc.poll() is None:
-            try:
-                self.ask(cmd="quit")
-            except (RuntimeError, OSError):
-                pass
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+    """The environment of the workers and competitors (`bench.workers.child_env`)."""
+    return child_env(TOKENIZERS_PARALLELISM="false")
 
 
 class Competitor:
@@ -503,10 +431,11 @@ def run(
         workers = {}
         try:
             for side in SIDES:
-                workers[side] = Worker(side, logs)
+                worker_log = open(Path(logs) / f"worker-{side}.log", "w+")  # noqa: SIM115
+                workers[side] = Worker("bench.contention", side, _child_env(), worker_log)
             for side in SIDES:
                 log(f"setting up {side}: {', '.join(workloads)} ...")
-                workers[side].ask(cmd="setup", workloads=list(workloads))
+                workers[side].ask({"cmd": "setup", "workloads": list(workloads)})
             for condition in conditions:
                 with Competitor(condition) as competitor:
                     begun = time.perf_counter()
@@ -519,11 +448,13 @@ def run(
                                 threads = fast_threads if side == "genlm_fast" else None
                                 time.sleep(SETTLE_S)
                                 answer = workers[side].ask(
-                                    cmd="block",
-                                    workload=name,
-                                    seconds=block,
-                                    min_calls=1,
-                                    threads=1 if condition == "idle-1t" else threads,
+                                    {
+                                        "cmd": "block",
+                                        "workload": name,
+                                        "seconds": block,
+                                        "min_calls": 1,
+                                        "threads": 1 if condition == "idle-1t" else threads,
+                                    }
                                 )
                                 done[side] += answer["times"]
                                 if side == "genlm_fast":
@@ -542,6 +473,7 @@ def run(
         finally:
             for w in workers.values():
                 w.close()
+                w.log.close()
     return results, readings, competitors
 
 

@@ -32,15 +32,14 @@ the profile) is printed and, with ``--out``, written there with a plot beside it
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import subprocess
 import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.workers import Worker, child_env, serve
+
 IMPLS = ("genlm", "genlm_fast")
 GOAL_EACH = 1.5
 GOAL_GEOMEAN = 4.0
@@ -207,13 +206,11 @@ def _lm_counter(llm):
 
 
 def worker(impl: str) -> None:
-    """Serve requests from stdin, one JSON object a line: ``{"program", "seed", "profile"}``;
-    answer each on stdout with ``{"seconds", "outcome", "violations", "profile"}`` (or
-    ``{"error"}``). Everything else the libraries print goes to stderr."""
+    """Serve the driver (`bench.workers.serve`): first what was loaded (``{"ready",
+    "load_seconds", "lm"}``), then for each request ``{"program", "seed", "profile"}`` the
+    reply ``{"seconds", "outcome", "lm_calls", "lm_rows", "violations", "profile"}``."""
     import asyncio
 
-    out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
-    sys.stdout = sys.stderr
     if impl == "genlm_fast":
         import genlm_fast.dropin  # noqa: F401  (before anything imports genlm.backend)
     import genlm.bytes  # noqa: F401  (imports are not part of a program's time)
@@ -221,62 +218,56 @@ def worker(impl: str) -> None:
 
     from bench import programs
 
-    start = time.perf_counter()
-    llm = programs.load_lm()
-    module = type(llm).__module__
-    expected = "genlm_fast." if impl == "genlm_fast" else "genlm.backend."
-    if not module.startswith(expected):
-        raise RuntimeError(f"the {impl} worker loaded {module}.{type(llm).__name__}")
-    out.write(
-        json.dumps(
-            {
-                "ready": True,
-                "load_seconds": time.perf_counter() - start,
-                "lm": f"{module}.{type(llm).__name__}",
-            }
-        )
-        + "\n"
-    )
-    counter = _lm_counter(llm)
+    loaded = {}
+
+    def load():
+        start = time.perf_counter()
+        llm = loaded["llm"] = programs.load_lm()
+        module = type(llm).__module__
+        expected = "genlm_fast." if impl == "genlm_fast" else "genlm.backend."
+        if not module.startswith(expected):
+            raise RuntimeError(f"the {impl} worker loaded {module}.{type(llm).__name__}")
+        loaded["counter"] = _lm_counter(llm)
+        return {
+            "ready": True,
+            "load_seconds": time.perf_counter() - start,
+            "lm": f"{module}.{type(llm).__name__}",
+        }
+
     loop = asyncio.new_event_loop()
-    for line in sys.stdin:
-        request = json.loads(line)
-        try:
-            sampler = StackSampler(loop=loop) if request.get("profile") else None
-            calls = counter()
-            begin = time.perf_counter()
-            if sampler is not None:
-                with sampler:
-                    outcome = loop.run_until_complete(
-                        programs.run_program(request["program"], llm, request["seed"])
-                    )
-            else:
+
+    def run(request):
+        llm, counter = loaded["llm"], loaded["counter"]
+        sampler = StackSampler(loop=loop) if request.get("profile") else None
+        calls = counter()
+        begin = time.perf_counter()
+        if sampler is not None:
+            with sampler:
                 outcome = loop.run_until_complete(
                     programs.run_program(request["program"], llm, request["seed"])
                 )
-            seconds = time.perf_counter() - begin
-            done = counter()
-            reply = {
-                "seconds": seconds,
-                "outcome": _outcome_json(outcome),
-                "lm_calls": done[0] - calls[0],
-                "lm_rows": done[1] - calls[1],
-                "violations": programs.violations(outcome),
-                "profile": sampler.shares() if sampler else None,
-            }
-        except Exception as error:  # noqa: BLE001 - reported to the coordinator
-            import traceback
+        else:
+            outcome = loop.run_until_complete(
+                programs.run_program(request["program"], llm, request["seed"])
+            )
+        seconds = time.perf_counter() - begin
+        done = counter()
+        return {
+            "seconds": seconds,
+            "outcome": _outcome_json(outcome),
+            "lm_calls": done[0] - calls[0],
+            "lm_rows": done[1] - calls[1],
+            "violations": programs.violations(outcome),
+            "profile": sampler.shares() if sampler else None,
+        }
 
-            reply = {
-                "error": f"{type(error).__name__}: {error}",
-                "traceback": traceback.format_exc()[-4000:],
-            }
-        out.write(json.dumps(reply) + "\n")
+    serve(run, first=load)
     # genlm-control leaves tasks of its own waiting (JSON-schema parsers): end them quietly
     pending = asyncio.all_tasks(loop)
     for task in pending:
         task.cancel()
-    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    if pending:  # gather() of nothing would make its future on another loop
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     loop.close()
 
 
@@ -286,64 +277,31 @@ class Workers:
     ``workers.run(impl, program, seed)`` runs a program there and returns the reply
     (raising RuntimeError with the worker's traceback if the program failed)."""
 
-    def __init__(self, impls=IMPLS, timeout=900):
-        env = dict(
-            os.environ,
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-        )
-        self.timeout = timeout
+    def __init__(self, impls=IMPLS):
         self.procs = {}
         self.info = {}
         for impl in impls:  # loading together: it is not timed
-            self.procs[impl] = subprocess.Popen(
-                [sys.executable, "-W", "ignore", "-m", "bench.genlm_programs", "--worker", impl],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                cwd=ROOT,
-                env=env,
-                bufsize=1,
+            self.procs[impl] = Worker(
+                "bench.genlm_programs", impl, child_env(), python_args=("-W", "ignore")
             )
         for impl in impls:
-            self.info[impl] = self._read(impl)
-
-    def _read(self, impl):
-        proc = self.procs[impl]
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the {impl} worker exited (status {proc.wait()}); see stderr")
-        return json.loads(line)
+            self.info[impl] = self.procs[impl].receive("loading the model")
 
     def submit(self, impl, program, seed=0, profile=False):
         """Start a program in ``impl``'s worker; `receive` returns its reply. Workers of
         different implementations may run at once (for outcomes; timed runs go one by one)."""
-        proc = self.procs[impl]
-        proc.stdin.write(json.dumps({"program": program, "seed": seed, "profile": profile}) + "\n")
-        proc.stdin.flush()
+        self.procs[impl].send({"program": program, "seed": seed, "profile": profile})
 
     def receive(self, impl, program):
-        reply = self._read(impl)
-        if "error" in reply:
-            raise RuntimeError(
-                f"{program} failed on {impl}: {reply['error']}\n{reply['traceback']}"
-            )
-        return reply
+        return self.procs[impl].receive(program)
 
     def run(self, impl, program, seed=0, profile=False):
         self.submit(impl, program, seed, profile)
         return self.receive(impl, program)
 
     def close(self):
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.stdin.close()
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        for worker in self.procs.values():
+            worker.close()
 
     def __enter__(self):
         return self

@@ -20,13 +20,9 @@ import torch
 
 from genlm_fast.backend.tokenization.token import is_token
 from genlm_fast.ops import dispatch
-from genlm_fast.ops.layout import (
-    build_structure,
-    compile_layout,
-    load_cached,
-    store_cached,
-    vocab_digest,
-)
+from genlm_fast.ops.layout import compile_layout
+from genlm_fast.ops.layout_cache import load_cached, store_cached, vocab_digest
+from genlm_fast.ops.trie_structure import build_structure
 
 
 class CompiledTrie:

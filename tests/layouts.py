@@ -2,7 +2,8 @@
 
 import numpy as np
 
-from genlm_fast.ops.layout import build_structure, compile_layout
+from genlm_fast.ops.layout import compile_layout
+from genlm_fast.ops.trie_structure import build_structure
 
 
 def make_layout(words, eos_positions=(), token_column=None):

@@ -71,9 +71,9 @@ def test_empty_or_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path, xdg)
 
 def all_caches():
     """The model's, the trie layouts' and the JIT builds' folders: one root for all three."""
-    from genlm_fast.ops import extension, layout
+    from genlm_fast.ops import extension, layout_cache
 
-    return models.default_cache_dir(), layout.default_cache_dir(), extension.cache_dir()
+    return models.default_cache_dir(), layout_cache.default_cache_dir(), extension.cache_dir()
 
 
 def test_cache_env_vars(monkeypatch, tmp_path):

@@ -1,11 +1,12 @@
 """The compiled layout of a vocabulary trie: flat index arrays the kernels read.
 
 Numbering. Nodes are numbered in post-order (children before parents, siblings in the
-order they were first created, root last), exactly as genlm numbers them. In post-order
-every subtree is a contiguous id range ``[node_first[n], n]``; sorting the leaves by node
-id therefore makes the leaves beneath any node a contiguous range of *leaf positions*
-``[leaf_start[n], leaf_end[n])``. Every kernel is built on that fact: a node's value is a
-reduction over one contiguous slice of the leaf order, never a difference of prefix sums.
+order they were first created, root last), exactly as genlm numbers them (the trie is
+built by ``trie_structure.build_structure``). In post-order every subtree is a contiguous
+id range ``[node_first[n], n]``; sorting the leaves by node id therefore makes the leaves
+beneath any node a contiguous range of *leaf positions* ``[leaf_start[n], leaf_end[n])``.
+Every kernel is built on that fact: a node's value is a reduction over one contiguous slice
+of the leaf order, never a difference of prefix sums.
 
 Modes. ``WITH_EOS`` (genlm.bytes) moves the EOS tokens' leaves out of their byte paths and
 under the EOS node; it is just a second leaf order (EOS leaves re-keyed to the EOS node's
@@ -17,21 +18,17 @@ whose range crosses tile boundaries ("spanning") is split into a left piece, who
 a right piece; pieces and tile totals are themselves local ranges written to a small
 per-row scratch buffer, then combined by a second kernel. Scratch holds ``n_tiles`` tile
 totals followed by the pieces: O(n_tiles * depth) values per row, far below ``V``.
+
+Compiled layouts are kept on disk by ``layout_cache``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import pickle
-import threading
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 import torch
-
-import genlm_fast
 
 TILE = 64  # leaf positions per tile; a power of two (Triton block shapes)
 # Spanning nodes with at most this many whole tiles are "narrow": the GPU backends reduce
@@ -191,174 +188,6 @@ def span_class_end(ml: ModeLayout, max_tiles: int) -> int:
 
 
 # --------------------------------------------------------------------------- building
-
-
-def _number_postorder(parent, depth):
-    """Post-order ids and each node's first subtree id, for a tree given by ``parent`` and
-    ``depth`` in creation order (a parent is created before its children, and siblings in
-    the order they are visited). Vectorised level by level: subtree sizes bottom-up, then
-    each subtree's first id top-down (its parent's first id + the sizes of its earlier
-    siblings); the node itself comes last in its subtree."""
-    n = len(parent)
-    by_depth = np.argsort(depth, kind="stable")
-    level_end = np.searchsorted(depth[by_depth], np.arange(int(depth.max()) + 2), side="left")
-    levels = [by_depth[level_end[d] : level_end[d + 1]] for d in range(1, len(level_end) - 1)]
-    size = np.ones(n, dtype=np.int64)
-    for nodes in reversed(levels):  # deepest first: a node's size is final before it is added
-        np.add.at(size, parent[nodes], size[nodes])
-    by_parent = np.argsort(parent, kind="stable")  # siblings stay in creation order
-    sizes = size[by_parent]
-    before = np.cumsum(sizes) - sizes  # sizes of everything earlier in by_parent
-    group_parent = parent[by_parent]
-    group_start = np.flatnonzero(np.r_[True, group_parent[1:] != group_parent[:-1]])
-    group_len = np.diff(np.r_[group_start, n])
-    offset = np.empty(n, dtype=np.int64)
-    offset[by_parent] = before - np.repeat(before[group_start], group_len)
-    first = np.zeros(n, dtype=np.int64)
-    for nodes in levels:
-        first[nodes] = first[parent[nodes]] + offset[nodes]
-    return first + size - 1, first
-
-
-def build_structure(words, leaf_keys, add_eos_node=False, eos_key=None):
-    """Build the trie over ``words`` (each an iterable of edge keys) in genlm's numbering.
-
-    ``leaf_keys[i]`` is the dict key of word i's leaf edge. With ``add_eos_node`` an empty
-    node hangs from the root under ``eos_key`` after all words (genlm.bytes' EOS node).
-    Returns (parent, node_first, leaf_node, edge_key, eos_node) in post-order ids.
-    """
-    words = list(words)
-    if (
-        words
-        and all(type(w) is bytes for w in words)
-        and (len(words) * max(map(len, words)) <= _MAX_PADDED_CELLS)
-    ):
-        parent_old, depth_old, edge_keys, old_leaf = _creation_order_of_bytes(words, leaf_keys)
-    else:
-        parent_old, depth_old, edge_keys, old_leaf = _creation_order(words, leaf_keys)
-    old_eos = None
-    if add_eos_node:
-        old_eos = len(parent_old)
-        parent_old = np.append(parent_old, 0)
-        depth_old = np.append(depth_old, 1)
-        edge_keys.append(eos_key)
-
-    post, first = _number_postorder(parent_old, depth_old)
-    n = len(post)
-    node_first = np.empty(n, dtype=np.int32)
-    node_first[post] = first
-    parent = np.full(n, -1, dtype=np.int32)
-    parent[post[1:]] = post[parent_old[1:]]
-    old_of = np.empty(n, dtype=np.int64)  # post-order id -> old id
-    old_of[post] = np.arange(n)
-    edge_key = [edge_keys[old] for old in old_of.tolist()]
-    leaf_node = post[old_leaf].astype(np.int32)
-    eos_node = int(post[old_eos]) if old_eos is not None else None
-    return parent, node_first, leaf_node, edge_key, eos_node
-
-
-# the bytes path pads every word to the longest: above this many cells it takes the loop
-_MAX_PADDED_CELLS = 1 << 26
-
-
-def _creation_order(words, leaf_keys):
-    """Insert the words one by one into a dict trie. Returns, for the nodes in creation
-    ("old") order, with the root first: parent, depth, edge key, and each word's leaf."""
-    children = [{}]  # None for a leaf: nothing descends through it
-    parent_old = [-1]
-    edge_key_old = [None]
-    depth_old = [0]
-    old_leaf = []
-    for word, leaf_key in zip(words, leaf_keys):
-        node = 0
-        for letter in word:
-            kids = children[node]
-            nxt = kids.get(letter)
-            if nxt is None:
-                nxt = kids[letter] = len(children)
-                children.append({})
-                parent_old.append(node)
-                edge_key_old.append(letter)
-                depth_old.append(depth_old[node] + 1)
-            node = nxt
-        leaf = children[node][leaf_key] = len(children)
-        children.append(None)
-        parent_old.append(node)
-        edge_key_old.append(leaf_key)
-        depth_old.append(depth_old[node] + 1)
-        old_leaf.append(leaf)
-    return (
-        np.asarray(parent_old, dtype=np.int64),
-        np.asarray(depth_old, dtype=np.int64),
-        edge_key_old,
-        np.asarray(old_leaf, dtype=np.int64),
-    )
-
-
-def _creation_order_of_bytes(words, leaf_keys):
-    """``_creation_order`` for ``bytes`` words, vectorised (the same result).
-
-    The inner nodes are the distinct non-empty prefixes. With the words sorted, the words
-    sharing a prefix of length d are one run of the order, and a word starts a new run at
-    depth d exactly when its common prefix with the word before it is shorter than d, so
-    one pass per depth over the words that long numbers that depth's nodes. The loop would
-    create a prefix while inserting the first word that has it, after that word's shorter
-    prefixes, and a word's leaf after all its prefixes: sorting the nodes by (first word,
-    depth) gives its creation order.
-    """
-    count = len(words)
-    order = np.array(sorted(range(count), key=words.__getitem__), dtype=np.int64)
-    length = np.fromiter(map(len, words), dtype=np.int64, count=count)[order]
-    longest = int(length.max())
-    # the words in sorted order as rows padded with 256, which is no byte
-    padded = np.full((count, max(longest, 1)), 256, dtype=np.uint16)
-    flat = np.frombuffer(b"".join(map(words.__getitem__, order.tolist())), dtype=np.uint8)
-    starts = np.cumsum(length) - length
-    padded[
-        np.repeat(np.arange(count), length), np.arange(flat.size) - np.repeat(starts, length)
-    ] = flat
-    common = np.zeros(count, dtype=np.int64)  # common prefix with the word before, sorted
-    if count > 1:
-        differ = padded[1:] != padded[:-1]
-        first_difference = np.where(differ.any(axis=1), differ.argmax(axis=1), longest)
-        common[1:] = np.minimum(first_difference, length[1:])
-
-    inner = int((length - common).sum())  # temporary ids: root 0, inner 1..inner, then leaves
-    total = 1 + inner + count
-    parent_tmp = np.full(total, -1, dtype=np.int64)
-    depth_tmp = np.zeros(total, dtype=np.int64)
-    letter_tmp = np.zeros(inner + 1, dtype=np.int64)
-    first_word = np.full(total, -1, dtype=np.int64)
-    node_at = np.zeros(count, dtype=np.int64)  # each sorted word's prefix node, this depth
-    rows = np.arange(count)
-    next_id = 1
-    for depth in range(1, longest + 1):
-        rows = rows[length[rows] >= depth]
-        new = common[rows] < depth
-        run_start = np.flatnonzero(new)
-        ids = next_id + np.arange(run_start.size)
-        starter = rows[run_start]
-        parent_tmp[ids] = node_at[starter]
-        depth_tmp[ids] = depth
-        letter_tmp[ids] = padded[starter, depth - 1]
-        first_word[ids] = np.minimum.reduceat(order[rows], run_start)
-        node_at[rows] = ids[np.cumsum(new) - 1]
-        next_id += run_start.size
-    leaf_tmp = 1 + inner + np.arange(count)  # word i's leaf: 1 + inner + i
-    parent_tmp[leaf_tmp[order]] = node_at
-    depth_tmp[leaf_tmp[order]] = length + 1
-    first_word[leaf_tmp] = np.arange(count)
-
-    creation = np.argsort(first_word * (longest + 2) + depth_tmp, kind="stable")  # root first
-    old_id = np.empty(total, dtype=np.int64)
-    old_id[creation] = np.arange(total)
-    parent_old = np.full(total, -1, dtype=np.int64)
-    parent_old[1:] = old_id[parent_tmp[creation[1:]]]
-    edge_key_tmp = letter_tmp.tolist()
-    edge_key_tmp[0] = None
-    edge_key_tmp.extend(leaf_keys)
-    edge_key_old = [edge_key_tmp[t] for t in creation.tolist()]
-    return parent_old, depth_tmp[creation], edge_key_old, old_id[leaf_tmp]
 
 
 def _mode_layout(num_nodes, node_first, token_column, deposit_node):
@@ -529,61 +358,3 @@ def compile_layout(
         deposit[np.asarray(list(eos_positions), dtype=np.int64)] = eos_node
         layout.modes["with_eos"] = _mode_layout(num_nodes, node_first, token_column, deposit)
     return layout
-
-
-# --------------------------------------------------------------------------- disk cache
-
-
-def default_cache_dir() -> str:
-    """Where layouts are cached: ``<genlm_fast cache root>/tries`` (`genlm_fast.cache_dir`)."""
-    return genlm_fast.cache_dir("tries")
-
-
-def vocab_digest(*parts) -> str:
-    """A key for the on-disk cache: a hash of the vocabulary's contents and options."""
-    h = hashlib.sha256(f"v{LAYOUT_VERSION}/tile{TILE}".encode())
-    for part in parts:
-        h.update(pickle.dumps(part, protocol=4))
-    return h.hexdigest()[:32]
-
-
-# A cache file: _CACHE_MAGIC, the SHA-256 of the payload, the pickled TrieLayout. The
-# checksum turns a damaged file (a flipped byte, a foreign file) into a rebuild instead of
-# an exception or, worse, a layout that silently computes wrong masses.
-_CACHE_MAGIC = b"genlm_fast trie layout\n"
-
-
-def load_cached(digest: str, cache_dir: str | None):
-    """The cached layout of ``digest``, or None when there is none or it is damaged."""
-    path = os.path.join(cache_dir or default_cache_dir(), digest + ".pkl")
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    head = len(_CACHE_MAGIC) + 32
-    if (
-        not data.startswith(_CACHE_MAGIC)
-        or hashlib.sha256(memoryview(data)[head:]).digest() != data[len(_CACHE_MAGIC) : head]
-    ):
-        return None
-    try:
-        layout = pickle.loads(memoryview(data)[head:])
-    except Exception:
-        return None
-    return layout if isinstance(layout, TrieLayout) else None
-
-
-def store_cached(digest: str, layout: TrieLayout, cache_dir: str | None) -> None:
-    directory = cache_dir or default_cache_dir()
-    payload = pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
-    try:
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{digest}.{os.getpid()}.{threading.get_ident()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(_CACHE_MAGIC)
-            f.write(hashlib.sha256(payload).digest())
-            f.write(payload)
-        os.replace(tmp, os.path.join(directory, digest + ".pkl"))
-    except OSError:
-        pass  # a read-only home must not break trie construction

@@ -23,6 +23,7 @@ import weakref
 import pytest
 import torch
 
+from bench.workers import child_env
 from genlm_fast.backend.cache import KVTrie
 from genlm_fast.backend.llm import AsyncTransformer
 from genlm_fast.models import smollm2_path
@@ -263,12 +264,7 @@ def test_clear_cache_and_cleanup_give_memory_back():
     of what loading it took: 1.35 GB here, the weights and their packed copy; the rest is
     the allocator's and the imported modules'), and a second model, loaded, used and
     closed, leaves no more behind than the first."""
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-    )
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, "-c", _MEMORY_CHILD],
         capture_output=True,

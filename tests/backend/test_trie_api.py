@@ -715,18 +715,18 @@ def test_layout_cache_tells_vocabularies_apart(tmp_path, variant):
 def _foreign_pickle_with_a_valid_checksum(data):
     import hashlib
 
-    from genlm_fast.ops import layout as layout_mod
+    from genlm_fast.ops import layout_cache
 
     payload = pickle.dumps({"root": 0})
-    return layout_mod._CACHE_MAGIC + hashlib.sha256(payload).digest() + payload
+    return layout_cache._CACHE_MAGIC + hashlib.sha256(payload).digest() + payload
 
 
 def _one_array_rewritten(data):
     """A damaged file that still unpickles to a TrieLayout: the leaf order reversed in
     place (only the checksum can tell it from a good file)."""
-    from genlm_fast.ops import layout as layout_mod
+    from genlm_fast.ops import layout_cache
 
-    head = len(layout_mod._CACHE_MAGIC) + 32
+    head = len(layout_cache._CACHE_MAGIC) + 32
     arr = pickle.loads(data[head:]).modes["without_eos"].leaf_token
     raw = arr.tobytes()
     assert len(set(arr.tolist())) > 1 and raw in data
@@ -755,7 +755,8 @@ def _one_array_rewritten(data):
     ],
 )
 def test_damaged_layout_cache_is_rebuilt(tmp_path, damage):
-    from genlm_fast.ops.layout import TrieLayout, load_cached
+    from genlm_fast.ops.layout import TrieLayout
+    from genlm_fast.ops.layout_cache import load_cached
 
     vocab = ours(SMALL)
     w = torch.rand(len(vocab), dtype=torch.float64)

@@ -42,7 +42,7 @@ from genlm_fast.bytes import (
     fused_stats,
 )
 from genlm_fast.bytes.byte_lm import beam as fast_beam_module
-from genlm_fast.bytes.byte_lm import trie_state as fast_trie_state
+from genlm_fast.bytes.byte_lm import mass_rows
 from tests.vocabs import gpt2_tokenizer
 
 GPT2_EOS = b"<|endoftext|>"
@@ -243,15 +243,15 @@ async def test_rows_read_in_place_or_gathered(tokenizer, monkeypatch, K, prompt,
     in_place, beam = await trajectory(
         await ByteBeamState.initial(PeakedMock(tokenizer), params), prompt, continuation
     )
-    assert all(isinstance(s.mass.values, fast_trie_state._PoolValues) for s in beam.states)
+    assert all(isinstance(s.mass.values, mass_rows._PoolValues) for s in beam.states)
     assert fused_stats(beam)["gathers"] == 0
-    original = fast_trie_state._Row.__init__
+    original = mass_rows._Row.__init__
 
     def gathered(self, *args):
         original(self, *args)
         self.values = {}
 
-    monkeypatch.setattr(fast_trie_state._Row, "__init__", gathered)
+    monkeypatch.setattr(mass_rows._Row, "__init__", gathered)
     via_gathers, beam = await trajectory(
         await ByteBeamState.initial(PeakedMock(tokenizer), params), prompt, continuation
     )
@@ -423,7 +423,7 @@ async def test_one_lm_batch_one_kernel_one_transfer_per_step(mock, monkeypatch, 
     def no_full_rows(self):
         raise AssertionError("a full mass row was copied to the host")
 
-    monkeypatch.setattr(fast_trie_state._Row, "numpy", no_full_rows)
+    monkeypatch.setattr(mass_rows._Row, "numpy", no_full_rows)
     beam = await ByteBeamState.initial(mock, BeamParams(K=K, eos_byte_strings=[GPT2_EOS]))
     trie = beam.states[0].trie.trie
     count = Counter(monkeypatch, mock, trie)

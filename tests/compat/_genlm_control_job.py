@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import sys
 import time
 
@@ -144,19 +143,14 @@ async def main(out_dir, dropin, to_score):
     """Both levels on SmolLM2; returns the result (``to_score``: a previous result or None)."""
     if dropin:
         import genlm_fast.dropin  # noqa: F401  (before genlm.control imports genlm.backend)
-    import genlm.backend.llm as backend_llm
     import genlm.bytes
-    import numpy as np
-    import torch
 
-    from genlm_fast.models import smollm2_path
+    from bench.programs import load_lm, seed_everything
 
-    random.seed(SEED)
-    np.random.seed(SEED)
-    torch.manual_seed(SEED)
+    seed_everything(SEED)
     seconds = {}
     start = time.perf_counter()
-    llm = backend_llm.load_model_by_name(smollm2_path(quiet=True), backend="hf")
+    llm = load_lm()
     seconds["load"] = time.perf_counter() - start
     result = {
         "backend_module": type(llm).__module__,

@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 import regex
 
+from bench.workers import child_env
 from tests.compat import _genlm_control_job as job
 
 # the fixture runs two jobs, each loading the model (up to 900 s each)
@@ -45,12 +46,7 @@ REGEX = {"token": job.TOKEN_REGEX, "byte": job.BYTE_REGEX}
 
 
 def _run_job(out_dir, *args):
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-    )
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, "-W", "ignore", job.__file__, str(out_dir), *args],
         capture_output=True,

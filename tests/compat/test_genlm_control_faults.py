@@ -19,6 +19,7 @@ import sys
 import genlm.control  # noqa: F401  (installed by scripts/setup.sh: never skipped)
 import pytest
 
+from bench.workers import child_env
 from tests.compat import _genlm_faults_job as job
 
 pytestmark = pytest.mark.slow
@@ -29,12 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
     out = tmp_path_factory.mktemp("faults") / "faults.json"
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-    )
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, "-W", "ignore", job.__file__, str(out)],
         capture_output=True,

@@ -1,4 +1,4 @@
-"""The trie builder (``layout.build_structure``): its vectorised path for ``bytes`` words
+"""The trie builder (``trie_structure.build_structure``): its vectorised path for ``bytes`` words
 against the insertion loop every other vocabulary takes, and both against genlm.backend's
 own trie numbering."""
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from genlm_fast.backend.tokenization import Token
 from genlm_fast.backend.trie import TokenCharacterTrie
-from genlm_fast.ops import layout
+from genlm_fast.ops import layout, trie_structure
 from tests.ops.devices import device_for
 from tests.vocabs import byte_vocab
 
@@ -28,8 +28,8 @@ WORDS = st.lists(
 
 def both_paths(words, add_eos_node):
     keys = [(None, i) for i in range(len(words))]
-    vectorised = layout.build_structure(words, keys, add_eos_node, "EOS")
-    loop = layout.build_structure([list(w) for w in words], keys, add_eos_node, "EOS")
+    vectorised = trie_structure.build_structure(words, keys, add_eos_node, "EOS")
+    loop = trie_structure.build_structure([list(w) for w in words], keys, add_eos_node, "EOS")
     return vectorised, loop
 
 
@@ -61,10 +61,10 @@ def test_bytes_path_on_a_real_vocabulary():
 
 def test_long_words_take_the_loop(monkeypatch):
     words = [b"abc", b"ab", b"b"]
-    expected = layout.build_structure(words, [(None, i) for i in range(3)])
-    monkeypatch.setattr(layout, "_creation_order_of_bytes", None)  # must not be called
-    monkeypatch.setattr(layout, "_MAX_PADDED_CELLS", 8)
-    assert_same(layout.build_structure(words, [(None, i) for i in range(3)]), expected)
+    expected = trie_structure.build_structure(words, [(None, i) for i in range(3)])
+    monkeypatch.setattr(trie_structure, "_creation_order_of_bytes", None)  # must not be called
+    monkeypatch.setattr(trie_structure, "_MAX_PADDED_CELLS", 8)
+    assert_same(trie_structure.build_structure(words, [(None, i) for i in range(3)]), expected)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -213,7 +213,9 @@ def test_each_column_feeds_at_most_one_leaf():
     mode's leaf order then holds every column once."""
     words = [b"a", b"ab", b"b"]
     keys = [(None, i) for i in range(len(words))]
-    parent, first, leaf_node, edge_key, eos_node = layout.build_structure(words, keys, True, "EOS")
+    parent, first, leaf_node, edge_key, eos_node = trie_structure.build_structure(
+        words, keys, True, "EOS"
+    )
     for columns in ([0, 1, 0], [0, -1, 2]):
         with pytest.raises(ValueError, match="token columns must be distinct and non-negative"):
             layout.compile_layout(parent, first, leaf_node, columns, edge_key, eos_node)

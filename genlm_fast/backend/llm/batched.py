@@ -12,6 +12,7 @@ import asyncio
 import numbers
 import threading
 from abc import abstractmethod
+from typing import NamedTuple
 
 import torch
 
@@ -25,7 +26,20 @@ from genlm_fast.backend.llm.checks import (
     unknown_lora,
 )
 
-__all__ = ["BatchedAsyncLM"]
+__all__ = ["BatchedAsyncLM", "Evaluated"]
+
+
+class Evaluated(NamedTuple):
+    """What `BatchedAsyncLM._evaluate` returns for ``n`` contexts."""
+
+    logits: torch.Tensor  # [n, V'] on the model's device
+    # [n, V'] log probabilities of ``logits`` on the model's device; None when only logits
+    # were wanted and the output cache is off
+    logprobs: torch.Tensor | None
+    # the same log probabilities as n float32 CPU rows, each a tensor of its own that the
+    # output cache also holds (hand out copies, see `BatchedAsyncLM._cached`); None when
+    # ``logprobs`` is
+    cpu_rows: list[torch.Tensor] | None
 
 
 class BatchedAsyncLM(AutoBatcher, AsyncLM):
@@ -142,19 +156,15 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
     def _evaluate(self, lora, rows, want_logprobs=True):
         """Run `_forward` on distinct ``rows`` in chunks of ``batch_size``.
 
-        Returns ``(logits, logprobs, kept)``: the logits ``[n, V']`` and their log
-        probabilities ``[n, V']``, both on the model's device, and the latter as a list of
-        n float32 CPU rows (each one its own tensor, also stored in the output cache: hand
-        out copies, see `_cached`). The rows are cached even when only logits are wanted,
+        Returns an `Evaluated`. The CPU rows are cached even when only logits are wanted,
         so that a context asked for again (a beam re-scored, a prefix shared by particles)
-        costs no forward whichever method asks. With the cache off and only logits wanted,
-        ``logprobs`` and ``kept`` are None.
+        costs no forward whichever method asks.
         """
         logits = self._forward_in_chunks(lora, rows, self._forward)
         if not want_logprobs and self.cache_size <= 0:
-            return logits, None, None
+            return Evaluated(logits, None, None)
         logprobs = torch.log_softmax(logits.float(), -1)
-        return logits, logprobs, self._keep_rows(lora, rows, logprobs.cpu())
+        return Evaluated(logits, logprobs, self._keep_rows(lora, rows, logprobs.cpu()))
 
     def _forward_in_chunks(self, lora, rows, forward):
         """``forward(lora, chunk)`` on ``rows`` in chunks of ``batch_size``, one forward of
@@ -224,7 +234,7 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
         hit = self._cached(lora, ids)
         if hit is not None:
             return hit.clone()
-        return self._evaluate(lora, [ids])[2][0].clone()
+        return self._evaluate(lora, [ids]).cpu_rows[0].clone()
 
     def batch_next_token_logprobs_sync(self, token_ids_list, lora_name=None):
         """Log probabilities for several contexts, ``[B, V']``, in as few calls as possible."""
@@ -248,8 +258,7 @@ class BatchedAsyncLM(AutoBatcher, AsyncLM):
                 found[ids] = None
                 todo.append(ids)
         if todo:
-            _, _, logprobs = self._evaluate(lora, todo)
-            for ids, row in zip(todo, logprobs):
+            for ids, row in zip(todo, self._evaluate(lora, todo).cpu_rows):
                 found[ids] = row
         return torch.stack([found[ids] for ids in all_ids])
 

@@ -117,7 +117,7 @@ class AutoBatcher:
 
     The host class sets up the queue's state in its constructor (``_pending``,
     ``_queued``, ``_timer``, ``_idle_probe``, ``_loop``, ``_lock``) and supplies
-    ``_evaluate(lora, rows, want_logprobs)`` and ``_check_open()``.
+    ``_evaluate(lora, rows, want_logprobs)`` (returning an `Evaluated`) and ``_check_open()``.
     """
 
     def _enqueue(self, lora, ids, answer, future=None):
@@ -238,7 +238,7 @@ class AutoBatcher:
         for lora, group in groups.items():
             try:
                 want = any(r.wants_logprobs() for r in group)
-                logits, on_device, logprobs = self._evaluate(lora, [r.ids for r in group], want)
+                out = self._evaluate(lora, [r.ids for r in group], want)
             except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
                 err = exc
                 if not isinstance(exc, Exception):
@@ -254,11 +254,11 @@ class AutoBatcher:
                     if fut.done():
                         continue
                     if answer == "logprobs":
-                        value = logprobs[i].clone()
-                    elif answer == "logits" and on_device is not None:
-                        value = on_device[i].clone()
+                        value = out.cpu_rows[i].clone()
+                    elif answer == "logits" and out.logprobs is not None:
+                        value = out.logprobs[i].clone()
                     else:
-                        value = logits[i].clone()
+                        value = out.logits[i].clone()
                     _settle(fut, value, False, here)
         if fatal is not None:
             raise fatal

@@ -3,12 +3,8 @@
 from genlm_fast.bytes.byte_lm.beam import BeamParams, ByteBeamState, EmptyBeamError
 from genlm_fast.bytes.byte_lm.heal import TokenHealer
 from genlm_fast.bytes.byte_lm.lm_state import StatefulByteLM, StatefulTokenizedLM
-from genlm_fast.bytes.byte_lm.trie_state import (
-    EOS,
-    LazyTrieState,
-    TrieMode,
-    fused_stats,
-)
+from genlm_fast.bytes.byte_lm.trie_info import fused_stats
+from genlm_fast.bytes.byte_lm.trie_state import EOS, LazyTrieState, TrieMode
 
 __all__ = [
     "EOS",

@@ -3,7 +3,7 @@
 The beam holds up to K ``LazyTrieState`` hypotheses (token context + position in the byte
 trie). ``await beam.logp_next()`` gives the next-byte distribution, ``await (beam << b)``
 reads a byte, ``beam.prune()`` keeps the K best. Semantics are those of genlm-bytes 0.2.0;
-the work of a step runs on the fused path (see ``trie_state``): the hypotheses that need a
+the work of a step runs on the fused path (see ``materialize``): the hypotheses that need a
 new LM distribution in a step share one LM batch and one trie kernel launch, and the few
 node values the beam reads come back in one transfer (or, in host memory, are read in place).
 """
@@ -20,13 +20,9 @@ import numpy as np
 
 from genlm_fast.bytes.byte_lm.heal import TokenHealer
 from genlm_fast.bytes.byte_lm.lm_state import StatefulByteLM
-from genlm_fast.bytes.byte_lm.trie_state import (
-    LazyTrieState,
-    _gather,
-    batchable,
-    check_byte,
-    materialize_states,
-)
+from genlm_fast.bytes.byte_lm.mass_rows import gather
+from genlm_fast.bytes.byte_lm.materialize import batchable, materialize_states
+from genlm_fast.bytes.byte_lm.trie_state import LazyTrieState, check_byte
 from genlm_fast.bytes.trie import AsyncTokenByteTrie, TrieMode
 from genlm_fast.bytes.util import (
     EOT_INDEX,
@@ -246,11 +242,11 @@ class ByteBeamState(StatefulByteLM):
                 ahead = () if next_byte is None else self._lookahead(next_byte, dict(todo))
                 await materialize_states(protos, extra=views, lookahead=ahead)
             else:
-                _gather(views)
+                gather(views)
             for s, ps in todo:
                 s._finish_extensions(ps)
         else:
-            _gather(views)
+            gather(views)
 
     def _lookahead(self, byte, protos):
         """``(model, context)`` of each token a hypothesis of the beam after ``byte`` could

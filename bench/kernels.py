@@ -27,7 +27,6 @@ The reference / oracle helpers here are shared with ``bench/conftest.py`` and
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import gc
 import os
@@ -41,9 +40,8 @@ import numpy as np
 import torch
 
 from bench.machine import machine_info
+from bench.report import command_line, write_report
 from bench.vocabs import load_vocab
-
-REPO = Path(__file__).resolve().parents[1]
 
 OPS = ("sum", "max", "log_mass")
 OP_METHOD = {"sum": "batch_weight_sum", "max": "batch_weight_max", "log_mass": "batch_log_mass"}
@@ -559,15 +557,10 @@ def main(argv=None) -> int:
     info = machine_info()
     rows = run(args.quick, vocabs=args.vocabs, batch_sizes=args.batch_sizes, ops=args.ops)
     info["load average at end"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    command = "python -m bench.kernels " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = "# genlm_fast CPU kernels vs genlm-backend\n\n" + table(rows, info, command.strip())
+    command = command_line("bench.kernels", argv)
+    text = "# genlm_fast CPU kernels vs genlm-backend\n\n" + table(rows, info, command)
     print()
-    print(text)
-    out = Path(
-        args.out or REPO / "bench" / "results" / f"cpu-{datetime.date.today().isoformat()}.md"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    out = write_report(text, args.out, "cpu")
     print(f"wrote {out}")
     if not args.no_plot:
         png = Path(args.plot) if args.plot else out.with_suffix(".png")

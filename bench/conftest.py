@@ -38,6 +38,7 @@ import pytest
 from bench import kernels as K
 from bench import machine
 from bench.lm_floor import dtype_names
+from bench.vocabs import load_vocab
 
 
 def pytest_addoption(parser):
@@ -219,7 +220,7 @@ class TrieBank:
         self._inputs = None
         self._expected = {}
         gc.collect()
-        self.label, self.vocab = K.load_vocab(name)
+        self.label, self.vocab = load_vocab(name)
         self.ref_vocab = K.ref_tokens(self.vocab)
         self._name = name
         self.build_seconds = {}

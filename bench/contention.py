@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import random
@@ -65,6 +64,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.programs import seed_everything  # noqa: E402 (after the checkout's path)
+from bench.report import command_line, write_report  # noqa: E402
 from bench.workers import Worker, child_env, serve  # noqa: E402
 
 WORKLOADS = ("trie-sum-B1", "trie-sum-B32", "lm-step", "beam", "control")
@@ -150,8 +150,9 @@ class Workload:
 class TrieSum(Workload):
     def __init__(self, side, batch):
         from bench import kernels as K
+        from bench.vocabs import load_vocab
 
-        _, vocab = K.load_vocab("llama3")
+        _, vocab = load_vocab("llama3")
         if side == "genlm_fast":
             trie = K.build_fast(vocab, "parallel")
         else:
@@ -704,16 +705,9 @@ def main(argv=None):
     info["load average at end"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     info["run time"] = f"{time.perf_counter() - started:.0f} s"
     rows = summary(results)
-    command = "python -m bench.contention " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = table(rows, info, readings, command.strip())
+    text = table(rows, info, readings, command_line("bench.contention", argv))
     print()
-    print(text)
-    out = Path(
-        args.out
-        or REPO / "bench" / "results" / f"contention-{datetime.date.today().isoformat()}.md"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    out = write_report(text, args.out, "contention")
     out.with_suffix(".json").write_text(
         json.dumps(
             {

@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 
+from bench.report import command_line, write_report
 from bench.workers import Worker, child_env, serve
 
 IMPLS = ("genlm", "genlm_fast")
@@ -498,14 +499,9 @@ def main(argv=None) -> int:
     rows = summary(results)
     info = machine()
     info["rounds"] = args.rounds
-    command = "python -m bench.genlm_programs " + " ".join(argv or sys.argv[1:])
-    text = report(rows, profiles, info, command)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-        if len(args.impls) == len(IMPLS):
-            plot(rows, os.path.splitext(args.out)[0] + ".png")
+    text = report(rows, profiles, info, command_line("bench.genlm_programs", argv))
+    if write_report(text, args.out) and len(args.impls) == len(IMPLS):
+        plot(rows, os.path.splitext(args.out)[0] + ".png")
     bad = [row for row in rows if row.get("genlm_violations") or row.get("genlm_fast_violations")]
     return 1 if bad else 0
 

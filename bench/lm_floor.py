@@ -40,6 +40,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch
 
 from bench.machine import machine_line
+from bench.report import write_report
 
 PROMPT = "In a quiet village at the edge of the forest, an old clockmaker"
 PAST = 24
@@ -210,10 +211,7 @@ def main(argv=None):
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     dtype = getattr(torch, args.dtype)
     text = f"{machine_line()}\n\n{table(run(args.rounds, cases, dtype))}\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    write_report(text, args.out)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch
 
 from bench.machine import machine_line
+from bench.report import write_report
 
 PATHS = ("buckets", "paged")
 
@@ -200,10 +201,7 @@ def main(argv=None) -> int:
             parser.error(f"--{name} must be at least 1")
     result = measure(args.rows, args.steps, args.rounds, args.prompt)
     text = report(result, args.rows, args.steps, args.rounds, args.prompt)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    write_report(text, args.out)
     return 0
 
 

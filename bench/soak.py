@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import gc
 import os
 import random
@@ -293,6 +292,8 @@ def report(result, args, command):
 
 
 def main(argv=None):
+    from bench.report import command_line, write_report
+
     parser = argparse.ArgumentParser(
         prog="python -m bench.soak", description=__doc__.split("\n")[0]
     )
@@ -325,14 +326,7 @@ def main(argv=None):
         args.kv_cache_bytes,
         args.cache_size,
     )
-    command = "python -m bench.soak " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = report(result, args, command.strip())
-    print(text)
-    out = Path(
-        args.out or REPO / "bench" / "results" / f"soak-{datetime.date.today().isoformat()}.md"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    out = write_report(report(result, args, command_line("bench.soak", argv)), args.out, "soak")
     print(f"wrote {out}")
     return 0 if all(ok for _, ok in verdict(result, args.plateau_mb)) else 1
 

@@ -145,17 +145,16 @@ def table(results: dict, command: str) -> str:
 
 
 def main(argv=None) -> int:
+    from bench.report import command_line, write_report
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", help="also write the markdown table here")
     args = parser.parse_args(argv)
     results = run(tuple(args.batch), args.repeats)
-    command = "python -m bench.vllm_capture " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = table(results, command.strip())
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    text = table(results, command_line("bench.vllm_capture", argv))
+    write_report(text, args.out)
     return 0
 
 

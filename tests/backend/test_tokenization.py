@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from bench import vocabs
 from genlm_fast.backend.tokenization import (
     ByteDecoderError,
     ByteVocabError,
@@ -29,7 +30,6 @@ from genlm_fast.backend.tokenization import (
     decode_vocab,
     get_byte_vocab,
 )
-from tests import vocabs
 
 FALLBACKS = ["tokenizer", "latin1", "replace"]
 

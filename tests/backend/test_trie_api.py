@@ -16,6 +16,7 @@ import pytest
 import torch
 from genlm.backend.tokenization import Token as RefToken
 
+from bench.vocabs import byte_vocab
 from genlm_fast.backend.tokenization import Token
 from genlm_fast.backend.trie import (
     AsyncTokenCharacterTrie,
@@ -24,7 +25,6 @@ from genlm_fast.backend.trie import (
 )
 from genlm_fast.bytes import EOS, AsyncTokenByteTrie, TokenByteTrie, TrieMode
 from genlm_fast.ops import extension
-from tests.vocabs import byte_vocab
 
 SMALL = [b"a", b"ab", b"abc", b"b", b"ab", b"", b"<eos>", b"ba", b"\xff\x00", b"abd"]
 

@@ -26,6 +26,7 @@ import torch
 from genlm.bytes.byte_lm import beam as ref_beam_module
 from genlm.bytes.trie import TrieMode as RefTrieMode
 
+from bench.vocabs import gpt2_tokenizer
 from genlm_fast.backend.llm import MockAsyncLM
 from genlm_fast.backend.tokenization import Token
 from genlm_fast.bytes import (
@@ -43,7 +44,6 @@ from genlm_fast.bytes import (
 )
 from genlm_fast.bytes.byte_lm import beam as fast_beam_module
 from genlm_fast.bytes.byte_lm import mass_rows
-from tests.vocabs import gpt2_tokenizer
 
 GPT2_EOS = b"<|endoftext|>"
 

@@ -13,11 +13,11 @@ from genlm.backend.tokenization import Token as RefToken
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.vocabs import byte_vocab
 from genlm_fast.backend.tokenization import Token
 from genlm_fast.backend.trie import TokenCharacterTrie
 from genlm_fast.ops import layout, trie_structure
 from tests.ops.devices import device_for
-from tests.vocabs import byte_vocab
 
 WORDS = st.lists(
     st.binary(max_size=9) | st.sampled_from([b"", b"a", b"ab", b"abc", b"\xff"]),

@@ -17,12 +17,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.vocabs import byte_vocab
 from genlm_fast.backend.tokenization import Token
 from genlm_fast.backend.trie import ParallelTokenCharacterTrie, TokenCharacterTrie
 from genlm_fast.bytes import TokenByteTrie, TrieMode
 from tests import oracle
 from tests.ops.devices import device_for
-from tests.vocabs import byte_vocab
 
 BACKENDS = [
     "reference",

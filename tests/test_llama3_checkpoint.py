@@ -21,6 +21,7 @@ import quicktok
 import torch
 
 from genlm_fast.models import llama3
+from tests.backend.forward64 import LONG_PROMPT
 
 TINY = llama3.Architecture(
     layers=2, hidden=64, intermediate=96, heads=4, kv_heads=2, tied=True, rope_factor=32.0
@@ -203,16 +204,6 @@ def test_1b_distributions_are_peaked_and_depend_on_the_context(tmp_path_factory)
     mean = sum(entropies) / len(entropies)
     assert 0.5 < mean < 0.6 * math.log(llama3.VOCAB), entropies
     assert len(tops) >= 3, tops
-
-
-LONG_PROMPT = (
-    "The committee met on a grey Tuesday to settle the budget for the coming year. After "
-    "an hour of argument about the library's roof, the bridge over the river and the new "
-    "school buses, the chair proposed that every department cut its spending by a tenth, "
-    "except the hospital, whose costs had risen with the winter. Nobody agreed. The "
-    "treasurer then read out the figures for the last five years, line by line, while the "
-    "rain beat on the windows and the clock above the door ticked towards noon."
-)
 
 
 @pytest.mark.slow

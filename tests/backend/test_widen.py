@@ -11,6 +11,7 @@ import torch
 from genlm_fast.backend.llm import widen
 from genlm_fast.ops import extension
 
+from .forward64 import LONG_PROMPT
 from .small_models import small_model
 
 _C = extension.load_module()
@@ -159,16 +160,6 @@ def smollm2_bf16():
     return model, AutoTokenizer.from_pretrained(path)
 
 
-TEXT = (
-    "The committee met on a grey Tuesday to settle the budget for the coming year. After "
-    "an hour of argument about the library's roof, the bridge over the river and the new "
-    "school buses, the chair proposed that every department cut its spending by a tenth, "
-    "except the hospital, whose costs had risen with the winter. Nobody agreed. The "
-    "treasurer then read out the figures for the last five years, line by line, while the "
-    "rain beat on the windows and the clock above the door ticked towards noon."
-)
-
-
 @pytest.mark.asyncio
 async def test_a_bfloat16_context_gets_float64s_answer_however_it_is_reached(smollm2_bf16):
     """SmolLM2 in bfloat16: a prompt longer than the fused forward takes, and the tokens
@@ -179,7 +170,7 @@ async def test_a_bfloat16_context_gets_float64s_answer_however_it_is_reached(smo
 
     model, tok = smollm2_bf16
     oracle = copy.deepcopy(model).double()
-    prompt = tok.encode(TEXT)
+    prompt = tok.encode(LONG_PROMPT)
     assert len(prompt) > 64
     lm = AsyncTransformer(model, tok)
     try:

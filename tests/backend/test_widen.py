@@ -13,6 +13,7 @@ from genlm_fast.ops import extension
 
 from .forward64 import LONG_PROMPT
 from .small_models import small_model
+from .small_models import tokenizer as tokenizer  # a fixture
 
 _C = extension.load_module()
 EPS32 = 2.0**-24
@@ -191,3 +192,35 @@ async def test_a_bfloat16_context_gets_float64s_answer_however_it_is_reached(smo
     finally:
         lm.cleanup()
     assert not widen.is_widened(model)  # the last user gave the model its forward back
+
+
+@pytest.mark.asyncio
+async def test_an_adapter_loaded_into_a_widened_model_is_widened_too(tmp_path, tokenizer):
+    """A LoRA adapter loaded into a bfloat16 model after AsyncTransformer widened it adds
+    16-bit linear layers: the rebuild widens them too, and the adapter's answers are within
+    float32's error of peft's float64 forward of the same weights."""
+    import peft
+
+    from genlm_fast.backend.llm import AsyncTransformer
+
+    model = small_model(len(tokenizer), "llama").to(torch.bfloat16)
+    torch.manual_seed(0)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    peft.get_peft_model(copy.deepcopy(model), config).save_pretrained(tmp_path / "adapter")
+    base64 = copy.deepcopy(model).double()
+    with_adapter64 = peft.PeftModel.from_pretrained(
+        copy.deepcopy(model).double(), tmp_path / "adapter"
+    ).eval()
+    ctx = [5, 17, 300, 9, 12]
+    lm = AsyncTransformer(model, tokenizer)
+    try:
+        base = await lm.next_token_logprobs(ctx)
+        lm.add_new_lora(str(tmp_path / "adapter"), "adapter")
+        adapted = await lm.next_token_logprobs(ctx, lora_name="adapter")
+    finally:
+        lm.cleanup()
+    assert (base.double() - _logprobs64(base64, ctx)).abs().max() < 1e-4
+    assert (adapted.double() - _logprobs64(with_adapter64, ctx)).abs().max() < 1e-4
+    assert (adapted - base).abs().max() > 1e-2  # the adapter changes the answer

@@ -46,9 +46,7 @@ class ModelState:
         self.decoder = None
         self.reason = None  # why there is no decoder
         self.watch = None
-        # a 16-bit CPU model's transformers forward computes in float32, as the fused decoder
-        # does: a context's answers do not depend on which of them ran it (widen.py)
-        self.widened = widen_forward(model) is None
+        self.widened = False
         self.rebuild(model, forget=False)
 
     @classmethod
@@ -84,6 +82,10 @@ class ModelState:
         through `AsyncTransformer`, which leaves the base model's answers as they were)."""
         self.stale = False
         self.decoder = None  # the old packed copies go before new ones are made
+        # a 16-bit CPU model's transformers forward computes in float32, as the fused decoder
+        # does: a context's answers do not depend on which of them ran it (widen.py); again
+        # after each change, for the modules an adapter added
+        self.widened = widen_forward(model) is None
         try:
             self.decoder, self.reason = FusedDecoder(model), None
         except Unsupported as exc:

@@ -16,7 +16,8 @@ without a float32 copy of the weights:
   exists;
 * ``nn.LayerNorm``: its weight and bias are widened (vectors) for each call;
 * the RMS norms of the families the fused decoder serves (``...RMSNorm``): nothing; they
-  compute in float32 and scale by their 16-bit weight, which a float32 input promotes.
+  compute in float32 and scale by their 16-bit weight, which a float32 input promotes;
+* peft's adapter layers: their casting of the input to the weights' dtype is turned off.
 
 From the embedding to the logits the hidden states are then float32, and what follows their
 dtype (attention, rotary embeddings, masks, the key/value states) is float32 too. A model
@@ -37,6 +38,7 @@ ROWS = 32  # products of up to this many rows read the weight in place (linear_r
 SLICE_BYTES = 16 << 20  # a larger product widens its weight in float32 slices of this size
 _HALF = (torch.bfloat16, torch.float16)
 _MARK = "_genlm_fast_widened"  # set on a model whose forward was widened
+_UNCAST = "_genlm_fast_uncast"  # set on a peft layer whose input casting was turned off
 
 
 def _is_conv1d(module) -> bool:
@@ -139,14 +141,23 @@ _FORWARDS = (_linear_forward, _conv1d_forward, _layer_norm_forward)
 
 def widen_forward(model: torch.nn.Module) -> str | None:
     """Make ``model``'s forward compute in float32 on its 16-bit weights as they are
-    (module docstring). Returns None when it did, else why not (`why_not`), changing
-    nothing. `unwiden_forward` undoes it."""
+    (module docstring). Returns None when it did, else why not (`why_not`). Called again
+    after the model changed (an adapter loaded), it widens the modules added since; a model
+    that can no longer be widened gets its own forward back whole. `unwiden_forward` undoes
+    it."""
     reason = why_not(model)
-    if reason is not None or is_widened(model):
+    if reason is not None:
+        unwiden_forward(model)
         return reason
-    hooks = []
+    hooked = model.__dict__.setdefault(_MARK, [])  # (embedding, its hook's handle)
     for module in model.modules():
-        if not _half_params(module):
+        if getattr(module, "cast_input_dtype_enabled", False):
+            # a peft adapter layer would round its float32 input to its weights' dtype: the
+            # widened layers below it take float32 (peft's switch for forward hooks that
+            # cast, as these do)
+            module.cast_input_dtype_enabled = False
+            module.__dict__[_UNCAST] = True
+        if not _half_params(module) or "forward" in module.__dict__:
             continue
         # partials of module-level functions, not bound methods: the model must still pickle
         # and deep-copy (a copy is bound to its copy)
@@ -156,23 +167,24 @@ def widen_forward(model: torch.nn.Module) -> str | None:
             module.forward = functools.partial(_conv1d_forward, module)
         elif isinstance(module, torch.nn.LayerNorm):
             module.forward = functools.partial(_layer_norm_forward, module)
-        elif isinstance(module, torch.nn.Embedding):
-            hooks.append(module.register_forward_hook(_widen_output))
-    model.__dict__[_MARK] = hooks
+        elif isinstance(module, torch.nn.Embedding) and all(m is not module for m, _ in hooked):
+            hooked.append((module, module.register_forward_hook(_widen_output)))
     return None
 
 
 def unwiden_forward(model: torch.nn.Module) -> None:
     """Give ``model`` back its own 16-bit forward."""
-    hooks = model.__dict__.pop(_MARK, None)
-    if hooks is None:
+    hooked = model.__dict__.pop(_MARK, None)
+    if hooked is None:
         return
-    for hook in hooks:
-        hook.remove()
+    for _, handle in hooked:
+        handle.remove()
     for module in model.modules():
         forward = module.__dict__.get("forward")
         if isinstance(forward, functools.partial) and forward.func in _FORWARDS:
             del module.__dict__["forward"]
+        if module.__dict__.pop(_UNCAST, False):
+            module.cast_input_dtype_enabled = True
 
 
 def is_widened(model: torch.nn.Module) -> bool:

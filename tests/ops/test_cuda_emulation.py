@@ -168,25 +168,38 @@ void launch(dim3 g, dim3 b, size_t shmem, cudaStream_t, F body) {
   }
   gdim = g;
   bdim = b;
-  for (unsigned z = 0; z < g.z; ++z)
-    for (unsigned y = 0; y < g.y; ++y)
-      for (unsigned x = 0; x < g.x; ++x) {
-        Block block(static_cast<int>(b.x), shmem);
-        std::vector<std::thread> pool;
-        pool.reserve(b.x);
-        for (unsigned t = 0; t < b.x; ++t)
-          pool.emplace_back([&, t, x, y, z] {
-            tid = uint3{t, 0, 0};
-            bid = uint3{x, y, z};
-            blk = &block;
-            body();
-            Warp& w = *block.warps[t >> 5];
-            w.exited.fetch_add(1);
-            w.bar.arrive_and_drop();
-            block.bar.arrive_and_drop();
-          });
-        for (auto& th : pool) th.join();
+  // One OS thread per CUDA thread of a block, started once per launch and reused for each
+  // block in turn (a fresh Block: new barriers, shared memory, statics); the blocks still
+  // run one after another in order of linear index, and a thread that returns from the
+  // kernel drops out of its block's barriers as an exited thread would.
+  const unsigned long long blocks = 1ull * g.x * g.y * g.z;
+  std::unique_ptr<Block> block;
+  std::barrier<> gate(static_cast<std::ptrdiff_t>(b.x) + 1);
+  std::vector<std::thread> pool;
+  pool.reserve(b.x);
+  for (unsigned t = 0; t < b.x; ++t)
+    pool.emplace_back([&, t] {
+      for (unsigned long long i = 0; i < blocks; ++i) {
+        gate.arrive_and_wait();  // the block is set up
+        tid = uint3{t, 0, 0};
+        bid = uint3{static_cast<unsigned>(i % g.x), static_cast<unsigned>(i / g.x % g.y),
+                    static_cast<unsigned>(i / g.x / g.y)};
+        blk = block.get();
+        body();
+        Warp& w = *blk->warps[t >> 5];
+        w.exited.fetch_add(1);
+        w.bar.arrive_and_drop();
+        blk->bar.arrive_and_drop();
+        blk = nullptr;
+        gate.arrive_and_wait();  // every thread of the block is done with it
       }
+    });
+  for (unsigned long long i = 0; i < blocks; ++i) {
+    block = std::make_unique<Block>(static_cast<int>(b.x), shmem);
+    gate.arrive_and_wait();
+    gate.arrive_and_wait();
+  }
+  for (auto& th : pool) th.join();
 }
 }  // namespace emu
 

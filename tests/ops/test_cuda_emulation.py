@@ -657,7 +657,10 @@ def test_layouts_of_smaller_tiles(emulator, tmp_path, monkeypatch, reduction, ti
     (B=8) and not, EOS mode included."""
     monkeypatch.setattr(layout_module, "TILE", tile)
     rng = np.random.default_rng(tile)
-    words = [bytes(rng.integers(97, 100, size=rng.integers(0, 6))) for _ in range(150)]
+    # several tiles and spanning nodes at every tile size: tiles of 2 need fewer tokens
+    # (every tile is a block of 256 OS threads here)
+    n = 40 if tile == 2 else 150
+    words = [bytes(rng.integers(97, 100, size=rng.integers(0, 6))) for _ in range(n)]
     assert make_trie(words).layout.modes["without_eos"].tile == tile
     check(
         emulator,
@@ -838,9 +841,14 @@ def test_spanning_nodes_by_thread_warp_and_block(emulator, tmp_path, reduction):
     path is for nodes over SPAN_WARP_TILES tiles, which a test-sized trie lacks): each
     split, each path alone and all three at once, gives the reference's values. Rows: -inf
     runs over whole tiles, and masses far apart. (Every block node is a block of 256 OS
-    threads here: the trie is kept just big enough.)"""
+    threads here: the trie is kept just big enough, the root over 17 tiles and its four
+    children over 3 or 4 each, and 26-way branching below them keeps the spanning nodes
+    few.)"""
     rng = np.random.default_rng(21)
-    words = [bytes(rng.integers(97, 101, size=rng.integers(1, 8))) for _ in range(1200)]
+    words = [
+        bytes([rng.choice(list(b"abcd"))]) + bytes(rng.integers(97, 123, size=rng.integers(0, 3)))
+        for _ in range(1150)
+    ]
     layout = make_trie(words).layout
     ml = layout.modes["without_eos"]
     counts = ml.span_tile_hi - ml.span_tile_lo
@@ -848,6 +856,7 @@ def test_spanning_nodes_by_thread_warp_and_block(emulator, tmp_path, reduction):
     S = len(counts)
     assert (np.diff(counts) >= 0).all()  # sorted: the narrow nodes are a prefix
     assert 0 < narrow < S and counts.max() > SPAN_NARROW_TILES
+    assert (counts[:narrow] > 1).any()  # narrow nodes over whole tiles, not pieces alone
     assert span_class_end(ml, SPAN_WARP_TILES) == S
     x = make_values(rng, 3, layout.num_columns, reduction, spread=40.0, neg_inf=0.2)
     if reduction != "sum":

@@ -168,25 +168,38 @@ void launch(dim3 g, dim3 b, size_t shmem, cudaStream_t, F body) {
   }
   gdim = g;
   bdim = b;
-  for (unsigned z = 0; z < g.z; ++z)
-    for (unsigned y = 0; y < g.y; ++y)
-      for (unsigned x = 0; x < g.x; ++x) {
-        Block block(static_cast<int>(b.x), shmem);
-        std::vector<std::thread> pool;
-        pool.reserve(b.x);
-        for (unsigned t = 0; t < b.x; ++t)
-          pool.emplace_back([&, t, x, y, z] {
-            tid = uint3{t, 0, 0};
-            bid = uint3{x, y, z};
-            blk = &block;
-            body();
-            Warp& w = *block.warps[t >> 5];
-            w.exited.fetch_add(1);
-            w.bar.arrive_and_drop();
-            block.bar.arrive_and_drop();
-          });
-        for (auto& th : pool) th.join();
+  // One OS thread per CUDA thread of a block, started once per launch and reused for each
+  // block in turn (a fresh Block: new barriers, shared memory, statics); the blocks still
+  // run one after another in order of linear index, and a thread that returns from the
+  // kernel drops out of its block's barriers as an exited thread would.
+  const unsigned long long blocks = 1ull * g.x * g.y * g.z;
+  std::unique_ptr<Block> block;
+  std::barrier<> gate(static_cast<std::ptrdiff_t>(b.x) + 1);
+  std::vector<std::thread> pool;
+  pool.reserve(b.x);
+  for (unsigned t = 0; t < b.x; ++t)
+    pool.emplace_back([&, t] {
+      for (unsigned long long i = 0; i < blocks; ++i) {
+        gate.arrive_and_wait();  // the block is set up
+        tid = uint3{t, 0, 0};
+        bid = uint3{static_cast<unsigned>(i % g.x), static_cast<unsigned>(i / g.x % g.y),
+                    static_cast<unsigned>(i / g.x / g.y)};
+        blk = block.get();
+        body();
+        Warp& w = *blk->warps[t >> 5];
+        w.exited.fetch_add(1);
+        w.bar.arrive_and_drop();
+        blk->bar.arrive_and_drop();
+        blk = nullptr;
+        gate.arrive_and_wait();  // every thread of the block is done with it
       }
+    });
+  for (unsigned long long i = 0; i < blocks; ++i) {
+    block = std::make_unique<Block>(static_cast<int>(b.x), shmem);
+    gate.arrive_and_wait();
+    gate.arrive_and_wait();
+  }
+  for (auto& th : pool) th.join();
 }
 }  // namespace emu
 
@@ -644,7 +657,10 @@ def test_layouts_of_smaller_tiles(emulator, tmp_path, monkeypatch, reduction, ti
     (B=8) and not, EOS mode included."""
     monkeypatch.setattr(layout_module, "TILE", tile)
     rng = np.random.default_rng(tile)
-    words = [bytes(rng.integers(97, 100, size=rng.integers(0, 6))) for _ in range(150)]
+    # several tiles and spanning nodes at every tile size: tiles of 2 need fewer tokens
+    # (every tile is a block of 256 OS threads here)
+    n = 40 if tile == 2 else 150
+    words = [bytes(rng.integers(97, 100, size=rng.integers(0, 6))) for _ in range(n)]
     assert make_trie(words).layout.modes["without_eos"].tile == tile
     check(
         emulator,
@@ -825,9 +841,14 @@ def test_spanning_nodes_by_thread_warp_and_block(emulator, tmp_path, reduction):
     path is for nodes over SPAN_WARP_TILES tiles, which a test-sized trie lacks): each
     split, each path alone and all three at once, gives the reference's values. Rows: -inf
     runs over whole tiles, and masses far apart. (Every block node is a block of 256 OS
-    threads here: the trie is kept just big enough.)"""
+    threads here: the trie is kept just big enough, the root over 17 tiles and its four
+    children over 3 or 4 each, and 26-way branching below them keeps the spanning nodes
+    few.)"""
     rng = np.random.default_rng(21)
-    words = [bytes(rng.integers(97, 101, size=rng.integers(1, 8))) for _ in range(1200)]
+    words = [
+        bytes([rng.choice(list(b"abcd"))]) + bytes(rng.integers(97, 123, size=rng.integers(0, 3)))
+        for _ in range(1150)
+    ]
     layout = make_trie(words).layout
     ml = layout.modes["without_eos"]
     counts = ml.span_tile_hi - ml.span_tile_lo
@@ -835,6 +856,7 @@ def test_spanning_nodes_by_thread_warp_and_block(emulator, tmp_path, reduction):
     S = len(counts)
     assert (np.diff(counts) >= 0).all()  # sorted: the narrow nodes are a prefix
     assert 0 < narrow < S and counts.max() > SPAN_NARROW_TILES
+    assert (counts[:narrow] > 1).any()  # narrow nodes over whole tiles, not pieces alone
     assert span_class_end(ml, SPAN_WARP_TILES) == S
     x = make_values(rng, 3, layout.num_columns, reduction, spread=40.0, neg_inf=0.2)
     if reduction != "sum":

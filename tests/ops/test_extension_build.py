@@ -820,39 +820,95 @@ print(where, hasattr(module, "trie_reduce_cpu"))
 CUDA_SOURCE = os.path.join(REPO, "csrc", "trie_reduce_cuda.cu")
 
 
-def _nvcc(*args):
+class _Compile:
+    """A compiler run started in the background (its output in a file): the module's
+    compiles are independent, single-threaded and long, so they run side by side."""
+
+    def __init__(self, cmd, log):
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+    def result(self, timeout=600):
+        """The compiler's output; fails the test on a non-zero exit status."""
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        with open(self.log) as f:
+            output = f.read()
+        assert self.proc.returncode == 0, output[-6000:]
+        return output
+
+
+def _nvcc(log, *args):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not on PATH")
-    proc = subprocess.run(
-        [nvcc, "-std=c++17", "-O3", *args], capture_output=True, text=True, timeout=600, check=False
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout + proc.stderr
+    return _Compile([nvcc, "-std=c++17", "-O3", *args], log)
 
 
 @pytest.fixture(scope="module")
-def sm90_build(tmp_path_factory):
-    """One sm_90 (H100/H200) compile of the .cu as the extension builds it (-DWITH_CUDA),
-    keeping its intermediates: the object, ptxas' resource report and the PTX, which the
-    tests below read (the PTX is the one `-ptx` would write: the same front end, the same
-    compute_90 target)."""
-    build = tmp_path_factory.mktemp("sm90")
-    obj = build / "trie_reduce_cuda.o"
+def nvcc_compiles(tmp_path_factory):
+    """The three nvcc runs of the tests below, started together: the .cu alone for nvcc's
+    default target; one sm_90 (H100/H200) compile as the extension builds it (-DWITH_CUDA),
+    keeping its intermediates: the object, ptxas' resource report and the PTX (the one
+    `-ptx` would write: the same front end, the same compute_90 target); the sm_80 PTX."""
+    build = tmp_path_factory.mktemp("nvcc")
     keep = build / "keep"
     keep.mkdir()
-    report = _nvcc(
-        "-DWITH_CUDA", "-arch=sm_90", "-Xptxas", "-v", "-keep", "-keep-dir", str(keep),
-        "-c", CUDA_SOURCE, "-o", str(obj),
-    )  # fmt: skip
-    return {"obj": obj, "report": report, "ptx": (keep / "trie_reduce_cuda.ptx").read_text()}
+    paths = {
+        "standalone": build / "standalone.o",
+        "sm90": build / "trie_reduce_cuda.o",
+        "sm80_ptx": build / "sm_80.ptx",
+    }
+    runs = {
+        "standalone": _nvcc(
+            build / "standalone.log", "-c", CUDA_SOURCE, "-o", str(paths["standalone"])
+        ),
+        "sm90": _nvcc(
+            build / "sm90.log",
+            "-DWITH_CUDA",
+            "-arch=sm_90",
+            "-Xptxas",
+            "-v",
+            "-keep",
+            "-keep-dir",
+            str(keep),
+            "-c",
+            CUDA_SOURCE,
+            "-o",
+            str(paths["sm90"]),
+        ),
+        "sm80_ptx": _nvcc(
+            build / "sm80.log", "-arch=sm_80", "-ptx", CUDA_SOURCE, "-o", str(paths["sm80_ptx"])
+        ),
+    }
+    yield {"runs": runs, "paths": paths, "keep": keep}
+    for run in runs.values():
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait()
 
 
-def test_cuda_source_compiles_standalone(tmp_path):
+@pytest.fixture(scope="module")
+def sm90_build(nvcc_compiles):
+    """The sm_90 compile's object, ptxas' resource report and PTX."""
+    report = nvcc_compiles["runs"]["sm90"].result()
+    return {
+        "obj": nvcc_compiles["paths"]["sm90"],
+        "report": report,
+        "ptx": (nvcc_compiles["keep"] / "trie_reduce_cuda.ptx").read_text(),
+    }
+
+
+def test_cuda_source_compiles_standalone(nvcc_compiles):
     """nvcc's default target, the .cu alone (`nvcc -c`, no defines), as trie_reduce_cuda.h
     promises."""
-    obj = tmp_path / "trie_reduce_cuda.o"
-    _nvcc("-c", CUDA_SOURCE, "-o", str(obj))
+    nvcc_compiles["runs"]["standalone"].result()
+    obj = nvcc_compiles["paths"]["standalone"]
     assert obj.exists() and obj.stat().st_size > 0
 
 
@@ -865,7 +921,7 @@ def test_cuda_source_compiles_for_sm90_without_spills(sm90_build):
     assert all(int(n) == 0 for n in spills), report
 
 
-def test_cuda_dependent_kernels_wait_before_touching_results(tmp_path, sm90_build):
+def test_cuda_dependent_kernels_wait_before_touching_results(nvcc_compiles, sm90_build):
     """Programmatic dependent launch (sm_90): the kernels launched dependent on the one
     before them, (a2) row_lse_merge, (b) tile and (c) span, may start while it still runs.
     In their sm_90 PTX, griddepcontrol.wait must come before their first float64 global
@@ -874,9 +930,8 @@ def test_cuda_dependent_kernels_wait_before_touching_results(tmp_path, sm90_buil
     (scratch and output); the kernels that let the next one start early say so
     (griddepcontrol.launch_dependents). Below sm_90 there is neither (the host then launches
     as usual: ptxVersion < 90)."""
-    out = tmp_path / "sm_80.ptx"
-    _nvcc("-arch=sm_80", "-ptx", CUDA_SOURCE, "-o", str(out))
-    ptx = {"sm_80": out.read_text(), "sm_90": sm90_build["ptx"]}
+    nvcc_compiles["runs"]["sm80_ptx"].result()
+    ptx = {"sm_80": nvcc_compiles["paths"]["sm80_ptx"].read_text(), "sm_90": sm90_build["ptx"]}
     assert "griddepcontrol" not in ptx["sm_80"]
     entries = re.split(r"\n(?=(?:\.visible )?\.entry )", ptx["sm_90"])[1:]
     seen = set()
@@ -943,12 +998,9 @@ def test_cuda_bindings_compile(tmp_path):
         "-DTORCH_EXTENSION_NAME=_C",
         *(f"-I{p}" for p in includes),
     ]
-    for source in ("bindings.cpp", "trie_reduce_cuda_op.cpp"):
-        proc = subprocess.run(
-            [*cmd, os.path.join(REPO, "csrc", source)],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
+    checks = [  # side by side
+        _Compile([*cmd, os.path.join(REPO, "csrc", source)], tmp_path / f"{source}.log")
+        for source in ("bindings.cpp", "trie_reduce_cuda_op.cpp")
+    ]
+    for check in checks:
+        check.result()

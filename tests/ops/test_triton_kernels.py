@@ -49,8 +49,16 @@ def layout_named(name):
             words = random_words(rng, 260)
             eos = rng.choice(len(words), size=5, replace=False)
             _LAYOUTS[name] = make_layout(words, eos_positions=eos)
-        elif name == "wide":  # 2,500 tokens: the root and top levels span > 16 tiles
-            _LAYOUTS[name] = make_layout(random_words(rng, 2500, max_len=8))
+        elif name == "wide":
+            # 1,100 tokens (and random_words' chain): the root spans > 16 whole tiles, its
+            # four children 3 or 4 each, and 26-way branching below them keeps the spanning
+            # nodes few (every one of them is a program of its own when all are wide)
+            words = [
+                bytes([rng.choice(list(b"abcd"))])
+                + bytes(rng.integers(97, 123, size=rng.integers(0, 3)))
+                for _ in range(1100)
+            ]
+            _LAYOUTS[name] = make_layout(words + [b"ab" * k for k in range(1, 25)])
         elif name == "permuted":  # token columns a permutation of a wider row
             words = random_words(rng, 150, alphabet=b"xyz", max_len=9)
             cols = rng.permutation(len(words) + 40)[: len(words)]
@@ -139,6 +147,9 @@ def test_spanning_nodes_narrow_and_wide(reduction):
     counts = ml.span_tile_hi - ml.span_tile_lo
     narrow = span_class_end(ml, SPAN_NARROW_TILES)
     assert 0 < narrow < len(counts) and counts.max() > SPAN_NARROW_TILES
+    # narrow nodes with whole tiles and with left and right pieces
+    assert (counts[:narrow] > 1).any() and (ml.span_left[:narrow] >= 0).any()
+    assert (ml.span_right[:narrow] >= 0).any()
     rng = np.random.default_rng(8)
     x = rows_for(rng, 2, layout.num_columns, reduction, spread=30.0)
     if reduction != "sum":

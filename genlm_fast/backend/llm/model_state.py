@@ -46,7 +46,6 @@ class ModelState:
         self.decoder = None
         self.reason = None  # why there is no decoder
         self.watch = None
-        self.widened = False
         self.rebuild(model, forget=False)
 
     @classmethod
@@ -73,8 +72,7 @@ class ModelState:
                 unpack_linear_layers(model)
         if self.users == 0 and _states.get(model) is self:
             del _states[model]
-            if self.widened:
-                unwiden_forward(model)
+            unwiden_forward(model)  # (nothing to undo unless it was widened)
 
     def rebuild(self, model, forget=True):
         """Read the model again; ``forget``: its answers may have changed, so the packed
@@ -85,7 +83,7 @@ class ModelState:
         # a 16-bit CPU model's transformers forward computes in float32, as the fused decoder
         # does: a context's answers do not depend on which of them ran it (widen.py); again
         # after each change, for the modules an adapter added
-        self.widened = widen_forward(model) is None
+        widen_forward(model)
         try:
             self.decoder, self.reason = FusedDecoder(model), None
         except Unsupported as exc:

@@ -5,17 +5,19 @@
 // longer than the fused forward takes) would round every layer's output to 16 bits, so the
 // same context would get other log-probabilities than the fused decoder's float32 ones; and
 // torch's 16-bit CPU products are slow without AVX-512. Here each weight is widened to float32
-// as it is loaded (exact: bfloat16 is the high half of a float32, every float16 is a float32)
-// and the sums are float32, so the model's stored weights stay its only copy and its answers
-// are the float32 ones. Made for the few rows of decoding (AsyncTransformer's small forwards);
-// prompt prefills go to BLAS on widened slices of W (widen.py).
+// in registers as it is loaded (exact: bfloat16 is the high half of a float32, every float16 is
+// a float32) and the sums are float32, so the model's stored weights stay its only copy and its
+// answers are the float32 ones. A float32 model's decoding steps run here too, on the weights
+// in place (no packed copy). Made for the few rows of decoding (AsyncTransformer's small
+// forwards); larger products go to BLAS (widen.py).
 //
 // Kernel: threads split W's rows (output features) into blocks of kBlockFeatures. A block is
-// walked along k in chunks of kChunk; for each chunk and each pair of features, the pair's
-// chunk of W is widened once into a small float32 buffer (L1), then every group of up to 4
-// rows of x takes dot products against it: 8-wide vectors of k, 2 x 4 accumulators, one FMA
-// per (feature, row) per vector. The chunk of x (M x kChunk floats) stays in L1 across the
-// block's features, the buffer across the row groups: W leaves memory once whatever M is.
+// walked one tile of kTileFeatures rows of W at a time, each tile along the whole of k in
+// chunks of kChunk, so that each thread reads a few rows of W front to back (streams the
+// hardware prefetcher follows). For each chunk, every group of up to kTileRows rows of x takes
+// dot products against the tile: 8-wide vectors of k, 3 x 4 accumulators, one FMA per
+// (feature, row) per vector; the tile's chunk stays in L1 across the row groups, x in L2. W
+// leaves memory once whatever M is.
 //
 // Numerics: each chunk's dot products are summed in float32 over 8 lanes, the lanes reduced,
 // and the chunk's sum added to the output (which started at the bias, or zero): K / kChunk +
@@ -31,8 +33,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <vector>
 
 #include "linear_cpu.h"  // BFloat16, Float16, widen
 
@@ -48,10 +48,10 @@ namespace genlm_fast {
 namespace cpu {
 namespace {
 
-constexpr int64_t kChunk = 256;          // values of k per chunk (x's chunk: M KB for M rows)
-constexpr int64_t kBlockFeatures = 32;   // output features per thread work item
-constexpr int64_t kPair = 2;             // features widened and summed together
-constexpr int64_t kGroup = 4;            // rows of x summed together
+constexpr int64_t kChunk = 256;         // values of k per chunk (the numerics' unit)
+constexpr int64_t kTileFeatures = 3;    // rows of W summed together
+constexpr int64_t kTileRows = 4;        // rows of x summed together
+constexpr int64_t kBlockFeatures = 24;  // output features per thread work item (8 tiles)
 
 bool has_avx2() {
 #if GF_ROWS_X86
@@ -63,25 +63,16 @@ bool has_avx2() {
 #endif
 }
 
-// The pair's chunk of W (rows w0 and w1, or null: zeros) as float32, padded with zeros to a
-// multiple of 8: buf[0 .. padded) and buf[kChunk .. kChunk + padded).
+// sums[f][r] = dot(W row f, x row r) over the chunk, for f < features, r < rows
 template <class W>
-void widen_pair_plain(const W* w0, const W* w1, int64_t kc, int64_t padded, float* buf) {
-  for (int64_t j = 0; j < padded; ++j) {
-    buf[j] = j < kc ? widen(w0[j]) : 0.0f;
-    buf[kChunk + j] = (w1 != nullptr && j < kc) ? widen(w1[j]) : 0.0f;
-  }
-}
-
-// sums[f][r] = dot(buf row f, x row r) over the chunk, for r < rows
-void dot_group_plain(const float* x, int64_t ldx, int64_t rows, int64_t kc, const float* buf,
-                     float sums[kPair][kGroup]) {
-  for (int64_t f = 0; f < kPair; ++f)
+void dot_tile_plain(const float* x, int64_t ldx, int64_t rows, int64_t kc, const W* w,
+                    int64_t ldw, int64_t features, float sums[kTileFeatures][kTileRows]) {
+  for (int64_t f = 0; f < features; ++f)
     for (int64_t r = 0; r < rows; ++r) {
       float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       const float* xr = x + r * ldx;
-      const float* wf = buf + f * kChunk;
-      for (int64_t j = 0; j < kc; ++j) lanes[j % 8] += xr[j] * wf[j];
+      const W* wf = w + f * ldw;
+      for (int64_t j = 0; j < kc; ++j) lanes[j % 8] += xr[j] * widen(wf[j]);
       // lanes reduced as the AVX2 kernel does: (0+4, 1+5, 2+6, 3+7), then pairwise
       float a = lanes[0] + lanes[4], b = lanes[1] + lanes[5];
       float c = lanes[2] + lanes[6], d = lanes[3] + lanes[7];
@@ -99,71 +90,75 @@ GF_AVX2 inline __m256 load8(const Float16* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-template <class W>
-GF_AVX2 void widen_pair_avx2(const W* w0, const W* w1, int64_t kc, int64_t padded, float* buf) {
-  const int64_t whole = kc & ~int64_t{7};
-  for (int64_t j = 0; j < whole; j += 8) {
-    _mm256_storeu_ps(buf + j, load8(w0 + j));
-    _mm256_storeu_ps(buf + kChunk + j, w1 != nullptr ? load8(w1 + j) : _mm256_setzero_ps());
-  }
-  for (int64_t j = whole; j < padded; ++j) {
-    buf[j] = j < kc ? widen(w0[j]) : 0.0f;
-    buf[kChunk + j] = (w1 != nullptr && j < kc) ? widen(w1[j]) : 0.0f;
-  }
-}
-
-// x's last partial vector of a row: the chunk's values, zeros past kc (never read past the row)
-GF_AVX2 inline __m256 load_x(const float* p, int64_t j, int64_t kc) {
-  if (j + 8 <= kc) return _mm256_loadu_ps(p + j);
+// a row's last partial vector of the chunk (K not a multiple of 8): its values, zeros past kc
+// (never read past the row)
+GF_AVX2 inline __m256 load_tail(const float* p, int64_t j, int64_t kc) {
   alignas(32) float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int64_t t = 0; j + t < kc; ++t) tail[t] = p[j + t];
   return _mm256_load_ps(tail);
 }
+template <class W>
+GF_AVX2 inline __m256 load_tail(const W* p, int64_t j, int64_t kc) {
+  alignas(32) float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t t = 0; j + t < kc; ++t) tail[t] = widen(p[j + t]);
+  return _mm256_load_ps(tail);
+}
 
-// the 8 lanes of v summed as dot_group_plain does
+// the 8 lanes of v summed as dot_tile_plain does
 GF_AVX2 inline float reduce8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 ab_cd = _mm_add_ps(s, _mm_movehdup_ps(s));  // (a+b, ., c+d, .)
   return _mm_cvtss_f32(_mm_add_ss(ab_cd, _mm_movehl_ps(ab_cd, ab_cd)));
 }
 
-template <int R>
-GF_AVX2 void dot_group_avx2(const float* x, int64_t ldx, int64_t kc, int64_t padded,
-                            const float* buf, float sums[kPair][kGroup]) {
-  __m256 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+// R rows of x against F rows of W (12 accumulators, 3 + 1 more registers: 16 in all)
+template <int R, int F, class W>
+GF_AVX2 void dot_tile_avx2(const float* x, int64_t ldx, int64_t kc, const W* w, int64_t ldw,
+                           float sums[kTileFeatures][kTileRows]) {
+  __m256 acc[F][R];
+  for (int f = 0; f < F; ++f)
+    for (int r = 0; r < R; ++r) acc[f][r] = _mm256_setzero_ps();
   const int64_t whole = kc & ~int64_t{7};
   for (int64_t j = 0; j < whole; j += 8) {
-    const __m256 w0 = _mm256_loadu_ps(buf + j);
-    const __m256 w1 = _mm256_loadu_ps(buf + kChunk + j);
+    __m256 wv[F];
+    for (int f = 0; f < F; ++f) wv[f] = load8(w + f * ldw + j);
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + r * ldx + j);
-      acc0[r] = _mm256_fmadd_ps(xv, w0, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(xv, w1, acc1[r]);
+      for (int f = 0; f < F; ++f) acc[f][r] = _mm256_fmadd_ps(xv, wv[f], acc[f][r]);
     }
   }
-  if (whole < padded) {  // the chunk's last, partial vector (K not a multiple of 8)
-    const __m256 w0 = _mm256_loadu_ps(buf + whole);
-    const __m256 w1 = _mm256_loadu_ps(buf + kChunk + whole);
+  if (whole < kc) {
+    __m256 wv[F];
+    for (int f = 0; f < F; ++f) wv[f] = load_tail(w + f * ldw, whole, kc);
     for (int r = 0; r < R; ++r) {
-      const __m256 xv = load_x(x + r * ldx, whole, kc);
-      acc0[r] = _mm256_fmadd_ps(xv, w0, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(xv, w1, acc1[r]);
+      const __m256 xv = load_tail(x + r * ldx, whole, kc);
+      for (int f = 0; f < F; ++f) acc[f][r] = _mm256_fmadd_ps(xv, wv[f], acc[f][r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    sums[0][r] = reduce8(acc0[r]);
-    sums[1][r] = reduce8(acc1[r]);
+  for (int f = 0; f < F; ++f)
+    for (int r = 0; r < R; ++r) sums[f][r] = reduce8(acc[f][r]);
+}
+
+template <int F, class W>
+GF_AVX2 void dot_tile_avx2_rows(const float* x, int64_t ldx, int64_t rows, int64_t kc,
+                                const W* w, int64_t ldw, float sums[kTileFeatures][kTileRows]) {
+  switch (rows) {
+    case 1: return dot_tile_avx2<1, F>(x, ldx, kc, w, ldw, sums);
+    case 2: return dot_tile_avx2<2, F>(x, ldx, kc, w, ldw, sums);
+    case 3: return dot_tile_avx2<3, F>(x, ldx, kc, w, ldw, sums);
+    default: return dot_tile_avx2<4, F>(x, ldx, kc, w, ldw, sums);
   }
 }
 
-GF_AVX2 void dot_group_avx2_rows(const float* x, int64_t ldx, int64_t rows, int64_t kc,
-                                 int64_t padded, const float* buf, float sums[kPair][kGroup]) {
-  switch (rows) {
-    case 1: return dot_group_avx2<1>(x, ldx, kc, padded, buf, sums);
-    case 2: return dot_group_avx2<2>(x, ldx, kc, padded, buf, sums);
-    case 3: return dot_group_avx2<3>(x, ldx, kc, padded, buf, sums);
-    default: return dot_group_avx2<4>(x, ldx, kc, padded, buf, sums);
+template <class W>
+GF_AVX2 void dot_tile_avx2_any(const float* x, int64_t ldx, int64_t rows, int64_t kc,
+                               const W* w, int64_t ldw, int64_t features,
+                               float sums[kTileFeatures][kTileRows]) {
+  static_assert(kTileFeatures == 3 && kTileRows == 4, "the dispatch below spells the tile out");
+  switch (features) {
+    case 1: return dot_tile_avx2_rows<1>(x, ldx, rows, kc, w, ldw, sums);
+    case 2: return dot_tile_avx2_rows<2>(x, ldx, rows, kc, w, ldw, sums);
+    default: return dot_tile_avx2_rows<3>(x, ldx, rows, kc, w, ldw, sums);
   }
 }
 #endif
@@ -173,38 +168,32 @@ void run(const float* x, int64_t m, int64_t k, const W* w, int64_t ldw, int64_t 
          bool avx2) {
   const int64_t blocks = (n + kBlockFeatures - 1) / kBlockFeatures;
   const int64_t bytes = n * k * static_cast<int64_t>(sizeof(W)) + (m * k + m * n) * 4;
+  // x's rows in groups of at most kTileRows, as even as can be (9 rows: 3 + 3 + 3, not
+  // 4 + 4 + 1, whose last group would load a tile of W for one row's products)
+  const int64_t groups = (m + kTileRows - 1) / kTileRows;
+  const auto group_rows = [&](int64_t g) { return m / groups + (g < m % groups ? 1 : 0); };
 #pragma omp parallel num_threads(team_size(bytes))
   {
-    std::vector<float> buf(2 * kChunk);
-    float sums[kPair][kGroup];
+    float sums[kTileFeatures][kTileRows];
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t n0 = b * kBlockFeatures, n1 = std::min(n, n0 + kBlockFeatures);
-      for (int64_t c = 0; c < k; c += kChunk) {
-        const int64_t kc = std::min(kChunk, k - c);
-        const int64_t padded = (kc + 7) & ~int64_t{7};
-        for (int64_t f = n0; f < n1; f += kPair) {
-          const W* w0 = w + f * ldw + c;
-          const W* w1 = f + 1 < n1 ? w0 + ldw : nullptr;
-#if GF_ROWS_X86
-          if (avx2)
-            widen_pair_avx2(w0, w1, kc, padded, buf.data());
-          else
-#endif
-            widen_pair_plain(w0, w1, kc, padded, buf.data());
-          for (int64_t r0 = 0; r0 < m; r0 += kGroup) {
-            const int64_t rows = std::min(kGroup, m - r0);
+      for (int64_t f = n0; f < n1; f += kTileFeatures) {
+        const int64_t features = std::min(kTileFeatures, n1 - f);
+        const W* wf = w + f * ldw;
+        for (int64_t c = 0; c < k; c += kChunk) {
+          const int64_t kc = std::min(kChunk, k - c);
+          for (int64_t g = 0, r0 = 0; g < groups; r0 += group_rows(g), ++g) {
+            const int64_t rows = group_rows(g);
             const float* xr = x + r0 * k + c;
 #if GF_ROWS_X86
             if (avx2)
-              dot_group_avx2_rows(xr, k, rows, kc, padded, buf.data(), sums);
+              dot_tile_avx2_any(xr, k, rows, kc, wf + c, ldw, features, sums);
             else
 #endif
-              dot_group_plain(xr, k, rows, kc, buf.data(), sums);
-            for (int64_t r = 0; r < rows; ++r) {
-              y[(r0 + r) * n + f] += sums[0][r];
-              if (w1 != nullptr) y[(r0 + r) * n + f + 1] += sums[1][r];
-            }
+              dot_tile_plain(xr, k, rows, kc, wf + c, ldw, features, sums);
+            for (int64_t r = 0; r < rows; ++r)
+              for (int64_t i = 0; i < features; ++i) y[(r0 + r) * n + f + i] += sums[i][r];
           }
         }
       }

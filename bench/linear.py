@@ -9,10 +9,13 @@ in a real forward pass the weights come from memory, not from cache. Kernels, on
 inputs:
 
 * ``torch``: ``F.linear`` (MKL's sgemm): torch's own CPU linear layer;
-* ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` on weights reordered once
-  (`genlm_fast.backend.llm.cpu_linear`'s choice without AVX-512);
+* ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` on weights reordered once (a copy), the
+  op behind torch.compile's CPU linear fusion, for comparison;
 * ``avx512``: genlm_fast's small-batch kernel (``csrc/linear_cpu.cpp``) on its packed panels,
-  where the CPU has AVX-512F (the choice up to ``cpu_linear.SMALL_BATCH_ROWS`` rows).
+  where the CPU has AVX-512F (`genlm_fast.backend.llm.cpu_linear`'s choice up to
+  ``cpu_linear.SMALL_BATCH_ROWS`` rows);
+* ``rows``: ``genlm_fast._C.linear_rows`` (``csrc/linear_rows_cpu.cpp``) on the weights in
+  place, where the CPU has AVX2 (the choice without AVX-512, up to ``widen.ROWS`` rows).
 
 Each kernel's products are first checked against float64 on one layer of each shape. Times:
 median of 7 steps, after a warm-up step, taken in two rounds in turn (the best round kept), on
@@ -42,7 +45,7 @@ def _kernels():
 
     found = {"torch": (lambda w: w, lambda x, w, n: F.linear(x, w))}
     runs = cpu_linear.available_kernels()
-    if "onednn" in runs:
+    if torch.backends.mkldnn.is_available():
         found["onednn"] = (
             lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None),
             lambda x, p, n: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
@@ -53,6 +56,11 @@ def _kernels():
             module.pack_linear_weight,
             lambda x, p, n: module.linear_small_batch(x, p, None, n, "avx512"),
         )
+    if "rows" in runs:
+        from genlm_fast.ops import extension
+
+        module = extension.load_module()
+        found["rows"] = (lambda w: w, lambda x, w, n: module.linear_rows(x, w, None, "avx2"))
     return found
 
 

@@ -1,7 +1,7 @@
 """How far `AsyncTransformer`'s next-token log-probabilities are from float64, per CPU linear
 kernel.
 
-    python -m bench.lm_accuracy [--contexts 80] [--kernels auto,torch,onednn]
+    python -m bench.lm_accuracy [--contexts 80] [--kernels auto,torch,rows]
 
 On the real SmolLM2-135M-Instruct: the same model in float64 (transformers, no cache) is
 the oracle. Contexts: three of special tokens ([1..7], [1..16], [0, 0, 0]: large
@@ -67,8 +67,8 @@ def main(argv=None):
     parser.add_argument("--contexts", type=int, default=80, help="random contexts")
     parser.add_argument(
         "--kernels",
-        default="auto,torch,onednn",
-        help="CPU linear kernels (auto, avx512, onednn, torch), comma-separated",
+        default="auto,torch,rows",
+        help="CPU linear kernels (auto, avx512, rows, torch), comma-separated",
     )
     parser.add_argument("--child", metavar="KERNEL", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

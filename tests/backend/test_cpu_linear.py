@@ -1,13 +1,14 @@
-"""The packed CPU linear layers (genlm_fast.backend.llm.cpu_linear) against float64 F.linear,
-on each kernel that runs here: genlm_fast's small-batch kernel (csrc/linear_cpu.cpp, also
-called raw, on each of its ISAs) and oneDNN's; on small layers and on the real SmolLM2
-through AsyncTransformer."""
+"""The CPU linear layers (genlm_fast.backend.llm.cpu_linear) against float64 F.linear, on
+each kernel that runs here: genlm_fast's small-batch kernel on packed panels
+(csrc/linear_cpu.cpp, also called raw, on each of its ISAs) and linear_rows on the weight in
+place (csrc/linear_rows_cpu.cpp; raw calls in test_widen.py); on small layers and on the real
+SmolLM2 through AsyncTransformer."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from genlm_fast.backend.llm import cpu_linear
+from genlm_fast.backend.llm import cpu_linear, widen
 from genlm_fast.backend.llm.cpu_linear import (
     available_kernels,
     pack_linear_layers,
@@ -31,13 +32,15 @@ def _cpu_has_avx512() -> bool:
 
 @pytest.fixture(params=cpu_linear.KERNELS)
 def kernel(request):
-    """Each packed kernel in turn, passed to pack_linear_layers."""
-    if request.param == "avx512" and _cpu_has_avx512():
+    """Each kernel in turn, passed to pack_linear_layers."""
+    if (request.param == "avx512" and _cpu_has_avx512()) or (
+        request.param == "rows" and torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+    ):
         _built()  # the CPU runs it: a missing build is a failure
     if request.param not in available_kernels():
         pytest.skip(
             f"the {request.param} kernel does not run here (avx512: needs "
-            "genlm_fast._C and AVX-512F; onednn: needs torch's oneDNN packed linear)"
+            "genlm_fast._C and AVX-512F; rows: genlm_fast._C and AVX2)"
         )
     return request.param
 
@@ -71,8 +74,16 @@ def test_matches_float64(shape, bias, kernel):
     assert got.dtype == torch.float32 and got.shape == (*shape[:-1], 9)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     rows = x.numel() // x.shape[-1]
-    packed = rows > 0 and (kernel != "avx512" or rows <= cpu_linear.SMALL_BATCH_ROWS)
-    assert (cpu_linear._PACK in model[0].__dict__) == packed  # the kernel ran, or F.linear
+    if kernel == "avx512":
+        packed = 0 < rows <= cpu_linear.SMALL_BATCH_ROWS
+        assert (cpu_linear._PACK in model[0].__dict__) == packed  # the kernel ran, or F.linear
+    else:
+        assert cpu_linear._PACK not in model[0].__dict__  # the weight in place: no copy
+        if 0 < rows <= widen.ROWS:  # linear_rows ran: its very sums
+            x2 = x.reshape(rows, 37)
+            b = None if model[0].bias is None else model[0].bias.detach()
+            with torch.no_grad():
+                assert torch.equal(model[0](x2), _built().linear_rows(x2, model[0].weight, b))
 
 
 def test_small_batch_kernel_is_chosen_where_it_runs():
@@ -243,9 +254,10 @@ def test_follows_edits_behind_the_version_counter(kernel):
         check()
         layer.weight.data[7, 3] += 1.0  # one entry, between the sampled ones:
         assert (7 * 40 + 3) % (300 * 40 // cpu_linear._PROBE_SIZE) != 0
-        assert (layer(x) - float64_linear(layer, x).float()).abs().max() > 0.1  # not seen
-        cpu_linear.drop_packed_copies(layer)
-        check()
+        if kernel == "avx512":  # a packed copy: the edit is not seen
+            assert (layer(x) - float64_linear(layer, x).float()).abs().max() > 0.1
+            cpu_linear.drop_packed_copies(layer)
+        check()  # rows reads the weight itself: seen at once
 
 
 def test_inference_mode_weights(kernel):
@@ -272,8 +284,8 @@ def test_inference_mode_weights(kernel):
 
 def test_packed_model_copies_and_pickles(kernel):
     """A packed model is still the caller's model: copy.deepcopy and torch.save/torch.load
-    work after it has run (oneDNN's packed copies are opaque tensors, which neither copy nor
-    pickle: no kernel's copy is carried over), and the copy is a packed model of its own,
+    work after it has run (no kernel's packed copy is carried over), and the copy is a packed
+    model of its own,
     bound to its own weights."""
     import copy
     import io
@@ -311,8 +323,9 @@ def test_converted_model_drops_its_stale_copies(kernel):
     linears = [model[0], model[2]]
     x = torch.randn(3, 37)
     with torch.no_grad():
-        model(x)  # packs
-        assert all(cpu_linear._PACK in m.__dict__ for m in linears)
+        model(x)  # packs (avx512; rows copies nothing)
+        copies = kernel == "avx512"
+        assert all((cpu_linear._PACK in m.__dict__) == copies for m in linears)
         model.to(torch.bfloat16)
         reference = small_model().to(torch.bfloat16)  # the same weights, never packed
         torch.testing.assert_close(model(x.bfloat16()), reference(x.bfloat16()), rtol=0, atol=0)
@@ -322,7 +335,7 @@ def test_converted_model_drops_its_stale_copies(kernel):
         model.float()  # back: packs afresh, from the (rounded) float32 weights
         want = float64_linear(model[2], torch.tanh(float64_linear(model[0], x)).float())
         torch.testing.assert_close(model(x).double(), want, rtol=1e-5, atol=1e-5)
-        assert all(cpu_linear._PACK in m.__dict__ for m in linears)
+        assert all((cpu_linear._PACK in m.__dict__) == copies for m in linears)
 
 
 def test_other_inputs_use_torch(kernel):
@@ -348,7 +361,7 @@ def test_switch_and_undo():
     model = small_model()
     assert pack_linear_layers(model, "torch") == 0
     assert not any("forward" in m.__dict__ for m in model)
-    with pytest.raises(ValueError, match="must be 'auto', 'avx512', 'onednn' or 'torch'"):
+    with pytest.raises(ValueError, match="must be 'auto', 'avx512', 'rows' or 'torch'"):
         pack_linear_layers(model, "mkl")
     for kernel in cpu_linear.KERNELS:
         if kernel not in available_kernels():

@@ -59,22 +59,52 @@ def test_unknown_room_refuses_nothing(tmp_path, monkeypatch):
     assert memory.shortfall(1 << 60, "a copy") is None
 
 
-def test_linear_layers_too_big_to_pack_run_torchs_own(machine):
-    """No room for the packed copies: a warning naming both sizes, no layer changed, and the
-    answers are those of the model's own layers (float64 oracle)."""
-    if not cpu_linear.available_kernels():
-        pytest.fail("no packed CPU linear kernel runs here (oneDNN is part of torch's CPU wheel)")
+def _needs_kernel(kernel, capability):
+    """Skip where the CPU cannot run ``kernel``; fail where it can but the kernel does not
+    run (a broken build)."""
+    if kernel in cpu_linear.available_kernels():
+        return
+    if torch.backends.cpu.get_cpu_capability().startswith(capability):
+        pytest.fail(f"this CPU runs {capability} code but the {kernel} kernel is unavailable")
+    pytest.skip(f"the {kernel} kernel needs a CPU with {capability}")
+
+
+def _linear_model_and_oracle():
     model = small_model(300, "llama").float()
-    oracle = copy.deepcopy(model).double()
-    machine(64 << 10)  # 64 KB: less than the layers' weights
-    with pytest.warns(RuntimeWarning, match=r"packing the linear layers .* would take .* GB"):
-        assert cpu_linear.pack_linear_layers(model) == 0
-    assert all("forward" not in m.__dict__ for m in model.modules())
+    return model, copy.deepcopy(model).double()
+
+
+def _assert_answers_float64(model, oracle):
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.no_grad():
         got = model(ids).logits.double()
         want = oracle(ids).logits
     assert (got - want).abs().max() < 1e-4
+
+
+def test_linear_layers_too_big_to_pack_run_torchs_own(machine):
+    """No room for the avx512 kernel's packed copies: a warning naming both sizes, no layer
+    changed, and the answers are those of the model's own layers (float64 oracle)."""
+    _needs_kernel("avx512", "AVX512")
+    model, oracle = _linear_model_and_oracle()
+    machine(64 << 10)  # 64 KB: less than the layers' weights
+    with pytest.warns(RuntimeWarning, match=r"packing the linear layers .* would take .* GB"):
+        assert cpu_linear.pack_linear_layers(model, "avx512") == 0
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    _assert_answers_float64(model, oracle)
     machine(8 << 30)
-    assert cpu_linear.pack_linear_layers(model) > 0  # with room, they pack
+    assert cpu_linear.pack_linear_layers(model, "avx512") > 0  # with room, they pack
+    cpu_linear.unpack_linear_layers(model)
+
+
+def test_linear_rows_needs_no_room(machine, recwarn):
+    """The rows kernel reads the weights in place: however little room is left, every layer
+    takes it, with no warning, and the answers match float64."""
+    _needs_kernel("rows", "AVX")
+    model, oracle = _linear_model_and_oracle()
+    machine(64 << 10)
+    layers = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert cpu_linear.pack_linear_layers(model, "rows") == layers > 0
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+    _assert_answers_float64(model, oracle)
     cpu_linear.unpack_linear_layers(model)

@@ -2,36 +2,35 @@
 
 torch's CPU ``nn.Linear`` calls MKL's sgemm. A decoding step multiplies a few rows (one per
 sequence) by every weight of the model, a product bound by reading the weights from memory,
-and sgemm runs it far below what the machine can do. Two kernels do better, each on a copy of
-the weight packed once into its own layout:
+and sgemm runs it far below what the machine can do. Two kernels do better:
 
 * ``avx512``: genlm_fast's small-batch kernel (``csrc/linear_cpu.cpp``, in ``genlm_fast._C``),
-  on CPUs with AVX-512F, for products of up to `SMALL_BATCH_ROWS` rows; larger ones (prompt
-  prefills) go to ``F.linear``, whose BLAS kernels are made for them. It reads each weight
-  once per product, with the rows of the batch held in registers (``python -m bench.linear``
-  compares it with MKL and oneDNN).
-* ``onednn``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op behind
-  torch.compile's CPU linear fusion) on a weight reordered into oneDNN's blocked layout:
-  the choice where AVX-512 is missing.
+  on CPUs with AVX-512F, for products of up to `SMALL_BATCH_ROWS` rows, on a copy of each
+  weight packed once into its panel layout; larger ones (prompt prefills) go to
+  ``F.linear``, whose BLAS kernels are made for them (``python -m bench.linear`` compares it
+  with MKL and oneDNN).
+* ``rows``: ``genlm_fast._C.linear_rows`` (``csrc/linear_rows_cpu.cpp``) on the weight in
+  place, no copy, for products of up to `widen.ROWS` rows (`widen.product`); the choice where
+  AVX-512 is missing and the extension's AVX2 kernel runs.
 
 `pack_linear_layers` gives every float32 ``nn.Linear`` on the CPU a forward that runs the
-kernel on its packed copy. The weight itself is untouched and stays the source of truth:
-before each product the layer checks that the copy still matches it and rebuilds it when the
+kernel. With ``avx512`` the weight itself is untouched and stays the source of truth: before
+each product the layer checks that its packed copy still matches it and rebuilds it when the
 weight was replaced (another tensor or storage), changed in place through torch (its version
 counter moves), or changed behind the version counter through ``.data`` (as peft's
 ``merge_adapter`` does): a strided sample of `_PROBE_SIZE` of its entries is compared with a
 snapshot taken at packing, which sees any edit of the whole tensor. An edit of a few entries
 through ``.data`` can slip past the sample: `AsyncTransformer.reload_weights` announces it,
 and `drop_packed_copies` then drops the copies (repacking SmolLM2 takes a fraction of a
-second, which is why ``clear_cache`` does not). Inputs the kernels do not cover (another
-dtype or device, or anything that needs autograd) go to ``F.linear`` as before. The packed
-copies cost as much memory as the layers' weights. A layer whose weight has moved on
-(``model.to(dtype)``) drops its stale copy at its next product; a copy of the model
-(``copy.deepcopy``, ``torch.save``) packs its own weights.
+second, which is why ``clear_cache`` does not). The packed copies cost as much memory as the
+layers' weights; ``rows`` has none, so nothing can go stale. Inputs the kernels do not cover
+(another dtype or device, or anything that needs autograd) go to ``F.linear`` as before. A
+layer whose weight has moved on (``model.to(dtype)``) drops its stale copy at its next
+product; a copy of the model (``copy.deepcopy``, ``torch.save``) packs its own weights.
 
 The ``kernel`` argument of `pack_linear_layers` picks the kernel: ``auto`` (the default:
-``avx512`` where it runs, else ``onednn`` where this torch has it, else torch's own layers),
-``avx512``, ``onednn`` or ``torch``.
+``avx512`` where it runs, else ``rows`` where it runs, else torch's own layers), ``avx512``,
+``rows`` or ``torch``.
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from genlm_fast.backend.llm.memory import shortfall
+from genlm_fast.backend.llm.widen import product
 
 __all__ = [
     "pack_linear_layers",
@@ -56,7 +56,7 @@ __all__ = [
 
 logger = logging.getLogger("genlm_fast.backend")
 
-KERNELS = ("avx512", "onednn")  # in order of preference
+KERNELS = ("avx512", "rows")  # in order of preference
 SMALL_BATCH_ROWS = 48  # the avx512 kernel's products: up to this many rows (bench/linear.py)
 _PACK = "_genlm_fast_packed_weight"  # a _Packed on the module
 _PROBE_SIZE = 64  # weight entries compared with their snapshot before each product
@@ -73,30 +73,26 @@ def _small_batch_module():
     return module if module.linear_best_isa() == "avx512" else None
 
 
-def _onednn_works() -> bool:
-    """Whether this torch build has the packed oneDNN linear and it agrees with F.linear
-    (checked on a small product against float64)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 2, 40, generator=g)
-    w = torch.randn(24, 40, generator=g)
-    b = torch.randn(24, generator=g)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-    got = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-    want = F.linear(x.double(), w.double(), b.double())
-    return got.shape == want.shape and bool(
-        torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+def _rows_runs() -> bool:
+    """Whether genlm_fast._C has `linear_rows` and this CPU runs its AVX2 kernel (its plain
+    loop is the tests' reference, slower than torch's own layers)."""
+    from genlm_fast.ops import extension
+
+    module = extension.load_module()
+    return (
+        module is not None
+        and hasattr(module, "linear_rows")
+        and module.linear_rows_best_isa() == "avx2"
     )
 
 
 def available_kernels() -> list[str]:
-    """The packed kernels that run here, in order of preference (checked once each)."""
+    """The kernels that run here, in order of preference (checked once each)."""
     for kernel in KERNELS:
         if kernel not in _available:
             try:
                 _available[kernel] = (
-                    _small_batch_module() is not None if kernel == "avx512" else _onednn_works()
+                    _small_batch_module() is not None if kernel == "avx512" else _rows_runs()
                 )
             except (AttributeError, RuntimeError) as exc:  # op missing from this build
                 logger.info("CPU linear kernel %s unavailable (%s)", kernel, exc)
@@ -105,15 +101,15 @@ def available_kernels() -> list[str]:
 
 
 def choose_kernel(kernel: str = "auto"):
-    """The packed kernel that ``kernel`` (``auto``, ``avx512``, ``onednn`` or ``torch``)
-    names and that runs here, or None for torch's own layers.
+    """The kernel that ``kernel`` (``auto``, ``avx512``, ``rows`` or ``torch``) names and
+    that runs here, or None for torch's own layers.
 
     Raises:
         ValueError: ``kernel`` names no kernel, or one that does not run here.
     """
     if kernel not in ("auto", "torch") + KERNELS:
         raise ValueError(
-            f"CPU linear kernel must be 'auto', 'avx512', 'onednn' or 'torch', not {kernel!r}"
+            f"CPU linear kernel must be 'auto', 'avx512', 'rows' or 'torch', not {kernel!r}"
         )
     if kernel == "torch":
         return None
@@ -124,7 +120,7 @@ def choose_kernel(kernel: str = "auto"):
         raise ValueError(
             f"CPU linear kernel {kernel}: that kernel does not run here (available: "
             f"{', '.join(runs) or 'none'}; 'avx512' needs genlm_fast._C and a CPU "
-            "with AVX-512F)"
+            "with AVX-512F, 'rows' genlm_fast._C and a CPU with AVX2)"
         )
     return kernel
 
@@ -140,9 +136,10 @@ def _version(weight: torch.Tensor):
 
 
 class _Packed:
-    """A packed copy of ``weight`` and what tells whether it still matches the weight."""
+    """A packed copy of ``weight`` (avx512's panels) and what tells whether it still matches
+    the weight."""
 
-    def __init__(self, weight: torch.Tensor, kernel: str):
+    def __init__(self, weight: torch.Tensor):
         w = weight.detach()
         self.weight = weight
         self.version = _version(weight)
@@ -150,16 +147,12 @@ class _Packed:
         flat = w.reshape(-1)  # a view: w is a contiguous float32 CPU weight
         self.probe = flat[:: max(1, flat.numel() // _PROBE_SIZE)]  # shares w's storage
         self.snapshot = self.probe.clone()
-        if kernel == "avx512":
-            self.module = _small_batch_module()  # genlm_fast._C
-            self.packed = self.module.pack_linear_weight(w)
-        else:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        self.module = _small_batch_module()  # genlm_fast._C
+        self.packed = self.module.pack_linear_weight(w)
 
     def __reduce__(self):
-        # A oneDNN packed weight is an opaque tensor, which neither pickles nor deep-copies:
         # a copy of the module (copy.deepcopy, torch.save / torch.load) gets no packed copy,
-        # and packs its own weight at its first product.
+        # and packs its own weight at its first product
         return (_no_packed_copy, ())
 
     def matches(self, weight: torch.Tensor) -> bool:
@@ -197,30 +190,30 @@ def _packed_forward(self, kernel, x):
             # hold both until a float32 product that may never come.
             del self.__dict__[_PACK]
         return F.linear(x, w, bias)
-    if kernel == "avx512":
-        rows = x.numel() // x.shape[-1]
-        if rows > SMALL_BATCH_ROWS:  # a prefill: BLAS's kernels are made for it
-            return F.linear(x, w, bias)
+    if kernel == "rows":  # the weight in place: linear_rows, or BLAS for a prefill
+        return product(x, w, bias)
+    rows = x.numel() // x.shape[-1]
+    if rows > SMALL_BATCH_ROWS:  # a prefill: BLAS's kernels are made for it
+        return F.linear(x, w, bias)
     if state is None or not state.matches(w):
-        state = self.__dict__[_PACK] = _Packed(w, kernel)
-    if kernel == "avx512":
-        y = state.module.linear_small_batch(
-            x.reshape(rows, x.shape[-1]).contiguous(),
-            state.packed,
-            None if bias is None else bias.detach().contiguous(),
-            w.shape[0],
-        )
-        return y.view(*x.shape[:-1], w.shape[0])
-    return torch.ops.mkldnn._linear_pointwise(x, state.packed, bias, "none", [], "")
+        state = self.__dict__[_PACK] = _Packed(w)
+    y = state.module.linear_small_batch(
+        x.reshape(rows, x.shape[-1]).contiguous(),
+        state.packed,
+        None if bias is None else bias.detach().contiguous(),
+        w.shape[0],
+    )
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 def pack_linear_layers(model: torch.nn.Module, kernel: str = "auto") -> int:
-    """Route ``model``'s float32 CPU ``nn.Linear`` layers through the packed ``kernel``
+    """Route ``model``'s float32 CPU ``nn.Linear`` layers through ``kernel``
     (`choose_kernel`; module docstring).
 
     Returns the number of layers changed: 0 when the choice is ``torch``, when no kernel runs
     here, when no layer is a float32 CPU linear, or when their packed copies would not fit
-    in the memory this process may still take (`memory.shortfall`: with a warning).
+    in the memory this process may still take (`memory.shortfall`: with a warning; avx512
+    only, the one that copies).
     `unpack_linear_layers` undoes it.
 
     Raises:
@@ -236,14 +229,15 @@ def pack_linear_layers(model: torch.nn.Module, kernel: str = "auto") -> int:
         and module.weight.dtype == torch.float32
         and module.weight.device.type == "cpu"
     ]
-    weights = {id(m.weight): m.weight for m in layers}.values()  # tied weights once
-    short = shortfall(
-        sum(w.numel() * w.element_size() for w in weights),
-        f"packing the linear layers for the {kernel} kernel",
-    )
-    if short is not None:
-        warnings.warn(f"{short}: they run torch's own layers", RuntimeWarning, stacklevel=3)
-        return 0
+    if kernel == "avx512":  # a packed copy of each weight
+        weights = {id(m.weight): m.weight for m in layers}.values()  # tied weights once
+        short = shortfall(
+            sum(w.numel() * w.element_size() for w in weights),
+            f"packing the linear layers for the {kernel} kernel",
+        )
+        if short is not None:
+            warnings.warn(f"{short}: they run torch's own layers", RuntimeWarning, stacklevel=3)
+            return 0
     for module in layers:
         # a partial of a module-level function, not a bound method: the module must still
         # pickle (torch.save(model)) and deep-copy, with its copy bound to the copy

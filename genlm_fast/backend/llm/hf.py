@@ -95,7 +95,7 @@ class AsyncTransformer(BatchedAsyncLM):
             with cross-attention or per-layer rescaled scores are refused (ValueError).
         cpu_linear (str, optional): The kernel of the linear layers of transformers' forward
             on the CPU, where the fused decoder does not run (`cpu_linear.choose_kernel`:
-            ``"auto"``, ``"avx512"``, ``"onednn"`` or ``"torch"`` for torch's own layers).
+            ``"auto"``, ``"avx512"``, ``"rows"`` or ``"torch"`` for torch's own layers).
             Defaults to "auto".
 
     On a CPU with AVX-512, a float32, bfloat16 or float16 model of a family the fused decoder

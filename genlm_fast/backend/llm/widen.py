@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 __all__ = ["widen_forward", "unwiden_forward", "is_widened", "compute_dtype", "why_not"]
 
-ROWS = 32  # products of up to this many rows read the weight in place (linear_rows)
+ROWS = 48  # products of up to this many rows read the weight in place (linear_rows)
 SLICE_BYTES = 16 << 20  # a larger product widens its weight in float32 slices of this size
 _HALF = (torch.bfloat16, torch.float16)
 _MARK = "_genlm_fast_widened"  # set on a model whose forward was widened
@@ -82,7 +82,9 @@ def _rows_module():
 
 def product(x: torch.Tensor, weight_nk: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight_nk.T + bias`` in float32: x ``[..., K]`` (widened if 16-bit), the weight
-    ``[N, K]`` (any dtype and strides) and the bias read as they are stored."""
+    ``[N, K]`` (any dtype and strides) and the bias read as they are stored. Up to `ROWS`
+    rows: `linear_rows`; more: BLAS (``F.linear`` on a float32 weight, slices of a 16-bit one
+    widened one at a time)."""
     x = x.float()
     lead, k = x.shape[:-1], x.shape[-1]
     n = weight_nk.shape[0]
@@ -93,6 +95,8 @@ def product(x: torch.Tensor, weight_nk: torch.Tensor, bias: torch.Tensor | None)
         out = F.linear(x2, weight_nk.float(), None if bias is None else bias.float())
     elif module is not None and rows <= ROWS and (weight_nk.stride(1) == 1 or k <= 1):
         out = module.linear_rows(x2.contiguous(), weight_nk.detach(), _detach(bias))
+    elif weight_nk.dtype == torch.float32:
+        out = F.linear(x2, weight_nk.detach(), None if bias is None else bias.detach().float())
     else:
         out = torch.empty((rows, n), dtype=torch.float32, device=x.device)
         step = max(1, SLICE_BYTES // max(1, 4 * k))

@@ -8,16 +8,20 @@ genlm-backend's on the same checkpoint, each in a fresh process.
 Each run is a child process that loads the model as a user does (``from_name`` of the
 checkpoint directory; genlm-backend's spelled out as its ``from_name`` does it), answers one
 prompt (load-to-first-answer), then decodes: 16 particles sharing the prompt, for a few
-rounds of one token each (``--decode-rounds``). It reports the wall time of each phase, its
-resident memory after loading and after decoding, and its peak (VmHWM), against the bytes of
-the model's weights. Runs alternate between the libraries, round by round, so that both see
-the same machine; the best round of each is reported (the page cache holds the checkpoint
-after the first load: both read it from memory).
+rounds of one token each (``--decode-rounds``, an SMC step's LM calls), then runs the byte
+beam (K=5) over a short prefill and a few bytes (``--beam-bytes``). It reports the wall time
+of each phase, its resident memory after loading and after decoding, and its peak (VmHWM),
+against the bytes of the model's weights. ``--libraries genlm_fast`` leaves genlm-backend out
+(its bfloat16 decoding is slow at 8 B: a load-only run of it, ``--decode-rounds 0
+--beam-bytes 0``, still gives its memory). Runs alternate between the libraries, round by
+round, so that both see the same machine; the best round of each is reported (the page cache
+holds the checkpoint after the first load: both read it from memory).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import subprocess
 import sys
@@ -28,10 +32,18 @@ from bench.report import command_line, write_report
 from bench.workers import child_env
 
 PROMPT = "In a quiet village at the edge of the forest, an old clockmaker"
+BEAM_PREFILL = b"In a quiet village"
+BEAM_BYTES = b" at the edge"  # the beam's steps: the first --beam-bytes of these
+BEAM_K = 5
 PARTICLES = 16
 DECODE_ROUNDS = 2  # enough to see the key/value states and outputs settle in memory
 LIBRARIES = ("genlm_fast", "genlm-backend")
-MEMORY_KEYS = ("rss_loaded", "rss_decoded", "peak")  # the table's resident memory columns
+MEMORY_KEYS = (
+    "rss_loaded",
+    "rss_decoded",
+    "rss_beam",
+    "peak",
+)  # the table's resident memory columns
 
 
 def _status_bytes(field):
@@ -42,7 +54,28 @@ def _status_bytes(field):
     raise RuntimeError(f"{field} is not in /proc/self/status")
 
 
-def _child(library, path, dtype_name, decode_rounds):
+async def _beam(library, lm, steps):
+    """The byte beam (K=5) over BEAM_PREFILL, then `steps` bytes of BEAM_BYTES."""
+    if library == "genlm_fast":
+        from genlm_fast.bytes import BeamParams, ByteBeamState
+
+        beam = await ByteBeamState.initial(lm, BeamParams(K=BEAM_K))
+    else:
+        import genlm.bytes as ref_bytes
+        from genlm.bytes.trie import TrieMode
+
+        params = ref_bytes.BeamParams(K=BEAM_K)
+        trie = ref_bytes.AsyncTokenByteTrie.from_vocab(lm.byte_vocab, device="cpu")
+        state = ref_bytes.LazyTrieState.initial(lm, trie, mode=TrieMode.WITH_EOS)
+        beam = ref_bytes.ByteBeamState([await state.materialize()], params)
+    beam = await beam.prefill(BEAM_PREFILL)
+    for b in BEAM_BYTES[:steps]:
+        await beam.logp_next()
+        beam = await (beam.prune() << b)
+    return await beam.logp_next()
+
+
+def _child(library, path, dtype_name, decode_rounds, beam_bytes):
     """One run in this process: the measurements as a dict."""
     import torch
     import transformers  # noqa: F401  (imported before the runtime's memory is read)
@@ -74,27 +107,34 @@ def _child(library, path, dtype_name, decode_rounds):
             p.append(int(torch.multinomial(row.float().exp(), 1, generator=gen)))
         rows = lm.batch_next_token_logprobs_sync(particles)
     decoded = time.perf_counter()
+    rss_decoded = _status_bytes("VmRSS")
+    if int(beam_bytes) > 0:
+        asyncio.run(_beam(library, lm, int(beam_bytes)))
+    beamed = time.perf_counter()
     weights = {id(p): p for p in lm.model.parameters()}.values()
     return {
         "library": library,
         "load_s": loaded - start,
         "first_answer_s": answered - start,
         "decode_s": decoded - answered,
+        "beam_s": beamed - decoded,
         "weights_bytes": sum(p.numel() * p.element_size() for p in weights),
         "rss_runtime": rss_runtime,
         "rss_loaded": rss_loaded,
-        "rss_decoded": _status_bytes("VmRSS"),
+        "rss_decoded": rss_decoded,
+        "rss_beam": _status_bytes("VmRSS"),
         "peak": _status_bytes("VmHWM"),
     }
 
 
-def run_one(library, path, dtype_name, decode_rounds):
+def run_one(library, path, dtype_name, decode_rounds, beam_bytes):
     """One run in a fresh child process (its memory is its own)."""
     out = subprocess.run(
         [
             sys.executable,
             *("-m", "bench.load_memory", "--child", library, path, dtype_name),
             str(decode_rounds),
+            str(beam_bytes),
         ],
         cwd=REPO,
         env=child_env(),
@@ -107,36 +147,45 @@ def run_one(library, path, dtype_name, decode_rounds):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def table(model, dtype_name, runs, rounds):
+def table(model, dtype_name, runs, rounds, beam_bytes):
+    libraries = [lib for lib in LIBRARIES if any(r["library"] == lib for r in runs)]
     best = {
         lib: min((r for r in runs if r["library"] == lib), key=lambda r: r["first_answer_s"])
-        for lib in LIBRARIES
+        for lib in libraries
     }
     gb = 1e9
     lines = [
-        f"{model}, {dtype_name}: best of {len(runs) // 2} alternating rounds per library",
+        f"{model}, {dtype_name}: best of {len(runs) // len(libraries)} alternating rounds per "
+        "library",
         "",
         f"| library | load s | load-to-first-answer s | {PARTICLES} x {rounds} decode s "
-        "| weights GB | runtime GB | resident after load | after decoding | peak |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| beam K={BEAM_K}, {len(BEAM_PREFILL)}-byte prefill + {beam_bytes} bytes s "
+        "| weights GB | runtime GB | resident after load | after decoding | after the beam "
+        "| peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lib, r in best.items():
         w, base = r["weights_bytes"], r["rss_runtime"]
         held = [f"{r[k] / gb:.2f} GB ({(r[k] - base) / w:.2f}x)" for k in MEMORY_KEYS]
         lines.append(
             f"| {lib} | {r['load_s']:.1f} | {r['first_answer_s']:.1f} | {r['decode_s']:.1f} "
-            f"| {w / gb:.2f} | {base / gb:.2f} | {' | '.join(held)} |"
+            f"| {r['beam_s']:.1f} | {w / gb:.2f} | {base / gb:.2f} | {' | '.join(held)} |"
         )
-    fast, ref = best["genlm_fast"], best["genlm-backend"]
     lines += [
         "",
         "(x: what the process holds beyond its runtime, the interpreter and libraries imported "
         "before loading, in units of the weights' bytes)",
-        "",
-        f"load-to-first-answer: genlm_fast {fast['first_answer_s'] / ref['first_answer_s']:.2f}x "
-        f"genlm-backend's; decoding: genlm-backend {ref['decode_s'] / fast['decode_s']:.2f}x "
-        "genlm_fast's time",
     ]
+    if len(best) == 2:
+        fast, ref = best["genlm_fast"], best["genlm-backend"]
+        first = fast["first_answer_s"] / ref["first_answer_s"]
+        ratios = [f"load-to-first-answer: genlm_fast {first:.2f}x genlm-backend's"]
+        for key, what in (("decode_s", "decoding"), ("beam_s", "the beam")):
+            if fast[key] > 0 and ref[key] > 0:
+                ratios.append(
+                    f"{what}: genlm-backend {ref[key] / fast[key]:.2f}x genlm_fast's time"
+                )
+        lines += ["", "; ".join(ratios)]
     return "\n".join(lines)
 
 
@@ -146,9 +195,16 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--rounds", type=int, default=2, help="runs of each library")
     parser.add_argument("--decode-rounds", type=int, default=DECODE_ROUNDS)
+    parser.add_argument(
+        "--beam-bytes", type=int, default=4, help="byte beam steps after the prefill"
+    )
+    parser.add_argument("--libraries", nargs="+", choices=LIBRARIES, default=list(LIBRARIES))
     parser.add_argument("--out", help="also write the table to this Markdown file")
     parser.add_argument(
-        "--child", nargs=4, metavar=("LIBRARY", "PATH", "DTYPE", "ROUNDS"), help=argparse.SUPPRESS
+        "--child",
+        nargs=5,
+        metavar=("LIBRARY", "PATH", "DTYPE", "ROUNDS", "BEAM"),
+        help=argparse.SUPPRESS,
     )
     args = parser.parse_args(argv)
     if args.child:
@@ -159,11 +215,11 @@ def main(argv=None):
     path = llama3_path(args.model, dtype=args.dtype)
     runs = []
     for _ in range(args.rounds):
-        for library in LIBRARIES:
-            runs.append(run_one(library, path, args.dtype, args.decode_rounds))
+        for library in args.libraries:
+            runs.append(run_one(library, path, args.dtype, args.decode_rounds, args.beam_bytes))
             print(json.dumps(runs[-1]), flush=True)
     command = command_line("bench.load_memory", argv)
-    report = table(args.model, args.dtype, runs, args.decode_rounds)
+    report = table(args.model, args.dtype, runs, args.decode_rounds, args.beam_bytes)
     text = f"{machine_line()}\n\n`{command}`\n\n{report}\n"
     write_report(text, args.out)
 

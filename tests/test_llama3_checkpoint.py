@@ -176,6 +176,29 @@ def test_bad_arguments(args, message, tmp_path):
         llama3.llama3_path(*args, cache_dir=str(tmp_path / "x"))
 
 
+def test_command_line_runs_without_warnings():
+    """``python -m genlm_fast.models``: its own usage, and no runpy warning about a module
+    imported twice (warnings are errors in the child)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "genlm_fast.models", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: python -m genlm_fast.models") and not out.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "genlm_fast.models", "llama3-70b"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2 and "invalid choice: 'llama3-70b'" in bad.stderr
+
+
 @pytest.mark.slow
 def test_1b_distributions_are_peaked_and_depend_on_the_context(tmp_path_factory):
     """The real 1B architecture (built once into genlm_fast's cache): a trained model's

@@ -21,7 +21,7 @@ forward's cost and numerics can be rebuilt offline from PyPI data:
 The directory is written tensor by tensor into safetensors shards, so an 8B model (16 GB)
 is built without holding it in memory, and cached like SmolLM2 (`genlm_fast.models.store`)::
 
-    python -m genlm_fast.models.llama3 llama3.2-1b   # prints the directory
+    python -m genlm_fast.models llama3.2-1b   # prints the directory
 """
 
 from __future__ import annotations
@@ -325,7 +325,7 @@ def llama3_path(
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m genlm_fast.models.llama3",
+        prog="python -m genlm_fast.models",
         description="Build (once) a seeded Llama-3-architecture checkpoint; print its path.",
     )
     parser.add_argument("name", choices=sorted(ARCHITECTURES), nargs="?", default="llama3.2-1b")
@@ -334,7 +334,3 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     print(llama3_path(args.name, args.dtype, args.seed, quiet=False))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -49,6 +49,7 @@
 
 #include "decoder_cpu.h"
 
+#include "cpu_features.h"
 #include "cpu_threads.h"
 #include "linear_cpu.h"
 
@@ -75,14 +76,7 @@
 namespace genlm_fast {
 namespace cpu {
 
-bool decoder_supported() {
-#if GF_DECODER
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f");
-#else
-  return false;
-#endif
-}
+bool decoder_supported() { return cpu_has("avx512"); }
 
 namespace {
 

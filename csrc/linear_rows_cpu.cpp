@@ -25,6 +25,7 @@
 
 #include "linear_rows_cpu.h"
 
+#include "cpu_features.h"
 #include "cpu_threads.h"
 
 #include <omp.h>
@@ -52,16 +53,6 @@ constexpr int64_t kChunk = 256;          // values of k per chunk (x's chunk: M 
 constexpr int64_t kBlockFeatures = 32;   // output features per thread work item
 constexpr int64_t kPair = 2;             // features widened and summed together
 constexpr int64_t kGroup = 4;            // rows of x summed together
-
-bool has_avx2() {
-#if GF_ROWS_X86
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-#else
-  return false;
-#endif
-}
 
 // The pair's chunk of W (rows w0 and w1, or null: zeros) as float32, padded with zeros to a
 // multiple of 8: buf[0 .. padded) and buf[kChunk .. kChunk + padded).
@@ -214,7 +205,7 @@ void run(const float* x, int64_t m, int64_t k, const W* w, int64_t ldw, int64_t 
 
 }  // namespace
 
-std::string linear_rows_best_isa() { return has_avx2() ? "avx2" : "baseline"; }
+std::string linear_rows_best_isa() { return cpu_has("avx2") ? "avx2" : "baseline"; }
 
 torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& weight,
                           const c10::optional<torch::Tensor>& bias, const std::string& isa_name) {
@@ -236,7 +227,7 @@ torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& weight,
   const std::string isa = isa_name == "auto" ? linear_rows_best_isa() : isa_name;
   TORCH_CHECK(isa == "avx2" || isa == "baseline", "linear_rows: unknown isa '", isa_name,
               "' (expected auto, avx2 or baseline)");
-  TORCH_CHECK(isa == "baseline" || has_avx2(), "linear_rows: this CPU cannot run the avx2 kernel");
+  TORCH_CHECK(cpu_has(isa), "linear_rows: this CPU cannot run the avx2 kernel");
 
   torch::Tensor y;
   if (bias.has_value() && bias->defined()) {

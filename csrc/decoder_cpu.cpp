@@ -2,6 +2,9 @@
 // call: what AsyncTransformer runs for its decoding steps (genlm_fast/backend/llm/decoder.py
 // reads the architecture and packs the weights).
 //
+// One file past 500 lines: the whole forward is one OpenMP region (run_forward), and the vector
+// math, norms and attention it runs are inline helpers of that region's translation unit.
+//
 // Why: a decoding step multiplies a few rows by every weight of the model, so its floor is
 // reading the weights once from memory; run as transformers' forward it also pays a few hundred
 // small torch ops per step (norms, rotations, attention over short pasts, reshapes, the KV

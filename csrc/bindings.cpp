@@ -1,7 +1,7 @@
 // Python bindings of genlm_fast's compiled ops: module genlm_fast._C (or genlm_fast_C when
 // JIT-built). Only the bindings live here; each op's checks and logic are in its own file
 // (trie_reduce_cpu_op.cpp, trie_reduce_cuda_op.cpp, decoder_cpu.cpp, linear_cpu.cpp,
-// linear_rows_cpu.cpp, cpu_threads.cpp).
+// linear_rows_cpu.cpp, cpu_threads.cpp, weight_watch.cpp).
 //
 //   trie_reduce_cpu(values, parent, node_of_leaf, leaf_token, empty_nodes, run_end, run_depth,
 //                   run_child_slot, run_join_slot, run_leaf, run_of, max_depth, reduction,
@@ -29,9 +29,9 @@
 //   output_cache_sizes()  the bytes of each cached block, least recently returned first
 //   DecoderSpec, DecoderCPU(spec, weights): a decoder-only transformer's forward over
 //                   a few new tokens per row in one call (decoder_cpu.cpp; the Python side:
-//                   genlm_fast/backend/llm/decoder.py); decoder_supported() -> bool;
-//                   WeightWatch(params, dicts).changed() -> what was replaced or edited
-//                   first (a dict of the model's structure, or a parameter), or -1
+//                   genlm_fast/backend/llm/decoder.py); decoder_supported() -> bool
+//   WeightWatch(params, dicts).changed() -> what was replaced or edited first (a dict of the
+//                   model's structure, or a parameter), or -1 (weight_watch.cpp)
 //   pack_linear_weight(weight) -> panels;  linear_small_batch(x, panels, bias, out_features,
 //                   isa="auto") -> x @ weight.T + bias;  linear_best_isa() -> "avx512" | ...
 //                   the small-batch float32 linear layer of linear_cpu.cpp (AsyncTransformer's
@@ -57,6 +57,7 @@
 #include "linear_cpu.h"
 #include "linear_rows_cpu.h"
 #include "trie_reduce_ops.h"
+#include "weight_watch.h"
 
 #include <pybind11/stl.h>
 

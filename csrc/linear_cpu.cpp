@@ -36,6 +36,7 @@
 
 #include "linear_cpu.h"
 
+#include "cpu_features.h"
 #include "cpu_threads.h"
 
 #include <ATen/Parallel.h>
@@ -220,14 +221,6 @@ constexpr auto kAvx512 = group_table<W>(std::make_index_sequence<24>());
 template <class W>
 constexpr auto kPairAvx512 = pair_table<W>(std::make_index_sequence<12>());
 #endif
-
-bool cpu_has(const std::string& isa) {
-#if GF_X86_KERNELS
-  __builtin_cpu_init();
-  if (isa == "avx512") return __builtin_cpu_supports("avx512f");
-#endif
-  return isa == "baseline";
-}
 
 }  // namespace
 

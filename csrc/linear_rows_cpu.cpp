@@ -27,6 +27,7 @@
 
 #include "linear_rows_cpu.h"
 
+#include "cpu_features.h"
 #include "cpu_threads.h"
 
 #include <omp.h>
@@ -52,16 +53,6 @@ constexpr int64_t kChunk = 256;         // values of k per chunk (the numerics' 
 constexpr int64_t kTileFeatures = 3;    // rows of W summed together
 constexpr int64_t kTileRows = 4;        // rows of x summed together
 constexpr int64_t kBlockFeatures = 24;  // output features per thread work item (8 tiles)
-
-bool has_avx2() {
-#if GF_ROWS_X86
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-#else
-  return false;
-#endif
-}
 
 // sums[f][r] = dot(W row f, x row r) over the chunk, for f < features, r < rows
 template <class W>
@@ -203,7 +194,7 @@ void run(const float* x, int64_t m, int64_t k, const W* w, int64_t ldw, int64_t 
 
 }  // namespace
 
-std::string linear_rows_best_isa() { return has_avx2() ? "avx2" : "baseline"; }
+std::string linear_rows_best_isa() { return cpu_has("avx2") ? "avx2" : "baseline"; }
 
 torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& weight,
                           const c10::optional<torch::Tensor>& bias, const std::string& isa_name) {
@@ -225,7 +216,7 @@ torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& weight,
   const std::string isa = isa_name == "auto" ? linear_rows_best_isa() : isa_name;
   TORCH_CHECK(isa == "avx2" || isa == "baseline", "linear_rows: unknown isa '", isa_name,
               "' (expected auto, avx2 or baseline)");
-  TORCH_CHECK(isa == "baseline" || has_avx2(), "linear_rows: this CPU cannot run the avx2 kernel");
+  TORCH_CHECK(cpu_has(isa), "linear_rows: this CPU cannot run the avx2 kernel");
 
   torch::Tensor y;
   if (bias.has_value() && bias->defined()) {

@@ -1,5 +1,9 @@
 // CPU trie reduction kernel (C++17 + OpenMP; no torch headers, see bindings.cpp).
 //
+// One file past 500 lines: the sweeps below (several rows, one row, the runs' expansion) are
+// templates over the reduction, the row count and the dtypes that share the scalar and vector
+// passes, instantiated here for trie_reduce alone.
+//
 // Problem. A vocabulary trie has N nodes numbered in post-order (children before parents,
 // so parent[n] > n, root = N-1 with parent -1; depth[n] = edges from the root). Leaf position
 // pos (the layout's "leaf order", sorted by node) deposits column leaf_token[pos] of a value

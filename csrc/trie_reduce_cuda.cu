@@ -2,6 +2,10 @@
 // same decomposition as the Triton backend). No torch headers: plain device pointers, sizes
 // and a cudaStream_t (see trie_reduce_cuda.h); compiles standalone with `nvcc -c`.
 //
+// One file past 500 lines: the passes are one launch sequence (enqueue) over shared device
+// helpers, built without relocatable device code, and the tests compile this one source with
+// nvcc and run it on the CPU (tests/ops/test_cuda_emulation.py).
+//
 // Layout recap. Leaves are sorted by node id ("leaf order"), so the leaves beneath any node
 // are one contiguous range of leaf positions. The leaf order is cut into tiles of `tile`
 // positions. A node whose range lies inside one tile is "local"; the others are "spanning"

@@ -1,6 +1,9 @@
 """Triton kernels for the trie reduction (``sum`` / ``max`` / ``log_mass``) over a compiled
 ``TrieLayout`` (see ``genlm_fast/ops/layout.py``).
 
+One module past 500 lines: its kernels are one algorithm (below, about a hundred lines) and
+share the ``@triton.jit`` helpers that they inline.
+
 Algorithm
 ---------
 The leaves of the trie, sorted by post-order node id, form the *leaf order*; every node's

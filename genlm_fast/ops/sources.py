@@ -26,6 +26,7 @@ CPU_SOURCES = (
     "linear_rows_cpu.cpp",
     "trie_reduce_cpu.cpp",
     "trie_reduce_cpu_op.cpp",
+    "weight_watch.cpp",
 )
 # added, with -DWITH_CUDA, by a CUDA build only
 CUDA_SOURCES = ("trie_reduce_cuda.cu", "trie_reduce_cuda_op.cpp")

@@ -176,22 +176,21 @@ def _reduce_rows(
             pmax = psum = out  # unused by the kernels
             split = 1
         kind = tile_kernel(reduction, values.dtype)
+        # every tile kernel's trailing arguments: the ranges, and where their sums go
+        ranges = (
+            arrays["range_start"],
+            arrays["range_end"],
+            arrays["range_dest"],
+            out,
+            num_nodes,
+            scratch,
+            NS,
+        )
+        # the row-blocked kernels' (dot, max) leading ones
+        tiled = (values, B, C, L, leaf_token, tile_range_ptr, arrays["tile_unit_end"], *ranges)
         if kind == "dot":
             kernels._tile_ranges_dot[(n_tiles, _cdiv(B, DOT_ROWS))](
-                values,
-                B,
-                C,
-                L,
-                leaf_token,
-                tile_range_ptr,
-                arrays["tile_unit_end"],
-                arrays["range_start"],
-                arrays["range_end"],
-                arrays["range_dest"],
-                out,
-                num_nodes,
-                scratch,
-                NS,
+                *tiled,
                 pmax,
                 psum,
                 LOG_MASS=(reduction == "log_mass"),
@@ -208,20 +207,7 @@ def _reduce_rows(
             )
         elif kind == "max":
             kernels._tile_ranges_max[(n_tiles, _cdiv(B, MAX_ROWS))](
-                values,
-                B,
-                C,
-                L,
-                leaf_token,
-                tile_range_ptr,
-                arrays["tile_unit_end"],
-                arrays["range_start"],
-                arrays["range_end"],
-                arrays["range_dest"],
-                out,
-                num_nodes,
-                scratch,
-                NS,
+                *tiled,
                 TILE=tile,
                 ROWS=MAX_ROWS,
                 RB=MAX_RB,
@@ -234,13 +220,7 @@ def _reduce_rows(
                 L,
                 leaf_token,
                 tile_range_ptr,
-                arrays["range_start"],
-                arrays["range_end"],
-                arrays["range_dest"],
-                out,
-                num_nodes,
-                scratch,
-                NS,
+                *ranges,
                 pmax,
                 psum,
                 REDUCTION=code,

@@ -127,8 +127,8 @@ DRY_RUN_TOKENS = 500
 DRY_RUN_BATCHES = [1, 32]
 # --sweep: Triton tile-kernel configurations to time, per tile kernel (module constants of
 # genlm_fast.ops.triton_backend, set for one measurement each). The defaults there are the
-# fastest of the H200 sweep of 2026-11-26 (bench/results/gpu-h200-2026-11-26-2.md); these
-# are their neighbours. ROWS >= 16 for tl.dot.
+# fastest of a sweep (bench/results/README.md names the run); these are their neighbours.
+# ROWS >= 16 for tl.dot.
 TRITON_SWEEP = {
     "dot": [
         {"DOT_ROWS": rows, "DOT_WARPS": warps}

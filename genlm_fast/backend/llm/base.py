@@ -164,14 +164,44 @@ class AsyncLM(ABC):
         """Ancestral sampling of up to ``max_tokens`` tokens after the prompt.
 
         Stops before the first token in ``eos_token_ids`` (which is not returned).
-        With a ``seed``, draws come from a CPU generator seeded with it.
+        With a ``seed``, the draws are reproducible (here: from a CPU generator seeded
+        with it; vLLM: its sampler's seed).
 
         Returns:
             (list[int]): The sampled token ids.
         """
         self._check_open()
-        temperature = check_temperature(temperature)
+        args = self._sampling_args(max_tokens, eos_token_ids, temperature, seed)
+        return await self._sample(prompt_token_ids, *args, lora_name)
+
+    async def batch_sample(
+        self,
+        prompt_token_ids_list,
+        max_tokens,
+        eos_token_ids,
+        temperature=1.0,
+        seed=None,
+        lora_name=None,
+    ):
+        """`sample` for each prompt (each with the same ``seed``)."""
+        # read once: eos_token_ids may be a one-pass iterable
+        args = self._sampling_args(max_tokens, eos_token_ids, temperature, seed)
+        prompts = context_list(prompt_token_ids_list, "batch_sample")
+        return await self._batch_sample(prompts, *args, lora_name)
+
+    def _sampling_args(self, max_tokens, eos_token_ids, temperature, seed):
+        """``(max_tokens, eos, temperature, seed)`` checked: an int, the EOS ids as a set,
+        a float (`_check_temperature`), an int or None."""
+        temperature = self._check_temperature(temperature)
         max_tokens, eos, seed = check_sampling(max_tokens, eos_token_ids, seed)
+        return max_tokens, eos, temperature, seed
+
+    def _check_temperature(self, temperature):
+        """The temperature as the sampler takes it: here a positive finite float."""
+        return check_temperature(temperature)
+
+    async def _sample(self, prompt_token_ids, max_tokens, eos, temperature, seed, lora_name):
+        """`sample` on checked arguments: one `next_token_logprobs` call per token."""
         generator = None
         if seed is not None:
             generator = torch.Generator()
@@ -192,35 +222,10 @@ class AsyncLM(ABC):
             out.append(tok)
         return out
 
-    async def batch_sample(
-        self,
-        prompt_token_ids_list,
-        max_tokens,
-        eos_token_ids,
-        temperature=1.0,
-        seed=None,
-        lora_name=None,
-    ):
-        """`sample` for each prompt concurrently (each with the same ``seed``)."""
-        check_temperature(temperature)
-        # read once: eos_token_ids may be a one-pass iterable
-        max_tokens, eos_token_ids, seed = check_sampling(max_tokens, eos_token_ids, seed)
-        prompt_token_ids_list = context_list(prompt_token_ids_list, "batch_sample")
-        return list(
-            await asyncio.gather(
-                *(
-                    self.sample(
-                        prompt_token_ids=p,
-                        max_tokens=max_tokens,
-                        eos_token_ids=eos_token_ids,
-                        temperature=temperature,
-                        seed=seed,
-                        lora_name=lora_name,
-                    )
-                    for p in prompt_token_ids_list
-                )
-            )
-        )
+    async def _batch_sample(self, prompts, max_tokens, eos, temperature, seed, lora_name):
+        """`batch_sample` on checked arguments: each prompt's `sample`, concurrently."""
+        samples = (self.sample(p, max_tokens, eos, temperature, seed, lora_name) for p in prompts)
+        return list(await asyncio.gather(*samples))
 
 
 def __getattr__(name):

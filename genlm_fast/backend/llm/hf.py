@@ -18,7 +18,7 @@ from genlm_fast.backend.cache import kv_bytes_per_position, trim_heap
 from genlm_fast.backend.llm import loader
 from genlm_fast.backend.llm import threads as cpu_threads
 from genlm_fast.backend.llm.batched import BatchedAsyncLM
-from genlm_fast.backend.llm.cache_view import CacheNode, CacheTries, dynamic_cache, matched
+from genlm_fast.backend.llm.cache_view import GenlmCacheTrie
 from genlm_fast.backend.llm.checks import (
     check_byte_budget,
     check_finite_logits,
@@ -41,7 +41,7 @@ def _require_peft():
         ) from None
 
 
-class AsyncTransformer(BatchedAsyncLM):
+class AsyncTransformer(GenlmCacheTrie, BatchedAsyncLM):
     """Asynchronous, auto-batched, cached next-token distributions from a HF model.
 
     Args:
@@ -178,7 +178,7 @@ class AsyncTransformer(BatchedAsyncLM):
         self.kv_cache_bytes = check_byte_budget(kv_cache_bytes)
         self._kv_on = self.kv_cache_tokens > 0 and self.kv_cache_bytes != 0
         self._kv_tries = {}
-        self._walked_pasts = weakref.WeakKeyDictionary()  # walk_cache's pasts -> their prefix
+        self._walked_pasts = weakref.WeakKeyDictionary()  # see GenlmCacheTrie.walk_cache
         self._position_limit = learned_position_limit(hf_model)
         try:
             self._forwards = Forwards.choose(
@@ -422,72 +422,6 @@ class AsyncTransformer(BatchedAsyncLM):
             self._kv_on = False
             self.clear_kv_cache()
         return logits
-
-    # ---- genlm.backend's cache trie and query queue ------------------------------------
-    # genlm's AsyncTransformer exposes these internals (its own tests use them); here they
-    # read and feed this model's own caches and batcher (see cache_view.py).
-
-    @property
-    def _caches(self):
-        """genlm's per-adapter cache tries: ``_caches[lora_name]`` is the root `CacheNode`
-        of that adapter's key/value trie (None: the base model)."""
-        return CacheTries(self)
-
-    def walk_cache(self, token_ids, lora_name=None):
-        """Follow ``token_ids`` down the adapter's key/value trie.
-
-        Returns:
-            (tuple): ``(node, next_token_index, past, base)``: the deepest `CacheNode` on
-            the path and how many tokens it matched (all of them exactly when the answer
-            for ``token_ids`` is cached or its states are stored); ``past``, a
-            ``DynamicCache`` of the states of ``token_ids[:base]``, the longest fully stored
-            prefix that leaves at least one token to run (None, with ``base`` 0, when there
-            is none).
-            ``add_query(token_ids[base:], future, past)`` runs the rest on it.
-        """
-        self._check_open()
-        lora = self._resolve_lora(lora_name)
-        ids = self._check_context(token_ids) if len(token_ids) else ()
-        trie = self._kv_trie(lora)
-        depth = matched(self, lora, ids)
-        base, runs = trie.match(ids, max(len(ids) - 1, 0))
-        past = None
-        if base:
-            past = dynamic_cache(trie.gather(runs))
-            self._walked_pasts[past] = (lora, ids[:base])
-        return CacheNode(self, lora, ids[:depth]), depth, past, base
-
-    def add_query(self, query, future, past, lora_name=None):
-        """Queue ``query`` for the next batch; ``future`` gets its next-token logits.
-
-        Args:
-            query (list[int]): The context's tokens after ``past`` (all of them if None).
-            future (asyncio.Future): Set to the next-token logits ``[V']`` on the model's
-                device (genlm_fast computes the last position only), or to the error that
-                prevented them; it must belong to the running event loop.
-            past: None, or a ``past`` that `walk_cache` returned for this adapter.
-            lora_name (str, optional): The adapter; None for the default.
-
-        Raises:
-            ValueError: ``past`` did not come from `walk_cache` (genlm_fast finds stored
-                states itself: pass the whole context and ``past=None``).
-        """
-        lora = self._resolve_lora(lora_name)
-        prefix = ()
-        if past is not None:
-            try:
-                walked = self._walked_pasts.get(past)
-            except TypeError:  # not even weak-referenceable: not walk_cache's
-                walked = None
-            if walked is None or walked[0] != lora:
-                raise ValueError(
-                    "add_query's past must be one that walk_cache returned for the same "
-                    "adapter; pass the whole context with past=None instead (stored "
-                    "key/value states are found and reused automatically)"
-                )
-            prefix = walked[1]
-        _, ids = self._prepare(list(prefix) + list(query), lora_name)
-        self._enqueue(lora, ids, "raw", future=future)
 
     # ---- genlm.backend extras --------------------------------------------------------
 

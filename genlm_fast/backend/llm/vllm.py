@@ -26,9 +26,7 @@ import torch
 
 from genlm_fast.backend.llm.batched import BatchedAsyncLM, Evaluated
 from genlm_fast.backend.llm.checks import (
-    check_sampling,
     check_token_ids,
-    context_list,
     unknown_lora,
 )
 
@@ -259,47 +257,18 @@ class AsyncVirtualLM(BatchedAsyncLM):
 
     # ---- sampling ---------------------------------------------------------------------
 
-    async def sample(
-        self,
-        prompt_token_ids,
-        max_tokens,
-        eos_token_ids,
-        temperature=1.0,
-        seed=None,
-        lora_name=None,
-    ):
-        """Ancestral sampling with vLLM's sampler; stops before an ``eos_token_ids`` token.
+    def _check_temperature(self, temperature):
+        return float(temperature)  # vLLM's sampler takes 0 as greedy
 
-        Returns:
-            (list[int]): The sampled token ids (the stopping token not included).
-        """
-        (out,) = await self.batch_sample(
-            [prompt_token_ids],
-            max_tokens,
-            eos_token_ids,
-            temperature=temperature,
-            seed=seed,
-            lora_name=lora_name,
-        )
+    async def _sample(self, prompt_token_ids, *args):
+        (out,) = await self._batch_sample([prompt_token_ids], *args)
         return out
 
-    async def batch_sample(
-        self,
-        prompt_token_ids_list,
-        max_tokens,
-        eos_token_ids,
-        temperature=1.0,
-        seed=None,
-        lora_name=None,
-    ):
-        """`sample` for each prompt, in one ``generate`` call (each with ``seed``)."""
+    async def _batch_sample(self, prompts, max_tokens, eos, temperature, seed, lora_name):
+        """Every prompt sampled in one ``generate`` call, with vLLM's sampler."""
         self._check_open()
         lora = self._resolve_lora(lora_name)
-        prompts = [
-            check_token_ids(p, self._vocab_limit())
-            for p in context_list(prompt_token_ids_list, "batch_sample")
-        ]
-        max_tokens, eos, seed = check_sampling(max_tokens, eos_token_ids, seed)
+        prompts = [check_token_ids(p, self._vocab_limit()) for p in prompts]
         if not prompts:
             return []
         if max_tokens < 1:
@@ -307,7 +276,7 @@ class AsyncVirtualLM(BatchedAsyncLM):
         eos = sorted(eos)
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=float(temperature),
+            temperature=temperature,
             seed=seed,
             stop_token_ids=eos,
             ignore_eos=True,  # only eos_token_ids stop

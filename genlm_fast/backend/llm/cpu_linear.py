@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from genlm_fast.backend.llm.memory import shortfall
-from genlm_fast.backend.llm.widen import product
+from genlm_fast.backend.llm.widen import _rows_module, product
 
 __all__ = [
     "pack_linear_layers",
@@ -76,14 +76,8 @@ def _small_batch_module():
 def _rows_runs() -> bool:
     """Whether genlm_fast._C has `linear_rows` and this CPU runs its AVX2 kernel (its plain
     loop is the tests' reference, slower than torch's own layers)."""
-    from genlm_fast.ops import extension
-
-    module = extension.load_module()
-    return (
-        module is not None
-        and hasattr(module, "linear_rows")
-        and module.linear_rows_best_isa() == "avx2"
-    )
+    module = _rows_module()
+    return module is not None and module.linear_rows_best_isa() == "avx2"
 
 
 def available_kernels() -> list[str]:

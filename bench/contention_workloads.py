@@ -38,7 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.programs import seed_everything  # noqa: E402 (after the checkout's path)
+from bench.beams import advance, beam_maker  # noqa: E402 (after the checkout's path)
+from bench.programs import seed_everything  # noqa: E402
 from bench.workers import serve  # noqa: E402
 
 WORKLOADS = ("trie-sum-B1", "trie-sum-B32", "lm-step", "beam", "control")
@@ -149,46 +150,15 @@ class LMStep(Workload):
 class Beam(Workload):
     def __init__(self, models, side):
         self.models = models
-        lm = models.lm
-        if side == "genlm_fast":
-            from genlm_fast.bytes import BeamParams, ByteBeamState
-
-            params = BeamParams(K=BEAM_K)
-
-            async def make_beam():
-                return await ByteBeamState.initial(lm, params)
-        else:
-            import warnings
-
-            import genlm.bytes as ref_bytes
-            from genlm.bytes.trie import TrieMode
-
-            params = ref_bytes.BeamParams(K=BEAM_K)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                trie = ref_bytes.AsyncTokenByteTrie.from_vocab(
-                    lm.byte_vocab, eos_byte_strings=params.eos_byte_strings, device="cpu"
-                )
-
-            async def make_beam():
-                state = ref_bytes.LazyTrieState.initial(lm, trie, mode=TrieMode.WITH_EOS)
-                return ref_bytes.ByteBeamState([await state.materialize()], params)
-
-        self.make_beam = make_beam
+        library = "genlm_fast" if side == "genlm_fast" else "genlm"
+        self.make_beam = beam_maker(library, models.lm, BEAM_K)
 
     def prepare(self):
         self.models.lm.clear_cache()
         self.beam = self.models.run(self.make_beam())
 
     def call(self):
-        async def run(beam):
-            beam = await beam.prefill(BEAM_PROMPT)
-            for b in BEAM_BYTES:
-                await beam.logp_next()
-                beam = await (beam.prune() << b)
-            return await beam.logp_next()
-
-        self.models.run(run(self.beam))
+        self.models.run(advance(self.beam, BEAM_PROMPT, BEAM_BYTES))
 
 
 class Control(Workload):

@@ -14,10 +14,10 @@ Workloads (each: genlm_fast, and the reference on the same inputs):
 * ``beam``: the byte-level beam (K=5) on SmolLM2: prefill a 10-byte prompt, then 5 bytes with
   ``logp_next`` before each; cold LM caches (built, untimed, before each call);
   genlm_fast.bytes against genlm-bytes on genlm-backend.
-* ``control``: one genlm-control program (a small one of this module's own: ``PromptedLLM``
-  constrained by a regular expression through ``BoolFSA``, the AWRS sampler, SMC with 8
-  particles and at most 8 tokens, cold caches, fixed seeds), on genlm_fast through
-  ``genlm_fast.dropin`` and on the real genlm-backend.
+* ``control``: genlm-control's README program of `bench.programs` (``readme_regex``: a
+  ``PromptedLLM`` constrained by a regular expression through ``BoolFSA``, the AWRS sampler,
+  SMC with 10 particles and at most 30 tokens; its SMC timed, from cold caches and fixed
+  seeds), on genlm_fast through ``genlm_fast.dropin`` and on the real genlm-backend.
 
 Each implementation runs in a worker of its own (``python -m bench.contention_workloads
 --worker <side>``, the protocol of `bench.workers`; the drop-in's import hook must not meet
@@ -39,7 +39,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.beams import advance, beam_maker  # noqa: E402 (after the checkout's path)
-from bench.programs import seed_everything  # noqa: E402
+from bench.programs import (  # noqa: E402
+    README_REGEX_SMC,
+    readme_regex_sampler,
+    seed_everything,
+)
 from bench.workers import serve  # noqa: E402
 
 WORKLOADS = ("trie-sum-B1", "trie-sum-B32", "lm-step", "beam", "control")
@@ -50,10 +54,6 @@ LM_NEW_TOKENS = 3
 BEAM_PROMPT = b"The sky is"
 BEAM_BYTES = b" blue"
 BEAM_K = 5
-CONTROL_PROMPT = "Write a short sentence about the sea:"
-CONTROL_REGEX = r"( [a-z]+)+\."
-CONTROL_PARTICLES = 8
-CONTROL_TOKENS = 8
 SEED = 1234
 
 
@@ -162,30 +162,20 @@ class Beam(Workload):
 
 
 class Control(Workload):
-    """A small genlm-control program: SMC over a regular-expression-constrained LM."""
+    """genlm-control's README program (`bench.programs.readme_regex`): its SMC is the
+    timed call; the sampler is built before each call, so that every call starts from the
+    same seeds."""
 
     def __init__(self, models):
-        from genlm.control import AWRS, BoolFSA, PromptedLLM
-
         self.models = models
-        potential = PromptedLLM(models.lm)
-        potential.set_prompt_from_str(CONTROL_PROMPT)
-        fsa = BoolFSA.from_regex(CONTROL_REGEX)
-        self.sampler = AWRS(potential, fsa.coerce(potential, f=b"".join))
 
     def prepare(self):
         self.models.lm.clear_cache()
         seed_everything(SEED)
+        _, self.sampler = readme_regex_sampler(self.models.lm, SEED)
 
     def call(self):
-        self.models.run(
-            self.sampler.smc(
-                n_particles=CONTROL_PARTICLES,
-                ess_threshold=0.5,
-                max_tokens=CONTROL_TOKENS,
-                verbosity=0,
-            )
-        )
+        self.models.run(self.sampler.smc(**README_REGEX_SMC))
 
 
 def _build(name, side, models):

@@ -33,7 +33,8 @@ def main(argv=None) -> int:
 
     from bench import kernels as K
     from genlm_fast.bytes import TokenByteTrie
-    from tools.gpu.bench import DRY_RUN_TOKENS, kernel_call, load_vocab
+    from tools.gpu.measure import kernel_call
+    from tools.gpu.trie_vocab import DRY_RUN_TOKENS, load_vocab
 
     device = "cpu" if args.dry_run_cpu else "cuda"
     backend = "triton" if args.dry_run_cpu else args.backend

@@ -73,15 +73,15 @@ class Workload:
 
 class TrieSum(Workload):
     def __init__(self, side, batch):
-        from bench import kernels as K
+        from bench.tries import build_fast, build_reference, make_inputs, ref_tokens
         from bench.vocabs import load_vocab
 
         _, vocab = load_vocab("llama3")
         if side == "genlm_fast":
-            trie = K.build_fast(vocab, "parallel")
+            trie = build_fast(vocab, "parallel")
         else:
-            trie = K.build_reference(K.ref_tokens(vocab), "numba")
-        _, self.probs = K.make_inputs(len(vocab), batch)
+            trie = build_reference(ref_tokens(vocab), "numba")
+        _, self.probs = make_inputs(len(vocab), batch)
         self.fn = trie.batch_weight_sum
         self.trie = trie
 

@@ -78,7 +78,6 @@ from tools.gpu.trie_reference import Reference  # noqa: E402
 from tools.gpu.trie_vocab import DRY_RUN_TOKENS, dump_vocab, load_vocab  # noqa: E402
 
 OPS = ("log_mass", "sum", "max")
-OP_METHOD = {"sum": "batch_weight_sum", "max": "batch_weight_max", "log_mass": "batch_log_mass"}
 GPU_BACKENDS = ("triton", "cuda")
 DEFAULT_BATCHES = (1, 8, 32, 64, 128)
 DRY_RUN_BATCHES = [1, 32]
@@ -104,8 +103,8 @@ def run(args) -> tuple[list[dict], dict]:
 
     _kernels_alias()
 
-    from bench import kernels as K
     from bench import machine
+    from bench.tries import OP_METHOD, check_result, make_inputs
     from genlm_fast.backend.trie import ParallelTokenCharacterTrie
     from genlm_fast.bytes import TokenByteTrie
     from genlm_fast.ops import dispatch
@@ -156,7 +155,7 @@ def run(args) -> tuple[list[dict], dict]:
     rows, failures = [], []
     breakdown_b = GOAL_PEAK_B if GOAL_PEAK_B in args.batch_sizes else max(args.batch_sizes)
     for B in args.batch_sizes:
-        logits, probs = K.make_inputs(len(vocab), B)
+        logits, probs = make_inputs(len(vocab), B)
         logits, probs = logits.to(device), probs.to(device)
         ref_ms = {
             "sum": bench_ms(lambda p=probs: ref.device_sum(p), device, how),
@@ -178,12 +177,12 @@ def run(args) -> tuple[list[dict], dict]:
                 try:  # verify first; a wrong or failing backend is reported, never timed
                     got = api(x)
                     assert trie.last_kernel_backend == b, (trie.last_kernel_backend, b)
-                    err = K.check_result(
+                    err = check_result(
                         got, want, op, byte_trie=in_byte_trie, label=f"{b} {op} B={B}"
                     )
                     err = max(
                         err,
-                        K.check_result(
+                        check_result(
                             kfn(), want, op, byte_trie=in_byte_trie, label=f"{b} kernels {op} B={B}"
                         ),
                     )
@@ -194,7 +193,7 @@ def run(args) -> tuple[list[dict], dict]:
                         host = host_fn(x)
                         assert drop_in[b].last_kernel_backend == b
                         assert isinstance(host, np.ndarray), type(host)
-                        K.check_result(
+                        check_result(
                             host, ref.char_columns(want), op, label=f"{b} drop-in {op} B={B}"
                         )
                         del host

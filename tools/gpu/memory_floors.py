@@ -10,9 +10,9 @@ from tools.gpu.measure import bench_ms
 
 def _bench_input(context, op: str, B: int):
     """The benchmark's [B, V] input for ``op`` (logits for log_mass, else probabilities)."""
-    from bench import kernels as K
+    from bench.tries import make_inputs
 
-    logits, probs = K.make_inputs(len(context["vocab"]), B)
+    logits, probs = make_inputs(len(context["vocab"]), B)
     return (logits if op == "log_mass" else probs).to(context["device"]).contiguous()
 
 

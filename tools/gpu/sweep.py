@@ -47,7 +47,7 @@ def triton_sweep(args, context) -> list[dict]:
     """Kernel time of every TRITON_SWEEP configuration of the tile kernel each op runs, at
     the goals' batch sizes (sum: SPEEDUP_B; log_mass, max: GOAL_PEAK_B), where in
     --batch-sizes (else the largest). Each is checked against the oracle before it is timed."""
-    from bench import kernels as K
+    from bench.tries import check_result, make_inputs
     from genlm_fast.ops import triton_backend as tb
 
     if "triton" not in context["backends"]:
@@ -59,7 +59,7 @@ def triton_sweep(args, context) -> list[dict]:
     for op in args.ops:
         B = {"sum": SPEEDUP_B}.get(op, GOAL_PEAK_B)
         B = B if B in args.batch_sizes else max(args.batch_sizes)
-        logits, probs = K.make_inputs(len(context["vocab"]), B)
+        logits, probs = make_inputs(len(context["vocab"]), B)
         logits, probs = logits.to(device), probs.to(device)  # where the reference's arrays are
         want = ref.oracle(op, logits, probs)
         x = (logits if op == "log_mass" else probs).contiguous()
@@ -74,7 +74,7 @@ def triton_sweep(args, context) -> list[dict]:
             with triton_config(**config):
                 kfn = kernel_call("triton", x, layout, op)
                 try:  # a configuration that fails to compile or to verify is reported
-                    row["max_rel_err"] = K.check_result(
+                    row["max_rel_err"] = check_result(
                         kfn(),
                         want,
                         op,

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench import kernels as K
+from bench.tries import check_result, make_inputs
 from tools.gpu import bench as gpu
 from tools.gpu import measure, sweep, trie_reference, trie_vocab
 from tools.gpu.goals import GOAL_PEAK_B, GOAL_PEAK_OP, SPEEDUP_B, goals
@@ -205,19 +205,19 @@ def layout_oracle(layout, op, logits, probs):
 @pytest.mark.parametrize("op", gpu.OPS)
 def test_oracle_agrees_with_the_layout_and_catches_a_wrong_node(small, op):
     vocab, trie, ref = small
-    logits, probs = K.make_inputs(len(vocab), 4)
+    logits, probs = make_inputs(len(vocab), 4)
     want = ref.oracle(op, logits, probs)
     assert want.dtype == np.float64 and want.shape[0] == 4
     # genlm.backend's character trie has no EOS node: the columns are mapped, not shifted
     assert want.shape[1] == trie.layout.num_nodes - (1 if ref.char_trie_columns else 0)
     got = layout_oracle(trie.layout, op, logits, probs)
-    K.check_result(got, want, op, byte_trie=ref.char_trie_columns)
+    check_result(got, want, op, byte_trie=ref.char_trie_columns)
     # ... and a node off by 1e-4 (relative) is caught
     bad = got.copy()
     node = trie.layout.root if op != "max" else 0
     bad[1, node] += 1e-4 * abs(bad[1, node]) if op != "log_mass" else 1e-4
     with pytest.raises(AssertionError):
-        K.check_result(bad, want, op, byte_trie=ref.char_trie_columns)
+        check_result(bad, want, op, byte_trie=ref.char_trie_columns)
     # the drop-in ParallelTokenCharacterTrie's columns (no EOS node) line up too
     assert ref.char_columns(want).shape[1] == trie.layout.num_nodes - 1
 

@@ -62,9 +62,9 @@ if str(REPO) not in sys.path:
 # (after the checkout's path)
 from tools.gpu.goals import GOAL_PEAK_B, SPEEDUP_B  # noqa: E402
 from tools.gpu.measure import (  # noqa: E402
-    INDEX_ARRAYS,
     bench_ms,
     detect_peak,
+    index_arrays,
     index_bytes,
     io_bytes,
     kernel_breakdown,
@@ -279,11 +279,7 @@ def run(args) -> tuple[list[dict], dict]:
             if ref.trie is not None
             else " (rebuilt from genlm_fast's layout)"
         ),
-        "index arrays counted": "; ".join(
-            f"{b}: {' + '.join(INDEX_ARRAYS.get(b, INDEX_ARRAYS['triton']))}"
-            + ("" if b in INDEX_ARRAYS else " (assumed: same as triton)")
-            for b in backends
-        ),
+        "index arrays counted": "; ".join(f"{b}: {' + '.join(index_arrays(b))}" for b in backends),
         "genlm-backend": machine.dist_version("genlm-backend"),
     }
     if failures:

@@ -9,48 +9,20 @@ import re
 import statistics
 import time
 
-# index arrays each backend's kernels read (ModeLayout names); counted once per call
-SPAN_ARRAYS = ("span_node", "span_left", "span_right", "span_tile_lo", "span_tile_hi")
-INDEX_ARRAYS = {
-    # the same tiles: the Triton kernels read their local ranges, csrc/trie_reduce_cuda.cu
-    # the tiles' sources (runs, each owned node's source, the scratch values'; from 8 rows
-    # on, staged, column_leaf of the same size instead of leaf_token)
-    "triton": (
-        "leaf_token",
-        "tile_range_ptr",
-        "tile_unit_end",
-        "range_start",
-        "range_end",
-        "range_dest",
-    )
-    + SPAN_ARRAYS,
-    "cuda": (
-        "leaf_token",
-        "tile_node_lo",
-        "tile_run_ptr",
-        "run_bounds",
-        "node_src",
-        "tile_scratch_ptr",
-        "scratch_src",
-        "scratch_slot",
-    )
-    + SPAN_ARRAYS,
-    # the CPU kernel's (genlm_fast/ops/cpu_backend.py): the layout's parent and leaf_token,
-    # and the arrays it derives once per layout (cpu_backend.cpu_arrays)
-    "cpu": (
-        "parent",
-        "leaf_token",
-        "node_of_leaf",
-        "empty",
-        "run_end",
-        "run_depth",
-        "run_child_slot",
-        "run_join_slot",
-        "run_leaf",
-        "run_of",
-    ),
-}
-
+# the index arrays the CPU kernel reads (genlm_fast/ops/cpu_backend.py): the layout's parent
+# and leaf_token, and the arrays it derives from them once per layout (cpu_arrays)
+CPU_ARRAYS = (
+    "parent",
+    "leaf_token",
+    "node_of_leaf",
+    "empty",
+    "run_end",
+    "run_depth",
+    "run_child_slot",
+    "run_join_slot",
+    "run_leaf",
+    "run_of",
+)
 # peak HBM bandwidth, GB/s (vendor figures), matched against the device name in order
 # (GH200 before H200, which its name contains: GH200 96 GB HBM3 is 4000 GB/s, the 144 GB
 # HBM3e part 4900; --peak-gbs overrides)
@@ -174,11 +146,22 @@ def detect_peak(name: str, override: float | None) -> float | None:
     return None
 
 
+def index_arrays(backend: str) -> tuple[str, ...]:
+    """The index arrays ``backend``'s kernels read, each counted once a call: the CPU
+    kernel's ``CPU_ARRAYS``, for the other backends the arrays the layout hands them
+    (``genlm_fast.ops.layout.BACKEND_ARRAYS``)."""
+    if backend == "cpu":
+        return CPU_ARRAYS
+    from genlm_fast.ops.layout import BACKEND_ARRAYS
+
+    return BACKEND_ARRAYS[backend]
+
+
 def index_bytes(layout, backend: str, mode: str = "without_eos", device=None) -> int:
-    """Bytes of the index arrays ``backend``'s kernels read (``INDEX_ARRAYS``). A name found
+    """Bytes of the index arrays ``backend``'s kernels read (``index_arrays``). A name found
     nowhere is an error: a silent 0 would inflate the bandwidth."""
     ml = layout.modes[mode]
-    names = INDEX_ARRAYS.get(backend, INDEX_ARRAYS["triton"])
+    names = index_arrays(backend)
     derived = {}
     if backend == "cpu":  # derived from the layout on the first call, kept with its arrays
         from genlm_fast.ops import cpu_backend

@@ -11,17 +11,11 @@ DRY_RUN_TOKENS = 500  # the dry run's vocabulary: its first tokens (or synthetic
 
 
 def _quicktok_pairs(name: str):
-    import quicktok
+    """``[(token_id, bytes), ...]`` of a quicktok encoding (`bench.vocabs.quicktok_vocab`:
+    placeholders where an id has no bytes)."""
+    from bench.vocabs import quicktok_vocab
 
-    enc = quicktok.get_encoding(name)
-    pairs = []
-    for i in range(enc.n_vocab):
-        try:
-            bs = enc.decode_single_token_bytes(i)
-        except (KeyError, ValueError):
-            bs = f"<|unassigned_{i}|>".encode()
-        pairs.append((i, bs))
-    return pairs
+    return [(t.token_id, t.byte_string) for t in quicktok_vocab(name)]
 
 
 def dump_vocab(name: str, path: str) -> None:

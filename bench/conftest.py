@@ -35,9 +35,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
 
-from bench import kernels as K
 from bench import machine
 from bench.lm_floor import dtype_names
+from bench.tries import (
+    Oracle,
+    build_fast,
+    build_reference,
+    check_numbering,
+    make_inputs,
+    ref_tokens,
+)
 from bench.vocabs import load_vocab
 
 
@@ -221,7 +228,7 @@ class TrieBank:
         self._expected = {}
         gc.collect()
         self.label, self.vocab = load_vocab(name)
-        self.ref_vocab = K.ref_tokens(self.vocab)
+        self.ref_vocab = ref_tokens(self.vocab)
         self._name = name
         self.build_seconds = {}
 
@@ -232,12 +239,12 @@ class TrieBank:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 if impl in self.FAST:
-                    trie = K.build_fast(self.vocab, self.FAST[impl])
+                    trie = build_fast(self.vocab, self.FAST[impl])
                 else:
-                    trie = K.build_reference(self.ref_vocab, self.REFS[impl])
+                    trie = build_reference(self.ref_vocab, self.REFS[impl])
             self.build_seconds[impl] = time.perf_counter() - start
             if impl in ("genlm_fast", "genlm_fast-f64"):
-                K.check_numbering(trie, self.trie(name, "ref-numba"))
+                check_numbering(trie, self.trie(name, "ref-numba"))
             elif impl in ("genlm_fast-bytes", "ref-bytes"):
                 # the byte trie = the character trie + an EOS node numbered just before the root
                 n = len(self.trie(name, "ref-numba").children)
@@ -249,7 +256,7 @@ class TrieBank:
         """``(logits, probs)`` for batch size B (the same tensors for every implementation)."""
         self._switch(name)
         if self._inputs_key != B:
-            self._inputs = K.make_inputs(len(self.vocab), B)
+            self._inputs = make_inputs(len(self.vocab), B)
             self._inputs_key = B
             self._expected = {}
         return self._inputs
@@ -259,7 +266,7 @@ class TrieBank:
         logits, probs = self.inputs(name, B)
         if op not in self._expected:
             if self.oracle is None:
-                self.oracle = K.Oracle(self.trie(name, "ref-numba"))
+                self.oracle = Oracle(self.trie(name, "ref-numba"))
             self._expected[op] = self.oracle.expected(op, logits, probs)
         return self._expected[op]
 

@@ -14,10 +14,10 @@ Workloads (each: genlm_fast, and the reference on the same inputs):
 * ``beam``: the byte-level beam (K=5) on SmolLM2: prefill a 10-byte prompt, then 5 bytes with
   ``logp_next`` before each; cold LM caches (built, untimed, before each call);
   genlm_fast.bytes against genlm-bytes on genlm-backend.
-* ``control``: one genlm-control program (a small one of this module's own: ``PromptedLLM``
-  constrained by a regular expression through ``BoolFSA``, the AWRS sampler, SMC with 8
-  particles and at most 8 tokens, cold caches, fixed seeds), on genlm_fast through
-  ``genlm_fast.dropin`` and on the real genlm-backend.
+* ``control``: genlm-control's README program of `bench.programs` (``readme_regex``: a
+  ``PromptedLLM`` constrained by a regular expression through ``BoolFSA``, the AWRS sampler,
+  SMC with 10 particles and at most 30 tokens; its SMC timed, from cold caches and fixed
+  seeds), on genlm_fast through ``genlm_fast.dropin`` and on the real genlm-backend.
 
 Each implementation runs in a worker of its own (``python -m bench.contention_workloads
 --worker <side>``, the protocol of `bench.workers`; the drop-in's import hook must not meet
@@ -38,7 +38,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.programs import seed_everything  # noqa: E402 (after the checkout's path)
+from bench.beams import advance, beam_maker  # noqa: E402 (after the checkout's path)
+from bench.programs import (  # noqa: E402
+    README_REGEX_SMC,
+    readme_regex_sampler,
+    seed_everything,
+)
 from bench.workers import serve  # noqa: E402
 
 WORKLOADS = ("trie-sum-B1", "trie-sum-B32", "lm-step", "beam", "control")
@@ -49,10 +54,6 @@ LM_NEW_TOKENS = 3
 BEAM_PROMPT = b"The sky is"
 BEAM_BYTES = b" blue"
 BEAM_K = 5
-CONTROL_PROMPT = "Write a short sentence about the sea:"
-CONTROL_REGEX = r"( [a-z]+)+\."
-CONTROL_PARTICLES = 8
-CONTROL_TOKENS = 8
 SEED = 1234
 
 
@@ -72,15 +73,15 @@ class Workload:
 
 class TrieSum(Workload):
     def __init__(self, side, batch):
-        from bench import kernels as K
+        from bench.tries import build_fast, build_reference, make_inputs, ref_tokens
         from bench.vocabs import load_vocab
 
         _, vocab = load_vocab("llama3")
         if side == "genlm_fast":
-            trie = K.build_fast(vocab, "parallel")
+            trie = build_fast(vocab, "parallel")
         else:
-            trie = K.build_reference(K.ref_tokens(vocab), "numba")
-        _, self.probs = K.make_inputs(len(vocab), batch)
+            trie = build_reference(ref_tokens(vocab), "numba")
+        _, self.probs = make_inputs(len(vocab), batch)
         self.fn = trie.batch_weight_sum
         self.trie = trie
 
@@ -149,73 +150,32 @@ class LMStep(Workload):
 class Beam(Workload):
     def __init__(self, models, side):
         self.models = models
-        lm = models.lm
-        if side == "genlm_fast":
-            from genlm_fast.bytes import BeamParams, ByteBeamState
-
-            params = BeamParams(K=BEAM_K)
-
-            async def make_beam():
-                return await ByteBeamState.initial(lm, params)
-        else:
-            import warnings
-
-            import genlm.bytes as ref_bytes
-            from genlm.bytes.trie import TrieMode
-
-            params = ref_bytes.BeamParams(K=BEAM_K)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                trie = ref_bytes.AsyncTokenByteTrie.from_vocab(
-                    lm.byte_vocab, eos_byte_strings=params.eos_byte_strings, device="cpu"
-                )
-
-            async def make_beam():
-                state = ref_bytes.LazyTrieState.initial(lm, trie, mode=TrieMode.WITH_EOS)
-                return ref_bytes.ByteBeamState([await state.materialize()], params)
-
-        self.make_beam = make_beam
+        library = "genlm_fast" if side == "genlm_fast" else "genlm"
+        self.make_beam = beam_maker(library, models.lm, BEAM_K)
 
     def prepare(self):
         self.models.lm.clear_cache()
         self.beam = self.models.run(self.make_beam())
 
     def call(self):
-        async def run(beam):
-            beam = await beam.prefill(BEAM_PROMPT)
-            for b in BEAM_BYTES:
-                await beam.logp_next()
-                beam = await (beam.prune() << b)
-            return await beam.logp_next()
-
-        self.models.run(run(self.beam))
+        self.models.run(advance(self.beam, BEAM_PROMPT, BEAM_BYTES))
 
 
 class Control(Workload):
-    """A small genlm-control program: SMC over a regular-expression-constrained LM."""
+    """genlm-control's README program (`bench.programs.readme_regex`): its SMC is the
+    timed call; the sampler is built before each call, so that every call starts from the
+    same seeds."""
 
     def __init__(self, models):
-        from genlm.control import AWRS, BoolFSA, PromptedLLM
-
         self.models = models
-        potential = PromptedLLM(models.lm)
-        potential.set_prompt_from_str(CONTROL_PROMPT)
-        fsa = BoolFSA.from_regex(CONTROL_REGEX)
-        self.sampler = AWRS(potential, fsa.coerce(potential, f=b"".join))
 
     def prepare(self):
         self.models.lm.clear_cache()
         seed_everything(SEED)
+        _, self.sampler = readme_regex_sampler(self.models.lm, SEED)
 
     def call(self):
-        self.models.run(
-            self.sampler.smc(
-                n_particles=CONTROL_PARTICLES,
-                ess_threshold=0.5,
-                max_tokens=CONTROL_TOKENS,
-                verbosity=0,
-            )
-        )
+        self.models.run(self.sampler.smc(**README_REGEX_SMC))
 
 
 def _build(name, side, models):

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 
+from bench.beams import advance, make_beam
 from bench.machine import REPO, machine_line
 from bench.report import command_line, write_report
 from bench.workers import child_env
@@ -56,23 +57,9 @@ def _status_bytes(field):
 
 async def _beam(library, lm, steps):
     """The byte beam (K=5) over BEAM_PREFILL, then `steps` bytes of BEAM_BYTES."""
-    if library == "genlm_fast":
-        from genlm_fast.bytes import BeamParams, ByteBeamState
-
-        beam = await ByteBeamState.initial(lm, BeamParams(K=BEAM_K))
-    else:
-        import genlm.bytes as ref_bytes
-        from genlm.bytes.trie import TrieMode
-
-        params = ref_bytes.BeamParams(K=BEAM_K)
-        trie = ref_bytes.AsyncTokenByteTrie.from_vocab(lm.byte_vocab, device="cpu")
-        state = ref_bytes.LazyTrieState.initial(lm, trie, mode=TrieMode.WITH_EOS)
-        beam = ref_bytes.ByteBeamState([await state.materialize()], params)
-    beam = await beam.prefill(BEAM_PREFILL)
-    for b in BEAM_BYTES[:steps]:
-        await beam.logp_next()
-        beam = await (beam.prune() << b)
-    return await beam.logp_next()
+    beam = await make_beam("genlm_fast" if library == "genlm_fast" else "genlm", lm, BEAM_K)
+    logp, _ = await advance(beam, BEAM_PREFILL, BEAM_BYTES[:steps])
+    return logp
 
 
 def _child(library, path, dtype_name, decode_rounds, beam_bytes):

@@ -188,18 +188,26 @@ async def product_regex(llm, seed):
     return await _scored(outcome, prod, mtl_llm.tokenize(" the best city"))
 
 
-async def readme_regex(llm, seed):
-    """README, "Controlling an LLM with a regular expression"."""
+def readme_regex_sampler(llm, seed):
+    """`readme_regex` up to its SMC: the prompted LM and the AWRS sampler constrained by
+    ``README_REGEX`` (run them with ``token_sampler.smc(**README_REGEX_SMC)``). Apart, so
+    that the contention benchmark can time the SMC alone."""
     from genlm.control import AWRS, BoolFSA, PromptedLLM
 
     plm = PromptedLLM(llm)
     plm.set_prompt_from_str("Here is my honest opinion:")
     fsa = BoolFSA.from_regex(README_REGEX)
     coerced_fsa = fsa.coerce(plm, f=b"".join)
-    token_sampler = AWRS(plm, coerced_fsa, seed=seed)
-    sequences = await token_sampler.smc(
-        n_particles=10, ess_threshold=0.5, max_tokens=30, verbosity=0
-    )
+    return plm, AWRS(plm, coerced_fsa, seed=seed)
+
+
+README_REGEX_SMC = {"n_particles": 10, "ess_threshold": 0.5, "max_tokens": 30, "verbosity": 0}
+
+
+async def readme_regex(llm, seed):
+    """README, "Controlling an LLM with a regular expression"."""
+    plm, token_sampler = readme_regex_sampler(llm, seed)
+    sequences = await token_sampler.smc(**README_REGEX_SMC)
     particles, contexts = _particles(sequences)
     outcome = Outcome(particles, constraint=("regex", README_REGEX), contexts=contexts)
     return await _scored(outcome, plm, plm.tokenize(" SMC is"))

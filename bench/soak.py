@@ -36,6 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.beams import advance, make_beam  # noqa: E402 (after the checkout's path)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -90,14 +92,10 @@ async def smc_run(lm, prompt, particles, tokens, gen):
 
 
 async def beam_run(lm, prompt, steps):
-    from genlm_fast.bytes import BeamParams, ByteBeamState
-
-    beam = await ByteBeamState.initial(lm, BeamParams(K=5))
-    beam = await beam.prefill(prompt)
-    for b in steps:
-        await beam.logp_next()
-        beam = await (beam.prune() << b)
-    return await beam.logp_next()
+    """The byte beam (K=5) on genlm_fast: ``prompt`` prefilled, then the bytes of ``steps``."""
+    beam = await make_beam("genlm_fast", lm, K=5)
+    logp, _ = await advance(beam, prompt, steps)
+    return logp
 
 
 def run(

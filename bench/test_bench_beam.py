@@ -41,6 +41,8 @@ import numpy as np
 import pytest
 import torch
 
+from bench.beams import advance, beam_maker
+
 PROMPT = b"The capital of France is"  # 24 bytes
 CONTINUATION = b" Paris, and the capital of Italy is Rome"  # 40 bytes
 K = 5
@@ -145,11 +147,7 @@ def ref_lm(model_dir):
 
 async def _run(beam):
     """The timed workload; returns the last next-byte log-probabilities and the beam."""
-    beam = await beam.prefill(PROMPT)
-    for b in CONTINUATION:
-        await beam.logp_next()
-        beam = await (beam.prune() << b)
-    last = await beam.logp_next()
+    last, beam = await advance(beam, PROMPT, CONTINUATION)
     return np.asarray(last.ps, dtype=np.float64), beam
 
 
@@ -187,21 +185,7 @@ def _measure(benchmark, name, lm, make_beam):
 @pytest.fixture(scope="module")
 def ref_make_beam(ref_lm):
     """genlm.bytes.ByteBeamState.initial, with the trie built once (untimed)."""
-    import genlm.bytes as ref_bytes
-    from genlm.bytes.trie import TrieMode
-
-    params = ref_bytes.BeamParams(K=K)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trie = ref_bytes.AsyncTokenByteTrie.from_vocab(
-            ref_lm.byte_vocab, eos_byte_strings=params.eos_byte_strings, device=DEVICE
-        )
-
-    async def make_beam():
-        state = ref_bytes.LazyTrieState.initial(ref_lm, trie, mode=TrieMode.WITH_EOS)
-        return ref_bytes.ByteBeamState([await state.materialize()], params)
-
-    return make_beam
+    return beam_maker("genlm", ref_lm, K, device=DEVICE)
 
 
 def _check_against_other(request):
@@ -231,12 +215,9 @@ def _check_against_other(request):
 
 
 def test_beam_genlm_fast(benchmark, report, fast_lm, request):
-    from genlm_fast.bytes import BeamParams, ByteBeamState, fused_stats
+    from genlm_fast.bytes import fused_stats
 
-    params = BeamParams(K=K)
-
-    async def make_beam():
-        return await ByteBeamState.initial(fast_lm, params)
+    make_beam = beam_maker("genlm_fast", fast_lm, K)
 
     async def counters():
         return dict(fused_stats(await make_beam()))

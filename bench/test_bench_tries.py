@@ -26,7 +26,7 @@ import warnings
 
 import pytest
 
-from bench import kernels as K
+from bench.tries import OPS, check_result, op_fn, op_input
 
 VOCABS = ("smollm2", "llama3", "o200k_base")
 BATCHES = (1, 8, 32, 128)
@@ -38,7 +38,7 @@ TARGET_REF_SECONDS = 2.0  # total time to spend on one reference benchmark
 def _cases():
     for vocab in VOCABS:  # vocabulary outermost: the bank keeps one vocabulary's tries at a time
         for B in BATCHES:
-            for op in K.OPS:
+            for op in OPS:
                 for impl in IMPLS:
                     full = vocab in FULL_VOCABS or (B == 128 and impl.startswith("ref-"))
                     yield pytest.param(
@@ -55,9 +55,9 @@ def _cases():
 def test_trie_op(benchmark, bank, vocab, B, op, impl):
     trie = bank.trie(vocab, impl)
     logits, probs = bank.inputs(vocab, B)
-    x = K.op_input(op, logits, probs)
+    x = op_input(op, logits, probs)
     reference = impl.startswith("ref-")
-    fn = K.op_fn(trie, op, reference)
+    fn = op_fn(trie, op, reference)
     benchmark.group = f"{bank.label}-{op}-B{B}"
     benchmark.extra_info.update(
         vocab=bank.label,
@@ -78,7 +78,7 @@ def test_trie_op(benchmark, bank, vocab, B, op, impl):
             rounds = int(min(20, max(3, TARGET_REF_SECONDS / max(once, 1e-6))))
             result = benchmark.pedantic(fn, args=(x,), rounds=rounds, iterations=1, warmup_rounds=0)
         want = bank.expected(vocab, B, op)
-        benchmark.extra_info["max_rel_err"] = K.check_result(
+        benchmark.extra_info["max_rel_err"] = check_result(
             result, want, op, byte_trie=byte_trie, strict=False
         )
         return
@@ -87,6 +87,6 @@ def test_trie_op(benchmark, bank, vocab, B, op, impl):
         result = benchmark(fn, x)
     benchmark.extra_info["backend"] = trie.last_kernel_backend
     want = bank.expected(vocab, B, op)
-    benchmark.extra_info["max_rel_err"] = K.check_result(
+    benchmark.extra_info["max_rel_err"] = check_result(
         result, want, op, byte_trie=byte_trie, label=f"{impl} {bank.label} {op} B={B}"
     )

@@ -52,7 +52,7 @@ def byte_vocab(name: str) -> list[Token]:
 
 
 @functools.cache
-def _quicktok_vocab(name: str):
+def quicktok_vocab(name: str):
     """A quicktok encoding as genlm_fast Tokens; ids with no bytes (gaps before the special
     tokens, e.g. o200k_base) get a unique placeholder so token id == position."""
     import quicktok
@@ -83,4 +83,4 @@ def load_vocab(name: str):
                 stacklevel=2,
             )
             return "gpt2", byte_vocab("gpt2")
-    return name, _quicktok_vocab(name)
+    return name, quicktok_vocab(name)

@@ -31,15 +31,16 @@ def main(argv=None) -> int:
 
     import torch
 
-    from bench import kernels as K
+    from bench.tries import make_inputs
     from genlm_fast.bytes import TokenByteTrie
-    from tools.gpu.bench import DRY_RUN_TOKENS, kernel_call, load_vocab
+    from tools.gpu.measure import kernel_call
+    from tools.gpu.trie_vocab import DRY_RUN_TOKENS, load_vocab
 
     device = "cpu" if args.dry_run_cpu else "cuda"
     backend = "triton" if args.dry_run_cpu else args.backend
     label, vocab = load_vocab(args.vocab, None, limit=DRY_RUN_TOKENS if args.dry_run_cpu else None)
     layout = TokenByteTrie(vocab, device=device, kernel_backend=backend).layout
-    logits, probs = K.make_inputs(len(vocab), args.batch)
+    logits, probs = make_inputs(len(vocab), args.batch)
     x = (logits if args.op == "log_mass" else probs).to(device).contiguous()
     call = kernel_call(backend, x, layout, args.op)
     for _ in range(args.calls):

@@ -20,8 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from bench import kernels as K
+from bench.tries import check_result, make_inputs
 from tools.gpu import bench as gpu
+from tools.gpu import measure, sweep, trie_reference, trie_vocab
+from tools.gpu.goals import GOAL_PEAK_B, GOAL_PEAK_OP, SPEEDUP_B, goals
 
 
 @pytest.mark.slow
@@ -34,7 +36,7 @@ def test_dry_run_verifies_times_and_writes_the_table(tmp_path):
             "300",
             "--batch-sizes",
             "1",
-            str(gpu.SPEEDUP_B),
+            str(SPEEDUP_B),
             "--out",
             str(out),
         ]
@@ -43,16 +45,16 @@ def test_dry_run_verifies_times_and_writes_the_table(tmp_path):
     text = out.read_text()
     for backend in ("reference", "cpu", "triton"):
         for op in gpu.OPS:
-            for B in (1, gpu.SPEEDUP_B):
+            for B in (1, SPEEDUP_B):
                 assert f"| {backend} | {op} | {B} |" in text, (backend, op, B)
     assert "FAILED" not in text
-    assert f"Speedup at B={gpu.SPEEDUP_B}" in text
-    headline = text.split(f"Speedup at B={gpu.SPEEDUP_B}")[1].split("Goals")[0]
+    assert f"Speedup at B={SPEEDUP_B}" in text
+    headline = text.split(f"Speedup at B={SPEEDUP_B}")[1].split("Goals")[0]
     for backend in ("reference", "cpu", "triton"):  # the headline rows, both comparisons timed
         line = next(r for r in headline.splitlines() if r.startswith(f"| {backend} | "))
         assert line.count(" ms vs ") == 2 and "- ms" not in line, line
     assert "| oracle | float64, from the reference's ancestor matrix" in text
-    where = text.split(f"Where the kernel time goes at B={gpu.SPEEDUP_B}")[1].split("Goals")[0]
+    where = text.split(f"Where the kernel time goes at B={SPEEDUP_B}")[1].split("Goals")[0]
     for backend in ("reference", "cpu", "triton"):
         for op in gpu.OPS:
             assert f"| {backend} | {op} | `" in where, (backend, op)
@@ -63,7 +65,7 @@ def test_dry_run_verifies_times_and_writes_the_table(tmp_path):
     assert len(floors) == 14, floors
     V = 300  # --limit: every token is a column, and a leaf
     N = int(re.search(r"300 tokens, (\d+) nodes", text).group(1))
-    for op, B in ((gpu.GOAL_PEAK_OP, gpu.GOAL_PEAK_B), ("sum", gpu.SPEEDUP_B)):
+    for op, B in ((GOAL_PEAK_OP, GOAL_PEAK_B), ("sum", SPEEDUP_B)):
         moved = {
             line.split(" | ")[2]: float(line.split(" | ")[3])
             for line in floors
@@ -92,7 +94,7 @@ def test_sweep_verifies_each_configuration_and_restores_the_defaults(tmp_path, m
 
     defaults = (tb.DOT_ROWS, tb.DOT_WARPS, tb.MAX_ROWS)
     monkeypatch.setattr(
-        gpu,
+        sweep,
         "TRITON_SWEEP",
         {
             "dot": [
@@ -125,30 +127,30 @@ def test_sweep_verifies_each_configuration_and_restores_the_defaults(tmp_path, m
         == 0
     )
     assert (tb.DOT_ROWS, tb.DOT_WARPS, tb.MAX_ROWS) == defaults
-    sweep = out.read_text().split("Triton tile-kernel configurations")[1]
+    section = out.read_text().split("Triton tile-kernel configurations")[1]
     rows = [
         line
-        for line in sweep.splitlines()
+        for line in section.splitlines()
         if line.startswith("| sum |") or line.startswith("| max |")
     ]
     assert len(rows) == 4, rows
     assert (
-        f"| sum | 2 | dot | DOT_ROWS={tb.DOT_ROWS}, DOT_WARPS={tb.DOT_WARPS} (default) |" in sweep
+        f"| sum | 2 | dot | DOT_ROWS={tb.DOT_ROWS}, DOT_WARPS={tb.DOT_WARPS} (default) |" in section
     )
-    assert "| sum | 2 | dot | DOT_ROWS=32 |" in sweep  # timed: it passed the oracle
-    assert "| sum | 2 | dot | DOT_UB=0 | FAILED: " in sweep
-    assert "| max | 2 | max | MAX_ROWS=32, MAX_WARPS=8 | **" in sweep  # the only one: fastest
+    assert "| sum | 2 | dot | DOT_ROWS=32 |" in section  # timed: it passed the oracle
+    assert "| sum | 2 | dot | DOT_UB=0 | FAILED: " in section
+    assert "| max | 2 | max | MAX_ROWS=32, MAX_WARPS=8 | **" in section  # the only one: fastest
 
 
 def test_triton_config_sets_and_restores_constants():
     from genlm_fast.ops import triton_backend as tb
 
     before = tb.DOT_ROWS
-    with pytest.raises(RuntimeError), gpu.triton_config(DOT_ROWS=before * 2):
+    with pytest.raises(RuntimeError), sweep.triton_config(DOT_ROWS=before * 2):
         assert tb.DOT_ROWS == before * 2
         raise RuntimeError
     assert tb.DOT_ROWS == before
-    with pytest.raises(AttributeError), gpu.triton_config(NO_SUCH_CONSTANT=1):
+    with pytest.raises(AttributeError), sweep.triton_config(NO_SUCH_CONSTANT=1):
         pass
 
 
@@ -168,7 +170,7 @@ def test_triton_config_sets_and_restores_constants():
     ],
 )
 def test_kernel_names_keep_the_kernel(key, name):
-    assert gpu.kernel_name(key) == name
+    assert measure.kernel_name(key) == name
 
 
 @pytest.fixture(scope="module")
@@ -177,9 +179,9 @@ def small():
     from genlm_fast.backend.tokenization import Token
     from genlm_fast.bytes import TokenByteTrie
 
-    vocab = [Token(i, b) for i, b in gpu._synthetic_pairs(300)]
+    vocab = [Token(i, b) for i, b in trie_vocab.synthetic_pairs(300)]
     trie = TokenByteTrie(vocab, device="cpu", kernel_backend="reference")
-    ref = gpu.Reference(vocab, trie.layout, torch.device("cpu"))
+    ref = trie_reference.Reference(vocab, trie.layout, torch.device("cpu"))
     return vocab, trie, ref
 
 
@@ -203,19 +205,19 @@ def layout_oracle(layout, op, logits, probs):
 @pytest.mark.parametrize("op", gpu.OPS)
 def test_oracle_agrees_with_the_layout_and_catches_a_wrong_node(small, op):
     vocab, trie, ref = small
-    logits, probs = K.make_inputs(len(vocab), 4)
+    logits, probs = make_inputs(len(vocab), 4)
     want = ref.oracle(op, logits, probs)
     assert want.dtype == np.float64 and want.shape[0] == 4
     # genlm.backend's character trie has no EOS node: the columns are mapped, not shifted
     assert want.shape[1] == trie.layout.num_nodes - (1 if ref.char_trie_columns else 0)
     got = layout_oracle(trie.layout, op, logits, probs)
-    K.check_result(got, want, op, byte_trie=ref.char_trie_columns)
+    check_result(got, want, op, byte_trie=ref.char_trie_columns)
     # ... and a node off by 1e-4 (relative) is caught
     bad = got.copy()
     node = trie.layout.root if op != "max" else 0
     bad[1, node] += 1e-4 * abs(bad[1, node]) if op != "log_mass" else 1e-4
     with pytest.raises(AssertionError):
-        K.check_result(bad, want, op, byte_trie=ref.char_trie_columns)
+        check_result(bad, want, op, byte_trie=ref.char_trie_columns)
     # the drop-in ParallelTokenCharacterTrie's columns (no EOS node) line up too
     assert ref.char_columns(want).shape[1] == trie.layout.num_nodes - 1
 
@@ -232,15 +234,15 @@ def test_index_bytes_count_the_arrays_each_backend_reads(small, monkeypatch):
     _, trie, _ = small
     layout = trie.layout
     ml = layout.modes["without_eos"]
-    triton = sum(getattr(ml, n).nbytes for n in gpu.INDEX_ARRAYS["triton"])
-    assert gpu.index_bytes(layout, "triton") == triton > 0
+    triton = sum(getattr(ml, n).nbytes for n in measure.index_arrays("triton"))
+    assert measure.index_bytes(layout, "triton") == triton > 0
     from genlm_fast.ops import extension
 
     if extension.has("cpu"):  # the CPU kernel's arrays, all of them found
-        assert gpu.index_bytes(layout, "cpu") > ml.leaf_token.nbytes + layout.parent.nbytes
-    monkeypatch.setitem(gpu.INDEX_ARRAYS, "triton", ("leaf_token", "no_such_array"))
+        assert measure.index_bytes(layout, "cpu") > ml.leaf_token.nbytes + layout.parent.nbytes
+    monkeypatch.setattr(measure, "index_arrays", lambda backend: ("leaf_token", "no_such_array"))
     with pytest.raises(KeyError, match="no_such_array"):  # never a silent 0
-        gpu.index_bytes(layout, "triton")
+        measure.index_bytes(layout, "triton")
 
 
 @pytest.mark.parametrize(
@@ -257,8 +259,8 @@ def test_index_bytes_count_the_arrays_each_backend_reads(small, monkeypatch):
     ],
 )
 def test_peak_bandwidth_by_device_name(name, gbs):
-    assert gpu.detect_peak(name, None) == gbs
-    assert gpu.detect_peak(name, 1234.0) == 1234.0
+    assert measure.detect_peak(name, None) == gbs
+    assert measure.detect_peak(name, 1234.0) == 1234.0
 
 
 def test_goals_verdicts():
@@ -268,9 +270,7 @@ def test_goals_verdicts():
         {"backend": "cuda", "op": "log_mass", "B": 64, "peak_frac": None, "speedup": 2.0},
         {"backend": "cuda", "op": "sum", "B": 32, "failed": "x"},
     ]
-    got = {
-        (g["backend"], g["goal"].split(":")[0]): (g["measured"], g["met"]) for g in gpu.goals(rows)
-    }
+    got = {(g["backend"], g["goal"].split(":")[0]): (g["measured"], g["met"]) for g in goals(rows)}
     assert got[("triton", "batch_log_mass B=64")] == ("71%", "yes")
     assert got[("triton", "batch_weight_sum B=32")] == ("9.9x", "NO")
     assert got[("cuda", "batch_log_mass B=64")] == ("-", "-")  # no peak known

@@ -1,4 +1,4 @@
-"""Memory floors in the CUDA tile kernel's own access pattern (for ``tools.gpu.bench``).
+"""Memory floors in the CUDA tile kernel's own access pattern (for ``tools.gpu.memory_floors``).
 
 The tile kernel moves the output in pieces: a block of (tile, 32 rows) writes, for each of
 its rows, the tile's block of node ids, [tile_node_lo[t], tile_node_lo[t + 1]) (~200 ids,

@@ -5,11 +5,14 @@ No GPU here, so the .cu itself is compiled as host C++ (g++, with CUDA's host he
 constructs, and executed with real thread semantics:
 
 * every launch ``k<<<grid, block, shmem, stream>>>(args)`` runs each block in turn, in order
-  of linear index, with one OS thread per CUDA thread; the launch fails (as on a device) on
-  a grid dimension of 0 or past its limit (x < 2^31, y and z <= 65535), more than 1024
-  threads, or more than 48 KiB of dynamic shared memory;
+  of linear index, each CUDA thread a fiber of its own (its own stack) that runs until it
+  waits at a barrier or returns, so one thread of a block runs ahead of the others as far
+  as the kernel lets it; the launch fails (as on a device) on a grid dimension of 0 or past
+  its limit (x < 2^31, y and z <= 65535), more than 1024 threads, or more than 48 KiB of
+  dynamic shared memory;
 * ``__syncthreads()`` is a block-wide barrier, ``__shfl_xor_sync`` a warp-wide exchange
   that reports a lane missing from the full mask (an exited lane: undefined on a device);
+  threads that wait at a barrier the others never reach are reported, not a hang;
 * dynamic shared memory is a heap block of exactly the launch's size, filled with NaN, and
   each static ``__shared__`` array a heap block of its own per block, all bits set;
 * the harness is built with AddressSanitizer + UBSan and every device array is a heap block
@@ -58,18 +61,18 @@ with open(CU) as _source:
     SHARED_IDS = int(re.search(r"kSharedIds = (\d+) \* kTileThreads;", _cu).group(1)) * TILE_THREADS
 
 HARNESS = r"""
-#include <atomic>
-#include <barrier>
 #include <cmath>
+#include <functional>
 #include <map>
-#include <mutex>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
+
+#include <sanitizer/common_interface_defs.h>  // ASan's fiber annotations
+#include <ucontext.h>
 
 #include <cuda_runtime_api.h>  // cudaError_t, cudaStream_t, dim3 (host declarations only)
 #include <cuda_fp16.h>
@@ -78,17 +81,27 @@ HARNESS = r"""
 #define __launch_bounds__(...)
 
 namespace emu {
+// Every CUDA thread of a block is a fiber (ucontext) on the launching OS thread, switched at
+// barriers: the scheduler resumes each fiber in turn until it waits at a barrier that is not
+// yet full or returns. One OS thread for the whole run, so its speed does not depend on how
+// busy the machine is, and a barrier that can never fill is reported instead of hanging.
+// ASan is told of every stack switch (its fiber annotations).
+struct Barrier {
+  int expected;
+  int arrived = 0;
+  long phase = 0;
+  explicit Barrier(int n) : expected(n) {}
+};
 struct Warp {
-  std::barrier<> bar{32};
+  Barrier bar{32};
   double slots[32];
-  std::atomic<int> exited{0};
+  int exited = 0;
 };
 struct Block {
-  std::barrier<> bar;
+  Barrier bar;
   std::vector<std::unique_ptr<Warp>> warps;
   unsigned char* shmem;
   size_t shmem_bytes;
-  std::mutex statics_mutex;
   std::map<int, void*> statics;  // the static __shared__ arrays, by declaration
   Block(int threads, size_t bytes) : bar(threads), shmem_bytes(bytes) {
     for (int w = 0; w < threads / 32; ++w) warps.emplace_back(new Warp());
@@ -102,17 +115,32 @@ struct Block {
     for (auto& entry : statics) std::free(entry.second);
   }
 };
-thread_local uint3 tid, bid;
-thread_local Block* blk = nullptr;
+struct Fiber {
+  ucontext_t context;
+  void* stack = nullptr;
+  Barrier* waits_on = nullptr;  // the barrier it waits at, in phase `wait_phase`
+  long wait_phase = 0;
+  bool done = false;
+  void* fake_stack = nullptr;  // ASan's, while switched out
+};
+constexpr size_t kFiberStack = 256 * 1024;
+uint3 tid, bid;
+Block* blk = nullptr;
 dim3 gdim, bdim;
 int64_t max_grid_y = 65535;  // the kernels' row chunk (kMaxGridY), lowered by the tests
 int64_t row_pass_blocks = 1024;  // (a1)'s blocks a launch (kRowPassTargetBlocks), set by tests
-std::atomic<int> errors{0};
+int errors = 0;
 cudaError_t last_error = cudaSuccess;
-std::atomic<long> launches{0};
+long launches = 0;
+ucontext_t scheduler;
+const void* scheduler_stack = nullptr;
+size_t scheduler_stack_size = 0;
+std::vector<Fiber>* fibers = nullptr;
+Fiber* running = nullptr;
+std::function<void()>* kernel_body = nullptr;
 
 void fail(const char* what) {
-  if (errors.fetch_add(1) < 5) std::fprintf(stderr, "EMULATOR ERROR: %s\n", what);
+  if (errors++ < 5) std::fprintf(stderr, "EMULATOR ERROR: %s\n", what);
 }
 cudaError_t get_last_error() { cudaError_t e = last_error; last_error = cudaSuccess; return e; }
 cudaError_t memset2d_async(void* p, size_t pitch, int value, size_t width, size_t height,
@@ -125,7 +153,6 @@ cudaError_t memset2d_async(void* p, size_t pitch, int value, size_t width, size_
 // a static __shared__ array of the running block (declaration `id`), all bits set at first
 template <class A>
 A& shared_array(int id) {
-  std::lock_guard<std::mutex> lock(blk->statics_mutex);
   void*& p = blk->statics[id];
   if (p == nullptr) {
     p = std::malloc(sizeof(A));
@@ -134,7 +161,36 @@ A& shared_array(int id) {
   return *static_cast<A*>(p);
 }
 
-inline void syncthreads() { blk->bar.arrive_and_wait(); }
+// the running fiber gives the OS thread back to the scheduler (`finished`: for good)
+void switch_to_scheduler(bool finished) {
+  Fiber* self = running;
+  __sanitizer_start_switch_fiber(finished ? nullptr : &self->fake_stack, scheduler_stack,
+                                 scheduler_stack_size);
+  swapcontext(&self->context, &scheduler);
+  __sanitizer_finish_switch_fiber(self->fake_stack, &scheduler_stack, &scheduler_stack_size);
+}
+
+void release_if_full(Barrier& b) {
+  if (b.arrived > 0 && b.arrived >= b.expected) {
+    b.arrived = 0;
+    ++b.phase;
+  }
+}
+void arrive_and_wait(Barrier& b) {
+  ++b.arrived;
+  const long phase = b.phase;
+  release_if_full(b);
+  if (b.phase != phase) return;  // the last to arrive goes on; the others resume in turn
+  running->waits_on = &b;
+  running->wait_phase = phase;
+  switch_to_scheduler(false);
+}
+void arrive_and_drop(Barrier& b) {
+  --b.expected;
+  release_if_full(b);
+}
+
+inline void syncthreads() { arrive_and_wait(blk->bar); }
 inline double longlong_as_double(long long v) { double d; std::memcpy(&d, &v, 8); return d; }
 template <class T>
 void stcs(T* p, T v) { *p = v; }  // a store with a cache hint: a store
@@ -146,12 +202,25 @@ T shfl_xor(unsigned mask, T v, int off) {
   const int lane = tid.x & 31;
   Warp& w = *blk->warps[tid.x >> 5];
   std::memcpy(&w.slots[lane], &v, sizeof(T));
-  w.bar.arrive_and_wait();
-  if (w.exited.load() != 0) fail("__shfl_xor_sync while a lane of the full mask has exited");
+  arrive_and_wait(w.bar);
+  if (w.exited != 0) fail("__shfl_xor_sync while a lane of the full mask has exited");
   T r;
   std::memcpy(&r, &w.slots[lane ^ off], sizeof(T));
-  w.bar.arrive_and_wait();
+  arrive_and_wait(w.bar);
   return r;
+}
+
+// a fiber's whole life: the kernel's body for its thread, then it leaves its barriers as an
+// exited thread does
+void fiber_main() {
+  __sanitizer_finish_switch_fiber(nullptr, &scheduler_stack, &scheduler_stack_size);
+  (*kernel_body)();
+  Warp& w = *blk->warps[tid.x >> 5];
+  w.exited += 1;
+  arrive_and_drop(w.bar);
+  arrive_and_drop(blk->bar);
+  running->done = true;
+  switch_to_scheduler(true);
 }
 
 template <class F>
@@ -168,38 +237,54 @@ void launch(dim3 g, dim3 b, size_t shmem, cudaStream_t, F body) {
   }
   gdim = g;
   bdim = b;
-  // One OS thread per CUDA thread of a block, started once per launch and reused for each
-  // block in turn (a fresh Block: new barriers, shared memory, statics); the blocks still
-  // run one after another in order of linear index, and a thread that returns from the
-  // kernel drops out of its block's barriers as an exited thread would.
+  std::function<void()> run = body;
+  kernel_body = &run;
+  std::vector<Fiber> pool(b.x);
+  fibers = &pool;
+  for (auto& f : pool) f.stack = std::malloc(kFiberStack);
+  // the blocks one after another, in order of linear index, each a fresh Block (new
+  // barriers, shared memory, statics) and fresh fibers on the same stacks
   const unsigned long long blocks = 1ull * g.x * g.y * g.z;
-  std::unique_ptr<Block> block;
-  std::barrier<> gate(static_cast<std::ptrdiff_t>(b.x) + 1);
-  std::vector<std::thread> pool;
-  pool.reserve(b.x);
-  for (unsigned t = 0; t < b.x; ++t)
-    pool.emplace_back([&, t] {
-      for (unsigned long long i = 0; i < blocks; ++i) {
-        gate.arrive_and_wait();  // the block is set up
-        tid = uint3{t, 0, 0};
-        bid = uint3{static_cast<unsigned>(i % g.x), static_cast<unsigned>(i / g.x % g.y),
-                    static_cast<unsigned>(i / g.x / g.y)};
-        blk = block.get();
-        body();
-        Warp& w = *blk->warps[t >> 5];
-        w.exited.fetch_add(1);
-        w.bar.arrive_and_drop();
-        blk->bar.arrive_and_drop();
-        blk = nullptr;
-        gate.arrive_and_wait();  // every thread of the block is done with it
-      }
-    });
   for (unsigned long long i = 0; i < blocks; ++i) {
-    block = std::make_unique<Block>(static_cast<int>(b.x), shmem);
-    gate.arrive_and_wait();
-    gate.arrive_and_wait();
+    Block block(static_cast<int>(b.x), shmem);
+    blk = &block;
+    bid = uint3{static_cast<unsigned>(i % g.x), static_cast<unsigned>(i / g.x % g.y),
+                static_cast<unsigned>(i / g.x / g.y)};
+    for (auto& f : pool) {
+      f.waits_on = nullptr;
+      f.done = false;
+      f.fake_stack = nullptr;
+      getcontext(&f.context);
+      f.context.uc_stack.ss_sp = f.stack;
+      f.context.uc_stack.ss_size = kFiberStack;
+      f.context.uc_link = nullptr;
+      makecontext(&f.context, fiber_main, 0);
+    }
+    for (unsigned left = b.x; left > 0;) {
+      bool resumed = false;
+      for (unsigned t = 0; t < b.x; ++t) {
+        Fiber& f = pool[t];
+        if (f.done || (f.waits_on != nullptr && f.waits_on->phase == f.wait_phase)) continue;
+        f.waits_on = nullptr;
+        tid = uint3{t, 0, 0};
+        running = &f;
+        void* fake = nullptr;
+        __sanitizer_start_switch_fiber(&fake, f.stack, kFiberStack);
+        swapcontext(&scheduler, &f.context);
+        __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+        resumed = true;
+        if (f.done) --left;
+      }
+      if (!resumed) {
+        fail("threads wait at a barrier that the block's other threads never reach");
+        break;
+      }
+    }
+    blk = nullptr;
   }
-  for (auto& th : pool) th.join();
+  for (auto& f : pool) std::free(f.stack);
+  fibers = nullptr;
+  running = nullptr;
 }
 }  // namespace emu
 
@@ -258,7 +343,7 @@ int main(int argc, char** argv) {
   std::fclose(f);
   const cudaError_t status = genlm_fast::cuda::trie_reduce(A, nullptr);
   FILE* o = std::fopen(argv[2], "wb");
-  const int64_t head[3] = {static_cast<int64_t>(status), emu::errors.load(), emu::launches.load()};
+  const int64_t head[3] = {static_cast<int64_t>(status), emu::errors, emu::launches};
   std::fwrite(head, 8, 3, o);
   std::fwrite(A.out, 1, out_bytes, o);
   std::fwrite(A.scratch, 1, scratch_bytes, o);

@@ -4,8 +4,8 @@
 # Each suite comes from its PyPI source distribution (downloaded once into .genlm-suites/,
 # gitignored; never copied into this repository) and runs twice, offline: with the real genlm
 # packages, and with `-p genlm_fast.dropin` (genlm.backend / genlm.bytes imports resolve to
-# genlm_fast), both at once on CPUs of their own where there are two. Each run records what
-# genlm.backend / genlm.bytes resolved to: the drop-in run must be on this checkout's
+# genlm_fast), two runs at a time, each on a CPU of its own, where there are two CPUs. Each
+# run records what genlm.backend / genlm.bytes resolved to: the drop-in run must be on this checkout's
 # genlm_fast, the real run on genlm. The Hub models the suites load are offline stand-ins
 # (scripts/make_hf_standins.py: the real tokenizers, small models of seeded random weights, in
 # an HF cache of their own under .genlm-suites/hf-home). Every test that passes with the real
@@ -84,13 +84,15 @@ if [ "${GENLM_SUITES_FULL:-0}" = "1" ]; then
   SELECTION=()
 fi
 
-# the CPUs this process may run on (two or more: the two sides of a suite run at once)
+# the CPUs this process may run on (two or more: two runs at once)
 mapfile -t CPUS < <($PY -c "import os; print(*sorted(os.sched_getaffinity(0)), sep='\n')" \
   2>/dev/null || true)
-command -v taskset >/dev/null 2>&1 || CPUS=()
+command -v taskset >/dev/null 2>&1 && command -v flock >/dev/null 2>&1 || CPUS=()
 
 status=0
 summary=()
+ready=()  # the suites fetched, as BASE NAME SPEC
+declare -A TESTS_OF
 for spec in $SUITES; do
   name=${spec%%==*}
   version=${spec##*==}
@@ -104,33 +106,68 @@ for spec in $SUITES; do
     continue
   fi
   fetch "$spec" "$base"
-  TESTS=${SELECTION[$name]:-tests}
+  TESTS_OF[$base]=${SELECTION[$name]:-tests}
   rm -f "$CACHE/results/$base".*
-  # The two sides at once where two CPUs are ours: genlm_fast's pinned to one CPU, the real
-  # packages' to the others (taskset). genlm_fast sizes its threads by the CPUs that other
-  # work leaves free; on a CPU of its own that size, and so its answers' rounding, does not
-  # change with the other side's load (genlm's tests ask for answers bit-identical between
-  # calls). Otherwise one after the other. Output files and logs are separate, printed in
-  # turn.
-  start=$SECONDS
-  if [ ${#CPUS[@]} -ge 2 ]; then
-    (PIN="taskset -c $(IFS=,; echo "${CPUS[*]:0:1},${CPUS[*]:2}" | sed 's/,$//')" \
-      run_suite "$base" real -q --tb=no "$@" > "$CACHE/results/$base.real.log" 2>&1
-      echo $((SECONDS - start)) > "$CACHE/results/$base.real.seconds") &
-    (PIN="taskset -c ${CPUS[1]}" run_suite "$base" dropin -p genlm_fast.dropin -q --tb=no "$@" \
-      > "$CACHE/results/$base.dropin.log" 2>&1
-      echo $((SECONDS - start)) > "$CACHE/results/$base.dropin.seconds") &
-    wait
-    together=", run together"
-  else
-    run_suite "$base" real -q --tb=no "$@" > "$CACHE/results/$base.real.log" 2>&1
-    echo $((SECONDS - start)) > "$CACHE/results/$base.real.seconds"
-    start=$SECONDS
-    run_suite "$base" dropin -p genlm_fast.dropin -q --tb=no "$@" \
-      > "$CACHE/results/$base.dropin.log" 2>&1
-    echo $((SECONDS - start)) > "$CACHE/results/$base.dropin.seconds"
-    together=""
-  fi
+  ready+=("$base $name $spec")
+done
+
+# Every suite's two runs (real, dropin) are jobs, started longest first (genlm-control's,
+# then genlm-bytes', then genlm-backend's; the real packages' side is the slower) by two
+# lanes that each take the next job when their last one ends. Each lane is pinned to a CPU
+# of its own (taskset); a real run may also use the CPUs past the first two. genlm_fast sizes
+# its threads by the CPUs that other work leaves free; on one CPU of its own that size, and
+# so its answers' rounding, does not change with the other lane's load (genlm's tests ask
+# for answers bit-identical between calls). With fewer than two CPUs, one job after the
+# other. Output files and logs are separate, printed suite by suite.
+jobs=()
+for entry in "${ready[@]}"; do
+  jobs+=("${entry%% *} real" "${entry%% *} dropin")
+done
+mapfile -t jobs < <(printf '%s\n' "${jobs[@]}" | awk '{
+  print ($1 ~ /^genlm_control/ ? 0 : $1 ~ /^genlm_bytes/ ? 1 : 2), $0}' | sort -s -n -k1,1 |
+  cut -d' ' -f2-)
+
+run_job() {  # run_job BASE LABEL [pytest args...], pinned by $PIN
+  local base=$1 label=$2 begin=$SECONDS
+  shift 2
+  local plugin=()
+  [ "$label" = dropin ] && plugin=(-p genlm_fast.dropin)
+  TESTS=${TESTS_OF[$base]} run_suite "$base" "$label" "${plugin[@]}" -q --tb=no "$@" \
+    > "$CACHE/results/$base.$label.log" 2>&1
+  echo $((SECONDS - begin)) > "$CACHE/results/$base.$label.seconds"
+}
+
+queue="$CACHE/results/.next-job"
+lane() {  # lane CPUS_OF_REAL_RUNS CPU_OF_DROPIN_RUNS [pytest args...]
+  local real_cpus=$1 dropin_cpu=$2 i
+  shift 2
+  while true; do
+    i=$({ flock 9; read -r n < "$queue"; echo $((n + 1)) > "$queue"; echo "$n"; } 9> "$queue.lock")
+    [ "$i" -lt ${#jobs[@]} ] || return 0
+    set -- ${jobs[$i]} "$@"
+    if [ "$2" = real ]; then PIN="taskset -c $real_cpus"; else PIN="taskset -c $dropin_cpu"; fi
+    PIN=$PIN run_job "$@"
+    shift 2
+  done
+}
+
+if [ ${#CPUS[@]} -ge 2 ]; then
+  echo 0 > "$queue"
+  extra=$(IFS=,; echo "${CPUS[*]:2}")
+  lane "${CPUS[0]}${extra:+,$extra}" "${CPUS[0]}" "$@" &
+  lane "${CPUS[1]}${extra:+,$extra}" "${CPUS[1]}" "$@" &
+  wait
+  rm -f "$queue" "$queue.lock"
+  lanes=", two lanes"
+else
+  for job in "${jobs[@]}"; do
+    run_job $job "$@"
+  done
+  lanes=""
+fi
+
+for entry in "${ready[@]}"; do
+  read -r base name spec <<< "$entry"
   echo "=== $spec: real packages"
   cat "$CACHE/results/$base.real.log"
   echo "=== $spec: genlm_fast (-p genlm_fast.dropin)"
@@ -142,7 +179,7 @@ for spec in $SUITES; do
   $PY "$ROOT/scripts/genlm_suite_outcomes.py" compare "$name" "$CACHE/results/$base.real.json" \
     "$CACHE/results/$base.dropin.json" "$CACHE/results/$base.regressed.txt" > "$report" || ok=0
   cat "$report"
-  summary+=("$(head -n 1 "$report")  (${real_s}s real, ${dropin_s}s dropin${together})")
+  summary+=("$(head -n 1 "$report")  (${real_s}s real, ${dropin_s}s dropin${lanes})")
   if [ $ok -eq 0 ]; then
     status=1
     if [ -s "$CACHE/results/$base.regressed.txt" ]; then

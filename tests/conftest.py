@@ -10,3 +10,24 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# The files that take longest, in the order they should start: scripts/test.sh spreads whole
+# files over pytest-xdist workers in collection order, and a long file started last would run
+# alone at the end. The other files keep pytest's order after these.
+LONGEST_FIRST = (
+    "tests/compat/test_genlm_control_programs.py",
+    "tests/ops/test_extension_build.py",
+    "tests/ops/test_cuda_emulation.py",
+    "tests/test_llama3_checkpoint.py",
+    "tests/test_models.py",
+    "tests/backend/test_llm_memory.py",
+    "tests/backend/test_llm_concurrency.py",
+    "tests/ops/test_trie_reduce.py",
+    "tests/bytes/test_beam.py",
+    "tests/ops/test_triton_kernels.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))

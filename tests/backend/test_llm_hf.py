@@ -517,15 +517,19 @@ def test_padding_aware_split():
     assert sorted(map(sorted, chunks)) == [[0, 2, 3, 5], [1, 4]]
 
 
-def test_smollm2_directory(model_dir):
-    """Prepared once: later calls return at once; a plain (unquantized) float32 checkpoint."""
+def test_smollm2_directory(model_dir, monkeypatch):
+    """Prepared once: later calls return the copy without converting again; a plain
+    (unquantized) float32 checkpoint."""
     import json
     import os
-    import time
 
-    start = time.perf_counter()
+    from genlm_fast.models import smollm2
+
+    def converts(*args, **kwargs):
+        raise AssertionError("converted the GGUF again")
+
+    monkeypatch.setattr(smollm2, "_convert", converts)
     assert smollm2_path() == model_dir
-    assert time.perf_counter() - start < 0.5
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     assert "quantization_config" not in config and config["model_type"] == "llama"

@@ -1,31 +1,33 @@
-"""A decoding forward of SmolLM2-135M on the CPU against the machine's floors, same run.
+"""A decoding forward on the CPU against the machine's floors, measured in the same run.
 
-    python -m bench.lm_floor [--rounds 7] [--dtype float32|bfloat16|float16] [--out FILE.md]
+    python -m bench.lm_floor [--model smollm2|llama3.2-1b] [--dtype float32|bfloat16|float16]
+                             [--rounds 7] [--cases 1x1,16x2] [--out FILE.md]
 
-The floor of a forward is reading the model's weights once: the bytes the fused decoder
-streams (its packed copies of every projection and the LM head) over the machine's read
-bandwidth, measured here by reading a buffer of the same size, on the same (huge) pages, as
-the decoder's threads do (`stream_read` of `bench/csrc/probes.cpp`: each thread its share as
-1, 2 or 4 interleaved sequential streams; the fastest). Rows of new tokens also cost
-arithmetic: two FLOPs per weight of the decoder layers per new token, and per weight of the LM
-head per row (it runs on each row's last token only), at the FLOP/s of register-only AVX-512
-multiply-adds on the same threads (its `fma_rate`); a forward can be no faster than either
-floor.
+The floor of a forward is reading the weights once: the bytes genlm_fast's forward streams
+(the fused decoder's packed copies, or where it does not run the model's own weights, which
+the linear layers read in place) over the machine's read bandwidth, measured here by reading
+a buffer of the same size as the forward's threads do (`stream_read` of
+`bench/csrc/probes.cpp`: each thread its share as 1, 2 or 4 interleaved sequential streams;
+the fastest). Rows of new tokens also cost arithmetic: two FLOPs per weight of the decoder
+layers per new token, and per weight of the LM head per row (it runs on each row's last
+token only), at the FLOP/s of register-only float32 multiply-adds on the same threads (its
+`fma_rate`, with the widest vector instructions this CPU has: 16-bit weights are widened to
+float32 before they are multiplied); a forward can be no faster than either floor.
 
 Cases: 1, 4 and 16 rows x 1 and 2 new tokens over a cached past of 24 tokens (rows sharing
-the 15-token prompt of bench/test_bench_lm.py, as SMC particles do). Each round measures the
-bandwidth, then every case on the fused decoder (`decoder.FusedEngine`, run through
-`engines.Forwards.run_on` with the trie insertions) and on transformers' forward over the same
-stored key/values (a second model with genlm_fast's packed CPU linear layers, the path before
-the fused decoder); the
-best of the rounds is kept for each (a shared VM's bandwidth moves by 2x within minutes:
-measuring everything in every round keeps the ratios honest). Every case's logits are
-checked against a float64 forward first (max |log-prob error| over tokens > -20).
+a 15-token prompt, as SMC particles do). Each round measures the bandwidth, then every case
+on genlm_fast's forward (``forward_path``: the fused decoder where it runs, else
+transformers' forward with genlm_fast's linear layers, run through `engines.Forwards.run_on`
+with the trie insertions) and on the plain alternative over the same stored key/values (the
+fused decoder: transformers' forward with genlm_fast's linear layers, the path before it;
+otherwise: transformers' own linear layers, as genlm-backend runs them); the best of the
+rounds is kept for each (a shared VM's bandwidth moves by 2x within minutes: measuring
+everything in every round keeps the ratios honest). Every case's logits are checked against
+a float64 forward of the same weights first (max |log-prob error| over tokens > -20).
 
-``--dtype bfloat16`` runs the model as most hub checkpoints load (``dtype="auto"``), and
-``--dtype float16`` as older ones do: the decoder streams 16-bit panels (half the bytes, so
-half the memory floor) and computes in float32; the float64 forward is of the same 16-bit
-weights, and the comparison is transformers' own forward in that dtype.
+``--model llama3.2-1b`` is the Llama-3.2-1B architecture with the real Llama-3 vocabulary and
+seeded weights (`genlm_fast.models.llama3_path`), the scale genlm's users run;
+``--dtype bfloat16`` runs the model as most hub checkpoints load (``dtype="auto"``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from bench.machine import machine_line
 from bench.report import write_report
 
 PROMPT = "In a quiet village at the edge of the forest, an old clockmaker"
+MODELS = ("smollm2", "llama3.2-1b")
 PAST = 24
 CASES = [(1, 1), (1, 2), (4, 1), (4, 2), (16, 1), (16, 2)]
 
@@ -80,74 +83,98 @@ def _floor_bandwidth(probes, buf, threads):
     return best
 
 
-def run(rounds=7, cases=CASES, dtype=torch.float32):
+def _model_path(model, dtype):
+    from genlm_fast.models import llama3_path, smollm2_path
+
+    if model == "smollm2":
+        return smollm2_path()
+    return llama3_path(model, str(dtype).removeprefix("torch."))
+
+
+def run(rounds=7, cases=CASES, dtype=torch.float32, model="smollm2"):
     from transformers import AutoModelForCausalLM
 
     from bench import probes as probe_module
     from genlm_fast.backend.llm import AsyncTransformer
     from genlm_fast.backend.llm.cpu_linear import pack_linear_layers, unpack_linear_layers
     from genlm_fast.backend.llm.decoder import huge_page_empty
-    from genlm_fast.models import smollm2_path
     from genlm_fast.ops import extension
 
     module, probes = extension.load_module(), probe_module.load()
-    path = smollm2_path()
+    path = _model_path(model, dtype)
     lm = AsyncTransformer.from_name(path, hf_opts={"dtype": dtype})
-    if lm.forward_path != "fused":
-        raise SystemExit(f"the fused decoder does not run here: {lm.forward_path}")
-    decoder = lm._state.decoder
-    # the path before: transformers' forward on packed linear layers, its own model
-    hf = AsyncTransformer(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), lm.tokenizer)
-    hf._forwards.fused.max_tokens = 0
-    packed = pack_linear_layers(hf.model)
-    ref64 = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).double().eval()
-
-    nbytes = decoder.weight_bytes
-    # the decoder layers' weights (every new token) and the LM head's (each row's last one)
+    fused = lm.forward_path == "fused"
     head = lm.model.get_output_embeddings().weight.numel()
+    # the decoder layers' weights (every new token) and the LM head's (each row's last one)
     params = sum(p.numel() for n, p in lm.model.named_parameters() if "embed" not in n)
     params -= 0 if lm.model.config.tie_word_embeddings else head
+    if fused:
+        nbytes = lm._state.decoder.weight_bytes
+        # the path before: transformers' forward on packed linear layers, its own model
+        other = AsyncTransformer(
+            AutoModelForCausalLM.from_pretrained(path, dtype=dtype), lm.tokenizer
+        )
+        other._forwards.fused.max_tokens = 0
+        other_name = "transformers, packed linears"
+        packed = pack_linear_layers(other.model)
+    else:  # the weights read in place, in the model's dtype
+        nbytes = (params + head) * torch.empty((), dtype=dtype).element_size()
+        other = AsyncTransformer(
+            AutoModelForCausalLM.from_pretrained(path, dtype=dtype),
+            lm.tokenizer,
+            cpu_linear="torch",
+        )
+        other_name = "transformers' own linears"
+        packed = 0
+    mine = lm._forwards.fused if fused else lm._forwards.eager
+    ref64 = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).double().eval()
+
     buf = huge_page_empty(nbytes // 4).fill_(1.0)  # as many bytes, on the kind of pages they use
-    # the decoder's team: as many threads as its parallel regions over these bytes get
+    # the forward's team: as many threads as its parallel regions over these bytes get
     threads = module.cpu_team_size(nbytes)
-    flops = probes.fma_rate(100_000_000, module.cpu_team_size(1 << 40))
 
     setups, errors = {}, {}
     with torch.no_grad():
         for rows, new in cases:
             ctxs = _contexts(lm.tokenizer, rows, new)
-            setups[rows, new] = (_plans(lm, ctxs, new), _plans(hf, ctxs, new))
+            setups[rows, new] = (_plans(lm, ctxs, new), _plans(other, ctxs, new))
             (plans, trie), _ = setups[rows, new]
-            logits = lm._forwards.run_on(lm._forwards.fused, plans, trie)[0]
+            logits = lm._forwards.run_on(mine, plans, trie)[0]
             got = torch.log_softmax(logits.double(), -1)
             want = torch.log_softmax(ref64(torch.tensor([list(c) for c in ctxs])).logits[:, -1], -1)
             errors[rows, new] = float((got - want)[want > -20].abs().max())
     del ref64
 
-    bandwidth, best = 0.0, {}
+    bandwidth, flops, best = 0.0, 0.0, {}
     with torch.no_grad():
         for _ in range(rounds):
             bandwidth = max(bandwidth, _floor_bandwidth(probes, buf, threads))
+            flops = max(flops, probes.fma_rate(100_000_000, module.cpu_team_size(1 << 40)))
             for case in cases:
-                ((plans, trie), (hf_plans, hf_trie)) = setups[case]
+                ((plans, trie), (other_plans, other_trie)) = setups[case]
                 for name, fn in (
+                    ("genlm_fast", lambda p=plans, t=trie: lm._forwards.run_on(mine, p, t)),
                     (
-                        "fused",
-                        lambda p=plans, t=trie: lm._forwards.run_on(lm._forwards.fused, p, t),
-                    ),
-                    (
-                        "transformers",
-                        lambda p=hf_plans, t=hf_trie: hf._forwards.run_on(hf._forwards.eager, p, t),
+                        "other",
+                        lambda p=other_plans, t=other_trie: other._forwards.run_on(
+                            other._forwards.eager, p, t
+                        ),
                     ),
                 ):
                     t = time.perf_counter()
                     fn()
                     dt = time.perf_counter() - t
                     best[case, name] = min(best.get((case, name), float("inf")), dt)
-    unpack_linear_layers(hf.model)
-    hf.cleanup()
+    if packed:
+        unpack_linear_layers(other.model)
+    forward_path = lm.forward_path
+    other.cleanup()
     lm.cleanup()
     return {
+        "model": model,
+        "forward_path": forward_path,
+        "other": other_name,
+        "isa": probes.isa(),
         "bandwidth": bandwidth,
         "bytes": nbytes,
         "flops": flops,
@@ -155,7 +182,6 @@ def run(rounds=7, cases=CASES, dtype=torch.float32):
         "head_params": head,
         "best": best,
         "errors": errors,
-        "packed": packed,
         "cases": cases,
         "dtype": str(dtype).removeprefix("torch."),
     }
@@ -164,25 +190,25 @@ def run(rounds=7, cases=CASES, dtype=torch.float32):
 def table(r):
     mem_floor = r["bytes"] / r["bandwidth"]
     lines = [
-        f"SmolLM2-135M-Instruct {r['dtype']}, one forward over a cached past of {PAST} tokens. "
-        f"Memory floor: {r['bytes'] / 1e6:.0f} MB of packed weights at "
+        f"{r['model']} {r['dtype']}, one forward over a cached past of {PAST} tokens on "
+        f"genlm_fast's `{r['forward_path']}` path. "
+        f"Memory floor: {r['bytes'] / 1e6:.0f} MB of weights at "
         f"{r['bandwidth'] / 1e9:.1f} GB/s (streaming read, same run) = "
-        f"{mem_floor * 1e3:.2f} ms; arithmetic: {r['flops'] / 1e9:.0f} GFLOP/s of AVX-512 "
-        f"FMA, {r['params'] / 1e6:.0f} M weights per new token and {r['head_params'] / 1e6:.0f} M "
-        "(the LM head) per row.",
+        f"{mem_floor * 1e3:.2f} ms; arithmetic: {r['flops'] / 1e9:.0f} GFLOP/s of {r['isa']} "
+        f"float32 FMA, {r['params'] / 1e6:.0f} M weights per new token and "
+        f"{r['head_params'] / 1e6:.0f} M (the LM head) per row.",
         "",
-        "| rows x new | fused ms | x memory floor | x max(memory, FMA) floor | "
-        f"transformers ms ({'packed linears' if r['packed'] else r['dtype']}) | fused speedup | "
-        "max err vs f64 |",
+        "| rows x new | genlm_fast ms | x memory floor | x max(memory, FMA) floor | "
+        f"{r['other']} ms | speedup | max err vs f64 |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for rows, new in r["cases"]:
-        fused, hf = r["best"][(rows, new), "fused"], r["best"][(rows, new), "transformers"]
+        mine, other = r["best"][(rows, new), "genlm_fast"], r["best"][(rows, new), "other"]
         fma = 2 * (r["params"] * rows * new + r["head_params"] * rows)
         floor = max(mem_floor, fma / r["flops"])
         lines.append(
-            f"| {rows} x {new} | {fused * 1e3:.1f} | {fused / mem_floor:.2f} | "
-            f"{fused / floor:.2f} | {hf * 1e3:.1f} | {hf / fused:.2f}x | "
+            f"| {rows} x {new} | {mine * 1e3:.1f} | {mine / mem_floor:.2f} | "
+            f"{mine / floor:.2f} | {other * 1e3:.1f} | {other / mine:.2f}x | "
             f"{r['errors'][rows, new]:.1e} |"
         )
     return "\n".join(lines)
@@ -197,6 +223,7 @@ def dtype_names():
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", choices=MODELS)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument(
         "--cases",
@@ -210,7 +237,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     dtype = getattr(torch, args.dtype)
-    text = f"{machine_line()}\n\n{table(run(args.rounds, cases, dtype))}\n"
+    text = f"{machine_line()}\n\n{table(run(args.rounds, cases, dtype, args.model))}\n"
     write_report(text, args.out)
 
 

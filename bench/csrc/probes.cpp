@@ -3,75 +3,110 @@
 //
 //   stream_read(data, streams, threads) -> the sum of `data`, each of `threads` threads reading
 //       its share as `streams` interleaved sequential streams (the time to read the weights once)
-//   fma_rate(iterations, threads) -> FLOP/s of register-only AVX-512 multiply-adds on `threads`
+//   fma_rate(iterations, threads) -> FLOP/s of register-only float32 multiply-adds on `threads`
 //       threads, `iterations` each
+//   isa() -> the instructions both use: "avx512" (AVX-512F) or "avx2" (AVX2 + FMA), the widest
+//       this CPU has, as genlm_fast's CPU kernels pick theirs
 //
-// Both need AVX-512F, as the fused decoder does; the caller passes the decoder's team size.
+// The caller passes the team size of the kernel it compares.
 
 #include <torch/extension.h>
 
 #include <omp.h>
 
 #include <cstdint>
+#include <string>
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
 #define GF_PROBES 1
 #define GF_AVX512 __attribute__((target("avx512f")))
+#define GF_AVX2 __attribute__((target("avx2,fma")))
 #else
 #define GF_PROBES 0
 #define GF_AVX512
+#define GF_AVX2
 #endif
 
 namespace {
 
-bool avx512_supported() {
+std::string isa() {
 #if GF_PROBES
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f");
-#else
-  return false;
+  if (__builtin_cpu_supports("avx512f")) return "avx512";
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
 #endif
+  return "none";
 }
 
 #if GF_PROBES
-GF_AVX512 double stream_read_avx512(const float* x, int64_t n, int64_t streams, int threads) {
-  double total = 0.0;
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-  {
-    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-    const int64_t lo = n * tid / nth, hi = n * (tid + 1) / nth;
-    const int64_t len = (hi - lo) / streams / 32 * 32;  // each stream: whole pairs of vectors
-    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-    for (int64_t i = 0; i < len; i += 32)
+// (vectors pass between the helpers below only inside the functions they are inlined into:
+// no call ever crosses the ABI that -Wpsabi warns about)
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+// One thread's share of each probe, written once over a generic vector of W floats; each
+// instantiation is inlined whole (flatten) into a function compiled for the instructions
+// that hold W floats in one register, so the vectors are zmm (W = 16) or ymm (W = 8).
+template <int W>
+struct Probe {
+  typedef float Vec __attribute__((vector_size(W * sizeof(float))));
+
+  static inline Vec load(const float* p) {
+    Vec v;
+    __builtin_memcpy(&v, p, sizeof(Vec));
+    return v;
+  }
+  static inline Vec splat(float f) { return Vec{} + f; }
+  static inline float sum(Vec v) {
+    float lanes[W];
+    __builtin_memcpy(lanes, &v, sizeof(Vec));
+    float total = 0.0f;
+    for (float lane : lanes) total += lane;
+    return total;
+  }
+
+  // x[lo, hi) read as `streams` interleaved sequential streams, two vectors at a time
+  static inline double read(const float* x, int64_t lo, int64_t hi, int64_t streams) {
+    const int64_t len = (hi - lo) / streams / (2 * W) * (2 * W);
+    Vec a = splat(0.0f), b = splat(0.0f);
+    for (int64_t i = 0; i < len; i += 2 * W)
       for (int64_t s = 0; s < streams; ++s) {
         const float* p = x + lo + s * len + i;
-        a = _mm512_add_ps(a, _mm512_loadu_ps(p));
-        b = _mm512_add_ps(b, _mm512_loadu_ps(p + 16));
+        a += load(p);
+        b += load(p + W);
       }
+    double total = sum(a + b);
     for (int64_t i = lo + streams * len; i < hi; ++i) total += x[i];
-    total += _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    return total;
   }
-  return total;
-}
 
-GF_AVX512 double fma_rate_avx512(int64_t iterations, int threads) {
-  double flops = 0.0;
-  const double start = omp_get_wtime();
-#pragma omp parallel num_threads(threads) reduction(+ : flops)
-  {
-    __m512 acc[12];
-    for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
-    const __m512 m = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-4f);
+  // FLOPs of `iterations` rounds of 12 independent multiply-add chains (enough in flight to
+  // fill the FMA units); the result's sum keeps the loop alive (it is ~0: adds nothing)
+  static inline double fmas(int64_t iterations) {
+    Vec acc[12];
+    for (int i = 0; i < 12; ++i) acc[i] = splat(0.001f * static_cast<float>(i));
+    const Vec m = splat(0.999f), c = splat(1e-4f);
     for (int64_t it = 0; it < iterations; ++it)
 #pragma GCC unroll 12
-      for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], m, c);
-    __m512 sum = acc[0];
-    for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);
-    // (the sum keeps the loop alive; it is ~0, and a finite value adds nothing)
-    flops += 2.0 * 16 * 12 * static_cast<double>(iterations) + 0.0 * _mm512_reduce_add_ps(sum);
+      for (int i = 0; i < 12; ++i) acc[i] = acc[i] * m + c;
+    Vec total = acc[0];
+    for (int i = 1; i < 12; ++i) total += acc[i];
+    return 2.0 * W * 12 * static_cast<double>(iterations) + 0.0 * sum(total);
   }
-  return flops / (omp_get_wtime() - start);
+};
+
+GF_AVX512 __attribute__((flatten)) double read_avx512(const float* x, int64_t lo, int64_t hi,
+                                                      int64_t streams) {
+  return Probe<16>::read(x, lo, hi, streams);
+}
+GF_AVX2 __attribute__((flatten)) double read_avx2(const float* x, int64_t lo, int64_t hi,
+                                                  int64_t streams) {
+  return Probe<8>::read(x, lo, hi, streams);
+}
+GF_AVX512 __attribute__((flatten)) double fmas_avx512(int64_t iterations) {
+  return Probe<16>::fmas(iterations);
+}
+GF_AVX2 __attribute__((flatten)) double fmas_avx2(int64_t iterations) {
+  return Probe<8>::fmas(iterations);
 }
 #endif
 
@@ -79,11 +114,21 @@ double stream_read(const torch::Tensor& data, int64_t streams, int64_t threads) 
   TORCH_CHECK(data.scalar_type() == torch::kFloat32 && data.device().is_cpu() &&
                   data.is_contiguous() && streams >= 1 && threads >= 1,
               "stream_read: a contiguous float32 CPU tensor, streams >= 1 and threads >= 1");
-  TORCH_CHECK(avx512_supported(), "stream_read: this CPU lacks AVX-512F");
+  const std::string with = isa();
+  TORCH_CHECK(with != "none", "stream_read: this CPU has neither AVX-512F nor AVX2 + FMA");
 #if GF_PROBES
   pybind11::gil_scoped_release released;
-  return stream_read_avx512(data.data_ptr<float>(), data.numel(), streams,
-                            static_cast<int>(threads));
+  const float* x = data.data_ptr<float>();
+  const int64_t n = data.numel();
+  const bool wide = with == "avx512";
+  double total = 0.0;
+#pragma omp parallel num_threads(static_cast<int>(threads)) reduction(+ : total)
+  {
+    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+    const int64_t lo = n * tid / nth, hi = n * (tid + 1) / nth;
+    total += wide ? read_avx512(x, lo, hi, streams) : read_avx2(x, lo, hi, streams);
+  }
+  return total;
 #else
   return 0.0;
 #endif
@@ -91,10 +136,16 @@ double stream_read(const torch::Tensor& data, int64_t streams, int64_t threads) 
 
 double fma_rate(int64_t iterations, int64_t threads) {
   TORCH_CHECK(iterations >= 1 && threads >= 1, "fma_rate: iterations >= 1 and threads >= 1");
-  TORCH_CHECK(avx512_supported(), "fma_rate: this CPU lacks AVX-512F");
+  const std::string with = isa();
+  TORCH_CHECK(with != "none", "fma_rate: this CPU has neither AVX-512F nor AVX2 + FMA");
 #if GF_PROBES
   pybind11::gil_scoped_release released;
-  return fma_rate_avx512(iterations, static_cast<int>(threads));
+  const bool wide = with == "avx512";
+  double flops = 0.0;
+  const double start = omp_get_wtime();
+#pragma omp parallel num_threads(static_cast<int>(threads)) reduction(+ : flops)
+  flops += wide ? fmas_avx512(iterations) : fmas_avx2(iterations);
+  return flops / (omp_get_wtime() - start);
 #else
   return 0.0;
 #endif
@@ -104,10 +155,10 @@ double fma_rate(int64_t iterations, int64_t threads) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "genlm_fast benchmark probes: the machine's memory and arithmetic floors";
-  m.def("avx512_supported", &avx512_supported, "Whether this CPU runs the probes (AVX-512F)");
+  m.def("isa", &isa, "The instructions the probes use here: avx512, avx2 or none");
   m.def("stream_read", &stream_read,
         "Sum of a float32 tensor read as `streams` sequential streams per thread",
         pybind11::arg("data"), pybind11::arg("streams"), pybind11::arg("threads"));
-  m.def("fma_rate", &fma_rate, "FLOP/s of register-only AVX-512 multiply-adds",
+  m.def("fma_rate", &fma_rate, "FLOP/s of register-only float32 multiply-adds",
         pybind11::arg("iterations"), pybind11::arg("threads"));
 }

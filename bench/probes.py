@@ -8,6 +8,7 @@ import functools
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "probes.cpp"
+PRODUCT_CSRC = Path(__file__).resolve().parents[1] / "csrc"  # cpu_features.h
 
 
 @functools.cache
@@ -18,6 +19,7 @@ def load():
     return cpp_extension.load(
         name="genlm_fast_bench_probes",
         sources=[str(SOURCE)],
+        extra_include_paths=[str(PRODUCT_CSRC)],
         extra_cflags=["-O3", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
     )

@@ -5,14 +5,16 @@
 //       its share as `streams` interleaved sequential streams (the time to read the weights once)
 //   fma_rate(iterations, threads) -> FLOP/s of register-only float32 multiply-adds on `threads`
 //       threads, `iterations` each
-//   isa() -> the instructions both use: "avx512" (AVX-512F) or "avx2" (AVX2 + FMA), the widest
-//       this CPU has, as genlm_fast's CPU kernels pick theirs
+//   isa() -> the instructions both use: "avx512" or "avx2", the widest this CPU runs by
+//       genlm_fast's own check (csrc/cpu_features.h), as its CPU kernels pick theirs
 //
 // The caller passes the team size of the kernel it compares.
 
 #include <torch/extension.h>
 
 #include <omp.h>
+
+#include "cpu_features.h"  // genlm_fast's own check (csrc/), so both pick alike
 
 #include <cstdint>
 #include <string>
@@ -30,11 +32,8 @@
 namespace {
 
 std::string isa() {
-#if GF_PROBES
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return "avx512";
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
-#endif
+  if (GF_PROBES && genlm_fast::cpu::cpu_has("avx512")) return "avx512";
+  if (GF_PROBES && genlm_fast::cpu::cpu_has("avx2")) return "avx2";
   return "none";
 }
 
@@ -115,7 +114,7 @@ double stream_read(const torch::Tensor& data, int64_t streams, int64_t threads) 
                   data.is_contiguous() && streams >= 1 && threads >= 1,
               "stream_read: a contiguous float32 CPU tensor, streams >= 1 and threads >= 1");
   const std::string with = isa();
-  TORCH_CHECK(with != "none", "stream_read: this CPU has neither AVX-512F nor AVX2 + FMA");
+  TORCH_CHECK(with != "none", "stream_read: this CPU runs neither the avx512 nor the avx2 kernels");
 #if GF_PROBES
   pybind11::gil_scoped_release released;
   const float* x = data.data_ptr<float>();
@@ -137,7 +136,7 @@ double stream_read(const torch::Tensor& data, int64_t streams, int64_t threads) 
 double fma_rate(int64_t iterations, int64_t threads) {
   TORCH_CHECK(iterations >= 1 && threads >= 1, "fma_rate: iterations >= 1 and threads >= 1");
   const std::string with = isa();
-  TORCH_CHECK(with != "none", "fma_rate: this CPU has neither AVX-512F nor AVX2 + FMA");
+  TORCH_CHECK(with != "none", "fma_rate: this CPU runs neither the avx512 nor the avx2 kernels");
 #if GF_PROBES
   pybind11::gil_scoped_release released;
   const bool wide = with == "avx512";

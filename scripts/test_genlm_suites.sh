@@ -139,15 +139,14 @@ run_job() {  # run_job BASE LABEL [pytest args...], pinned by $PIN
 
 queue="$CACHE/results/.next-job"
 lane() {  # lane CPUS_OF_REAL_RUNS CPU_OF_DROPIN_RUNS [pytest args...]
-  local real_cpus=$1 dropin_cpu=$2 i
+  local real_cpus=$1 dropin_cpu=$2 i base label cpus
   shift 2
   while true; do
     i=$({ flock 9; read -r n < "$queue"; echo $((n + 1)) > "$queue"; echo "$n"; } 9> "$queue.lock")
     [ "$i" -lt ${#jobs[@]} ] || return 0
-    set -- ${jobs[$i]} "$@"
-    if [ "$2" = real ]; then PIN="taskset -c $real_cpus"; else PIN="taskset -c $dropin_cpu"; fi
-    PIN=$PIN run_job "$@"
-    shift 2
+    read -r base label <<< "${jobs[$i]}"
+    if [ "$label" = real ]; then cpus=$real_cpus; else cpus=$dropin_cpu; fi
+    PIN="taskset -c $cpus" run_job "$base" "$label" "$@"
   done
 }
 
@@ -161,7 +160,8 @@ if [ ${#CPUS[@]} -ge 2 ]; then
   lanes=", two lanes"
 else
   for job in "${jobs[@]}"; do
-    run_job $job "$@"
+    read -r base label <<< "$job"
+    run_job "$base" "$label" "$@"
   done
   lanes=""
 fi

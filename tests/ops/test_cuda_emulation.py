@@ -135,7 +135,6 @@ long launches = 0;
 ucontext_t scheduler;
 const void* scheduler_stack = nullptr;
 size_t scheduler_stack_size = 0;
-std::vector<Fiber>* fibers = nullptr;
 Fiber* running = nullptr;
 std::function<void()>* kernel_body = nullptr;
 
@@ -240,7 +239,6 @@ void launch(dim3 g, dim3 b, size_t shmem, cudaStream_t, F body) {
   std::function<void()> run = body;
   kernel_body = &run;
   std::vector<Fiber> pool(b.x);
-  fibers = &pool;
   for (auto& f : pool) f.stack = std::malloc(kFiberStack);
   // the blocks one after another, in order of linear index, each a fresh Block (new
   // barriers, shared memory, statics) and fresh fibers on the same stacks
@@ -283,7 +281,6 @@ void launch(dim3 g, dim3 b, size_t shmem, cudaStream_t, F body) {
     blk = nullptr;
   }
   for (auto& f : pool) std::free(f.stack);
-  fibers = nullptr;
   running = nullptr;
 }
 }  // namespace emu

@@ -1,5 +1,5 @@
-"""Build script: the genlm_fast package, the top-level ``kernels/`` folder installed as
-``genlm_fast.kernels``, and the optional compiled trie kernels ``genlm_fast._C``.
+"""Build script: the genlm_fast package (its Triton kernels in ``genlm_fast/kernels/``) and
+the optional compiled trie kernels ``genlm_fast._C``.
 
     pip install torch                       # first: the build uses the installed torch
     pip install -e . --no-build-isolation   # or `pip install . --no-build-isolation`
@@ -186,8 +186,7 @@ def _extensions():
 ext_modules, cmdclass = _extensions()
 
 setup(
-    packages=find_packages(include=["genlm_fast", "genlm_fast.*"]) + ["genlm_fast.kernels"],
-    package_dir={"genlm_fast.kernels": "kernels"},
+    packages=find_packages(include=["genlm_fast", "genlm_fast.*"]),
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     zip_safe=False,

@@ -83,25 +83,9 @@ DEFAULT_BATCHES = (1, 8, 32, 64, 128)
 DRY_RUN_BATCHES = [1, 32]
 
 
-def _kernels_alias() -> None:
-    """In an uninstalled checkout ``genlm_fast.kernels`` is the top-level ``kernels/``
-    (setup.py maps it at install time); alias it so the triton backend imports."""
-    import importlib
-
-    try:
-        importlib.import_module("genlm_fast.kernels")
-    except ImportError:
-        try:
-            sys.modules["genlm_fast.kernels"] = importlib.import_module("kernels")
-        except ImportError:
-            pass
-
-
 def run(args) -> tuple[list[dict], dict]:
     import numpy as np
     import torch
-
-    _kernels_alias()
 
     from bench import machine
     from bench.tries import OP_METHOD, check_result, make_inputs

@@ -19,6 +19,7 @@ import weakref
 import torch
 
 from genlm_fast.backend.llm.cpu_linear import (
+    choose_kernel,
     drop_packed_copies,
     pack_linear_layers,
     unpack_linear_layers,
@@ -52,7 +53,13 @@ class ModelState:
     def attach(cls, model, cpu_linear):
         """The model's state, one more user counted; its linear layers packed with kernel
         ``cpu_linear`` (`cpu_linear.choose_kernel`) where the fused decoder does not run
-        (which has its own packed copies). Returns ``(state, layers packed)``."""
+        (which has its own packed copies). Returns ``(state, layers packed)``.
+
+        Raises:
+            ValueError: ``cpu_linear`` names no kernel, or one that does not run here (even
+                where the fused decoder runs and the choice is not used yet).
+        """
+        choose_kernel(cpu_linear)
         state = _states.get(model)
         if state is None:
             state = _states[model] = cls(model)

@@ -1,4 +1,4 @@
-"""Triton kernels of genlm_fast (installed as the subpackage ``genlm_fast.kernels``).
+"""Triton kernels of genlm_fast.
 
 ``trie_reduce`` holds the fused trie-reduction kernels (launched by
 ``genlm_fast.ops.triton_backend``); ``log_softmax_rows`` the engine-side capture of

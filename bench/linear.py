@@ -60,7 +60,7 @@ def _kernels():
         from genlm_fast.ops import extension
 
         module = extension.load_module()
-        found["rows"] = (lambda w: w, lambda x, w, n: module.linear_rows(x, w, None, "avx2"))
+        found["rows"] = (lambda w: w, lambda x, w, n: module.linear_rows(x, w, None, "auto"))
     return found
 
 

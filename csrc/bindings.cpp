@@ -39,7 +39,7 @@
 //   linear_rows(x, weight, bias, isa="auto") -> x @ weight.T + bias in float32, the weight
 //                   float32/bfloat16/float16 read in place (linear_rows_cpu.cpp: a 16-bit
 //                   model's transformers forward in float32, genlm_fast/backend/llm/widen.py);
-//                   linear_rows_best_isa() -> "avx2" | "baseline"
+//                   linear_rows_best_isa() -> "avx512" | "avx2" | "baseline"
 //
 // The index arrays are the int32 arrays of genlm_fast.ops.layout.TrieLayout.device_arrays,
 // plus those the CUDA path derives once per layout (cuda_backend.py: `column_leaf[c]` = the
@@ -116,7 +116,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
         pybind11::arg("isa") = "auto");
   m.def("linear_rows_best_isa", &genlm_fast::cpu::linear_rows_best_isa,
-        "The widest linear_rows kernel this CPU runs: avx2 or baseline");
+        "The widest linear_rows kernel this CPU runs: avx512, avx2 or baseline");
   {
     using genlm_fast::cpu::DecoderCPU;
     using genlm_fast::cpu::DecoderSpec;

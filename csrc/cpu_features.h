@@ -9,7 +9,8 @@ namespace genlm_fast {
 namespace cpu {
 
 // Whether this CPU runs the kernels named `isa`: "baseline" (any CPU), "avx2" (AVX2 with FMA
-// and F16C: linear_rows) or "avx512" (AVX-512F: the fused decoder, linear_small_batch).
+// and F16C: linear_rows) or "avx512" (AVX-512F: the fused decoder, linear_small_batch,
+// linear_rows).
 // Any other name: false.
 inline bool cpu_has(const std::string& isa) {
   if (isa == "baseline") return true;

@@ -22,15 +22,16 @@ EPS32 = 2.0**-24
 def _isas():
     if _C is None or not hasattr(_C, "linear_rows"):
         pytest.fail("genlm_fast._C was built without linear_rows")
-    isas = ["baseline"]
-    if _C.linear_rows_best_isa() == "avx2":
-        isas.append("avx2")
-    return isas
+    best = _C.linear_rows_best_isa()
+    return {"baseline": ["baseline"], "avx2": ["baseline", "avx2"]}.get(
+        best, ["baseline", "avx2", best]
+    )
 
 
 def _bound(x, w, b, k):
-    """What float32 sums in chunks of 256 may be off by: ``(K/256 + 256/8 + 4)`` roundings of
-    the magnitude ``|x| @ |w|^T + |b|``."""
+    """What float32 sums in chunks may be off by: ``(K/256 + 32 + 4)`` roundings of the
+    magnitude ``|x| @ |w|^T + |b|`` (chunks of 256 over 8 lanes, or, AVX-512, of 512 over 16
+    lanes: 32 products a lane, K/256 or K/512 chunk sums, 4 to add the lanes)."""
     mag = x.double().abs() @ w.double().abs().t()
     if b is not None:
         mag += b.double().abs()
@@ -45,16 +46,18 @@ SHAPES = [
     (5, 2048, 17),
     (33, 300, 65),
     (48, 519, 26),
+    (2, 1100, 29),  # two rows: 8 rows of W a tile on AVX-512; three chunks and a tail
+    (16, 1030, 40),  # rows in groups of 6, 5, 5
 ]
 
 
-@pytest.mark.parametrize("isa", ["baseline", "avx2"])
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,k,n", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_rows_is_float32_of_the_stored_weight(isa, dtype, m, k, n, with_bias):
     if isa not in _isas():
-        pytest.skip("this CPU has no AVX2/FMA/F16C")
+        pytest.skip(f"this CPU cannot run the {isa} kernel")
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k + 5, generator=g).to(dtype)[:, :k]  # rows apart by k + 5
@@ -65,11 +68,11 @@ def test_linear_rows_is_float32_of_the_stored_weight(isa, dtype, m, k, n, with_b
     assert ((got.double() - want).abs() <= _bound(x, w, b, k)).all()
 
 
-@pytest.mark.parametrize("isa", ["baseline", "avx2"])
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
 def test_linear_rows_on_a_128k_vocabulary_head(isa):
     """The LM head of a Llama-3 vocabulary (128,256 rows), bfloat16, a few rows."""
     if isa not in _isas():
-        pytest.skip("this CPU has no AVX2/FMA/F16C")
+        pytest.skip(f"this CPU cannot run the {isa} kernel")
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 64, generator=g)
     w = torch.randn(128_256, 64, generator=g).bfloat16()

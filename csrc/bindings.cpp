@@ -32,7 +32,7 @@
 //                   genlm_fast/backend/llm/decoder.py); decoder_supported() -> bool
 //   WeightWatch(params, dicts).changed() -> what was replaced or edited first (a dict of the
 //                   model's structure, or a parameter), or -1 (weight_watch.cpp)
-//   pack_linear_weight(weight) -> panels;  linear_small_batch(x, panels, bias, out_features,
+//   pack_linear_weight(weight, out=None) -> panels (written into out when given);  linear_small_batch(x, panels, bias, out_features,
 //                   isa="auto") -> x @ weight.T + bias;  linear_best_isa() -> "avx512" | ...
 //                   the small-batch float32 linear layer of linear_cpu.cpp (AsyncTransformer's
 //                   decoding steps on the CPU: genlm_fast/backend/llm/cpu_linear.py)
@@ -104,7 +104,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("output_cache_sizes", &genlm_fast::output_cache_sizes,
         "Bytes of each cached result block, least recently returned first");
   m.def("pack_linear_weight", &genlm_fast::cpu::pack_linear_weight,
-        "A float32 [N, K] weight as the panels linear_small_batch reads", pybind11::arg("weight"));
+        "A [N, K] weight as the panels linear_small_batch and the fused decoder read (into "
+        "`out` when given)",
+        pybind11::arg("weight"), pybind11::arg("out") = pybind11::none());
   m.def("linear_small_batch", &genlm_fast::cpu::linear_small_batch,
         "x @ weight.T + bias for a few rows of x, weight given as its panels",
         pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("bias"),

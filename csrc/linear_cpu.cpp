@@ -299,7 +299,37 @@ std::string linear_best_isa() {
   return cpu_has("avx512") ? "avx512" : "baseline";
 }
 
-torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
+namespace {
+
+// panel p of `out` (at out + p * panel_stride) from rows 16p .. 16p + 16 of w: each row read
+// front to back, its values written 16 (or, bfloat16, 32) apart into the panel
+template <class T, bool kPairs>
+void pack_panels(const T* w, int64_t ldw, int64_t n, int64_t k, T* out, int64_t panel_stride,
+                 int64_t panels) {
+  const int64_t bytes = panels * kPanel * k * static_cast<int64_t>(sizeof(T)) * 2;
+#pragma omp parallel for schedule(static) num_threads(team_size(bytes))
+  for (int64_t p = 0; p < panels; ++p) {
+    T* dst = out + p * panel_stride;
+    for (int64_t f = 0; f < kPanel; ++f) {
+      T* col = dst + (kPairs ? 2 * f : f);  // feature f's value of k-step j: col[slot(j)]
+      const auto slot = [](int64_t j) {
+        return kPairs ? (j & ~int64_t{1}) * kPanel + (j & 1) : j * kPanel;
+      };
+      const int64_t row = p * kPanel + f;
+      if (row >= n) {  // past the last feature: zeros
+        for (int64_t j = 0; j < k; ++j) col[slot(j)] = T{};
+        continue;
+      }
+      const T* src = w + row * ldw;
+      for (int64_t j = 0; j < k; ++j) col[slot(j)] = src[j];
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor pack_linear_weight(const torch::Tensor& weight,
+                                 const c10::optional<torch::Tensor>& out_arg) {
   TORCH_CHECK(weight.dim() == 2, "pack_linear_weight: the weight must be 2-D [N, K], got ",
               weight.dim(), "-D");
   const c10::ScalarType dtype = weight.scalar_type();
@@ -311,14 +341,33 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
               "pack_linear_weight: a bfloat16 weight needs an even number of input features, got ",
               weight.size(1));
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
-  // [P, 16, K] -> [P, K, 16]: rows past N are zero
-  auto padded = torch::zeros({panels * kPanel, k}, weight.options());
-  padded.slice(0, 0, n).copy_(weight);
-  auto packed = padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
-  if (!pairs) return packed;
-  // bfloat16: [P, K / 2, 2, 16] -> [P, K / 2, 16, 2], each feature's pair of k-steps side by side
-  return packed.view({panels, k / 2, 2, kPanel}).transpose(2, 3).contiguous().view(
-      {panels, k, kPanel});
+  torch::Tensor out;
+  if (out_arg.has_value() && out_arg->defined()) {
+    out = *out_arg;
+    TORCH_CHECK(out.dim() == 3 && out.size(0) == panels && out.size(1) == k &&
+                    out.size(2) == kPanel && out.scalar_type() == dtype && out.device().is_cpu(),
+                "pack_linear_weight: out must be a [", panels, ", ", k, ", ", kPanel, "] ", dtype,
+                " CPU tensor, got ", out.sizes(), " ", out.scalar_type());
+    TORCH_CHECK((out.stride(2) == 1 && out.stride(1) == kPanel) || k <= 1,
+                "pack_linear_weight: each panel of out must be contiguous [K, 16]");
+  } else {
+    out = torch::empty({panels, k, kPanel}, weight.options());
+  }
+  if (panels == 0 || k == 0) return out;
+  const torch::Tensor w = weight.stride(1) == 1 ? weight : weight.contiguous();
+  const int64_t ldw = w.stride(0), stride = out.stride(0);
+  if (dtype == torch::kFloat32)
+    pack_panels<float, false>(w.data_ptr<float>(), ldw, n, k, out.data_ptr<float>(), stride,
+                              panels);
+  else if (pairs)
+    pack_panels<uint16_t, true>(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+                                ldw, n, k, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+                                stride, panels);
+  else
+    pack_panels<uint16_t, false>(reinterpret_cast<const uint16_t*>(w.data_ptr<at::Half>()), ldw,
+                                 n, k, reinterpret_cast<uint16_t*>(out.data_ptr<at::Half>()),
+                                 stride, panels);
+  return out;
 }
 
 torch::Tensor linear_small_batch(const torch::Tensor& x, const torch::Tensor& panels,

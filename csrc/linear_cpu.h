@@ -35,8 +35,11 @@ inline float widen(Float16 w) {
 }
 
 // W [N, K] float32, bfloat16 or float16 -> panels [ceil(N / 16), K, 16] of its dtype (rows past
-// N zero; bfloat16 pairs its k-steps: linear_cpu.cpp)
-torch::Tensor pack_linear_weight(const torch::Tensor& weight);
+// N zero; bfloat16 pairs its k-steps: linear_cpu.cpp), written into `out` when given (a tensor
+// of that shape and dtype whose panels may lie any distance apart, each [K, 16] contiguous:
+// a slice of a larger allocation, or every other panel of one) and returned
+torch::Tensor pack_linear_weight(const torch::Tensor& weight,
+                                 const c10::optional<torch::Tensor>& out);
 
 // x [M, K] @ W^T (+ bias) -> [M, N], W given as its panels; isa: auto, avx512, baseline
 torch::Tensor linear_small_batch(const torch::Tensor& x, const torch::Tensor& panels,

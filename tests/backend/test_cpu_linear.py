@@ -186,6 +186,53 @@ def test_pack_linear_weight_keeps_16_bit_weights():
     assert torch.equal(panels.float(), module.pack_linear_weight(half.float()))
 
 
+def _panels_by_torch(w):
+    """The panel layout spelled out in plain torch: rows padded to a multiple of 16, [P, 16, K]
+    -> [P, K, 16]; bfloat16 with each feature's two k-steps side by side."""
+    n, k = w.shape
+    count = -(-n // 16)
+    padded = torch.zeros(count * 16, k, dtype=w.dtype)
+    padded[:n] = w
+    panels = padded.view(count, 16, k).transpose(1, 2)
+    if w.dtype == torch.bfloat16:
+        panels = panels.reshape(count, k // 2, 2, 16).transpose(2, 3).reshape(count, k, 16)
+    return panels.contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(1, 2), (16, 4), (37, 12), (130, 66)])
+def test_pack_linear_weight_lays_out_panels_in_place(dtype, n, k):
+    """Packed alone, into a slice of a larger allocation, and into every other panel of one
+    (how the fused decoder interleaves gate and up): each equals the layout built in plain
+    torch, from a weight whose rows lie apart (a column slice)."""
+    module = _built()
+    g = torch.Generator().manual_seed(n * 100 + k)
+    w = torch.randn(n, k + 6, generator=g).to(dtype)[:, 3 : 3 + k]
+    want = _panels_by_torch(w)
+    assert torch.equal(module.pack_linear_weight(w), want)
+    count = want.shape[0]
+    store = torch.full((2 * count + 1, k, 16), 7.0).to(dtype)
+    module.pack_linear_weight(w, store[1 : 1 + count])
+    assert torch.equal(store[1 : 1 + count], want)
+    assert (store[0] == 7).all() and (store[1 + count :] == 7).all()  # nothing else written
+    other = (w * 2).contiguous()
+    module.pack_linear_weight(w, store[0 : 2 * count : 2])
+    module.pack_linear_weight(other, store[1 : 2 * count : 2])
+    assert torch.equal(store[0 : 2 * count : 2], want)
+    assert torch.equal(store[1 : 2 * count : 2], _panels_by_torch(other))
+
+
+def test_pack_linear_weight_rejects_a_wrong_out():
+    module = _built()
+    w = torch.randn(20, 8)
+    with pytest.raises(RuntimeError, match=r"out must be a \[2, 8, 16\] Float"):
+        module.pack_linear_weight(w, torch.empty(1, 8, 16))
+    with pytest.raises(RuntimeError, match="out must be"):
+        module.pack_linear_weight(w, torch.empty(2, 8, 16, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="each panel of out must be contiguous"):
+        module.pack_linear_weight(w, torch.empty(2, 16, 8).transpose(1, 2))
+
+
 def test_small_batch_kernel_rejects_bad_input():
     module = _built()
     w = torch.randn(20, 8)

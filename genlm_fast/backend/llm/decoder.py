@@ -70,18 +70,28 @@ def fused_available() -> str | None:
     return None
 
 
-def _panels(module, weights, interleave=False):
-    """Weights [N_i, K] stacked (or, ``interleave``, two of them panel by panel) as packed
-    panels [P, K, 16]."""
+def _pack_into(module, out, weights, interleave=False):
+    """Pack weights [N_i, K] into ``out`` [P, K, 16] (`_panel_shape`): stacked, the panels of
+    each following the last's, or, ``interleave``, two of them panel by panel. Each weight is
+    packed straight into its panels (a copy of the concatenation only where a weight's rows
+    do not end on a whole panel)."""
+    weights = [w.detach().to(out.dtype) for w in weights]  # (as they are, where they match)
     if interleave:
-        a, b = (module.pack_linear_weight(w.detach().contiguous()) for w in weights)
-        return torch.stack((a, b), dim=1).reshape(-1, a.shape[1], a.shape[2]).contiguous()
-    w = weights[0] if len(weights) == 1 else torch.cat(weights)
-    return module.pack_linear_weight(w.detach().contiguous())
+        for i, w in enumerate(weights):
+            module.pack_linear_weight(w, out[i::2])
+        return
+    if any(int(w.shape[0]) % 16 for w in weights[:-1]):
+        module.pack_linear_weight(torch.cat(weights), out)
+        return
+    start = 0
+    for w in weights:
+        count = -(-int(w.shape[0]) // 16)
+        module.pack_linear_weight(w, out[start : start + count])
+        start += count
 
 
 def _panel_shape(weights, interleave):
-    """The shape `_panels` gives ``weights``."""
+    """The shape of ``weights``' packed panels (`_pack_into`)."""
     k = int(weights[0].shape[1])
     if interleave:
         return (2 * -(-int(weights[0].shape[0]) // 16), k, 16)
@@ -132,7 +142,7 @@ def _pack(arch: Architecture, module):
     for name, parts in arch.linears.items():
         gated = name.endswith("up") and arch.spec.gated
         view = store[offset : offset + math.prod(shapes[name])].view(shapes[name])
-        view.copy_(_panels(module, [w for w, _ in parts], interleave=gated))
+        _pack_into(module, view, [w for w, _ in parts], interleave=gated)
         weights[name] = view
         offset += sizes[name]
         biases = [b for _, b in parts]

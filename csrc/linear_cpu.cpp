@@ -301,27 +301,31 @@ std::string linear_best_isa() {
 
 namespace {
 
-// panel p of `out` (at out + p * panel_stride) from rows 16p .. 16p + 16 of w: each row read
-// front to back, its values written 16 (or, bfloat16, 32) apart into the panel
-template <class T, bool kPairs>
-void pack_panels(const T* w, int64_t ldw, int64_t n, int64_t k, T* out, int64_t panel_stride,
+// The panel layout is a transpose: panel p is rows 16p .. 16p + 16 of W, [16][units] ->
+// [units][16], where a unit is one value (float32, float16) or, bfloat16, a pair of consecutive
+// k-steps read as one 32-bit unit. Units are moved 64 columns at a time, so that the block of
+// the panel they land in stays in L1; rows past N give zeros.
+using Unit32 = uint32_t __attribute__((may_alias, aligned(2)));  // two bfloat16 in a row
+using Unit16 = uint16_t __attribute__((may_alias));
+
+template <class U>
+void pack_panels(const U* w, int64_t ldw, int64_t n, int64_t units, U* out, int64_t panel_stride,
                  int64_t panels) {
-  const int64_t bytes = panels * kPanel * k * static_cast<int64_t>(sizeof(T)) * 2;
+  const int64_t bytes = panels * kPanel * units * static_cast<int64_t>(sizeof(U)) * 2;
 #pragma omp parallel for schedule(static) num_threads(team_size(bytes))
   for (int64_t p = 0; p < panels; ++p) {
-    T* dst = out + p * panel_stride;
-    for (int64_t f = 0; f < kPanel; ++f) {
-      T* col = dst + (kPairs ? 2 * f : f);  // feature f's value of k-step j: col[slot(j)]
-      const auto slot = [](int64_t j) {
-        return kPairs ? (j & ~int64_t{1}) * kPanel + (j & 1) : j * kPanel;
-      };
-      const int64_t row = p * kPanel + f;
-      if (row >= n) {  // past the last feature: zeros
-        for (int64_t j = 0; j < k; ++j) col[slot(j)] = T{};
-        continue;
+    U* dst = out + p * panel_stride;
+    for (int64_t j0 = 0; j0 < units; j0 += 64) {
+      const int64_t j1 = std::min(units, j0 + 64);
+      for (int64_t f = 0; f < kPanel; ++f) {
+        const int64_t row = p * kPanel + f;
+        if (row >= n) {
+          for (int64_t j = j0; j < j1; ++j) dst[j * kPanel + f] = U{};
+          continue;
+        }
+        const U* src = w + row * ldw;
+        for (int64_t j = j0; j < j1; ++j) dst[j * kPanel + f] = src[j];
       }
-      const T* src = w + row * ldw;
-      for (int64_t j = 0; j < k; ++j) col[slot(j)] = src[j];
     }
   }
 }
@@ -354,19 +358,22 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight,
     out = torch::empty({panels, k, kPanel}, weight.options());
   }
   if (panels == 0 || k == 0) return out;
-  const torch::Tensor w = weight.stride(1) == 1 ? weight : weight.contiguous();
-  const int64_t ldw = w.stride(0), stride = out.stride(0);
+  // rows of units: contiguous values, and bfloat16 rows an even number of values apart
+  const bool rows_ok = weight.stride(1) == 1 && (!pairs || weight.stride(0) % 2 == 0);
+  const torch::Tensor w = rows_ok ? weight : weight.contiguous();
+  const int64_t stride = out.stride(0);
+  TORCH_CHECK(!pairs || stride % 2 == 0,
+              "pack_linear_weight: a bfloat16 out's panels must lie an even number of values apart");
   if (dtype == torch::kFloat32)
-    pack_panels<float, false>(w.data_ptr<float>(), ldw, n, k, out.data_ptr<float>(), stride,
-                              panels);
+    pack_panels(reinterpret_cast<const Unit32*>(w.data_ptr<float>()), w.stride(0), n, k,
+                reinterpret_cast<Unit32*>(out.data_ptr<float>()), stride, panels);
   else if (pairs)
-    pack_panels<uint16_t, true>(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
-                                ldw, n, k, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-                                stride, panels);
+    pack_panels(reinterpret_cast<const Unit32*>(w.data_ptr<at::BFloat16>()), w.stride(0) / 2, n,
+                k / 2, reinterpret_cast<Unit32*>(out.data_ptr<at::BFloat16>()), stride / 2,
+                panels);
   else
-    pack_panels<uint16_t, false>(reinterpret_cast<const uint16_t*>(w.data_ptr<at::Half>()), ldw,
-                                 n, k, reinterpret_cast<uint16_t*>(out.data_ptr<at::Half>()),
-                                 stride, panels);
+    pack_panels(reinterpret_cast<const Unit16*>(w.data_ptr<at::Half>()), w.stride(0), n, k,
+                reinterpret_cast<Unit16*>(out.data_ptr<at::Half>()), stride, panels);
   return out;
 }
 

@@ -53,11 +53,13 @@
 #include <torch/extension.h>
 
 #include "cpu_threads.h"
+#include "trie_reduce_ops.h"
+#ifndef GF_TRIE_ONLY  // (-DGF_TRIE_ONLY: the trie op alone, genlm_fast/ops/sources.py)
 #include "decoder_cpu.h"
 #include "linear_cpu.h"
 #include "linear_rows_cpu.h"
-#include "trie_reduce_ops.h"
 #include "weight_watch.h"
+#endif
 
 #include <pybind11/stl.h>
 
@@ -103,6 +105,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Free the cached blocks that large CPU results are reused from");
   m.def("output_cache_sizes", &genlm_fast::output_cache_sizes,
         "Bytes of each cached result block, least recently returned first");
+#ifndef GF_TRIE_ONLY
   m.def("pack_linear_weight", &genlm_fast::cpu::pack_linear_weight,
         "A [N, K] weight as the panels linear_small_batch and the fused decoder read (into "
         "`out` when given)",
@@ -122,8 +125,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   {
     using genlm_fast::cpu::DecoderCPU;
     using genlm_fast::cpu::DecoderSpec;
-    // module_local: another build of these sources (the baseline one the tests load) can
-    // then register its own classes in the same process
+    // module_local: another build of these sources in the same process (a JIT build beside
+    // the prebuilt module) can then register its own classes
     pybind11::class_<DecoderSpec>(m, "DecoderSpec", "What a DecoderCPU computes besides weights",
                                  pybind11::module_local())
         .def(pybind11::init<>())
@@ -169,6 +172,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("decoder_supported", &genlm_fast::cpu::decoder_supported,
           "Whether this CPU runs DecoderCPU (AVX-512F)");
   }
+#endif
 #ifdef WITH_CUDA
   m.def("trie_reduce_cuda", &genlm_fast::trie_reduce_cuda,
         "Per-node sum/max/log_mass of a vocabulary trie (CUDA, tile decomposition)",

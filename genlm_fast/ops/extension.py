@@ -190,10 +190,12 @@ def summarize_error(exc: BaseException) -> str:
 
 def _jit_build(defines=()):
     """Compile the CPU kernels into the cache; ``defines`` (macro names) give a variant its
-    own module name and directory (tests build -DGF_BASELINE_ONLY this way)."""
+    own module name and directory (tests build -DGF_BASELINE_ONLY -DGF_TRIE_ONLY this way:
+    GF_TRIE_ONLY compiles the trie op's sources alone, `sources.TRIE_CPU_SOURCES`)."""
     from torch.utils import cpp_extension
 
-    sources = [os.path.join(csrc.CSRC, name) for name in csrc.CPU_SOURCES]
+    names = csrc.TRIE_CPU_SOURCES if "GF_TRIE_ONLY" in defines else csrc.CPU_SOURCES
+    sources = [os.path.join(csrc.CSRC, name) for name in names]
     missing = [s for s in sources if not os.path.exists(s)]
     if missing:
         raise RuntimeError(

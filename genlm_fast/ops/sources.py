@@ -28,6 +28,14 @@ CPU_SOURCES = (
     "trie_reduce_cpu_op.cpp",
     "weight_watch.cpp",
 )
+# -DGF_TRIE_ONLY: a module of the trie op alone (bindings.cpp leaves the others out), what the
+# tests' build of the trie kernels' baseline versions (-DGF_BASELINE_ONLY) compiles
+TRIE_CPU_SOURCES = (
+    "bindings.cpp",
+    "cpu_threads.cpp",
+    "trie_reduce_cpu.cpp",
+    "trie_reduce_cpu_op.cpp",
+)
 # added, with -DWITH_CUDA, by a CUDA build only
 CUDA_SOURCES = ("trie_reduce_cuda.cu", "trie_reduce_cuda_op.cpp")
 CXX_FLAGS = ("-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno")  # no -march: any x86-64

@@ -32,8 +32,9 @@
 //                   genlm_fast/backend/llm/decoder.py); decoder_supported() -> bool
 //   WeightWatch(params, dicts).changed() -> what was replaced or edited first (a dict of the
 //                   model's structure, or a parameter), or -1 (weight_watch.cpp)
-//   pack_linear_weight(weight, out=None) -> panels (written into out when given);  linear_small_batch(x, panels, bias, out_features,
-//                   isa="auto") -> x @ weight.T + bias;  linear_best_isa() -> "avx512" | ...
+//   pack_linear_weight(weight, out=None) -> panels (written into out when given);
+//                   linear_small_batch(x, panels, bias, out_features, isa="auto")
+//                   -> x @ weight.T + bias;  linear_best_isa() -> "avx512" | ...
 //                   the small-batch float32 linear layer of linear_cpu.cpp (AsyncTransformer's
 //                   decoding steps on the CPU: genlm_fast/backend/llm/cpu_linear.py)
 //   linear_rows(x, weight, bias, isa="auto") -> x @ weight.T + bias in float32, the weight

@@ -64,8 +64,9 @@ constexpr int64_t kChunk512 = 512;  // AVX-512: 16 lanes
 constexpr int64_t kTileFeatures512 = 8;  // with 1-2 rows of x; 4 with more
 constexpr int64_t kTileRows512 = 6;
 constexpr int64_t kBlockFeatures = 24;  // output features per thread work item
-// a tile's dot products: sums[f][r] for W row f, x row r (room for every ISA's tile)
-using TileSums = float[kTileFeatures512][kTileRows512];
+// an AVX2 (or plain) tile's dot products: sums[f][r] for W row f, x row r (AVX-512 keeps lane
+// sums in a per-thread buffer instead)
+using TileSums = float[kTileFeatures][kTileRows];
 
 // sums[f][r] = dot(W row f, x row r) over the chunk, for f < features, r < rows
 template <class W>
@@ -194,7 +195,7 @@ GF_AVX2 inline float reduce16(const float* p) {
 }
 
 // partial[f][r][0..16) (first: =, else +=) the lane sums of W row f times x row r over the
-// chunk, for f < F, r < R: the lanes are summed once, after the last chunk (reduce_partials)
+// chunk, for f < F, r < R: the lanes are summed once, after the last chunk (run)
 template <int R, int F, class W>
 GF_AVX512 void dot_tile_avx512(const float* x, int64_t ldx, int64_t kc, const W* w, int64_t ldw,
                                bool first, float* partial) {

@@ -76,14 +76,6 @@ constexpr int kSteps = 1;
 template <>
 constexpr int kSteps<BFloat16> = 2;
 
-// weight j of k-step k of a panel
-template <class W>
-inline float weight_at(const W* panel, int64_t k, int64_t j) {
-  return widen(panel[k * kPanel + j]);
-}
-inline float weight_at(const BFloat16* panel, int64_t k, int64_t j) {
-  return widen(panel[(k & ~int64_t{1}) * kPanel + 2 * j + (k & 1)]);
-}
 
 #if GF_X86_KERNELS
 // the kSteps<W> k-steps at p (k even for bfloat16), as float32: w[s] is k-step s's 16 weights
@@ -193,7 +185,7 @@ void group_baseline(int rows, const float* x, int64_t ldx, const W* panel, int64
       float block[kPanel] = {};
       for (int64_t k = b0; k < b1; ++k) {
         const float xv = x[r * ldx + k];
-        for (int64_t j = 0; j < kPanel; ++j) block[j] += xv * weight_at(panel, k, j);
+        for (int64_t j = 0; j < kPanel; ++j) block[j] += xv * panel_weight(panel, k, j);
       }
       for (int64_t j = 0; j < kPanel; ++j) acc[r * kPanel + j] += block[j];
     }
@@ -377,19 +369,56 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight,
   return out;
 }
 
+namespace {
+
+// y[:, p*16 ...] for every panel p: what linear_small_batch computes, for one weight type
+template <class W>
+void small_batch_panels(const float* xs, int64_t m, int64_t k, const W* ws, int64_t panel_stride,
+                        int64_t count, const float* bs, int64_t n, float* ys, bool avx512) {
+  const int64_t bytes = (count * k * kPanel * static_cast<int64_t>(sizeof(W))) + m * (k + n) * 4;
+#pragma omp parallel num_threads(team_size(bytes))
+  {
+    std::vector<float> acc(static_cast<size_t>(m * kPanel));
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < count; ++p) {
+      panel_dot(xs, k, m, k, ws + p * panel_stride, acc.data(), avx512);
+      const int64_t cols = std::min(kPanel, n - p * kPanel);
+      for (int64_t r = 0; r < m; ++r) {
+        float* out = ys + r * n + p * kPanel;
+        const float* a = acc.data() + r * kPanel;
+        if (bs)
+          for (int64_t j = 0; j < cols; ++j) out[j] = a[j] + bs[p * kPanel + j];
+        else
+          std::memcpy(out, a, static_cast<size_t>(cols) * sizeof(float));
+      }
+    }
+  }
+}
+
+}  // namespace
+
 torch::Tensor linear_small_batch(const torch::Tensor& x, const torch::Tensor& panels,
                                  const c10::optional<torch::Tensor>& bias, int64_t out_features,
                                  const std::string& isa_name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() &&
                   x.is_contiguous(),
               "linear_small_batch: x must be a contiguous 2-D float32 CPU tensor");
+  const c10::ScalarType dtype = panels.scalar_type();
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel &&
-                  panels.scalar_type() == torch::kFloat32 && panels.device().is_cpu() &&
-                  panels.is_contiguous(),
+                  (dtype == torch::kFloat32 || dtype == torch::kBFloat16 ||
+                   dtype == torch::kHalf) &&
+                  panels.device().is_cpu(),
               "linear_small_batch: panels must come from pack_linear_weight");
   const int64_t m = x.size(0), k = x.size(1), n = out_features, count = panels.size(0);
   TORCH_CHECK(panels.size(1) == k, "linear_small_batch: x has ", k,
               " features, the packed weight ", panels.size(1));
+  // each panel one contiguous [K, 16] block (the panels themselves any distance apart: every
+  // other panel of an interleaved store), a bfloat16 one starting on a pair
+  TORCH_CHECK((panels.stride(2) == 1 && panels.stride(1) == kPanel) || k <= 1,
+              "linear_small_batch: each panel must be a contiguous [K, 16] block");
+  TORCH_CHECK(dtype != torch::kBFloat16 ||
+                  (k % 2 == 0 && panels.stride(0) % 2 == 0 && panels.storage_offset() % 2 == 0),
+              "linear_small_batch: bfloat16 panels need an even K and pair-aligned panels");
   TORCH_CHECK(n > (count - 1) * kPanel && n <= count * kPanel, "linear_small_batch: ",
               out_features, " output features do not match ", count, " panels of ", kPanel);
   if (bias) {
@@ -405,28 +434,18 @@ torch::Tensor linear_small_batch(const torch::Tensor& x, const torch::Tensor& pa
   auto y = torch::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   const float* xs = x.data_ptr<float>();
-  const float* ws = panels.data_ptr<float>();
   const float* bs = bias ? bias->data_ptr<float>() : nullptr;
   float* ys = y.data_ptr<float>();
   const bool avx512 = isa == "avx512";
-
-#pragma omp parallel num_threads(team_size((count * k * kPanel + m * (k + n)) * 4))
-  {
-    std::vector<float> acc(static_cast<size_t>(m * kPanel));
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < count; ++p) {
-      panel_dot(xs, k, m, k, ws + p * k * kPanel, acc.data(), avx512);
-      const int64_t cols = std::min(kPanel, n - p * kPanel);
-      for (int64_t r = 0; r < m; ++r) {
-        float* out = ys + r * n + p * kPanel;
-        const float* a = acc.data() + r * kPanel;
-        if (bs)
-          for (int64_t j = 0; j < cols; ++j) out[j] = a[j] + bs[p * kPanel + j];
-        else
-          std::memcpy(out, a, static_cast<size_t>(cols) * sizeof(float));
-      }
-    }
-  }
+  const int64_t stride = panels.stride(0);
+  if (dtype == torch::kFloat32)
+    small_batch_panels(xs, m, k, panels.data_ptr<float>(), stride, count, bs, n, ys, avx512);
+  else if (dtype == torch::kBFloat16)
+    small_batch_panels(xs, m, k, reinterpret_cast<const BFloat16*>(panels.data_ptr<at::BFloat16>()),
+                       stride, count, bs, n, ys, avx512);
+  else
+    small_batch_panels(xs, m, k, reinterpret_cast<const Float16*>(panels.data_ptr<at::Half>()),
+                       stride, count, bs, n, ys, avx512);
   return y;
 }
 

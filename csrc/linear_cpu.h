@@ -34,6 +34,16 @@ inline float widen(Float16 w) {
   return static_cast<float>(c10::Half(w.bits, c10::Half::from_bits()));
 }
 
+// weight j (0 .. 15) of k-step k of a panel: bfloat16 panels hold their k-steps in pairs, each
+// pair one 32-bit unit ([K / 2][16][2]), the others one value per k-step ([K][16])
+template <class W>
+inline float panel_weight(const W* panel, int64_t k, int64_t j) {
+  return widen(panel[k * kPanel + j]);
+}
+inline float panel_weight(const BFloat16* panel, int64_t k, int64_t j) {
+  return widen(panel[(k & ~int64_t{1}) * kPanel + 2 * j + (k & 1)]);
+}
+
 // W [N, K] float32, bfloat16 or float16 -> panels [ceil(N / 16), K, 16] of its dtype (rows past
 // N zero; bfloat16 pairs its k-steps: linear_cpu.cpp), written into `out` when given (a tensor
 // of that shape and dtype whose panels may lie any distance apart, each [K, 16] contiguous:
@@ -41,7 +51,8 @@ inline float widen(Float16 w) {
 torch::Tensor pack_linear_weight(const torch::Tensor& weight,
                                  const c10::optional<torch::Tensor>& out);
 
-// x [M, K] @ W^T (+ bias) -> [M, N], W given as its panels; isa: auto, avx512, baseline
+// x [M, K] float32 @ W^T (+ bias) -> [M, N] float32, W given as its panels (pack_linear_weight's
+// layout and dtype, the panels any distance apart, as `out` there); isa: auto, avx512, baseline
 torch::Tensor linear_small_batch(const torch::Tensor& x, const torch::Tensor& panels,
                                  const c10::optional<torch::Tensor>& bias, int64_t out_features,
                                  const std::string& isa);

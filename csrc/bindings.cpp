@@ -147,6 +147,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("post_norms", &DecoderSpec::post_norms)
         .def_readwrite("learned_positions", &DecoderSpec::learned_positions)
         .def_readwrite("embed_scale", &DecoderSpec::embed_scale)
+        .def_readwrite("embed_from_head", &DecoderSpec::embed_from_head)
         .def_readwrite("attn_softcap", &DecoderSpec::attn_softcap)
         .def_readwrite("final_softcap", &DecoderSpec::final_softcap)
         .def_readwrite("scaling", &DecoderSpec::scaling)
@@ -169,7 +170,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                   genlm_fast::cpu::WeightWatch::DictItems>>>(),
              pybind11::arg("params"), pybind11::arg("dicts"))
         .def("changed", &genlm_fast::cpu::WeightWatch::changed,
-             "What changed first (dict i: i, parameter j: len(dicts) + j), or -1");
+             "What changed first (dict i: i, parameter j: len(dicts) + j), or -1")
+        .def("reads", &genlm_fast::cpu::WeightWatch::reads,
+             "The memory changed() reads: [(address, bytes)]");
     m.def("decoder_supported", &genlm_fast::cpu::decoder_supported,
           "Whether this CPU runs DecoderCPU (AVX-512F)");
   }

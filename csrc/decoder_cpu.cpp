@@ -535,9 +535,16 @@ GF_AVX512 void run_forward(const Fwd& f) {
     const W* embed = static_cast<const W*>(f.embed);
     const W* pos_embed = static_cast<const W*>(f.pos_embed);
     for (int64_t t = 0; t < T; ++t) {
-      const W* e = embed + f.tokens[t] * H;
       float* xr = x.data() + t * H;
-      for (int64_t i = 0; i < H; ++i) xr[i] = scale == 1.0f ? widen(e[i]) : widen(e[i]) * scale;
+      if (embed) {
+        const W* e = embed + f.tokens[t] * H;
+        for (int64_t i = 0; i < H; ++i) xr[i] = widen(e[i]);
+      } else {  // a tied embedding: the token's row of the head is column tok % 16 of a panel
+        const W* panel = static_cast<const W*>(f.head) + (f.tokens[t] / kPanel) * H * kPanel;
+        for (int64_t i = 0; i < H; ++i) xr[i] = panel_weight(panel, i, f.tokens[t] % kPanel);
+      }
+      if (scale != 1.0f)
+        for (int64_t i = 0; i < H; ++i) xr[i] *= scale;
       if (pos_embed) {
         const W* pe = pos_embed + f.positions[t] * H;
         for (int64_t i = 0; i < H; ++i) xr[i] += widen(pe[i]);
@@ -653,15 +660,26 @@ DecoderCPU::DecoderCPU(DecoderSpec spec, std::map<std::string, torch::Tensor> we
   const int64_t H = s.hidden, I = s.inter, hd = s.head_dim, Nq = s.heads * hd;
   const int64_t Nqkv = Nq + 2 * s.kv_heads * hd;
   auto panels = [](int64_t n) { return (n + kPanel - 1) / kPanel; };
-  auto emb = weights_.find("embed");
-  TORCH_CHECK(emb != weights_.end() && emb->second.dim() == 2 && emb->second.size(1) == H,
-              "DecoderCPU: 'embed' must be [vocab, hidden]");
+  // the weights' dtype: the embedding's, or, read from the head's panels, the head's
+  auto emb = weights_.find(s.embed_from_head ? "head" : "embed");
+  TORCH_CHECK(emb != weights_.end() && emb->second.dim() >= 2,
+              s.embed_from_head ? "DecoderCPU: the head's panels are missing"
+                                : "DecoderCPU: 'embed' must be [vocab, hidden]");
   weight_dtype_ = emb->second.scalar_type();
   TORCH_CHECK(weight_dtype_ == torch::kFloat32 || weight_dtype_ == torch::kBFloat16 ||
                   weight_dtype_ == torch::kHalf,
               "DecoderCPU: the weights must be float32, bfloat16 or float16, got ", weight_dtype_);
   const c10::ScalarType wt = weight_dtype_;
-  embed_ = get("embed", emb->second.sizes().vec(), wt);
+  if (s.embed_from_head) {
+    TORCH_CHECK(weights_.find("embed") == weights_.end(),
+                "DecoderCPU: an 'embed' weight is given but embed_from_head is set");
+    vocab_in_ = s.vocab;
+  } else {
+    TORCH_CHECK(emb->second.dim() == 2 && emb->second.size(1) == H,
+                "DecoderCPU: 'embed' must be [vocab, hidden]");
+    embed_ = get("embed", emb->second.sizes().vec(), wt);
+    vocab_in_ = emb->second.size(0);
+  }
   if (s.learned_positions) positions_ = get("pos_embed", {s.max_positions, H}, wt);
   final_norm_ = vector("final_norm", {H});
   final_norm_b_ = vector("final_norm_b", {H}, !s.layer_norm);
@@ -716,7 +734,7 @@ torch::Tensor DecoderCPU::forward(const torch::Tensor& tokens, const torch::Tens
   const int64_t* rs = row_start.data_ptr<int64_t>();
   const int64_t* run = runs.data_ptr<int64_t>();
   const int64_t* rus = run_start.data_ptr<int64_t>();
-  const int64_t vocab_in = weights_.at("embed").size(0);
+  const int64_t vocab_in = vocab_in_;
   TORCH_CHECK(rs[0] == 0 && rs[B] == T && rus[0] == 0 && rus[B] == runs.size(0),
               "DecoderCPU.forward: row_start / run_start do not cover the tokens / runs");
   for (int64_t b = 0; b < B; ++b) {

@@ -25,6 +25,8 @@ struct DecoderSpec {
   bool post_norms = false;     // norms of the attention and MLP outputs before the residual
   bool learned_positions = false;  // a position embedding added to the token's, no rotation
   double embed_scale = 1.0;
+  bool embed_from_head = false;  // the embedding is the LM head's weight (tied): its rows are
+                                 // read from the head's panels, no "embed" weight is given
   double attn_softcap = 0.0;   // 0: none, else scores = cap * tanh(scores / cap)
   double final_softcap = 0.0;  // likewise for the logits
   std::vector<double> scaling;         // per layer: the scores' factor
@@ -73,7 +75,9 @@ class DecoderCPU {
   std::map<std::string, torch::Tensor> weights_;
   c10::ScalarType weight_dtype_ = torch::kFloat32;  // of the embeddings and packed projections
   std::vector<Layer> layers_;
-  const void *embed_ = nullptr, *positions_ = nullptr, *head_ = nullptr;
+  const void *embed_ = nullptr, *positions_ = nullptr, *head_ = nullptr;  // (embed_: null when
+  // the head's panels hold the embedding)
+  int64_t vocab_in_ = 0;  // rows of the embedding
   const float *final_norm_ = nullptr, *final_norm_b_ = nullptr, *head_b_ = nullptr;
   int64_t weight_bytes_ = 0;
 };

@@ -88,5 +88,16 @@ int64_t WeightWatch::changed() const {
   return -1;
 }
 
+std::vector<std::pair<int64_t, int64_t>> WeightWatch::reads() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const Entry& e : entries_) {
+    const int64_t base = reinterpret_cast<int64_t>(e.data);
+    if (!e.whole.empty()) out.emplace_back(base, static_cast<int64_t>(e.whole.size()));
+    const int64_t size = e.tensor.element_size();
+    for (int64_t i : e.at) out.emplace_back(base + i * size, size);
+  }
+  return out;
+}
+
 }  // namespace cpu
 }  // namespace genlm_fast

@@ -31,6 +31,9 @@ class WeightWatch {
               std::vector<std::pair<pybind11::dict, DictItems>> dicts);
   // what changed first: dict i as i, parameter j as dicts + j; or -1
   int64_t changed() const;
+  // the memory changed() reads, as (address, bytes): the sampled entries and the tensors kept
+  // whole (pages that must stay mapped for the check to stay cheap: file_pages.release)
+  std::vector<std::pair<int64_t, int64_t>> reads() const;
 
  private:
   struct Entry {

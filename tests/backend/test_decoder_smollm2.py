@@ -156,3 +156,51 @@ async def test_bfloat16_smollm2_within_1e3_of_float64_of_its_weights():
                 r.append(int(want.argmax()))
     finally:
         lm.cleanup()
+
+
+def _resident_share(model):
+    """The share of the model's matrices' bytes whose pages are resident in this process."""
+    from genlm_fast.backend.llm.file_pages import resident_bytes
+
+    mats = {p.data_ptr(): p for p in model.parameters() if p.dim() == 2}.values()
+    return sum(resident_bytes(p) for p in mats) / sum(p.numel() * p.element_size() for p in mats)
+
+
+@pytest.mark.asyncio
+async def test_the_packed_copy_is_the_one_resident_copy(lm, ref64):
+    """Loaded in its own dtype, the model's weights are mapped from the checkpoint: once
+    packed, their pages go back to the file. A long prompt runs transformers' forward, whose
+    layers (and the tied embedding) read the panels, so the pages stay out; its answers and
+    the fused steps after it are float64's."""
+    assert _resident_share(lm.model) < 0.02
+    lm.clear_cache()
+    prompt = lm.tokenizer.encode(" ".join(TEXTS[::-1]) * 3)
+    assert len(prompt) > lm._forwards.fused.max_tokens
+    assert_within_1e3(await lm.next_token_logprobs(prompt), prompt, ref64)
+    ctx = prompt + [100]
+    assert_within_1e3(await lm.next_token_logprobs(ctx), ctx, ref64)
+    assert _resident_share(lm.model) < 0.02
+
+
+@pytest.mark.asyncio
+async def test_an_edit_of_mapped_weights_is_kept_and_packed():
+    """An in-place edit through ``.data`` (behind the version counter, as peft's merge
+    writes) of weights mapped from the file: the watch sees it and the decoder repacks, and
+    the edited pages, private copies now, are not given back (which would turn them into
+    the file's content again)."""
+    from transformers import AutoModelForCausalLM
+
+    lm = AsyncTransformer.from_name(smollm2_path())
+    try:
+        ctx = lm.tokenizer.encode(TEXTS[0])
+        before = lm.next_token_logprobs_uncached(ctx)  # (the output cache keeps no answer)
+        weight = lm.model.model.layers[3].mlp.down_proj.weight
+        weight.data.mul_(0.5)
+        after = await lm.next_token_logprobs(ctx)
+        ref = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
+        ref.model.layers[3].mlp.down_proj.weight.data.mul_(0.5)
+        assert torch.equal(weight, ref.model.layers[3].mlp.down_proj.weight)
+        assert_within_1e3(after, ctx, ref.double().eval())
+        assert (after - before).abs().max() > 1e-2  # the edit shows in the answers
+    finally:
+        lm.cleanup()

@@ -9,6 +9,11 @@ the projections on packed copies of the weights (q|k|v and gate|up packed togeth
 past keys and values read where `AsyncTransformer`'s `KVTrie` keeps them and the new ones
 written straight into the segments it will keep.
 
+The packed copy is the weights' one resident copy: the pages of the model's weights mapped
+from the checkpoint go back to the file as each is packed (`file_pages`), a tied embedding's
+rows are read from the head's panels, and transformers' layers read the panels too where its
+forward still runs (`panel_layers`, installed by `model_state.ModelState`).
+
 `decoder_spec.describe` says whether a model is one the decoder knows: its `FAMILIES`, float32,
 bfloat16 or float16 (the packed copies keep the model's dtype, so a 16-bit model streams half
 the bytes; the arithmetic is float32 either way, the same as on the model's float32 copy), on
@@ -35,7 +40,9 @@ from genlm_fast.backend.llm.decoder_spec import (
     Unsupported,
     describe,
 )
+from genlm_fast.backend.llm.file_pages import release
 from genlm_fast.backend.llm.memory import shortfall
+from genlm_fast.backend.llm.panel_layers import PanelSlice
 from genlm_fast.backend.llm.plan import Output, Row, row_ids
 
 __all__ = [
@@ -74,20 +81,26 @@ def _pack_into(module, out, weights, interleave=False):
     """Pack weights [N_i, K] into ``out`` [P, K, 16] (`_panel_shape`): stacked, the panels of
     each following the last's, or, ``interleave``, two of them panel by panel. Each weight is
     packed straight into its panels (a copy of the concatenation only where a weight's rows
-    do not end on a whole panel)."""
+    do not end on a whole panel). Returns where each weight lies (`PanelSlice`)."""
     weights = [w.detach().to(out.dtype) for w in weights]  # (as they are, where they match)
     if interleave:
         for i, w in enumerate(weights):
             module.pack_linear_weight(w, out[i::2])
-        return
+        return [PanelSlice(out[i::2], 0, int(w.shape[0])) for i, w in enumerate(weights)]
     if any(int(w.shape[0]) % 16 for w in weights[:-1]):
         module.pack_linear_weight(torch.cat(weights), out)
-        return
-    start = 0
+    else:
+        start = 0
+        for w in weights:
+            count = -(-int(w.shape[0]) // 16)
+            module.pack_linear_weight(w, out[start : start + count])
+            start += count
+    slices, row = [], 0
     for w in weights:
-        count = -(-int(w.shape[0]) // 16)
-        module.pack_linear_weight(w, out[start : start + count])
-        start += count
+        n = int(w.shape[0])
+        slices.append(PanelSlice(out[row // 16 : -(-(row + n) // 16)], row % 16, n))
+        row += n
+    return slices
 
 
 def _panel_shape(weights, interleave):
@@ -121,9 +134,15 @@ def huge_page_empty(numel, dtype=torch.float32):
 
 
 def _pack(arch: Architecture, module):
-    """The DecoderCPU built from ``arch``'s weights (copied: the model keeps its own)."""
+    """The DecoderCPU built from ``arch``'s weights, and where each layer's weight lies in its
+    panels [(module, PanelSlice)]: the linear layers', and a tied embedding's (the head's
+    weight: the decoder reads its rows from the head's panels too). The model keeps its
+    weights; the pages of them mapped from the checkpoint go back to the file as each is
+    packed (`file_pages`)."""
+    head = arch.linears["head"][0].weight
+    arch.spec.embed_from_head = _same_elements(arch.embed, head)
     spec = arch.spec.copy_to(module.DecoderSpec())
-    weights = {"embed": arch.embed.detach()}
+    weights = {} if arch.spec.embed_from_head else {"embed": arch.embed.detach()}
     if arch.pos_embed is not None:
         weights["pos_embed"] = arch.pos_embed.detach()
     for name, (w, one_plus) in arch.vectors.items():
@@ -133,27 +152,42 @@ def _pack(arch: Architecture, module):
     # system whole when the decoder goes (separate tensors of a few MB each would come from
     # the C heap, which keeps what it cannot hand back in whole pages), in huge pages
     shapes = {
-        name: _panel_shape([w for w, _ in parts], name.endswith("up") and arch.spec.gated)
+        name: _panel_shape([p.weight for p in parts], name.endswith("up") and arch.spec.gated)
         for name, parts in arch.linears.items()
     }
     sizes = {name: -(-math.prod(shape) // 16) * 16 for name, shape in shapes.items()}
     store = huge_page_empty(sum(sizes.values()), arch.embed.dtype)
-    offset = 0
+    offset, layers = 0, []
     for name, parts in arch.linears.items():
         gated = name.endswith("up") and arch.spec.gated
         view = store[offset : offset + math.prod(shapes[name])].view(shapes[name])
-        _pack_into(module, view, [w for w, _ in parts], interleave=gated)
+        slices = _pack_into(module, view, [p.weight for p in parts], interleave=gated)
+        layers.extend((p.module, where) for p, where in zip(parts, slices))
+        if name == "head" and arch.spec.embed_from_head:
+            layers.append((arch.embed_module, slices[0]))
+        release([p.weight for p in parts])
         weights[name] = view
         offset += sizes[name]
-        biases = [b for _, b in parts]
-        if any(b is not None for b in biases):
+        if any(p.bias is not None for p in parts):
             weights[name + "_b"] = torch.cat(
                 [
-                    b.detach().to(torch.float32) if b is not None else torch.zeros(w.shape[0])
-                    for (w, _), b in zip(parts, biases)
+                    p.bias.detach().to(torch.float32)
+                    if p.bias is not None
+                    else torch.zeros(p.weight.shape[0])
+                    for p in parts
                 ]
             ).contiguous()
-    return module.DecoderCPU(spec, weights)
+    release([arch.embed, arch.pos_embed])  # (rows read per token come back as they are read)
+    return module.DecoderCPU(spec, weights), layers
+
+
+def _same_elements(a, b) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
 
 
 class NoRoom(Unsupported):
@@ -178,7 +212,11 @@ class FusedDecoder:
         if why:
             raise Unsupported(why)
         arch = describe(model)
-        need = sum(w.numel() * w.element_size() for ws in arch.linears.values() for w, _ in ws)
+        need = sum(
+            p.weight.numel() * p.weight.element_size()
+            for parts in arch.linears.values()
+            for p in parts
+        )
         short = shortfall(need, "the fused decoder's packed copy of the weights")
         if short is not None:
             raise NoRoom(short)
@@ -189,7 +227,10 @@ class FusedDecoder:
         self.head_dim = arch.spec.head_dim
         self.max_positions = arch.spec.max_positions if arch.spec.learned_positions else None
         self._rotary = arch.rotary
-        self._impl = _pack(arch, module)
+        self._impl, self.panel_layers = _pack(arch, module)
+        # the model's tensors the packed copy was made from (`file_pages.release`)
+        self.sources = [p.weight for parts in arch.linears.values() for p in parts]
+        self.sources += [t for t in (arch.embed, arch.pos_embed) if t is not None]
 
     @property
     def weight_bytes(self) -> int:

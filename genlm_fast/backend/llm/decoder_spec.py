@@ -11,6 +11,7 @@ packs and runs what it returns.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import torch
 
@@ -18,6 +19,7 @@ __all__ = [
     "FAMILIES",
     "Architecture",
     "DecoderSpec",
+    "LinearPart",
     "Unsupported",
     "WEIGHT_DTYPES",
     "describe",
@@ -100,6 +102,7 @@ class DecoderSpec:
     attn_softcap: float  # 0: none, else scores = cap * tanh(scores / cap)
     final_softcap: float  # likewise for the logits
     embed_scale: float  # the embedding's factor (Gemma's sqrt(hidden))
+    embed_from_head: bool = False  # the embedding is the head's weight: read from its panels
     gated: bool = True  # act(gate) * up, else act(fc)
     max_positions: int = 0  # rows of the learned position table (``learned_positions``)
     eps: float | None = None  # the norms' epsilon
@@ -124,6 +127,14 @@ class DecoderSpec:
         return compiled
 
 
+class LinearPart(NamedTuple):
+    """One transformers layer's share of a packed product."""
+
+    weight: torch.Tensor  # [N, K] (a Conv1D's [K, N] weight seen transposed)
+    bias: torch.Tensor | None
+    module: torch.nn.Module  # the nn.Linear or Conv1D that computes it in transformers' forward
+
+
 @dataclass
 class Architecture:
     """A model as the fused decoder runs it: its `DecoderSpec` and the weights to pack
@@ -132,8 +143,9 @@ class Architecture:
     family: str  # a key of FAMILIES
     spec: DecoderSpec
     vectors: dict = field(default_factory=dict)  # name -> (tensor, scaled by 1 + weight)
-    linears: dict = field(default_factory=dict)  # name -> [(weight [N, K], bias or None)]
+    linears: dict = field(default_factory=dict)  # name -> [LinearPart], packed together
     embed: torch.Tensor | None = None
+    embed_module: torch.nn.Module | None = None  # the nn.Embedding (or subclass) holding it
     pos_embed: torch.Tensor | None = None
     rotary: torch.nn.Module | None = None
 
@@ -150,7 +162,7 @@ def _linear(module, what, out_features=None, in_features=None):
         in_features is not None and w.shape[1] != in_features
     ):
         raise Unsupported(f"{what} has shape {tuple(w.shape)}")
-    return w, module.bias
+    return LinearPart(w, module.bias, module)
 
 
 def _norm_eps(norm):
@@ -225,7 +237,7 @@ def _describe_llama_like(model, config, read, family, norm_cls):
     attn0 = read.module(layers, "0.self_attn")
     hd = int(attn0.head_dim)
     vocab = int(head.weight.shape[0])
-    head_w, head_b = _linear(head, "lm_head", in_features=H)
+    head_part = _linear(head, "lm_head", in_features=H)
     spec = DecoderSpec(
         layers=len(layers),
         hidden=H,
@@ -246,7 +258,11 @@ def _describe_llama_like(model, config, read, family, norm_cls):
     if hasattr(embed, "embed_scale"):
         spec.embed_scale = float(embed.embed_scale.to(torch.float32))
     arch = Architecture(
-        family, spec, embed=read.param(embed, "weight"), rotary=read.module(base, "rotary_emb")
+        family,
+        spec,
+        embed=read.param(embed, "weight"),
+        embed_module=embed,
+        rotary=read.module(base, "rotary_emb"),
     )
     one_plus = family in _ONE_PLUS_WEIGHT
 
@@ -262,7 +278,7 @@ def _describe_llama_like(model, config, read, family, norm_cls):
         arch.vectors[name] = (w, one_plus)
 
     norm(read.module(base, "norm"), "final_norm")
-    arch.linears["head"] = [(head_w, head_b)]
+    arch.linears["head"] = [head_part]
     for i, layer in enumerate(layers):
         p = f"{i}."
         attn, mlp = read.module(layer, "self_attn"), read.module(layer, "mlp")
@@ -287,7 +303,7 @@ def _describe_llama_like(model, config, read, family, norm_cls):
         ]
         arch.linears[p + "o"] = [_linear(read.module(attn, "o_proj"), "o_proj", H, nh * hd)]
         gate = _linear(read.module(mlp, "gate_proj"), "gate_proj", in_features=H)
-        inter = gate[0].shape[0]
+        inter = gate.weight.shape[0]
         if not spec.agree("inter", inter):
             raise Unsupported("its layers have different MLP sizes")
         arch.linears[p + "up"] = [gate, _linear(read.module(mlp, "up_proj"), "up_proj", inter, H)]
@@ -317,14 +333,14 @@ def _describe_gpt2(model, config, read, norm_cls):
     H = int(config.hidden_size)
     nh = int(config.num_attention_heads)
     hd = H // nh
-    head_w, head_b = _linear(head, "lm_head", in_features=H)
+    head_part = _linear(head, "lm_head", in_features=H)
     spec = DecoderSpec(
         layers=len(blocks),
         hidden=H,
         heads=nh,
         kv_heads=nh,
         head_dim=hd,
-        vocab=int(head_w.shape[0]),
+        vocab=int(head_part.weight.shape[0]),
         layer_norm=True,
         qk_norm=False,
         post_norms=False,
@@ -338,7 +354,11 @@ def _describe_gpt2(model, config, read, norm_cls):
         window=[],
     )
     arch = Architecture(
-        "gpt2", spec, embed=read.param(wte, "weight"), pos_embed=read.param(wpe, "weight")
+        "gpt2",
+        spec,
+        embed=read.param(wte, "weight"),
+        embed_module=wte,
+        pos_embed=read.param(wpe, "weight"),
     )
 
     def norm(module, name):
@@ -356,10 +376,10 @@ def _describe_gpt2(model, config, read, norm_cls):
         w, b = read.param(module, "weight"), read.param(module, "bias", optional=True)
         if w.shape != (k, n):
             raise Unsupported(f"{what} has shape {tuple(w.shape)}")
-        return w.t(), b  # as a Linear's [out, in]
+        return LinearPart(w.t(), b, module)  # as a Linear's [out, in]
 
     norm(read.module(base, "ln_f"), "final_norm")
-    arch.linears["head"] = [(head_w, head_b)]
+    arch.linears["head"] = [head_part]
     for i, block in enumerate(blocks):
         p = f"{i}."
         attn, mlp = read.module(block, "attn"), read.module(block, "mlp")

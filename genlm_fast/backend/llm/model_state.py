@@ -2,7 +2,8 @@
 
 Several AsyncTransformers may wrap one model (``sharing`` it in tests, one per adapter set,
 ...). What they derive from its weights is made once and owned here: the fused decoder's
-packed copies (`decoder.FusedDecoder`, or why there is none), the packed CPU linear layers of
+packed copies (`decoder.FusedDecoder`, or why there is none), which transformers' layers then
+read too (`panel_layers`), the packed CPU linear layers of
 transformers' forward (`cpu_linear`, counted: the last AsyncTransformer to close gives the
 model its own layers back), a 16-bit CPU model's float32 forward (`widen`) and the one
 `ModelWatch` that notices the weights changing. When
@@ -25,6 +26,8 @@ from genlm_fast.backend.llm.cpu_linear import (
     unpack_linear_layers,
 )
 from genlm_fast.backend.llm.decoder import FusedDecoder, NoRoom, Unsupported
+from genlm_fast.backend.llm.file_pages import release
+from genlm_fast.backend.llm.panel_layers import read_own_weights, read_panels
 from genlm_fast.backend.llm.widen import unwiden_forward, widen_forward
 from genlm_fast.ops import extension
 
@@ -79,6 +82,8 @@ class ModelState:
                 unpack_linear_layers(model)
         if self.users == 0 and _states.get(model) is self:
             del _states[model]
+            self.decoder = None
+            read_own_weights(model)  # (the packed copy goes with the decoder)
             unwiden_forward(model)  # (nothing to undo unless it was widened)
 
     def rebuild(self, model, forget=True):
@@ -87,12 +92,16 @@ class ModelState:
         through `AsyncTransformer`, which leaves the base model's answers as they were)."""
         self.stale = False
         self.decoder = None  # the old packed copies go before new ones are made
+        read_own_weights(model)
         # a 16-bit CPU model's transformers forward computes in float32, as the fused decoder
         # does: a context's answers do not depend on which of them ran it (widen.py); again
         # after each change, for the modules an adapter added
         widen_forward(model)
         try:
             self.decoder, self.reason = FusedDecoder(model), None
+            # transformers' forward (long prompts, adapters) reads the packed copy too: the
+            # pages of the model's weights it was packed from went back to their file
+            read_panels(self.decoder.panel_layers)
         except Unsupported as exc:
             self.reason = str(exc)
             if isinstance(exc, NoRoom):
@@ -102,6 +111,9 @@ class ModelState:
                     stacklevel=2,
                 )
         self.watch = ModelWatch(model)
+        if self.decoder is not None:
+            # what the watch's first look mapped again goes back, but for what it reads
+            release(self.decoder.sources, spare=self.watch.reads())
         if forget:
             drop_packed_copies(model)
             self.generation += 1
@@ -148,6 +160,17 @@ class ModelWatch:
             if self._impl is not None
             else [(p.data_ptr(), p.dtype, _version(p), _sample(p)) for p in self._tensors]
         )
+
+    def reads(self) -> list[tuple[int, int]]:
+        """The memory `changed` reads, as ``[(address, bytes)]`` (what must stay mapped for
+        it to stay cheap: `file_pages.release` spares it)."""
+        if self._impl is not None:
+            return self._impl.reads()
+        out = []
+        for p, (_, _, _, (at, _)) in zip(self._tensors, self._versions):
+            if at is not None:
+                out.extend((p.data_ptr() + int(i) * p.element_size(), p.element_size()) for i in at)
+        return out
 
     def changed(self) -> bool:
         if self._impl is not None:

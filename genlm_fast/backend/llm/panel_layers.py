@@ -1,0 +1,208 @@
+"""transformers' layers computing from the fused decoder's packed panels.
+
+The fused decoder packs every linear layer of the model into panels (`decoder.FusedDecoder`)
+and gives the pages of the weights it packed from back to their checkpoint file
+(`file_pages.release`), so that the model is resident once. transformers' own forward still
+runs where the fused one does not (a prompt longer than the fused forward takes, a forward
+with an adapter over the base layers): were its layers to read their weights, every page would
+come back. `read_panels` gives each packed layer a forward that reads its panels instead:
+
+* a linear layer (``nn.Linear``, GPT-2's ``Conv1D``): ``x @ W^T + b`` in float32 (the
+  contract of `widen`: the same arithmetic as the fused decoder's), up to `SMALL_ROWS` rows
+  with ``genlm_fast._C.linear_small_batch`` on the panels as they are, more rows (prompt
+  prefills) with BLAS on slices of ``W^T`` unpacked from the panels into float32 one at a
+  time (`SLICE_BYTES`);
+* an embedding tied to the LM head (the head's weight): each token's row is gathered from the
+  head's panels (a column of one panel), in the weight's dtype as ``nn.Embedding`` returns it.
+
+`read_own_weights` gives the layers their own forward back (the decoder is rebuilt or closed).
+
+The weights stay the model's parameters, and a read or an edit of them works as before (an
+edit is noticed by the model's weight watch, which packs again). What needs gradients, and a
+copy of the model (``copy.deepcopy``, pickling), computes from the weights themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from genlm_fast.backend.llm import widen
+
+__all__ = [
+    "PanelSlice",
+    "panel_product",
+    "panel_rows",
+    "read_panels",
+    "read_own_weights",
+    "reads_panels",
+]
+
+SMALL_ROWS = 48  # products of up to this many rows run linear_small_batch on the panels
+SLICE_BYTES = 16 << 20  # a larger product unpacks W^T in float32 slices of about this size
+PANEL = 16  # output features per panel
+
+
+@dataclass(frozen=True, eq=False)
+class PanelSlice:
+    """Where one layer's weight [N, K] lies in packed panels.
+
+    ``panels`` [P, K, 16] (a view of the decoder's store, in its layout and dtype: the panels
+    may lie any distance apart) holds output features ``start`` .. ``start + out_features``
+    of its P * 16, ``start`` < 16."""
+
+    panels: torch.Tensor
+    start: int
+    out_features: int
+
+    def __post_init__(self):
+        p, _, width = self.panels.shape
+        if width != PANEL or not 0 <= self.start < PANEL:
+            raise ValueError(f"not a slice of {PANEL}-wide panels: {tuple(self.panels.shape)}")
+        if -(-(self.start + self.out_features) // PANEL) != p:
+            raise ValueError(
+                f"{p} panels do not hold features {self.start}..{self.start + self.out_features}"
+            )
+
+    def __reduce__(self):
+        # a copy of the model (deepcopy, pickling) reads its own copy of the weights: the
+        # decoder's store is not copied along
+        return (_no_slice, ())
+
+
+def _no_slice():
+    return None
+
+
+@functools.cache
+def _small_batch_module():
+    """genlm_fast._C if it has linear_small_batch for 16-bit panels, else None."""
+    from genlm_fast.ops import extension
+
+    module = extension.load_module()
+    return module if module is not None and hasattr(module, "linear_small_batch") else None
+
+
+def _unpacked(panels: torch.Tensor) -> torch.Tensor:
+    """``W^T`` [K, 16 P] in float32 from P panels [P, K, 16] (a bfloat16 panel keeps its
+    k-steps in pairs: [K / 2, 16, 2])."""
+    p, k, _ = panels.shape
+    if panels.dtype == torch.bfloat16:
+        pairs = panels.as_strided(
+            (p, k // 2, PANEL, 2), (panels.stride(0), 2 * PANEL, 2, 1), panels.storage_offset()
+        )
+        return pairs.permute(1, 3, 0, 2).reshape(k, PANEL * p).float()
+    return panels.permute(1, 0, 2).reshape(k, PANEL * p).float()
+
+
+def panel_product(x: torch.Tensor, where: PanelSlice, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T + bias`` in float32, W read from ``where``: x ``[..., K]`` (widened if 16-bit),
+    the result ``[..., N]``."""
+    x = x.float()
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k).contiguous()
+    rows, n, start = x2.shape[0], where.out_features, where.start
+    module = _small_batch_module()
+    if module is not None and rows <= SMALL_ROWS:
+        out = module.linear_small_batch(x2, where.panels, None, start + n)
+        if start:
+            out = out[:, start:].contiguous()
+    else:
+        out = torch.empty((rows, n), dtype=torch.float32)
+        step = max(1, SLICE_BYTES // (4 * PANEL * max(1, k)))
+        count = where.panels.shape[0]
+        for a in range(0, count, step):
+            b = min(count, a + step)
+            lo, hi = max(PANEL * a, start), min(PANEL * b, start + n)
+            wt = _unpacked(where.panels[a:b])[:, lo - PANEL * a : hi - PANEL * a]
+            torch.matmul(x2, wt, out=out[:, lo - start : hi - start])
+    if bias is not None:
+        out += bias.detach().float()
+    return out.view(*lead, n)
+
+
+def panel_rows(ids: torch.Tensor, where: PanelSlice) -> torch.Tensor:
+    """Rows ``ids`` of W from ``where``, in the panels' dtype: ``[*ids.shape, K]``.
+
+    Raises:
+        IndexError: an id outside ``0 .. N - 1``.
+    """
+    n = where.out_features
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        raise IndexError(f"index out of range: ids must lie in 0..{n - 1}")
+    at = ids.long() + where.start
+    panel, column = at // PANEL, at % PANEL
+    p, k, _ = where.panels.shape
+    if where.panels.dtype == torch.bfloat16:
+        pairs = where.panels.as_strided(
+            (p, k // 2, PANEL, 2),
+            (where.panels.stride(0), 2 * PANEL, 2, 1),
+            where.panels.storage_offset(),
+        )
+        return pairs[panel, :, column, :].reshape(*ids.shape, k)
+    return where.panels[panel, :, column]
+
+
+def _is_conv1d(module) -> bool:
+    return type(module).__name__ == "Conv1D"
+
+
+def _panel_forward(module, where, x):
+    """A packed layer's forward (module docstring)."""
+    weight = module.weight
+    if (
+        where is None
+        or x.device.type != "cpu"
+        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        return _own_forward(module, x)
+    return panel_product(x, where, module.bias)
+
+
+def _own_forward(module, x):
+    """The layer's forward from its weights: `widen`'s for a 16-bit weight, else its own."""
+    if module.weight.dtype in (torch.bfloat16, torch.float16):
+        if _is_conv1d(module):
+            return widen.product(x, module.weight.t(), module.bias)
+        return widen.product(x, module.weight, module.bias)
+    if _is_conv1d(module):
+        return type(module).forward(module, x)
+    return F.linear(x, module.weight, module.bias)
+
+
+def _panel_embedding_forward(module, where, ids):
+    """A tied embedding's forward (module docstring)."""
+    if where is None or ids.device.type != "cpu" or torch.is_grad_enabled():
+        return type(module).forward(module, ids)
+    rows = panel_rows(ids, where)
+    scale = getattr(module, "embed_scale", None)  # (Gemma's scaled embedding)
+    return rows if scale is None else rows * torch.as_tensor(scale).to(rows.dtype)
+
+
+_FORWARDS = (_panel_forward, _panel_embedding_forward)
+
+
+def read_panels(layers) -> None:
+    """Give each ``(module, PanelSlice)`` of ``layers`` the forward that reads its panels (an
+    embedding that renormalizes its rows, ``max_norm``, keeps its own)."""
+    for module, where in layers:
+        if isinstance(module, torch.nn.Embedding):
+            if module.max_norm is None:
+                module.forward = functools.partial(_panel_embedding_forward, module, where)
+        else:
+            module.forward = functools.partial(_panel_forward, module, where)
+
+
+def reads_panels(module) -> bool:
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func in _FORWARDS
+
+
+def read_own_weights(model: torch.nn.Module) -> None:
+    """Take the panel-reading forwards off ``model``'s layers (`read_panels`)."""
+    for module in model.modules():
+        if reads_panels(module):
+            del module.__dict__["forward"]

@@ -113,6 +113,7 @@ def _child(library, path, dtype_name, decode_rounds, beam_bytes):
     weights = {id(p): p for p in lm.model.parameters()}.values()
     return {
         "library": library,
+        "forward": getattr(lm, "forward_path", "transformers"),  # (genlm-backend's: its own)
         "load_s": loaded - start,
         "first_answer_s": answered - start,
         "decode_s": decoded - answered,
@@ -170,7 +171,10 @@ def table(model, dtype_name, runs, rounds, beam_bytes):
             f"| {lib} | {r['load_s']:.1f} | {r['first_answer_s']:.1f} | {r['decode_s']:.1f} "
             f"| {r['beam_s']:.1f} | {w / gb:.2f} | {base / gb:.2f} | {' | '.join(held)} |"
         )
+    forwards = ", ".join(f"{lib}: {r.get('forward', '?')}" for lib, r in best.items())
     lines += [
+        "",
+        f"Forward path: {forwards}.",
         "",
         "(x: what the process holds beyond its runtime, the interpreter and libraries imported "
         "before loading (the model's and tokenizer's transformers code included), in units of "

@@ -31,12 +31,14 @@
 //                   a few new tokens per row in one call (decoder_cpu.cpp; the Python side:
 //                   genlm_fast/backend/llm/decoder.py); decoder_supported() -> bool
 //   WeightWatch(params, dicts).changed() -> what was replaced or edited first (a dict of the
-//                   model's structure, or a parameter), or -1 (weight_watch.cpp)
+//                   model's structure, or a parameter), or -1; .reads() -> [(address, bytes)]
+//                   it reads (weight_watch.cpp)
 //   pack_linear_weight(weight, out=None) -> panels (written into out when given);
 //                   linear_small_batch(x, panels, bias, out_features, isa="auto")
-//                   -> x @ weight.T + bias;  linear_best_isa() -> "avx512" | ...
-//                   the small-batch float32 linear layer of linear_cpu.cpp (AsyncTransformer's
-//                   decoding steps on the CPU: genlm_fast/backend/llm/cpu_linear.py)
+//                   -> x @ weight.T + bias in float32, the panels float32/bfloat16/float16;
+//                   linear_best_isa() -> "avx512" | ...  the small-batch linear layer of
+//                   linear_cpu.cpp (a float32 model's packed layers: cpu_linear.py; transformers'
+//                   layers over the fused decoder's panels: panel_layers.py)
 //   linear_rows(x, weight, bias, isa="auto") -> x @ weight.T + bias in float32, the weight
 //                   float32/bfloat16/float16 read in place (linear_rows_cpu.cpp: a 16-bit
 //                   model's transformers forward in float32, genlm_fast/backend/llm/widen.py);

@@ -205,6 +205,11 @@ class FusedDecoder:
         Unsupported: the model is not one the decoder runs.
         NoRoom: its packed copy of the weights would not fit in the memory this process
             may still take (`memory.shortfall`).
+
+    Attributes:
+        panel_layers: ``[(module, PanelSlice)]``, where each packed layer's weight lies in
+            the panels (`panel_layers.read_panels` makes transformers' layers read them).
+        sources: the model's tensors the panels were made from (`file_pages.release`).
     """
 
     def __init__(self, model):
@@ -228,7 +233,6 @@ class FusedDecoder:
         self.max_positions = arch.spec.max_positions if arch.spec.learned_positions else None
         self._rotary = arch.rotary
         self._impl, self.panel_layers = _pack(arch, module)
-        # the model's tensors the packed copy was made from (`file_pages.release`)
         self.sources = [p.weight for parts in arch.linears.values() for p in parts]
         self.sources += [t for t in (arch.embed, arch.pos_embed) if t is not None]
 

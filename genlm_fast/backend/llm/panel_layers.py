@@ -86,15 +86,20 @@ def _small_batch_module():
     return module if module is not None and hasattr(module, "linear_small_batch") else None
 
 
+def _pairs(panels: torch.Tensor) -> torch.Tensor:
+    """Bfloat16 panels [P, K, 16] as they are laid out: their k-steps in pairs, [P, K / 2, 16,
+    2] (`pack_linear_weight`)."""
+    p, k, _ = panels.shape
+    return panels.as_strided(
+        (p, k // 2, PANEL, 2), (panels.stride(0), 2 * PANEL, 2, 1), panels.storage_offset()
+    )
+
+
 def _unpacked(panels: torch.Tensor) -> torch.Tensor:
-    """``W^T`` [K, 16 P] in float32 from P panels [P, K, 16] (a bfloat16 panel keeps its
-    k-steps in pairs: [K / 2, 16, 2])."""
+    """``W^T`` [K, 16 P] in float32 from P panels [P, K, 16]."""
     p, k, _ = panels.shape
     if panels.dtype == torch.bfloat16:
-        pairs = panels.as_strided(
-            (p, k // 2, PANEL, 2), (panels.stride(0), 2 * PANEL, 2, 1), panels.storage_offset()
-        )
-        return pairs.permute(1, 3, 0, 2).reshape(k, PANEL * p).float()
+        return _pairs(panels).permute(1, 3, 0, 2).reshape(k, PANEL * p).float()
     return panels.permute(1, 0, 2).reshape(k, PANEL * p).float()
 
 
@@ -135,14 +140,9 @@ def panel_rows(ids: torch.Tensor, where: PanelSlice) -> torch.Tensor:
         raise IndexError(f"index out of range: ids must lie in 0..{n - 1}")
     at = ids.long() + where.start
     panel, column = at // PANEL, at % PANEL
-    p, k, _ = where.panels.shape
     if where.panels.dtype == torch.bfloat16:
-        pairs = where.panels.as_strided(
-            (p, k // 2, PANEL, 2),
-            (where.panels.stride(0), 2 * PANEL, 2, 1),
-            where.panels.storage_offset(),
-        )
-        return pairs[panel, :, column, :].reshape(*ids.shape, k)
+        k = where.panels.shape[1]
+        return _pairs(where.panels)[panel, :, column, :].reshape(*ids.shape, k)
     return where.panels[panel, :, column]
 
 

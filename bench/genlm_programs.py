@@ -74,8 +74,9 @@ def _lm_counter(llm):
     return lambda: tuple(counts)
 
 
-def worker(impl: str) -> None:
-    """Serve the driver (`bench.workers.serve`): first what was loaded (``{"ready",
+def worker(impl: str, model_path: str | None = None) -> None:
+    """Serve the driver (`bench.workers.serve`) with the model at ``model_path`` (None:
+    SmolLM2): first what was loaded (``{"ready",
     "load_seconds", "lm"}``), then for each request ``{"program", "seed", "profile"}`` the
     reply ``{"seconds", "outcome", "lm_calls", "lm_rows", "violations", "profile"}``."""
     import asyncio
@@ -91,7 +92,7 @@ def worker(impl: str) -> None:
 
     def load():
         start = time.perf_counter()
-        llm = loaded["llm"] = programs.load_lm()
+        llm = loaded["llm"] = programs.load_lm(model_path)
         module = type(llm).__module__
         expected = "genlm_fast." if impl == "genlm_fast" else "genlm.backend."
         if not module.startswith(expected):
@@ -146,12 +147,17 @@ class Workers:
     ``workers.run(impl, program, seed)`` runs a program there and returns the reply
     (raising RuntimeError with the worker's traceback if the program failed)."""
 
-    def __init__(self, impls=IMPLS):
+    def __init__(self, impls=IMPLS, model_path=None):
         self.procs = {}
         self.info = {}
+        args = () if model_path is None else ("--model-path", model_path)
         for impl in impls:  # loading together: it is not timed
             self.procs[impl] = Worker(
-                "bench.genlm_programs", impl, child_env(), python_args=("-W", "ignore")
+                "bench.genlm_programs",
+                impl,
+                child_env(),
+                python_args=("-W", "ignore"),
+                args=args,
             )
         for impl in impls:
             self.info[impl] = self.procs[impl].receive("loading the model")
@@ -355,18 +361,32 @@ def main(argv=None) -> int:
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     parser.add_argument("--out", help="write the report here (and the plot beside it)")
+    parser.add_argument(
+        "--model",
+        choices=("smollm2", "llama3.2-1b"),
+        default="smollm2",
+        help="SmolLM2-135M (float32), or the seeded Llama-3.2-1B architecture (bfloat16, as "
+        "dtype='auto' loads it)",
+    )
+    parser.add_argument("--model-path", help=argparse.SUPPRESS)  # (the workers')
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker)
+        worker(args.worker, args.model_path)
         return 0
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    with Workers(args.impls) as workers:
+    path = None
+    if args.model != "smollm2":
+        from genlm_fast.models import llama3_path
+
+        path = llama3_path(args.model, quiet=True)
+    with Workers(args.impls, path) as workers:
         log(f"workers ready: {workers.info}")
         results = run_rounds(workers, args.programs, args.rounds, args.seed, log)
         profiles = None if args.no_profile else profile(workers, args.programs, args.seed)
     rows = summary(results)
     info = machine()
     info["rounds"] = args.rounds
+    info["model"] = args.model
     text = report(rows, profiles, info, command_line("bench.genlm_programs", argv))
     if write_report(text, args.out) and len(args.impls) == len(IMPLS):
         plot(rows, os.path.splitext(args.out)[0] + ".png")

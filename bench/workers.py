@@ -72,13 +72,14 @@ class Worker:
         log (file, optional): where its stderr goes (then quoted when it exits early);
             by default the driver's own stderr.
         python_args (list[str]): interpreter options before ``-m``.
+        args (list[str]): the module's options after ``--worker <name>``.
     """
 
-    def __init__(self, module, name, env, log=None, python_args=()):
+    def __init__(self, module, name, env, log=None, python_args=(), args=()):
         self.name = name
         self.log = log
         self.proc = subprocess.Popen(
-            [sys.executable, *python_args, "-m", module, "--worker", name],
+            [sys.executable, *python_args, "-m", module, "--worker", name, *args],
             cwd=REPO,
             env=env,
             stdin=subprocess.PIPE,

@@ -68,8 +68,16 @@ BOOK_SCHEMA = {
         },
     },
 }
-# SmolLM2-Instruct's end-of-turn and end-of-text tokens (the README's Llama 3.2 has its own)
-CHAT_EOS = [b"<|im_end|>", b"<|endoftext|>"]
+# end-of-turn and end-of-text tokens: SmolLM2-Instruct's, Llama 3's (the README's model); a
+# program takes those its LM's vocabulary has (`end_tokens`)
+CHAT_EOS = [b"<|im_end|>", b"<|endoftext|>", b"<|eot_id|>", b"<|end_of_text|>"]
+TEXT_EOS = [b"<|endoftext|>", b"<|end_of_text|>"]  # end of text only (the byte beam's)
+
+
+def end_tokens(llm, candidates=CHAT_EOS) -> list[bytes]:
+    """Those of ``candidates`` that are tokens of ``llm``'s vocabulary."""
+    vocab = {bytes(getattr(token, "byte_string", token)) for token in llm.byte_vocab}
+    return [t for t in candidates if t in vocab]
 
 
 @dataclasses.dataclass
@@ -218,23 +226,29 @@ async def json_schema(llm, seed):
     and end-of-turn tokens in place of Llama 3.2's)."""
     from genlm.control import AWRS, JsonSchema, PromptedLLM
 
-    plm = PromptedLLM(llm, eos_byte_strings=CHAT_EOS, temperature=0.8)
-    plm.prompt_ids = plm.model.tokenizer.apply_chat_template(
-        conversation=[
-            {
-                "role": "system",
-                "content": "You need to generate a JSON object that matches "
-                "the schema below. Only generate the JSON object on a single line with no "
-                "other text.",
-            },
-            {"role": "user", "content": json.dumps(PERSON_SCHEMA)},
-            {"role": "assistant", "content": '{"name": "Alice", "age": 30}'},
-            {"role": "user", "content": json.dumps(BOOK_SCHEMA)},
-        ],
-        tokenize=True,
-        add_generation_prompt=True,
-        return_dict=False,
-    )
+    plm = PromptedLLM(llm, eos_byte_strings=end_tokens(llm), temperature=0.8)
+    conversation = [
+        {
+            "role": "system",
+            "content": "You need to generate a JSON object that matches "
+            "the schema below. Only generate the JSON object on a single line with no "
+            "other text.",
+        },
+        {"role": "user", "content": json.dumps(PERSON_SCHEMA)},
+        {"role": "assistant", "content": '{"name": "Alice", "age": 30}'},
+        {"role": "user", "content": json.dumps(BOOK_SCHEMA)},
+    ]
+    tokenizer = plm.model.tokenizer
+    if getattr(tokenizer, "chat_template", None):
+        plm.prompt_ids = tokenizer.apply_chat_template(
+            conversation=conversation,
+            tokenize=True,
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+    else:  # a tokenizer without a chat template: the turns as plain lines
+        text = "".join(f"{turn['role']}: {turn['content']}\n" for turn in conversation)
+        plm.prompt_ids = tokenizer.encode(text + "assistant: ")
     schema_potential = JsonSchema(BOOK_SCHEMA)
     coerced_schema = schema_potential.coerce(plm, f=b"".join)
     token_sampler = AWRS(plm, coerced_schema, seed=seed)
@@ -246,17 +260,17 @@ async def json_schema(llm, seed):
     return await _scored(outcome, plm, plm.tokenize('{"title": "'))
 
 
-def _beam_params():
+def _beam_params(llm):
     from genlm.bytes import BeamParams
 
-    return BeamParams(K=5, eos_byte_strings=[b"<|endoftext|>"], heal=True)
+    return BeamParams(K=5, eos_byte_strings=end_tokens(llm, TEXT_EOS), heal=True)
 
 
 async def bytellm_prefix(llm, seed):
     """``ByteLLM``'s docstring: the log probability of the bytes " world" after "Hello"."""
     from genlm.control import ByteLLM
 
-    async with ByteLLM(llm, _beam_params()) as byte_llm:
+    async with ByteLLM(llm, _beam_params(llm)) as byte_llm:
         byte_llm.set_prompt_from_str("Hello")
         logp = await byte_llm.prefix([b" ", b"w", b"o", b"r", b"l", b"d"])
     return Outcome(scores={"prefix": float(logp)})
@@ -267,7 +281,7 @@ async def bytellm_awrs(llm, seed):
     getting-started regular expression."""
     from genlm.control import AWRS, BoolFSA, ByteLLM
 
-    async with ByteLLM(llm, _beam_params()) as byte_llm:
+    async with ByteLLM(llm, _beam_params(llm)) as byte_llm:
         byte_llm.set_prompt_from_str(PROMPT_MTL)
         best_fsa = BoolFSA.from_regex(BEST_REGEX)
         coerced_fsa = best_fsa.coerce(byte_llm, f=b"".join)

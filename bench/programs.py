@@ -317,10 +317,11 @@ async def run_program(name: str, llm, seed: int = 0) -> Outcome:
 
 
 def violations(outcome: Outcome) -> list[str]:
-    """Why particles of ``outcome`` break its constraint (empty when none does): a particle
-    with a finite weight must satisfy it whole; any particle must spell a prefix of a
-    match. Checked with the ``regex`` package and ``json`` / ``jsonschema``, not with
-    genlm-control's potentials."""
+    """Why particles of ``outcome`` break its constraint (empty when none does): a live
+    particle (a finite weight) must spell a prefix of a match, and satisfy it whole where it
+    ended. A dead one (weight -inf) is not checked: it holds whatever token its sampler drew
+    when it rejected them all (AWRS). Checked with the ``regex`` package and ``json`` /
+    ``jsonschema``, not with genlm-control's potentials."""
     import math
 
     problems = []
@@ -328,23 +329,23 @@ def violations(outcome: Outcome) -> list[str]:
         return problems
     kind, spec = outcome.constraint
     for text, log_weight in outcome.particles:
-        alive = math.isfinite(log_weight)
+        if not math.isfinite(log_weight):
+            continue
         if kind == "regex":
             import regex
 
             try:
                 string = text.decode("utf-8")
             except UnicodeDecodeError:
-                if alive:
-                    problems.append(f"{text!r}: not UTF-8")
+                problems.append(f"{text!r}: not UTF-8")
                 continue
             if not regex.fullmatch(spec, string, partial=True):
                 problems.append(f"{text!r}: not a prefix of a match of {spec!r}")
-            elif alive and not regex.fullmatch(spec, string):
+            elif not regex.fullmatch(spec, string):
                 problems.append(
                     f"{text!r}: finished with weight {log_weight} but does not match {spec!r}"
                 )
-        elif kind == "json" and alive:
+        elif kind == "json":
             import jsonschema
 
             try:

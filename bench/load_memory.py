@@ -15,7 +15,10 @@ against the bytes of the model's weights. ``--libraries genlm_fast`` leaves genl
 (its bfloat16 decoding is slow at 8 B: a load-only run of it, ``--decode-rounds 0
 --beam-bytes 0``, still gives its memory). Runs alternate between the libraries, round by
 round, so that both see the same machine; the best round of each is reported (the page cache
-holds the checkpoint after the first load: both read it from memory).
+holds the checkpoint after the first load: both read it from memory). Memory is counted
+beyond the runtime: what the process holds before loading, transformers' code for the model
+and its tokenizer included (imported first, its time counted in loading). The report names
+each library's forward path.
 """
 
 from __future__ import annotations

@@ -15,12 +15,14 @@
 // [2], K even): one 64-byte load is two k-steps, widened by a shift (the first) and a mask
 // (the second), where [K][16] would take two loads and a zero-extension each.
 //
-// Kernel: each thread takes whole panels. A panel is walked in chunks of kChunk values of k;
-// for each chunk, every group of up to R rows keeps its 16 output columns in registers (one
-// 512-bit register per row), and each 16-float load of W feeds one FMA per row with x[m, k]
-// broadcast. The first group reads the chunk from memory (prefetched 4 KB ahead); the other
-// groups find it in L1, so W leaves memory once whatever M is. Partial sums cross chunks
-// through a small per-thread buffer.
+// Kernel: each thread takes whole panels, two at a time (panel_dot2; a last odd panel alone:
+// panel_dot). A panel is walked in chunks of k; for each chunk, every group of up to R rows
+// keeps its 16 output columns in registers (one 512-bit register per row and panel), and each
+// 16-float load of W feeds one FMA per row with x[m, k] broadcast (a broadcast feeds both
+// panels of a pair). The first group reads the chunk from memory (the next one prefetched);
+// the other groups find it in L1, so W leaves memory once whatever M is. Partial sums cross
+// chunks through a small per-thread buffer. Larger products (prompts) are cut into blocks of
+// rows by the caller, so that a block of x stays in L2 (panel_layers.py).
 //
 // Numerics: float32 products summed in float32, in blocks of kSumBlock values of k; each
 // block starts from zero and its sum is added to the buffer. One running sum over all of K
@@ -29,7 +31,8 @@
 // further from float64 than with torch's own layers. Blocks bring that to K / kSumBlock +
 // kSumBlock additions per output, at one load, add and store per row and block.
 //
-// ISAs: AVX-512F (R = 24: 24 accumulators, W and a broadcast in 32 registers) and a plain loop
+// ISAs: AVX-512F (R = 12 rows of two panels, or 8 of one: 24 or 8 accumulators beside W and
+// a broadcast in 32 registers; more rows spill) and a plain loop
 // (any CPU; the layout's reference, for tests: AVX2 versions of this kernel were no faster
 // than oneDNN at 16 rows, so cpu_linear.py runs oneDNN on CPUs without AVX-512). Both give
 // the same numbers up to float32 rounding of the FMA (fused or not).
@@ -197,7 +200,7 @@ template <class W>
 using PairFn = void (*)(const float*, int64_t, const W*, const W*, int64_t, int64_t, bool, float*,
                         float*, const W*, const W*, int64_t, int64_t);
 
-// kernel tables: entry rows - 1 handles a group of exactly `rows` rows (1 to 24 for one panel,
+// kernel tables: entry rows - 1 handles a group of exactly `rows` rows (1 to 8 for one panel,
 // 1 to 12 for two)
 #if GF_X86_KERNELS
 template <class W, size_t... R>
@@ -209,7 +212,7 @@ constexpr std::array<PairFn<W>, sizeof...(R)> pair_table(std::index_sequence<R..
   return {pair_avx512<W, R + 1>...};
 }
 template <class W>
-constexpr auto kAvx512 = group_table<W>(std::make_index_sequence<24>());
+constexpr auto kAvx512 = group_table<W>(std::make_index_sequence<8>());
 template <class W>
 constexpr auto kPairAvx512 = pair_table<W>(std::make_index_sequence<12>());
 #endif
@@ -219,14 +222,14 @@ constexpr auto kPairAvx512 = pair_table<W>(std::make_index_sequence<12>());
 template <class W>
 void panel_dot(const float* x, int64_t ldx, int64_t m, int64_t k, const W* panel, float* acc,
                bool avx512) {
-  int max_rows = 8;
+  constexpr int max_rows = 8;
   const GroupFn<W>* table = nullptr;
 #if GF_X86_KERNELS
-  if (avx512) max_rows = 24, table = kAvx512<W>.data();
+  if (avx512) table = kAvx512<W>.data();
 #else
   (void)avx512;
 #endif
-  // groups of (nearly) equal size: 25 rows are 13 + 12, not 24 + 1
+  // groups of (nearly) equal size: 9 rows are 5 + 4, not 8 + 1
   const int64_t groups = (m + max_rows - 1) / max_rows;
   for (int64_t k0 = 0;; k0 += kChunk) {  // at least once: K = 0 gives zeros
     const int64_t k1 = std::min(k, k0 + kChunk);
@@ -376,20 +379,40 @@ template <class W>
 void small_batch_panels(const float* xs, int64_t m, int64_t k, const W* ws, int64_t panel_stride,
                         int64_t count, const float* bs, int64_t n, float* ys, bool avx512) {
   const int64_t bytes = (count * k * kPanel * static_cast<int64_t>(sizeof(W))) + m * (k + n) * 4;
+  // panel p's sums (acc) into columns p * 16 .. of y, plus the bias
+  auto store = [&](int64_t p, const float* acc) {
+    const int64_t cols = std::min(kPanel, n - p * kPanel);
+    for (int64_t r = 0; r < m; ++r) {
+      float* out = ys + r * n + p * kPanel;
+      const float* a = acc + r * kPanel;
+      if (bs)
+        for (int64_t j = 0; j < cols; ++j) out[j] = a[j] + bs[p * kPanel + j];
+      else
+        std::memcpy(out, a, static_cast<size_t>(cols) * sizeof(float));
+    }
+  };
+  const int64_t units = (count + 1) / 2;
 #pragma omp parallel num_threads(team_size(bytes))
   {
-    std::vector<float> acc(static_cast<size_t>(m * kPanel));
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < count; ++p) {
-      panel_dot(xs, k, m, k, ws + p * panel_stride, acc.data(), avx512);
-      const int64_t cols = std::min(kPanel, n - p * kPanel);
-      for (int64_t r = 0; r < m; ++r) {
-        float* out = ys + r * n + p * kPanel;
-        const float* a = acc.data() + r * kPanel;
-        if (bs)
-          for (int64_t j = 0; j < cols; ++j) out[j] = a[j] + bs[p * kPanel + j];
-        else
-          std::memcpy(out, a, static_cast<size_t>(cols) * sizeof(float));
+    std::vector<float> acc(static_cast<size_t>(2 * m * kPanel));
+    float* acc2 = acc.data() + m * kPanel;
+    // panels two at a time (panel_dot2, the fused decoder's kernel: groups of up to 12 rows
+    // against both, the next pair fetched meanwhile), the last one alone; handed out
+    // dynamically, so that a thread slowed by other work does not hold the others up
+    const int64_t run = std::max<int64_t>(1, units / (16 * omp_get_num_threads()));
+#pragma omp for schedule(dynamic, run)
+    for (int64_t q = 0; q < units; ++q) {
+      const int64_t p = 2 * q;
+      const W* pa = ws + p * panel_stride;
+      if (p + 1 < count) {
+        // (the next pair's addresses only prefetch: past the last panel they are never read)
+        panel_dot2(xs, k, m, k, pa, pa + panel_stride, acc.data(), acc2, avx512,
+                   pa + 2 * panel_stride, pa + 3 * panel_stride);
+        store(p, acc.data());
+        store(p + 1, acc2);
+      } else {
+        panel_dot(xs, k, m, k, pa, acc.data(), avx512);
+        store(p, acc.data());
       }
     }
   }

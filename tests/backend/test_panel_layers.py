@@ -1,8 +1,8 @@
 """transformers' layers reading the fused decoder's panels (`panel_layers`): products within
 float32's error of float64 products of the weights themselves, rows gathered bit for bit,
 for every way `decoder._pack_into` lays weights out (stacked on whole panels, concatenated
-across a panel, two interleaved), every weight dtype, and both the few-rows kernel and the
-BLAS slices of longer prompts."""
+across a panel, two interleaved), every weight dtype, few rows and a prompt's blocks of
+rows."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def bound(x, w):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("sizes,interleave", LAYOUTS)
-@pytest.mark.parametrize("rows", [1, 5, panel_layers.SMALL_ROWS, panel_layers.SMALL_ROWS + 1, 130])
+@pytest.mark.parametrize("rows", [1, 5, 25, panel_layers.ROW_BLOCK, panel_layers.ROW_BLOCK + 1, 130])
 def test_products_are_the_weights_products(module, dtype, sizes, interleave, rows):
     k = 34
     weights, slices = packed(module, sizes, interleave, k, dtype)
@@ -56,16 +56,17 @@ def test_products_are_the_weights_products(module, dtype, sizes, interleave, row
         assert ((got.double() - want).abs() <= bound(x, w)).all()
 
 
-def test_products_keep_leading_dimensions_and_slice_long_prompts(module, monkeypatch):
-    """A [batch, positions, K] input, and a prompt long enough to take several unpacked
-    slices of W^T (the slice made small for the test)."""
-    monkeypatch.setattr(panel_layers, "SLICE_BYTES", 3 * 16 * 4 * 64)  # 3 panels a slice
-    weights, slices = packed(module, [200], False, 64, torch.bfloat16)
+def test_products_keep_leading_dimensions_and_cut_prompts_into_blocks(module, monkeypatch):
+    """A [batch, positions, K] input, and a prompt of several blocks of rows, the last one
+    ragged (the block made small for the test)."""
+    monkeypatch.setattr(panel_layers, "ROW_BLOCK", 7)
+    weights, slices = packed(module, [72, 40, 40], False, 64, torch.bfloat16)
     x = torch.randn(2, 90, 64)
-    got = panel_product(x, slices[0], None)
-    want = x.double() @ weights[0].double().T
-    assert got.shape == (2, 90, 200)
-    assert ((got.double() - want).abs() <= bound(x, weights[0])).all()
+    for w, where in zip(weights, slices):
+        got = panel_product(x, where, None)
+        want = x.double() @ w.double().T
+        assert got.shape == (2, 90, w.shape[0])
+        assert ((got.double() - want).abs() <= bound(x, w)).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

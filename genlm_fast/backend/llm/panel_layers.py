@@ -8,10 +8,11 @@ with an adapter over the base layers): were its layers to read their weights, ev
 come back. `read_panels` gives each packed layer a forward that reads its panels instead:
 
 * a linear layer (``nn.Linear``, GPT-2's ``Conv1D``): ``x @ W^T + b`` in float32 (the
-  contract of `widen`: the same arithmetic as the fused decoder's), up to `SMALL_ROWS` rows
-  with ``genlm_fast._C.linear_small_batch`` on the panels as they are, more rows (prompt
-  prefills) with BLAS on slices of ``W^T`` unpacked from the panels into float32 one at a
-  time (`SLICE_BYTES`);
+  contract of `widen`: the same arithmetic as the fused decoder's) with
+  ``genlm_fast._C.linear_small_batch`` on the panels as they are, the fused decoder's own
+  kernel; a prompt's rows in blocks of `ROW_BLOCK`, so that a block stays in L2 while the
+  panels stream past (the panels are read once per block: a small cost beside the block's
+  multiply-adds);
 * an embedding tied to the LM head (the head's weight): each token's row is gathered from the
   head's panels (a column of one panel), in the weight's dtype as ``nn.Embedding`` returns it.
 
@@ -41,8 +42,7 @@ __all__ = [
     "reads_panels",
 ]
 
-SMALL_ROWS = 48  # products of up to this many rows run linear_small_batch on the panels
-SLICE_BYTES = 16 << 20  # a larger product unpacks W^T in float32 slices of about this size
+ROW_BLOCK = 64  # rows of x per call of linear_small_batch
 PANEL = 16  # output features per panel
 
 
@@ -79,11 +79,10 @@ def _no_slice():
 
 @functools.cache
 def _small_batch_module():
-    """genlm_fast._C if it has linear_small_batch for 16-bit panels, else None."""
+    """genlm_fast._C (which the fused decoder, and so any panels, needs)."""
     from genlm_fast.ops import extension
 
-    module = extension.load_module()
-    return module if module is not None and hasattr(module, "linear_small_batch") else None
+    return extension.load_module()
 
 
 def _pairs(panels: torch.Tensor) -> torch.Tensor:
@@ -95,35 +94,19 @@ def _pairs(panels: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _unpacked(panels: torch.Tensor) -> torch.Tensor:
-    """``W^T`` [K, 16 P] in float32 from P panels [P, K, 16]."""
-    p, k, _ = panels.shape
-    if panels.dtype == torch.bfloat16:
-        return _pairs(panels).permute(1, 3, 0, 2).reshape(k, PANEL * p).float()
-    return panels.permute(1, 0, 2).reshape(k, PANEL * p).float()
-
-
 def panel_product(x: torch.Tensor, where: PanelSlice, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W^T + bias`` in float32, W read from ``where``: x ``[..., K]`` (widened if 16-bit),
     the result ``[..., N]``."""
     x = x.float()
     lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k).contiguous()
+    x2 = x.reshape(-1, k)
     rows, n, start = x2.shape[0], where.out_features, where.start
     module = _small_batch_module()
-    if module is not None and rows <= SMALL_ROWS:
-        out = module.linear_small_batch(x2, where.panels, None, start + n)
-        if start:
-            out = out[:, start:].contiguous()
-    else:
-        out = torch.empty((rows, n), dtype=torch.float32)
-        step = max(1, SLICE_BYTES // (4 * PANEL * max(1, k)))
-        count = where.panels.shape[0]
-        for a in range(0, count, step):
-            b = min(count, a + step)
-            lo, hi = max(PANEL * a, start), min(PANEL * b, start + n)
-            wt = _unpacked(where.panels[a:b])[:, lo - PANEL * a : hi - PANEL * a]
-            torch.matmul(x2, wt, out=out[:, lo - start : hi - start])
+    out = torch.empty((rows, n), dtype=torch.float32)
+    for a in range(0, rows, ROW_BLOCK):
+        b = min(rows, a + ROW_BLOCK)
+        block = module.linear_small_batch(x2[a:b].contiguous(), where.panels, None, start + n)
+        out[a:b] = block[:, start:] if start else block
     if bias is not None:
         out += bias.detach().float()
     return out.view(*lead, n)

@@ -84,22 +84,18 @@ def _pack_into(module, out, weights, interleave=False):
     do not end on a whole panel). Returns where each weight lies (`PanelSlice`)."""
     weights = [w.detach().to(out.dtype) for w in weights]  # (as they are, where they match)
     if interleave:
-        for i, w in enumerate(weights):
-            module.pack_linear_weight(w, out[i::2])
-        return [PanelSlice(out[i::2], 0, int(w.shape[0])) for i, w in enumerate(weights)]
-    if any(int(w.shape[0]) % 16 for w in weights[:-1]):
+        slices = [PanelSlice(out[i::2], 0, int(w.shape[0])) for i, w in enumerate(weights)]
+    else:
+        slices, row = [], 0
+        for w in weights:
+            n = int(w.shape[0])
+            slices.append(PanelSlice(out[row // 16 : -(-(row + n) // 16)], row % 16, n))
+            row += n
+    if any(where.start for where in slices):
         module.pack_linear_weight(torch.cat(weights), out)
     else:
-        start = 0
-        for w in weights:
-            count = -(-int(w.shape[0]) // 16)
-            module.pack_linear_weight(w, out[start : start + count])
-            start += count
-    slices, row = [], 0
-    for w in weights:
-        n = int(w.shape[0])
-        slices.append(PanelSlice(out[row // 16 : -(-(row + n) // 16)], row % 16, n))
-        row += n
+        for w, where in zip(weights, slices):
+            module.pack_linear_weight(w, where.panels)
     return slices
 
 

@@ -29,7 +29,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from genlm_fast.backend.llm import widen
 
@@ -129,10 +128,6 @@ def panel_rows(ids: torch.Tensor, where: PanelSlice) -> torch.Tensor:
     return where.panels[panel, :, column]
 
 
-def _is_conv1d(module) -> bool:
-    return type(module).__name__ == "Conv1D"
-
-
 def _panel_forward(module, where, x):
     """A packed layer's forward (module docstring)."""
     weight = module.weight
@@ -141,19 +136,8 @@ def _panel_forward(module, where, x):
         or x.device.type != "cpu"
         or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     ):
-        return _own_forward(module, x)
+        return widen.linear_forward(module, x)  # (from the layer's own weights)
     return panel_product(x, where, module.bias)
-
-
-def _own_forward(module, x):
-    """The layer's forward from its weights: `widen`'s for a 16-bit weight, else its own."""
-    if module.weight.dtype in (torch.bfloat16, torch.float16):
-        if _is_conv1d(module):
-            return widen.product(x, module.weight.t(), module.bias)
-        return widen.product(x, module.weight, module.bias)
-    if _is_conv1d(module):
-        return type(module).forward(module, x)
-    return F.linear(x, module.weight, module.bias)
 
 
 def _panel_embedding_forward(module, where, ids):

@@ -32,7 +32,14 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["widen_forward", "unwiden_forward", "is_widened", "compute_dtype", "why_not"]
+__all__ = [
+    "widen_forward",
+    "unwiden_forward",
+    "is_widened",
+    "compute_dtype",
+    "why_not",
+    "linear_forward",
+]
 
 ROWS = 48  # products of up to this many rows read the weight in place (linear_rows)
 SLICE_BYTES = 16 << 20  # a larger product widens its weight in float32 slices of this size
@@ -126,6 +133,12 @@ def _conv1d_forward(module, x):
     if module.weight.dtype not in _HALF:
         return type(module).forward(module, x)
     return product(x, module.weight.t(), module.bias)  # Conv1D's weight is [K, N]
+
+
+def linear_forward(module, x):
+    """An ``nn.Linear``'s or ``Conv1D``'s forward as `widen_forward` gives it: float32 on a
+    16-bit weight as stored, else the module's own."""
+    return _conv1d_forward(module, x) if _is_conv1d(module) else _linear_forward(module, x)
 
 
 def _layer_norm_forward(module, x):

@@ -97,8 +97,8 @@ def run(rounds=7, cases=CASES, dtype=torch.float32, model="smollm2"):
     from bench import probes as probe_module
     from genlm_fast.backend.llm import AsyncTransformer
     from genlm_fast.backend.llm.cpu_linear import pack_linear_layers, unpack_linear_layers
-    from genlm_fast.backend.llm.decoder import huge_page_empty
     from genlm_fast.backend.llm.memory import shortfall
+    from genlm_fast.backend.llm.packed_pages import collapse, empty
     from genlm_fast.ops import extension
 
     module, probes = extension.load_module(), probe_module.load()
@@ -110,6 +110,8 @@ def run(rounds=7, cases=CASES, dtype=torch.float32, model="smollm2"):
     params = sum(p.numel() for n, p in lm.model.named_parameters() if "embed" not in n)
     params -= 0 if lm.model.config.tie_word_embeddings else head
     mine = lm._forwards.fused if fused else lm._forwards.eager
+    if fused:  # timed on the 2 MB pages the panels end on
+        lm._state.decoder.huge_pages.wait()
     # accuracy first, the float64 model alone beside ours (a 1B float32 model's is 9.9 GB)
     ref64 = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).double().eval()
     contexts, my_plans, errors = {}, {}, {}
@@ -150,7 +152,9 @@ def run(rounds=7, cases=CASES, dtype=torch.float32, model="smollm2"):
         case: (my_plans[case], other and _plans(other, contexts[case], case[1])) for case in cases
     }
 
-    buf = huge_page_empty(nbytes // 4).fill_(1.0)  # as many bytes, on the kind of pages they use
+    # as many bytes, on the kind of pages the panels end on
+    buf = empty(nbytes // 4).fill_(1.0)
+    collapse(buf)
     # the forward's team: as many threads as its parallel regions over these bytes get
     threads = module.cpu_team_size(nbytes)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import gc
-import os
 import random
 import weakref
 
@@ -445,28 +444,6 @@ def test_check_finite_logits(case):
     else:
         check_finite_logits(logits, contexts)
     assert bad == (case in ("one nan", "one +inf", "row all -inf"))
-
-
-@pytest.mark.parametrize("numel", [0, 1, 1000, (4 << 20) + 3])
-def test_huge_page_empty(numel):
-    """The packed weights' store: zeros like torch.zeros, writable, and its mapping given back
-    to the system when the tensor goes (resident memory falls by its size)."""
-    from genlm_fast.backend.llm.decoder import huge_page_empty
-
-    def resident():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    t = huge_page_empty(numel)
-    assert t.dtype == torch.float32 and t.shape == (numel,)
-    assert torch.equal(t, torch.zeros(numel))
-    t += torch.arange(numel, dtype=torch.float32)
-    assert torch.equal(t, torch.arange(numel, dtype=torch.float32))
-    before = resident()
-    del t
-    gc.collect()
-    if numel >= 1 << 20:
-        assert before - resident() >= numel * 4 * 0.9
 
 
 def _edit_in_place(model):

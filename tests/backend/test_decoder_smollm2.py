@@ -6,6 +6,7 @@ transformers' own ``generate``."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 
 import pytest
@@ -204,3 +205,30 @@ async def test_an_edit_of_mapped_weights_is_kept_and_packed():
         assert (after - before).abs().max() > 1e-2  # the edit shows in the answers
     finally:
         lm.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_the_panels_end_on_2mb_pages_with_the_same_answers(ref64):
+    """The packed copy is filled on ordinary pages and gathered into 2 MB pages on idle CPUs
+    after loading (`packed_pages`): the gathering ends with the panels in huge pages, as the
+    kernel accounts them, and the answers over them are still float64's. Closing the LM ends
+    a gathering under way."""
+    from tests.backend.test_packed_pages import _huge_bytes, _kernel_collapses
+
+    lm = AsyncTransformer.from_name(smollm2_path())
+    try:
+        decoder = lm._state.decoder
+        assert decoder.huge_pages.wait(timeout=300)
+        if _kernel_collapses():
+            panels = decoder._panels
+            assert _huge_bytes(panels) >= panels.numel() * panels.element_size() - 4 * (2 << 20)
+        for text in TEXTS:
+            ctx = lm.tokenizer.encode(text)
+            assert_within_1e3(await lm.next_token_logprobs(ctx), ctx, ref64)
+    finally:
+        lm.cleanup()
+    other = AsyncTransformer.from_name(smollm2_path())
+    gathering = other._state.decoder.huge_pages
+    other.cleanup()
+    gc.collect()
+    assert gathering.wait(timeout=0)

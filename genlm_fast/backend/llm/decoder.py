@@ -28,7 +28,7 @@ implements is honoured. `engines.FusedEngine` runs it for `AsyncTransformer`, an
 from __future__ import annotations
 
 import math
-import mmap
+import weakref
 
 import torch
 
@@ -42,6 +42,7 @@ from genlm_fast.backend.llm.decoder_spec import (
 )
 from genlm_fast.backend.llm.file_pages import release
 from genlm_fast.backend.llm.memory import shortfall
+from genlm_fast.backend.llm.packed_pages import Gathering, empty
 from genlm_fast.backend.llm.panel_layers import PanelSlice
 from genlm_fast.backend.llm.plan import Output, Row, row_ids
 
@@ -53,7 +54,6 @@ __all__ = [
     "Unsupported",
     "WEIGHT_DTYPES",
     "fused_available",
-    "huge_page_empty",
 ]
 
 
@@ -107,34 +107,12 @@ def _panel_shape(weights, interleave):
     return (-(-sum(int(w.shape[0]) for w in weights) // 16), k, 16)
 
 
-def huge_page_empty(numel, dtype=torch.float32):
-    """A CPU tensor of ``numel`` zeros of ``dtype`` in a mapping of its own, backed by 2 MB pages
-    where the kernel allows it (Linux transparent huge pages, on request), unmapped when the
-    tensor goes.
-
-    A forward streams every packed weight once; on 4 KB pages each 4 KB of it is one more
-    TLB miss and a point where prefetching stops, which huge pages avoid. Where the kernel
-    has huge pages off (or no madvise), this is an ordinary zeroed mapping.
-    """
-    if numel == 0:
-        return torch.zeros(0, dtype=dtype)
-    buf = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        try:
-            buf.madvise(advice)
-        except OSError:  # huge pages unsupported: small pages it is
-            pass
-    # (the tensor keeps the mapping alive; it is unmapped when the tensor is freed)
-    return torch.frombuffer(buf, dtype=dtype, count=numel)
-
-
 def _pack(arch: Architecture, module):
-    """The DecoderCPU built from ``arch``'s weights, and where each layer's weight lies in its
-    panels [(module, PanelSlice)]: the linear layers', and a tied embedding's (the head's
-    weight: the decoder reads its rows from the head's panels too). The model keeps its
-    weights; the pages of them mapped from the checkpoint go back to the file as each is
-    packed (`file_pages`)."""
+    """The DecoderCPU built from ``arch``'s weights, where each layer's weight lies in its
+    panels [(module, PanelSlice)] (the linear layers', and a tied embedding's: the head's
+    weight, whose rows the decoder reads from the head's panels too), and the tensor the
+    panels live in. The model keeps its weights; the pages of them mapped from the checkpoint
+    go back to the file as each is packed (`file_pages`)."""
     head = arch.linears["head"][0].weight
     arch.spec.embed_from_head = _same_elements(arch.embed, head)
     spec = arch.spec.copy_to(module.DecoderSpec())
@@ -146,13 +124,14 @@ def _pack(arch: Architecture, module):
         weights[name] = (1.0 + w) if one_plus else w.clone()
     # the packed panels live in one allocation: one mapping of its own that goes back to the
     # system whole when the decoder goes (separate tensors of a few MB each would come from
-    # the C heap, which keeps what it cannot hand back in whole pages), in huge pages
+    # the C heap, which keeps what it cannot hand back in whole pages), gathered into 2 MB
+    # pages once filled (`packed_pages`)
     shapes = {
         name: _panel_shape([p.weight for p in parts], name.endswith("up") and arch.spec.gated)
         for name, parts in arch.linears.items()
     }
     sizes = {name: -(-math.prod(shape) // 16) * 16 for name, shape in shapes.items()}
-    store = huge_page_empty(sum(sizes.values()), arch.embed.dtype)
+    store = empty(sum(sizes.values()), arch.embed.dtype)
     offset, layers = 0, []
     for name, parts in arch.linears.items():
         gated = name.endswith("up") and arch.spec.gated
@@ -174,7 +153,7 @@ def _pack(arch: Architecture, module):
                 ]
             ).contiguous()
     release([arch.embed, arch.pos_embed])  # (rows read per token come back as they are read)
-    return module.DecoderCPU(spec, weights), layers
+    return module.DecoderCPU(spec, weights), layers, store
 
 
 def _same_elements(a, b) -> bool:
@@ -206,6 +185,8 @@ class FusedDecoder:
         panel_layers: ``[(module, PanelSlice)]``, where each packed layer's weight lies in
             the panels (`panel_layers.read_panels` makes transformers' layers read them).
         sources: the model's tensors the panels were made from (`file_pages.release`).
+        huge_pages: the panels' gathering into 2 MB pages (`packed_pages.Gathering`), once
+            `gather_huge_pages` started it.
     """
 
     def __init__(self, model):
@@ -228,9 +209,18 @@ class FusedDecoder:
         self.head_dim = arch.spec.head_dim
         self.max_positions = arch.spec.max_positions if arch.spec.learned_positions else None
         self._rotary = arch.rotary
-        self._impl, self.panel_layers = _pack(arch, module)
+        self._impl, self.panel_layers, self._panels = _pack(arch, module)
+        self.huge_pages = None
         self.sources = [p.weight for parts in arch.linears.values() for p in parts]
         self.sources += [t for t in (arch.embed, arch.pos_embed) if t is not None]
+
+    def gather_huge_pages(self) -> None:
+        """Start gathering the panels into 2 MB pages on idle CPUs (`packed_pages`), once the
+        loading's own page work is done (the gathering holds the process's memory map while
+        it swaps a stretch: a page release beside it would wait). It stops with the decoder."""
+        if self.huge_pages is None:
+            self.huge_pages = Gathering(self._panels)
+            weakref.finalize(self, self.huge_pages.stop)
 
     @property
     def weight_bytes(self) -> int:

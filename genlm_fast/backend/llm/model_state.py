@@ -114,6 +114,7 @@ class ModelState:
         if self.decoder is not None:
             # what the watch's first look mapped again goes back, but for what it reads
             release(self.decoder.sources, spare=self.watch.reads())
+            self.decoder.gather_huge_pages()
         if forget:
             drop_packed_copies(model)
             self.generation += 1

@@ -4,13 +4,14 @@ A forward streams every packed weight once; on 4 KB pages each 4 KB of it is one
 miss and a point where the hardware prefetcher stops, which 2 MB pages avoid. But asking for
 2 MB pages as the memory is first written (``MADV_HUGEPAGE`` before the packing) makes the
 kernel find free 2 MB blocks then, compacting memory where the page cache has fragmented it:
-a wait that can take longer than the packing itself. So `empty` maps ordinary
-pages, the packing fills them, and `Gathering` hands the filled range to a thread of the
-lowest scheduling class (``SCHED_IDLE``: it runs only on a CPU nothing else wants) that asks
-the kernel to gather it into 2 MB pages one aligned stretch at a time (``MADV_COLLAPSE``,
-Linux 6.1+). The contents never change: collapsing copies the small pages into a huge one
-and swaps the mapping under any reader. Where the kernel cannot collapse, the range is left
-marked ``MADV_HUGEPAGE`` for the kernel's own background collapsing (khugepaged).
+a wait that can take longer than the packing itself. So `empty` maps ordinary pages, the
+packing fills them, and `Gathering` hands the filled range to a thread of the lowest
+scheduling class (``SCHED_IDLE``: it runs only on a CPU nothing else wants) that asks the
+kernel to gather it into 2 MB pages one aligned stretch at a time, pausing between them
+(``MADV_COLLAPSE``, Linux 6.1+). The contents never change: collapsing copies the small pages
+into a huge one and swaps the mapping under any reader. Where the kernel cannot collapse,
+the range is left marked ``MADV_HUGEPAGE`` for the kernel's own background collapsing
+(khugepaged).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
 # a stretch the kernel could not gather now (memory too fragmented, pages busy): skip it
 _TRY_LATER = (errno.EAGAIN, errno.EBUSY, errno.ENOMEM)
+# seconds between two stretches gathered in the background: a collapse holds the process's
+# memory map while it swaps a stretch, and the process's own allocations and page faults,
+# which need it too, get through in between rather than queueing behind stretch after stretch
+PAUSE = 0.002
 
 
 def empty(numel: int, dtype=torch.float32) -> torch.Tensor:
@@ -50,10 +55,10 @@ def _madvise():
     return fn
 
 
-def collapse(t: torch.Tensor, stop: threading.Event | None = None) -> int:
+def collapse(t: torch.Tensor, stop: threading.Event | None = None, pause: float = 0.0) -> int:
     """Gather the whole 2 MB stretches of ``t``'s memory (a contiguous CPU tensor made by
-    `empty`) into 2 MB pages, until done or ``stop`` is set. Returns the bytes gathered (0 on
-    a kernel that cannot, and elsewhere than Linux)."""
+    `empty`) into 2 MB pages, ``pause`` seconds apart, until done or ``stop`` is set. Returns
+    the bytes gathered (0 on a kernel that cannot, and elsewhere than Linux)."""
     if t.numel() == 0 or not sys.platform.startswith("linux"):
         return 0
     madvise = _madvise()
@@ -65,8 +70,9 @@ def collapse(t: torch.Tensor, stop: threading.Event | None = None) -> int:
     # (a hint for khugepaged too, wherever a stretch is left small)
     madvise(first, last - first, _MADV_HUGEPAGE)
     gathered = 0
+    stop = stop or threading.Event()
     for at in range(first, last, HUGE):
-        if stop is not None and stop.is_set():
+        if stop.wait(pause) if pause else stop.is_set():
             break
         if madvise(at, HUGE, _MADV_COLLAPSE) == 0:
             gathered += HUGE
@@ -96,7 +102,7 @@ class Gathering:
     def _run(self, t):
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # (this thread only)
-            self.gathered = collapse(t, self._stop)
+            self.gathered = collapse(t, self._stop, PAUSE)
         except (AttributeError, OSError):
             pass  # (not Linux: nothing to gather)
         finally:

@@ -110,8 +110,7 @@ def run(rounds=7, cases=CASES, dtype=torch.float32, model="smollm2"):
     params = sum(p.numel() for n, p in lm.model.named_parameters() if "embed" not in n)
     params -= 0 if lm.model.config.tie_word_embeddings else head
     mine = lm._forwards.fused if fused else lm._forwards.eager
-    if fused:  # timed on the 2 MB pages the panels end on
-        lm._state.decoder.huge_pages.wait()
+    lm.settle()  # (timed on the 2 MB pages the panels end on)
     # accuracy first, the float64 model alone beside ours (a 1B float32 model's is 9.9 GB)
     ref64 = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).double().eval()
     contexts, my_plans, errors = {}, {}, {}

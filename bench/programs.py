@@ -120,7 +120,12 @@ def load_lm(path: str | None = None):
         from genlm_fast.models import smollm2_path
 
         path = smollm2_path(quiet=True)
-    return load_model_by_name(path, backend="hf")
+    llm = load_model_by_name(path, backend="hf")
+    # loading's background work (genlm_fast gathers its packed weights into 2 MB pages) is
+    # loading too, which the programs' timings leave out
+    if hasattr(llm, "settle"):
+        llm.settle()
+    return llm
 
 
 def _particles(sequences) -> tuple[list, list]:

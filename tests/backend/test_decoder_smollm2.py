@@ -217,10 +217,9 @@ async def test_the_panels_end_on_2mb_pages_with_the_same_answers(ref64):
 
     lm = AsyncTransformer.from_name(smollm2_path())
     try:
-        decoder = lm._state.decoder
-        assert decoder.huge_pages.wait(timeout=300)
+        assert lm.settle(timeout=300)
         if _kernel_collapses():
-            panels = decoder._panels
+            panels = lm._state.decoder._panels
             assert _huge_bytes(panels) >= panels.numel() * panels.element_size() - 4 * (2 << 20)
         for text in TEXTS:
             ctx = lm.tokenizer.encode(text)
@@ -231,4 +230,4 @@ async def test_the_panels_end_on_2mb_pages_with_the_same_answers(ref64):
     gathering = other._state.decoder.huge_pages
     other.cleanup()
     gc.collect()
-    assert gathering.wait(timeout=0)
+    assert gathering.wait(timeout=0) and other.settle(timeout=0)

@@ -209,6 +209,17 @@ class AsyncTransformer(GenlmCacheTrie, BatchedAsyncLM):
             return "closed"
         return self._forwards.path
 
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for what loading left running in the background
+        (the fused decoder's packed weights being gathered into 2 MB pages on idle CPUs,
+        `packed_pages`) to end; True once it has (or there was none). Steps run before
+        that are somewhat slower: time the steady state after it."""
+        state = self._state
+        decoder = state.decoder if state is not None else None
+        if decoder is None or decoder.huge_pages is None:
+            return True
+        return decoder.huge_pages.wait(timeout)
+
     def _vocab_limit(self):
         return self._n_embed
 

@@ -114,3 +114,28 @@ def test_a_tensor_under_2mb_needs_no_thread():
     start = time.perf_counter()
     gathering.stop()
     assert time.perf_counter() - start < 1.0
+
+
+_FORKED = {}
+
+
+def _wait_in_child():
+    os._exit(0 if _FORKED["gathering"].wait(timeout=30) else 1)
+
+
+def test_a_forked_child_does_not_wait_for_its_parents_gathering():
+    """A process forked while a gathering runs (a worker pool's fork) has no such thread:
+    waiting for it returns at once rather than waiting out its timeout (or hanging)."""
+    import multiprocessing
+
+    t = empty(256 * HUGE // 4)
+    t.fill_(1.0)
+    _FORKED["gathering"] = Gathering(t)
+    try:
+        child = multiprocessing.get_context("fork").Process(target=_wait_in_child)
+        start = time.perf_counter()
+        child.start()
+        child.join(timeout=60)
+        assert child.exitcode == 0 and time.perf_counter() - start < 20
+    finally:
+        _FORKED.pop("gathering").stop()

@@ -89,33 +89,32 @@ class Gathering:
     def __init__(self, t: torch.Tensor):
         self.gathered = 0  # bytes gathered into 2 MB pages (set when the thread ends)
         self._stop = threading.Event()
-        self._done = threading.Event()
         self._thread = None
-        if t.numel() * t.element_size() < HUGE:
-            self._done.set()
-            return
-        self._thread = threading.Thread(
-            target=self._run, args=(t,), name="genlm_fast-huge-pages", daemon=True
-        )
-        self._thread.start()
+        if t.numel() * t.element_size() >= HUGE:
+            self._thread = threading.Thread(
+                target=self._run, args=(t,), name="genlm_fast-huge-pages", daemon=True
+            )
+            self._thread.start()
 
     def _run(self, t):
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # (this thread only)
-            self.gathered = collapse(t, self._stop, PAUSE)
         except (AttributeError, OSError):
-            pass  # (not Linux: nothing to gather)
-        finally:
-            self._done.set()
+            return  # (not Linux: nothing to gather)
+        self.gathered = collapse(t, self._stop, PAUSE)
 
     def stop(self) -> None:
         """End the gathering after the stretch in hand, and wait for the thread to let go of
         the tensor."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+        if self._thread is not threading.current_thread():
+            self.wait()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether the gathering ended (done, stopped, or not possible here), waiting up to
-        ``timeout`` seconds for it."""
-        return self._done.wait(timeout)
+        ``timeout`` seconds for it. (In a process forked from the one that started it, it
+        has: the thread stayed behind.)"""
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()

@@ -52,7 +52,8 @@ def _flags(fd: int, start: int, end: int) -> tuple[int, np.ndarray]:
     return first, np.frombuffer(data, dtype=np.uint64)
 
 
-def _madvise():
+def libc_madvise():
+    """libc's ``madvise(address, length, advice) -> 0 | -1`` (errno kept for ctypes)."""
     libc = ctypes.CDLL(None, use_errno=True)
     fn = libc.madvise
     fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -78,7 +79,7 @@ def release(tensors, spare=()) -> int:
         fd = os.open(PAGEMAP, os.O_RDONLY)
     except OSError:
         return 0
-    madvise = _madvise()
+    madvise = libc_madvise()
     dropped = 0
     try:
         for t in tensors:

@@ -25,9 +25,21 @@ import threading
 
 import torch
 
+from genlm_fast.backend.llm.file_pages import libc_madvise
+
 __all__ = ["Gathering", "collapse", "empty"]
 
-HUGE = 2 << 20
+
+def _pmd_bytes() -> int:
+    """The size of a huge page the kernel maps with one page-table entry (2 MB on x86-64)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+HUGE = _pmd_bytes()
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
 # a stretch the kernel could not gather now (memory too fragmented, pages busy): skip it
@@ -48,20 +60,13 @@ def empty(numel: int, dtype=torch.float32) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype, count=numel)
 
 
-def _madvise():
-    fn = ctypes.CDLL(None, use_errno=True).madvise
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn
-
-
 def collapse(t: torch.Tensor, stop: threading.Event | None = None, pause: float = 0.0) -> int:
     """Gather the whole 2 MB stretches of ``t``'s memory (a contiguous CPU tensor made by
     `empty`) into 2 MB pages, ``pause`` seconds apart, until done or ``stop`` is set. Returns
     the bytes gathered (0 on a kernel that cannot, and elsewhere than Linux)."""
     if t.numel() == 0 or not sys.platform.startswith("linux"):
         return 0
-    madvise = _madvise()
+    madvise = libc_madvise()
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
     first, last = -(-start // HUGE) * HUGE, end // HUGE * HUGE

@@ -113,9 +113,11 @@ def _child(library, path, dtype_name, decode_rounds, beam_bytes):
     if int(beam_bytes) > 0:
         asyncio.run(_beam(library, lm, int(beam_bytes)))
     beamed = time.perf_counter()
+    # genlm_fast: when loading's background work (the packed copy gathered into 2 MB pages,
+    # beside the steps above) was done
     settled = None
-    if hasattr(lm, "settle"):  # genlm_fast: when loading's background work (the packed copy
-        lm.settle()  # gathered into 2 MB pages, beside the steps above) was done
+    if hasattr(lm, "settle"):
+        lm.settle()
         settled = time.perf_counter() - start
     weights = {id(p): p for p in lm.model.parameters()}.values()
     return {

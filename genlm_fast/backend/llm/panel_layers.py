@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from genlm_fast.backend.llm import widen
+from genlm_fast.ops import extension
 
 __all__ = [
     "PanelSlice",
@@ -76,14 +77,6 @@ def _no_slice():
     return None
 
 
-@functools.cache
-def _small_batch_module():
-    """genlm_fast._C (which the fused decoder, and so any panels, needs)."""
-    from genlm_fast.ops import extension
-
-    return extension.load_module()
-
-
 def _pairs(panels: torch.Tensor) -> torch.Tensor:
     """Bfloat16 panels [P, K, 16] as they are laid out: their k-steps in pairs, [P, K / 2, 16,
     2] (`pack_linear_weight`)."""
@@ -100,7 +93,7 @@ def panel_product(x: torch.Tensor, where: PanelSlice, bias: torch.Tensor | None)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     rows, n, start = x2.shape[0], where.out_features, where.start
-    module = _small_batch_module()
+    module = extension.load_module()  # (the fused decoder's, so any panels', _C)
     out = torch.empty((rows, n), dtype=torch.float32)
     for a in range(0, rows, ROW_BLOCK):
         b = min(rows, a + ROW_BLOCK)

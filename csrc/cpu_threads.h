@@ -9,20 +9,21 @@
 //   * the CPUs this process may run on: its affinity mask, capped by the cgroup's CPU quota
 //     (v1 or v2), read once;
 //   * the CPUs among those that other processes have left free, measured over the last
-//     ~100 ms (below);
+//     kSampleIntervalNs (below);
 //   * torch's thread setting (the user's cap, torch.set_num_threads);
 //   * the work: one thread per kMinBytesPerThread of memory traffic, so that a region too
 //     small to repay waking a thread runs on the caller alone.
 //
 // Contention: the busy time of the usable CPUs (/proc/stat) minus this process's own CPU
 // time (CLOCK_PROCESS_CPUTIME_ID), over the wall time since the last reading, is the number
-// of CPUs other work kept busy. It is read at most every 100 ms, by whichever call finds the
-// last reading stale (a read of /proc/stat); every other call costs a clock read and a
-// few atomic loads. Busy other work takes CPUs away from the team for as long as it runs:
-// a competing busy loop on a 2-CPU machine leaves one thread. The reading is an average
-// over its window (/proc/stat counts in 10 ms ticks: a shorter window would be noise), so
-// the team follows a change within 100-200 ms; after a pause of this process, the first
-// reading spans the pause, and what other work did then decides the next 100 ms.
+// of CPUs other work kept busy. It is read at most once per sample interval
+// (kSampleIntervalNs in cpu_threads.cpp), by whichever call finds the last reading stale (a
+// read of /proc/stat); every other call costs a clock read and a few atomic loads. Busy
+// other work takes CPUs away from the team for as long as it runs: a competing busy loop on
+// a 2-CPU machine leaves one thread. The reading is an average over its window (/proc/stat
+// counts in clock ticks: a shorter window would be noise), so the team follows a change
+// within one or two intervals; after a pause of this process, the first reading spans the
+// pause, and what other work did then decides the next interval.
 #pragma once
 
 #include <cstdint>

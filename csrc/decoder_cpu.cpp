@@ -26,8 +26,8 @@
 //   x += post2(d)
 // then final_norm and the LM head on each row's last token only.
 //
-// Products: the panel kernel of linear_cpu.cpp (panel_dot) on weights packed once into panels
-// of 16 output features; gate and up are packed as alternating panels, so that the thread
+// Products: linear_cpu.h's product_panels (the panel kernels of linear_cpu.cpp) on weights
+// packed once into panels of 16 output features; gate and up are packed as alternating panels, so that the thread
 // computing a gate panel also has its up panel and applies the activation at once.
 //
 // Past keys and values are read where the KV trie keeps them: `runs` lists, per row, the
@@ -278,35 +278,11 @@ GF_AVX512 void rotate(float* x, const float* cos, const float* sin, int64_t dim)
   }
 }
 
-// One product, its panels (or gate/up panel pairs) shared out among the team in runs of
-// consecutive ones, each thread taking the next run when done (threads rarely run at the same
-// speed on a shared machine; a static split leaves the faster one waiting at the barrier):
-// x [m, k] (rows ldx apart) times the packed weight; `epilogue(p, acc)` gets panel p's
-// [m, 16] block (pairs: [2, m, 16], the gate's then the up's). No barrier at the end.
+// One product of the forward: product_panels (linear_cpu.h) over panels stored back to back
 template <class W, class Epilogue>
 GF_AVX512 void product(const float* x, int64_t ldx, int64_t m, int64_t k, const W* panels,
-                       int64_t count, bool pairs, int nth, float* acc, Epilogue epilogue) {
-  const int64_t stride = k * kPanel;
-  // units of two panels (one pair), the last perhaps of one panel
-  const int64_t units = pairs ? count : (count + 1) / 2;
-  const int64_t run = std::max<int64_t>(1, units / (16 * nth));
-#pragma omp for schedule(dynamic, run) nowait
-  for (int64_t q = 0; q < units; ++q) {
-    const W* pa = panels + 2 * q * stride;
-    if (pairs) {
-      panel_dot2(x, ldx, m, k, pa, pa + stride, acc, acc + m * kPanel, true, pa + 2 * stride,
-                 pa + 3 * stride);
-      epilogue(q, acc);
-    } else if (2 * q + 1 < count) {
-      panel_dot2(x, ldx, m, k, pa, pa + stride, acc, acc + m * kPanel, true, pa + 2 * stride,
-                 pa + 3 * stride);
-      epilogue(2 * q, acc);
-      epilogue(2 * q + 1, acc + m * kPanel);
-    } else {
-      panel_dot(x, ldx, m, k, pa, acc, true);
-      epilogue(2 * q, acc);
-    }
-  }
+                       int64_t count, bool pairs, float* acc, Epilogue epilogue) {
+  product_panels(x, ldx, m, k, panels, k * kPanel, count, pairs, true, acc, epilogue);
 }
 
 struct LayerPtrs {
@@ -526,7 +502,6 @@ GF_AVX512 void run_forward(const Fwd& f) {
 
 #pragma omp parallel num_threads(team_size(f.weight_bytes))
   {
-    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
     // this thread's copy of the residual stream and of the normalized rows
     std::vector<float> x(T * H), xn(std::max(T, B) * H), tmp(H), acc(2 * std::max(T, B) * kPanel);
     AttnScratch scratch;
@@ -556,7 +531,7 @@ GF_AVX512 void run_forward(const Fwd& f) {
       for (int64_t t = 0; t < T; ++t)
         norm_row(x.data() + t * H, H, L.norm1, L.norm1_b, sp.layer_norm, eps, xn.data() + t * H);
       const int64_t qkv_panels = (Nqkv + kPanel - 1) / kPanel;
-      product(xn.data(), H, T, H, static_cast<const W*>(L.qkv), qkv_panels, false, nth, acc.data(),
+      product(xn.data(), H, T, H, static_cast<const W*>(L.qkv), qkv_panels, false, acc.data(),
               [&](int64_t p, const float* a)
                   GF_AVX512 { store_biased(a, T, p, L.qkv_b, f.qkv, Nqkv); });
 #pragma omp barrier
@@ -566,7 +541,7 @@ GF_AVX512 void run_forward(const Fwd& f) {
         attend(f, L, l, item / sp.kv_heads, item % sp.kv_heads, scratch);
 #pragma omp barrier
       const int64_t o_panels = (H + kPanel - 1) / kPanel;
-      product(f.attn, Nq, T, Nq, static_cast<const W*>(L.o), o_panels, false, nth, acc.data(),
+      product(f.attn, Nq, T, Nq, static_cast<const W*>(L.o), o_panels, false, acc.data(),
               [&](int64_t p, const float* a)
                   GF_AVX512 { store_biased(a, T, p, L.o_b, f.o, H); });
 #pragma omp barrier
@@ -576,7 +551,7 @@ GF_AVX512 void run_forward(const Fwd& f) {
         norm_row(xr, H, L.norm2, L.norm2_b, sp.layer_norm, eps, xn.data() + t * H);
       }
       const int64_t up_panels = (I + kPanel - 1) / kPanel;
-      product(xn.data(), H, T, H, static_cast<const W*>(L.up), up_panels, sp.gated, nth, acc.data(),
+      product(xn.data(), H, T, H, static_cast<const W*>(L.up), up_panels, sp.gated, acc.data(),
               [&](int64_t p, const float* a) GF_AVX512 {
                 const int64_t c0 = p * kPanel, cols = std::min(kPanel, I - c0);
                 for (int64_t t = 0; t < T; ++t) {
@@ -592,7 +567,7 @@ GF_AVX512 void run_forward(const Fwd& f) {
                 }
               });
 #pragma omp barrier
-      product(f.h, I, T, I, static_cast<const W*>(L.down), o_panels, false, nth, acc.data(),
+      product(f.h, I, T, I, static_cast<const W*>(L.down), o_panels, false, acc.data(),
               [&](int64_t p, const float* a)
                   GF_AVX512 { store_biased(a, T, p, L.down_b, f.d, H); });
 #pragma omp barrier
@@ -605,7 +580,7 @@ GF_AVX512 void run_forward(const Fwd& f) {
       norm_row(x.data() + (f.row_start[b + 1] - 1) * H, H, f.final_norm, f.final_norm_b,
                sp.layer_norm, eps, xn.data() + b * H);
     const int64_t head_panels = (V + kPanel - 1) / kPanel;
-    product(xn.data(), H, B, H, static_cast<const W*>(f.head), head_panels, false, nth, acc.data(),
+    product(xn.data(), H, B, H, static_cast<const W*>(f.head), head_panels, false, acc.data(),
             [&](int64_t p, const float* a) GF_AVX512 {
               const int64_t c0 = p * kPanel, cols = std::min(kPanel, V - c0);
               for (int64_t b = 0; b < B; ++b) {

@@ -391,30 +391,10 @@ void small_batch_panels(const float* xs, int64_t m, int64_t k, const W* ws, int6
         std::memcpy(out, a, static_cast<size_t>(cols) * sizeof(float));
     }
   };
-  const int64_t units = (count + 1) / 2;
 #pragma omp parallel num_threads(team_size(bytes))
   {
     std::vector<float> acc(static_cast<size_t>(2 * m * kPanel));
-    float* acc2 = acc.data() + m * kPanel;
-    // panels two at a time (panel_dot2, the fused decoder's kernel: groups of up to 12 rows
-    // against both, the next pair fetched meanwhile), the last one alone; handed out
-    // dynamically, so that a thread slowed by other work does not hold the others up
-    const int64_t run = std::max<int64_t>(1, units / (16 * omp_get_num_threads()));
-#pragma omp for schedule(dynamic, run)
-    for (int64_t q = 0; q < units; ++q) {
-      const int64_t p = 2 * q;
-      const W* pa = ws + p * panel_stride;
-      if (p + 1 < count) {
-        // (the next pair's addresses only prefetch: past the last panel they are never read)
-        panel_dot2(xs, k, m, k, pa, pa + panel_stride, acc.data(), acc2, avx512,
-                   pa + 2 * panel_stride, pa + 3 * panel_stride);
-        store(p, acc.data());
-        store(p + 1, acc2);
-      } else {
-        panel_dot(xs, k, m, k, pa, acc.data(), avx512);
-        store(p, acc.data());
-      }
-    }
+    product_panels(xs, k, m, k, ws, panel_stride, count, false, avx512, acc.data(), store);
   }
 }
 

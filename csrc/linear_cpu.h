@@ -2,8 +2,10 @@
 // algorithm and layout at the top of linear_cpu.cpp.
 #pragma once
 
+#include <omp.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -71,6 +73,40 @@ template <class W>
 void panel_dot2(const float* x, int64_t ldx, int64_t m, int64_t k, const W* pa, const W* pb,
                 float* acc, float* acc2, bool avx512, const W* next_a = nullptr,
                 const W* next_b = nullptr);
+
+// One product x [m, k] (rows ldx apart) @ a packed weight, its panels (panel_stride values
+// apart) shared out among the threads of the enclosing OpenMP region: each thread takes runs of
+// consecutive units of two panels (panel_dot2, the next pair fetched meanwhile; a last odd
+// panel alone), the next run when done, so a thread slowed by other work holds no one up.
+// `epilogue(p, acc)` gets panel p's [m, 16] sums; with `pairs` the panels alternate two
+// weights (the fused decoder's gate and up), and epilogue(q, acc) gets pair q's [2, m, 16].
+// acc: this thread's [2, m, 16] scratch. No barrier at the end (the caller places its own).
+template <class W, class Epilogue>
+void product_panels(const float* x, int64_t ldx, int64_t m, int64_t k, const W* panels,
+                    int64_t panel_stride, int64_t count, bool pairs, bool avx512, float* acc,
+                    Epilogue epilogue) {
+  const int64_t units = pairs ? count : (count + 1) / 2;
+  const int64_t run = std::max<int64_t>(1, units / (16 * omp_get_num_threads()));
+  float* acc2 = acc + m * kPanel;
+#pragma omp for schedule(dynamic, run) nowait
+  for (int64_t q = 0; q < units; ++q) {
+    const W* pa = panels + 2 * q * panel_stride;
+    if (pairs || 2 * q + 1 < count) {
+      // (the next pair's addresses only prefetch: past the last panel they are never read)
+      panel_dot2(x, ldx, m, k, pa, pa + panel_stride, acc, acc2, avx512, pa + 2 * panel_stride,
+                 pa + 3 * panel_stride);
+      if (pairs) {
+        epilogue(q, acc);
+      } else {
+        epilogue(2 * q, acc);
+        epilogue(2 * q + 1, acc2);
+      }
+    } else {
+      panel_dot(x, ldx, m, k, pa, acc, avx512);
+      epilogue(2 * q, acc);
+    }
+  }
+}
 
 // the widest kernel this CPU runs: "avx512" or "baseline"
 std::string linear_best_isa();

@@ -27,8 +27,9 @@
 // then final_norm and the LM head on each row's last token only.
 //
 // Products: linear_cpu.h's product_panels (the panel kernels of linear_cpu.cpp) on weights
-// packed once into panels of 16 output features; gate and up are packed as alternating panels, so that the thread
-// computing a gate panel also has its up panel and applies the activation at once.
+// packed once into panels of 16 output features; gate and up are packed as alternating
+// panels, so that the thread computing a gate panel also has its up panel and applies the
+// activation at once.
 //
 // Past keys and values are read where the KV trie keeps them: `runs` lists, per row, the
 // segments (float32 [layers, 2, kv_heads, positions, head_dim], each (layer, k/v, head) block

@@ -74,7 +74,8 @@ def pytest_addoption(parser):
         "--bench-model",
         default="smollm2",
         choices=("smollm2", "llama3.2-1b", "llama3.1-8b"),
-        help="the SMC benchmark's model (bench/test_bench_lm.py): SmolLM2-135M, or a seeded "
+        help="the SMC and beam benchmarks' model (bench/test_bench_lm.py, "
+        "bench/test_bench_beam.py): SmolLM2-135M, or a seeded "
         "checkpoint of a Llama-3 architecture (genlm_fast.models.llama3_path; built into the "
         "cache on first use)",
     )

@@ -17,7 +17,7 @@ trie per model; the genlm-bytes trie is built once here too).
 Checked: the final ``logZ`` and next-byte distribution of both agree (1e-2 / 2e-3); under
 ``--bench-regress``, which times genlm_fast only, against one untimed genlm-bytes run. The
 summary (best and mean run of each, the ratio, the fused path's counters) is printed when
-the module finishes; the goal is genlm_fast >= 5x.
+the module finishes; the goal is genlm_fast >= 5x (6x on the Llama-3 checkpoints).
 
 Environment:
     GENLM_FAST_BENCH_DEVICE   "cpu" (default) or "cuda": where the models (and so the
@@ -50,7 +50,7 @@ from bench.beams import advance, beam_maker
 PROMPT = b"The capital of France is"  # 24 bytes
 CONTINUATION = b" Paris, and the capital of Italy is Rome"  # 40 bytes
 K = 5
-GOAL = 5.0
+GOAL = {"smollm2": 5.0, "llama3.2-1b": 6.0, "llama3.1-8b": 6.0}  # x genlm-bytes, best runs
 DEVICE = os.environ.get("GENLM_FAST_BENCH_DEVICE", "cpu")
 ROUNDS = int(os.environ.get("GENLM_FAST_BENCH_ROUNDS", "2"))
 LM_TIMEOUT = os.environ.get("GENLM_FAST_BENCH_LM_TIMEOUT")
@@ -124,8 +124,8 @@ def report(model_name):
             "",
             (
                 f"speedup (best runs): {best:.2f}x, (means): {mean:.2f}x, "
-                f"(CPU time): {cpu:.2f}x; goal >= {GOAL:.0f}x: "
-                f"{'met' if best >= GOAL else 'NOT met'}"
+                f"(CPU time): {cpu:.2f}x; goal >= {GOAL[model_name]:.0f}x: "
+                f"{'met' if best >= GOAL[model_name] else 'NOT met'}"
             ),
         ]
     stats = _results.get("genlm_fast.bytes", {}).get("stats")

@@ -81,6 +81,33 @@ def pytest_addoption(parser):
     )
 
 
+# the LM benchmarks' models (--bench-model), as their summaries name them
+MODEL_LABELS = {
+    "smollm2": "SmolLM2-135M-Instruct",
+    "llama3.2-1b": "Llama-3.2-1B (seeded)",
+    "llama3.1-8b": "Llama-3.1-8B (seeded)",
+}
+
+
+@pytest.fixture(scope="session")
+def model_name(request):
+    """--bench-model: the LM benchmarks' model."""
+    return request.config.getoption("--bench-model")
+
+
+@pytest.fixture(scope="session")
+def model_label(model_name):
+    return MODEL_LABELS[model_name]
+
+
+@pytest.fixture(scope="session")
+def model_dir(model_name):
+    """The model's local directory (a seeded Llama-3 checkpoint is built on first use)."""
+    from genlm_fast.models import llama3_path, smollm2_path
+
+    return smollm2_path() if model_name == "smollm2" else llama3_path(model_name)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "full: part of the long benchmark run (--bench-full)")
     config._genlm_fast_load_before = _load_average()

@@ -67,29 +67,8 @@ def _threads():
     return torch.get_num_threads()
 
 
-MODEL_NAMES = {
-    "smollm2": "SmolLM2-135M-Instruct",
-    "llama3.2-1b": "Llama-3.2-1B (seeded)",
-    "llama3.1-8b": "Llama-3.1-8B (seeded)",
-}
-
-
 @pytest.fixture(scope="module")
-def model_name(request):
-    return request.config.getoption("--bench-model")
-
-
-@pytest.fixture(scope="module")
-def model_dir(model_name):
-    if DEVICE.startswith("cuda") and not torch.cuda.is_available():
-        pytest.skip("GENLM_FAST_BENCH_DEVICE asks for CUDA, which is not available")
-    from genlm_fast.models import llama3_path, smollm2_path
-
-    return smollm2_path() if model_name == "smollm2" else llama3_path(model_name)
-
-
-@pytest.fixture(scope="module")
-def report(model_name):
+def report(model_name, model_label):
     """Prints the side-by-side summary once both implementations ran."""
     yield _results
     if not _results:
@@ -97,7 +76,7 @@ def report(model_name):
     lines = [
         "",
         (
-            f"byte-level beam, {MODEL_NAMES[model_name]}, K={K}, device={DEVICE}, "
+            f"byte-level beam, {model_label}, K={K}, device={DEVICE}, "
             f"torch threads={torch.get_num_threads()}, LM timeout="
             f"{LM_TIMEOUT if LM_TIMEOUT is not None else 'default'}, load average "
             f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"
@@ -137,6 +116,8 @@ def report(model_name):
 
 
 def _load(cls, model_dir):
+    if DEVICE.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("GENLM_FAST_BENCH_DEVICE asks for CUDA, which is not available")
     kwargs = {} if LM_TIMEOUT is None else {"timeout": float(LM_TIMEOUT)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -61,21 +61,6 @@ WARMUP_ROUNDS = 1
 _results = {}
 
 
-MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "llama3.2-1b": "Llama-3.2-1B (seeded)"}
-
-
-@pytest.fixture(scope="module")
-def model_name(request):
-    return request.config.getoption("--bench-model")
-
-
-@pytest.fixture(scope="module")
-def model_dir(model_name):
-    from genlm_fast.models import llama3_path, smollm2_path
-
-    return smollm2_path() if model_name == "smollm2" else llama3_path(model_name)
-
-
 @pytest.fixture(scope="module")
 def dtype(request):
     return getattr(torch, request.config.getoption("--bench-dtype"))
@@ -161,12 +146,12 @@ def test_genlm_fast_cache_kv(benchmark, model_name, ours, plan, reference):
     assert err < TOL, f"genlm_fast log-probs differ from float64 by {err:.2e}"
 
 
-def test_genlm_fast(benchmark, model_name, ours, plan, reference, capsys):
+def test_genlm_fast(benchmark, model_name, model_label, ours, plan, reference, capsys):
     # (this name and configuration are the regression subset's: bench/conftest.py)
     err = _bench(benchmark, model_name, "genlm_fast", ours, plan, reference)
     assert err < TOL, f"genlm_fast log-probs differ from float64 by {err:.2e}"
     if any(name == "genlm-backend" for name, _ in _results):  # ran before: compare
-        _summary(benchmark, capsys)
+        _summary(benchmark, model_label, capsys)
 
 
 def _best(name):
@@ -175,11 +160,11 @@ def _best(name):
     return min(runs, key=lambda cr: cr[1]["min_s"])
 
 
-def _summary(benchmark, capsys):
+def _summary(benchmark, model_label, capsys):
     lines = [
         (
             f"SMC workload: {N_PARTICLES} particles x {N_ROUNDS} rounds, "
-            f"{MODEL_NAMES.get(benchmark.extra_info['model'], benchmark.extra_info['model'])} "
+            f"{model_label} "
             f"{benchmark.extra_info['dtype']}, torch threads={torch.get_num_threads()}, "
             f"load average {os.getloadavg()[0]:.1f}"
         ),

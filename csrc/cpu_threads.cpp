@@ -31,7 +31,8 @@ namespace {
 // how often the contention measure is read, and the shortest window it is taken over
 constexpr int64_t kSampleIntervalNs = 100'000'000;
 // a CPU counts as free when other work keeps less than 1 - kFreeSlack of it busy: /proc/stat
-// counts in ticks (10 ms), so a 100 ms window on 2 CPUs is good to about 0.1-0.2 CPUs
+// counts in clock ticks, so a reading over one sample interval is off by a tick or two per
+// CPU, a fraction of a CPU that the slack must cover
 constexpr double kFreeSlack = 0.35;
 
 int64_t now_ns() {

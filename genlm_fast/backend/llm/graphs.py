@@ -1,8 +1,9 @@
 """One-token decoding forwards over fixed-shape buffers, replayed as CUDA graphs.
 
 On a GPU, a small model's eager forward waits on the host: a decoder layer is some twenty
-kernel launches, each prepared by Python, and SmolLM2's 30 layers take ~25 ms a forward on
-an H200 whatever the batch, where the same kernels replayed from a CUDA graph take 3-8 ms.
+kernel launches, each prepared by Python, so a forward of a small model costs the host's
+time to launch them whatever the batch; replayed from a CUDA graph, the same kernels cost
+the device's time to run them.
 A graph replays fixed kernels on fixed addresses, so the forward it records must see the
 same shapes and buffers every time. `DecodeGraphs` gives it those:
 

@@ -3,8 +3,9 @@ AsyncTransformer, on tiny seeded random models of each family it knows (built fr
 nothing downloaded): every log-probability against transformers' float64 forward of the same
 weights over the whole context (no cache), through decoding rounds over cached pasts of
 different lengths, 1 and 2 new tokens, B=1 and B=16; then the bad inputs (contexts past the
-position limit, NaN/inf, weights changed after packing), the fallback for an architecture it
-does not know, and what cleanup releases. The real SmolLM2 is in test_decoder_smollm2.py.
+position limit, NaN/inf), the fallback for an architecture it does not know, and what cleanup
+releases. Weights edited after packing are in test_decoder_weight_edits.py, the real SmolLM2
+in test_decoder_smollm2.py.
 """
 
 from __future__ import annotations
@@ -18,10 +19,20 @@ import weakref
 import pytest
 import torch
 
-from genlm_fast.backend.llm import AsyncTransformer, NonFiniteLogitsError, decoder_spec, model_state
+from genlm_fast.backend.llm import AsyncTransformer, NonFiniteLogitsError, decoder_spec
 from genlm_fast.backend.llm import decoder as decoder_mod
-from genlm_fast.models import smollm2_path
 from tests.backend.fused import needs_fused
+from tests.backend.small_models import tokenizer as tokenizer  # a fixture
+from tests.backend.tiny_decoders import (
+    FAMILIES,
+    Oracle,
+    V,
+    assert_matches,
+    rounds,
+    spy_fused,
+    tiny_config,
+    tiny_model,
+)
 
 
 @needs_fused
@@ -29,185 +40,6 @@ def test_the_fused_decoder_is_built():
     """On a CPU with AVX-512F the extension has the decoder: a missing, stale or broken build
     fails here (and in every test that needs it) instead of skipping them."""
     assert decoder_mod.fused_available() is None
-
-
-V = 49157  # the SmolLM2 tokenizer's 49152 tokens and a few more: the LM head has a ragged panel
-ATOL = 2e-4  # float32 against float64 log-probabilities, on models this small
-
-
-def tiny_config(family):
-    import transformers as tf
-
-    # head sizes that are and are not multiples of 16, biases, norms of every kind
-    common = {
-        "vocab_size": V,
-        "num_hidden_layers": 2,
-        "max_position_embeddings": 64,
-        "initializer_range": 0.3,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-    }
-    if family == "llama":
-        return tf.LlamaConfig(
-            **common,
-            hidden_size=40,
-            intermediate_size=72,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    if family == "llama-yarn":  # a rope variant that scales cos and sin
-        return tf.LlamaConfig(
-            **common,
-            hidden_size=64,
-            intermediate_size=96,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            rope_parameters={
-                "rope_type": "yarn",
-                "factor": 4.0,
-                "rope_theta": 10000.0,
-                "original_max_position_embeddings": 16,
-            },
-        )
-    if family == "mistral":
-        return tf.MistralConfig(
-            **common,
-            hidden_size=64,
-            intermediate_size=80,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            head_dim=16,
-            sliding_window=6,
-        )
-    if family == "qwen2":
-        return tf.Qwen2Config(
-            **common,
-            hidden_size=48,
-            intermediate_size=64,
-            num_attention_heads=3,
-            num_key_value_heads=1,
-            use_sliding_window=True,
-            sliding_window=5,
-            max_window_layers=1,
-            tie_word_embeddings=False,
-        )
-    if family == "qwen3":
-        return tf.Qwen3Config(
-            **common,
-            hidden_size=32,
-            intermediate_size=64,
-            head_dim=24,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        )
-    if family == "gemma":
-        return tf.GemmaConfig(
-            **common,
-            hidden_size=48,
-            intermediate_size=64,
-            head_dim=32,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            hidden_activation="gelu_pytorch_tanh",
-        )
-    if family == "gemma2":
-        return tf.Gemma2Config(
-            **common,
-            hidden_size=48,
-            intermediate_size=64,
-            head_dim=16,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            sliding_window=4,
-            query_pre_attn_scalar=20,
-            attn_logit_softcapping=5.0,
-            final_logit_softcapping=3.0,
-        )
-    if family == "gpt2":
-        return tf.GPT2Config(
-            vocab_size=V,
-            n_embd=48,
-            n_layer=2,
-            n_head=3,
-            n_positions=40,
-            initializer_range=0.3,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-    raise ValueError(family)
-
-
-FAMILIES = ["llama", "llama-yarn", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gpt2"]
-
-
-def tiny_model(family, seed=0):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
-    with torch.no_grad():  # norms away from their initial ones and zeros
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.3)
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_path())
-
-
-class Oracle:
-    """transformers' float64 forward of a copy of the model, over whole contexts."""
-
-    def __init__(self, model):
-        self.model = copy.deepcopy(model).double().eval()
-
-    def __call__(self, ctx):
-        with torch.no_grad():
-            logits = self.model(torch.tensor([list(ctx)])).logits[0, -1]
-        return torch.log_softmax(logits, -1)
-
-
-def assert_matches(rows, ctxs, oracle, atol=ATOL):
-    for row, ctx in zip(rows, ctxs):
-        want = oracle(ctx)
-        err = (row.double() - want).abs().max().item()
-        assert err < atol, f"context of {len(ctx)} tokens: max |error| {err:.2e}"
-
-
-def spy_fused(lm):
-    """Record (past, new) of every row the fused decoder runs."""
-    seen = []
-    engine = lm._forwards.fused
-    run = engine.run
-
-    def spy(rows, keep):
-        seen.extend((row.depth, row.new) for row in rows)
-        return run(rows, keep)
-
-    engine.run = spy
-    return seen
-
-
-def rounds(rng, B, prompt_lengths):
-    """Contexts of SMC/beam-like decoding: prompts of different lengths (sharing a prefix),
-    then rounds that add 1 or 2 tokens to every row, resample rows and branch."""
-    shared = [rng.randrange(3, V - 5) for _ in range(3)]
-    rows = [
-        shared + [rng.randrange(3, 49000) for _ in range(rng.choice(prompt_lengths))]
-        for _ in range(B)
-    ]
-    out = [[list(r) for r in rows]]
-    for step in range(4):
-        grow = 1 if step % 2 == 0 else 2
-        rows = [r + [rng.randrange(3, 49000) for _ in range(grow)] for r in rows]
-        out.append([list(r) for r in rows])
-        rows = [list(rng.choice(rows)) for _ in range(B)]  # resample: shared pasts, duplicates
-    return out
 
 
 @needs_fused
@@ -444,165 +276,6 @@ def test_check_finite_logits(case):
     else:
         check_finite_logits(logits, contexts)
     assert bad == (case in ("one nan", "one +inf", "row all -inf"))
-
-
-def _edit_in_place(model):
-    with torch.no_grad():
-        model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
-
-
-def _edit_data(model):  # behind the version counter, as peft's merge does
-    w = model.model.layers[1].mlp.up_proj.weight
-    w.data += 0.2 * torch.randn_like(w)
-
-
-def _edit_few_entries(model):  # a handful of entries of small tensors, through .data
-    model.model.layers[0].mlp.down_proj.weight.data[:2, :3] += 1.0
-    model.model.norm.weight.data[4] += 2.0
-
-
-def _announced(model):  # a few entries of a large weight (the embedding), then said
-    model.model.embed_tokens.weight.data[5:12, :3] += 1.0
-    return "announce"
-
-
-def _replace_parameter(model):
-    layer = model.model.layers[1].self_attn.o_proj
-    layer.weight = torch.nn.Parameter(layer.weight.detach() * -1.0)
-
-
-def _load_state_dict(model):
-    state = {k: v * 0.9 for k, v in model.state_dict().items()}
-    model.load_state_dict(state)
-
-
-def _inject_submodule(model):  # what an adapter library does: a layer replaced by another
-    layer = model.model.layers[0].self_attn
-    layer.q_proj = torch.nn.Sequential(layer.q_proj)
-
-
-def _drop_bias(model):  # a parameter slot set to None
-    model.model.layers[0].mlp.gate_proj.register_parameter("bias", None)
-    model.model.layers[0].mlp.gate_proj.extra = torch.nn.Parameter(torch.zeros(2))
-
-
-def _swap_dict_entry(model):  # behind __setattr__: the module's own dict edited
-    proj = model.model.layers[1].mlp.down_proj
-    proj._parameters["weight"] = torch.nn.Parameter(proj.weight.detach().clone())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
-@pytest.mark.parametrize(
-    "edit",
-    [
-        None,
-        _edit_in_place,
-        _edit_data,
-        _replace_parameter,
-        _inject_submodule,
-        _drop_bias,
-        _swap_dict_entry,
-        _load_state_dict,
-    ],
-)
-def test_model_watch(edit, compiled, dtype, monkeypatch):
-    """ModelWatch sees each kind of change (and none where there is none), both the compiled
-    check and the Python one the package falls back to without the extension, on float32
-    and bfloat16 weights; the compiled one names the first dict or parameter that changed."""
-    if not compiled:
-        monkeypatch.setattr(model_state, "_watch_module", lambda: None)
-    elif model_state._watch_module() is None:
-        pytest.skip("the compiled extension is not built here")
-    model = tiny_model("llama").to(dtype)
-    watch = model_state.ModelWatch(model)
-    assert (watch._impl is not None) == compiled
-    assert not watch.changed() and not watch.changed()
-    if edit is None:
-        return
-    dicts_before = [(d, list(items)) for d, items in watch._dicts]
-    edit(model)
-    assert watch.changed()
-    if compiled:
-        # the oracle: the first dict whose items are no longer the same objects, else the
-        # number of dicts (the parameters come after them)
-        first = next(
-            (
-                i
-                for i, (d, items) in enumerate(dicts_before)
-                if len(d) != len(items) or any(d.get(k) is not v for k, v in items)
-            ),
-            len(dicts_before),
-        )
-        got = watch._impl.changed()
-        assert got == first if first < len(dicts_before) else got >= first
-
-
-@needs_fused
-@pytest.mark.parametrize(
-    "edit",
-    [
-        _edit_in_place,
-        _edit_data,
-        _edit_few_entries,
-        _replace_parameter,
-        _load_state_dict,
-        _announced,
-    ],
-)
-@pytest.mark.asyncio
-async def test_weights_changed_after_packing(edit, tokenizer):
-    """An edit of the weights after the decoder packed them (in place, through .data,
-    replacing a parameter, load_state_dict, or announced with reload_weights): the next
-    forward computes with the new weights, and key/value states cached before are not
-    reused."""
-    model = tiny_model("llama")
-    lm = AsyncTransformer(model, tokenizer)
-    try:
-        ctxs = [[5, 6, 7, 8, 9], [5, 6, 7, 10]]
-        await lm.batch_next_token_logprobs(ctxs)
-        if edit(model) == "announce":
-            lm.reload_weights()
-        oracle = Oracle(model)
-        later = [c + [11] for c in ctxs]  # would reuse the cached pasts
-        assert_matches(await lm.batch_next_token_logprobs(later), later, oracle)
-        assert lm.forward_path == "fused"
-    finally:
-        lm.cleanup()
-
-
-@needs_fused
-@pytest.mark.asyncio
-async def test_peft_adapter_injected_then_merged(tokenizer):
-    """peft wrapping the model's layers (get_peft_model) sends forwards to transformers'
-    path; merge_and_unload puts plain layers back with merged weights, and the fused path
-    computes with them."""
-    import peft  # a test dependency: never skipped
-
-    model = tiny_model("llama")
-    lm = AsyncTransformer(model, tokenizer)
-    try:
-        ctx = [5, 6, 7, 8]
-        await lm.next_token_logprobs(ctx)
-        torch.manual_seed(1)
-        wrapped = peft.get_peft_model(
-            model,
-            peft.LoraConfig(
-                r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
-            ),
-        )
-        wrapped.eval()
-        want = torch.log_softmax(wrapped(torch.tensor([ctx + [9]])).logits[0, -1].double(), -1)
-        row = await lm.next_token_logprobs(ctx + [9])
-        assert lm.forward_path.startswith("transformers")
-        assert (row.double() - want).abs().max().item() < ATOL
-        merged = wrapped.merge_and_unload()
-        assert merged is model
-        oracle = Oracle(model)
-        assert_matches([await lm.next_token_logprobs(ctx + [9, 10])], [ctx + [9, 10]], oracle)
-        assert lm.forward_path == "fused"
-    finally:
-        lm.cleanup()
 
 
 # ---------------------------------------------------------------------------- fallback, sharing

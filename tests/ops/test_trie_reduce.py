@@ -485,7 +485,7 @@ def test_cpu_results_on_smollm2_do_not_depend_on_the_team():
 def test_gpu_character_trie_results_are_pinned_host_arrays():
     """ParallelTokenCharacterTrie(device="cuda") hands its results to the host through
     pinned blocks (genlm_fast/backend/trie/base.py, to_host; the pool's bookkeeping is
-    tested on the CPU in tests/backend/test_trie_api.py): each a numpy array over page-locked
+    tested on the CPU in tests/backend/test_trie_values.py): each a numpy array over page-locked
     memory, its own (two calls do not share a block while both arrays live), the oracle's
     values."""
     words = [bytes([97 + i % 3]) * (1 + i // 3) for i in range(40)]

@@ -16,11 +16,10 @@ import torch
 
 from genlm_fast.__main__ import main
 from genlm_fast.demo import demo
-from tests.cli_fixtures import cli_environment as cli_environment  # autouse fixtures
+from tests.cli_fixtures import cli_environment as cli_environment  # autouse
 from tests.cli_fixtures import model_dir as model_dir  # a fixture
-from tests.cli_fixtures import single_thread as single_thread
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def test_cli_demo_prints_every_section(model_dir, capsys):

@@ -31,11 +31,10 @@ import torch
 
 from genlm_fast.bytes.util import EOS_INDEX
 from genlm_fast.demo import demo
-from tests.cli_fixtures import cli_environment as cli_environment  # autouse fixtures
+from tests.cli_fixtures import cli_environment as cli_environment  # autouse
 from tests.cli_fixtures import model_dir as model_dir  # a fixture
-from tests.cli_fixtures import single_thread as single_thread
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 PROMPT = "The capital of France is"
 STRING = " Paris"

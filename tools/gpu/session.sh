@@ -36,7 +36,8 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export PATH=/tmp/site/bin:$PATH  # ninja from .whl: torch's extension build runs it
 PY=python3
 GPU_TESTS="tests/ops/test_trie_reduce.py tests/ops/test_triton_kernels.py
-  tests/ops/test_log_softmax_rows.py tests/ops/test_extension_build.py tests/ops/test_layout.py
+  tests/ops/test_log_softmax_rows.py tests/ops/test_extension_build.py
+  tests/ops/test_extension_numerics.py tests/ops/test_cuda_compile.py tests/ops/test_layout.py
   tests/backend/test_cuda_graphs.py tests/ops/test_paged_attention.py
   tests/backend/test_paged_kv.py"
 

@@ -12,6 +12,7 @@ import torch
 
 from genlm_fast.ops import cpu_backend, extension, trie_reduce
 from tests.layouts import make_layout, random_words
+from tests.ops.devices import require_cpu_extension
 
 MODES = ["without_eos", "with_eos"]
 REDUCTIONS = ["sum", "max", "log_mass"]
@@ -21,8 +22,7 @@ REDUCTIONS = ["sum", "max", "log_mass"]
 def cpu_extension_required():
     """Autouse where imported: a missing or broken CPU extension fails every test of the
     module (naming why) instead of letting them skip or fall back."""
-    if not extension.has("cpu"):
-        pytest.fail(f"the CPU trie extension is not available: {extension.why_missing('cpu')}")
+    require_cpu_extension()
 
 
 _LAYOUTS = {}

@@ -16,8 +16,13 @@ import pytest
 import torch
 
 from genlm_fast.ops import extension
+from tests.ops.devices import require_cpu_extension
 
-pytestmark = pytest.mark.skipif(not extension.has("cpu"), reason="needs the compiled kernels")
+
+@pytest.fixture(autouse=True)
+def _compiled_kernels():
+    require_cpu_extension()
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -22,7 +22,7 @@ from genlm_fast.backend.tokenization import Token
 from genlm_fast.backend.trie import ParallelTokenCharacterTrie, TokenCharacterTrie
 from genlm_fast.bytes import TokenByteTrie, TrieMode
 from tests import oracle
-from tests.ops.devices import device_for
+from tests.ops.devices import device_for, require_cpu_extension
 
 BACKENDS = [
     "reference",
@@ -424,8 +424,7 @@ def test_cpu_row_schedules_on_smollm2(threads):
     the rows left over, even with a later bad row in the other part."""
     from genlm_fast.ops import cpu_backend, extension
 
-    if not extension.has("cpu"):
-        pytest.skip(f"the cpu kernels are not built here: {extension.why_missing('cpu')}")
+    require_cpu_extension()
     module = extension.load_module()
     trie = TokenCharacterTrie(byte_vocab("smollm2"), cache=False)
     arrays = trie.layout.device_arrays("without_eos", torch.device("cpu"), "cpu")
@@ -455,8 +454,7 @@ def test_cpu_results_on_smollm2_do_not_depend_on_the_team():
     would show)."""
     from genlm_fast.ops import cpu_backend, extension
 
-    if not extension.has("cpu"):
-        pytest.skip(f"the cpu kernels are not built here: {extension.why_missing('cpu')}")
+    require_cpu_extension()
     module = extension.load_module()
     usable = module.cpu_threads_info()["usable_cpus"]
     if usable < 2:

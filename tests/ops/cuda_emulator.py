@@ -40,6 +40,7 @@ from genlm_fast.backend.tokenization import Token
 from genlm_fast.bytes import TokenByteTrie
 from genlm_fast.ops import dispatch
 from genlm_fast.ops.layout import SPAN_NARROW_TILES, SPAN_WARP_TILES, span_class_end
+from tests.ops.cuda_toolkit import cuda_include_dirs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CU = os.path.join(REPO, "csrc", "trie_reduce_cuda.cu")
@@ -425,28 +426,10 @@ def emulated_source(src: str) -> str:
     return "".join(out)
 
 
-def _cuda_include_dirs():
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        return None
-    dry = subprocess.run(
-        [nvcc, "--dryrun", "-c", "-x", "cu", os.devnull],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    dirs = re.findall(
-        r'-I"?([^"\s]+)',
-        "".join(line for line in dry.stderr.splitlines() if line.startswith("#$ INCLUDES=")),
-    )
-    return [d for d in dirs if os.path.exists(os.path.join(d, "cuda_fp16.h"))] or None
-
-
 @functools.cache
 def build_emulator(build_dir: str) -> str:
     cxx = shutil.which("g++") or shutil.which("c++")
-    includes = _cuda_include_dirs()
+    includes = cuda_include_dirs()
     if cxx is None or includes is None:
         pytest.skip("needs g++ and the CUDA toolkit's headers (nvcc on PATH)")
     with open(CU) as f:

@@ -18,6 +18,8 @@ import sysconfig
 
 import pytest
 
+from tests.ops.cuda_toolkit import cuda_include_dirs
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CUDA_SOURCE = os.path.join(REPO, "csrc", "trie_reduce_cuda.cu")
@@ -170,19 +172,8 @@ def test_cuda_bindings_compile(tmp_path):
     nvcc = shutil.which("nvcc")
     if cxx is None or nvcc is None:
         pytest.skip("needs a C++ compiler and nvcc's CUDA toolkit (for cuda_runtime_api.h)")
-    # a CPU torch's cpp_extension.CUDA_HOME is None: ask nvcc where its headers are
-    dry = subprocess.run(
-        [nvcc, "--dryrun", "-c", "-x", "cu", os.devnull],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    cuda_includes = re.findall(
-        r'-I"?([^"\s]+)',
-        "".join(line for line in dry.stderr.splitlines() if line.startswith("#$ INCLUDES=")),
-    )
-    assert cuda_includes, dry.stderr
+    cuda_includes = cuda_include_dirs()
+    assert cuda_includes, "nvcc names no include directory holding cuda_fp16.h"
     shim = tmp_path / "c10" / "cuda" / "impl"
     shim.mkdir(parents=True)
     (shim / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")

@@ -15,15 +15,17 @@ token only), at the FLOP/s of register-only float32 multiply-adds on the same th
 float32 before they are multiplied); a forward can be no faster than either floor.
 
 Cases: 1, 4 and 16 rows x 1 and 2 new tokens over a cached past of 24 tokens (rows sharing
-a 15-token prompt, as SMC particles do). Each round measures the bandwidth, then every case
-on genlm_fast's forward (``forward_path``: the fused decoder where it runs, else
-transformers' forward with genlm_fast's linear layers, run through `engines.Forwards.run_on`
-with the trie insertions) and on the plain alternative over the same stored key/values (the
-fused decoder: transformers' forward with genlm_fast's linear layers, the path before it;
-otherwise: transformers' own linear layers, as genlm-backend runs them); the best of the
-rounds is kept for each (a shared VM's bandwidth moves by 2x within minutes: measuring
-everything in every round keeps the ratios honest). Every case's logits are checked against
-a float64 forward of the same weights first (max |log-prob error| over tokens > -20).
+a 15-token prompt, as SMC particles do). Each round runs every case on genlm_fast's forward
+(``forward_path``: the fused decoder where it runs, else transformers' forward with
+genlm_fast's linear layers, run through `engines.Forwards.run_on` with the trie insertions)
+and on the plain alternative over the same stored key/values (the fused decoder:
+transformers' forward with genlm_fast's linear layers, the path before it; otherwise:
+transformers' own linear layers, as genlm-backend runs them), each case right after its own
+measurement of both floors. A shared VM's bandwidth and FMA rate can move by 2x within
+seconds, so a forward is compared with the floors of its own moment, and the table gives the median over the rounds of those ratios (a best time
+over a best floor taken at different moments can read below 1). Every case's logits are
+checked against a float64 forward of the same weights first (max |log-prob error| over
+tokens > -20).
 
 ``--model llama3.2-1b`` is the Llama-3.2-1B architecture with the real Llama-3 vocabulary and
 seeded weights (`genlm_fast.models.llama3_path`), the scale genlm's users run;
@@ -34,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
+from typing import NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -48,6 +52,15 @@ PROMPT = "In a quiet village at the edge of the forest, an old clockmaker"
 MODELS = ("smollm2", "llama3.2-1b")
 PAST = 24
 CASES = [(1, 1), (1, 2), (4, 1), (4, 2), (16, 1), (16, 2)]
+
+
+class Sample(NamedTuple):
+    """One round of one case: the floors measured just before it and the forwards' seconds."""
+
+    bandwidth: float  # bytes/s, the streaming read's best
+    flops: float  # FLOP/s of register-only multiply-adds
+    mine: float  # genlm_fast's forward
+    other: float | None  # the comparison's (None: not run)
 
 
 def _contexts(tokenizer, rows, new):
@@ -157,12 +170,14 @@ def run(rounds=7, cases=CASES, dtype=torch.float32, model="smollm2"):
     # the forward's team: as many threads as its parallel regions over these bytes get
     threads = module.cpu_team_size(nbytes)
 
-    bandwidth, flops, best = 0.0, 0.0, {}
+    # every case's runs are paired with floors measured just before them: the VM's bandwidth
+    # and FMA rate move by 2x within seconds, so a time is only compared with its own state's
+    samples = {case: [] for case in cases}
     with torch.no_grad():
         for _ in range(rounds):
-            bandwidth = max(bandwidth, _floor_bandwidth(probes, buf, threads))
-            flops = max(flops, probes.fma_rate(100_000_000, module.cpu_team_size(1 << 40)))
             for case in cases:
+                bandwidth = _floor_bandwidth(probes, buf, threads)
+                flops = probes.fma_rate(100_000_000, module.cpu_team_size(1 << 40))
                 (plans, trie), theirs = setups[case]
                 runs = [("genlm_fast", lambda p=plans, t=trie: lm._forwards.run_on(mine, p, t))]
                 if other is not None:
@@ -174,11 +189,14 @@ def run(rounds=7, cases=CASES, dtype=torch.float32, model="smollm2"):
                             ),
                         )
                     )
+                times = {}
                 for name, fn in runs:
                     t = time.perf_counter()
                     fn()
-                    dt = time.perf_counter() - t
-                    best[case, name] = min(best.get((case, name), float("inf")), dt)
+                    times[name] = time.perf_counter() - t
+                samples[case].append(
+                    Sample(bandwidth, flops, times["genlm_fast"], times.get("other"))
+                )
     if packed:
         unpack_linear_layers(other.model)
     forward_path = lm.forward_path
@@ -190,12 +208,10 @@ def run(rounds=7, cases=CASES, dtype=torch.float32, model="smollm2"):
         "forward_path": forward_path,
         "other": other_name,
         "isa": probes.isa(),
-        "bandwidth": bandwidth,
         "bytes": nbytes,
-        "flops": flops,
         "params": params,
         "head_params": head,
-        "best": best,
+        "samples": samples,
         "errors": errors,
         "cases": cases,
         "dtype": str(dtype).removeprefix("torch."),
@@ -203,28 +219,36 @@ def run(rounds=7, cases=CASES, dtype=torch.float32, model="smollm2"):
 
 
 def table(r):
-    mem_floor = r["bytes"] / r["bandwidth"]
+    everything = [x for case in r["cases"] for x in r["samples"][case]]
+    bandwidths = [x.bandwidth for x in everything]
+    rates = [x.flops for x in everything]
     lines = [
         f"{r['model']} {r['dtype']}, one forward over a cached past of {PAST} tokens on "
-        f"genlm_fast's `{r['forward_path']}` path. "
-        f"Memory floor: {r['bytes'] / 1e6:.0f} MB of weights at "
-        f"{r['bandwidth'] / 1e9:.1f} GB/s (streaming read, same run) = "
-        f"{mem_floor * 1e3:.2f} ms; arithmetic: {r['flops'] / 1e9:.0f} GFLOP/s of {r['isa']} "
-        f"float32 FMA, {r['params'] / 1e6:.0f} M weights per new token and "
-        f"{r['head_params'] / 1e6:.0f} M (the LM head) per row.",
+        f"genlm_fast's `{r['forward_path']}` path: {r['bytes'] / 1e6:.0f} MB of weights, "
+        f"{r['params'] / 1e6:.0f} M weights per new token and {r['head_params'] / 1e6:.0f} M "
+        "(the LM head) per row. Each run is paired with the floors measured just before it: "
+        f"streaming read {min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f} GB/s, "
+        f"{min(rates) / 1e9:.0f}-{max(rates) / 1e9:.0f} GFLOP/s of {r['isa']} float32 FMA "
+        f"over the {len(everything)} runs. `x floor`: the median over the rounds of a run's "
+        "time over its own floors; `speedup`: the median of the rounds' ratios.",
         "",
-        "| rows x new | genlm_fast ms | x memory floor | x max(memory, FMA) floor | "
-        f"{r['other']} ms | speedup | max err vs f64 |",
+        "| rows x new | genlm_fast ms (best) | x memory floor | x max(memory, FMA) floor | "
+        f"{r['other']} ms (best) | speedup | max err vs f64 |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for rows, new in r["cases"]:
-        mine, other = r["best"][(rows, new), "genlm_fast"], r["best"].get(((rows, new), "other"))
+        runs = r["samples"][rows, new]
         fma = 2 * (r["params"] * rows * new + r["head_params"] * rows)
-        floor = max(mem_floor, fma / r["flops"])
-        theirs = "- | -" if other is None else f"{other * 1e3:.1f} | {other / mine:.2f}x"
+        memory = [x.mine * x.bandwidth / r["bytes"] for x in runs]
+        floor = [x.mine / max(r["bytes"] / x.bandwidth, fma / x.flops) for x in runs]
+        mine = min(x.mine for x in runs)
+        theirs = "- | -"
+        if runs[0].other is not None:
+            speedup = statistics.median(x.other / x.mine for x in runs)
+            theirs = f"{min(x.other for x in runs) * 1e3:.1f} | {speedup:.2f}x"
         lines.append(
-            f"| {rows} x {new} | {mine * 1e3:.1f} | {mine / mem_floor:.2f} | "
-            f"{mine / floor:.2f} | {theirs} | {r['errors'][rows, new]:.1e} |"
+            f"| {rows} x {new} | {mine * 1e3:.1f} | {statistics.median(memory):.2f} | "
+            f"{statistics.median(floor):.2f} | {theirs} | {r['errors'][rows, new]:.1e} |"
         )
     return "\n".join(lines)
 

@@ -250,10 +250,13 @@ void panel_dot2(const float* x, int64_t ldx, int64_t m, int64_t k, const W* pa, 
                 float* acc, float* acc2, bool avx512, const W* next_a, const W* next_b) {
 #if GF_X86_KERNELS
   if (avx512) {
-    // chunks of 64 values of k: 8 KB of two float32 panels. Beside the next chunk being fetched
-    // and the rows' slices of x that leaves most of L1 (48 KB) free; 16 KB chunks, which
-    // crowd it, were slower at 1 to 32 rows
-    constexpr int64_t chunk = kChunk / 4;
+    // chunks of 8 KB of two panels (64 values of k of float32 ones, 128 of 16-bit ones). Beside
+    // the next chunk being fetched and the rows' slices of x that leaves most of L1 (48 KB)
+    // free; 16 KB chunks, which crowd it, were slower at 1 to 32 rows. The next chunk is what
+    // is prefetched, so a chunk's bytes, not its values of k, are what keep enough of W in
+    // flight to cover the memory's latency: 4 KB chunks of 16-bit panels left 4 rows well
+    // short of the read bandwidth that 1 row reaches
+    constexpr int64_t chunk = kChunk / 4 * static_cast<int64_t>(sizeof(float) / sizeof(W));
     const int64_t groups = (m + 11) / 12;
     if (!next_a) next_a = pa + k * kPanel, next_b = pb + k * kPanel;
     for (int64_t k0 = 0;; k0 += chunk) {

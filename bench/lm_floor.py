@@ -7,25 +7,26 @@ The floor of a forward is reading the weights once: the bytes genlm_fast's forwa
 (the fused decoder's packed copies, or where it does not run the model's own weights, which
 the linear layers read in place) over the machine's read bandwidth, measured here by reading
 a buffer of the same size as the forward's threads do (`stream_read` of
-`bench/csrc/probes.cpp`: each thread its share as 1, 2 or 4 interleaved sequential streams;
-the fastest). Rows of new tokens also cost arithmetic: two FLOPs per weight of the decoder
-layers per new token, and per weight of the LM head per row (it runs on each row's last
-token only), at the FLOP/s of register-only float32 multiply-adds on the same threads (its
-`fma_rate`, with the widest vector instructions this CPU has: 16-bit weights are widened to
-float32 before they are multiplied); a forward can be no faster than either floor.
+`bench/csrc/probes.cpp`: each thread its share as 1, 2 or 4 interleaved sequential streams,
+with and without software prefetches 4 KB ahead; the fastest). Rows of new tokens also cost
+arithmetic: two FLOPs per weight of the decoder layers per new token, and per weight of the
+LM head per row (it runs on each row's last token only), at the FLOP/s of register-only
+float32 multiply-adds on the same threads (its `fma_rate`, with the widest vector
+instructions this CPU has: 16-bit weights are widened to float32 before they are
+multiplied); a forward can be no faster than either floor.
 
-Cases: 1, 4 and 16 rows x 1 and 2 new tokens over a cached past of 24 tokens (rows sharing
-a 15-token prompt, as SMC particles do). Each round runs every case on genlm_fast's forward
+Cases: 1, 4 and 16 rows x 1 and 2 new tokens over a cached past of 24 tokens (rows sharing a
+15-token prompt, as SMC particles do). Each round runs every case on genlm_fast's forward
 (``forward_path``: the fused decoder where it runs, else transformers' forward with
 genlm_fast's linear layers, run through `engines.Forwards.run_on` with the trie insertions)
 and on the plain alternative over the same stored key/values (the fused decoder:
 transformers' forward with genlm_fast's linear layers, the path before it; otherwise:
 transformers' own linear layers, as genlm-backend runs them), each case right after its own
 measurement of both floors. A shared VM's bandwidth and FMA rate can move by 2x within
-seconds, so a forward is compared with the floors of its own moment, and the table gives the median over the rounds of those ratios (a best time
-over a best floor taken at different moments can read below 1). Every case's logits are
-checked against a float64 forward of the same weights first (max |log-prob error| over
-tokens > -20).
+seconds, so a forward is compared with the floors of its own moment, and the table gives the
+median over the rounds of those ratios (a best time over a best floor taken at different
+moments can read below 1). Every case's logits are checked against a float64 forward of the
+same weights first (max |log-prob error| over tokens > -20).
 
 ``--model llama3.2-1b`` is the Llama-3.2-1B architecture with the real Llama-3 vocabulary and
 seeded weights (`genlm_fast.models.llama3_path`), the scale genlm's users run;
@@ -88,11 +89,14 @@ def _plans(lm, ctxs, new):
 
 
 def _floor_bandwidth(probes, buf, threads):
+    """The fastest read of ``buf``: 1, 2 or 4 streams a thread, on the hardware prefetcher
+    alone or with each line prefetched 4 KB ahead, as the panel kernels do."""
     best = 0.0
     for streams in (1, 2, 4):
-        t = time.perf_counter()
-        probes.stream_read(buf, streams, threads)
-        best = max(best, buf.numel() * 4 / (time.perf_counter() - t))
+        for ahead in (0, 4096):
+            t = time.perf_counter()
+            probes.stream_read(buf, streams, threads, ahead)
+            best = max(best, buf.numel() * 4 / (time.perf_counter() - t))
     return best
 
 

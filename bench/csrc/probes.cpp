@@ -1,8 +1,11 @@
 // The machine's floors for bench/lm_floor.py, which compares a CPU forward with them; built on
 // first use by bench/probes.py (torch.utils.cpp_extension.load), never part of genlm_fast._C.
 //
-//   stream_read(data, streams, threads) -> the sum of `data`, each of `threads` threads reading
-//       its share as `streams` interleaved sequential streams (the time to read the weights once)
+//   stream_read(data, streams, threads, ahead=0) -> the sum of `data`, each of `threads` threads
+//       reading its share as `streams` interleaved sequential streams, each stream's line
+//       `ahead` bytes on prefetched (0: none) as the panel kernels do (the time to read the
+//       weights once: a forward's software prefetches can read faster than the hardware
+//       prefetcher alone, so a floor takes the best of both)
 //   fma_rate(iterations, threads) -> FLOP/s of register-only float32 multiply-adds on `threads`
 //       threads, `iterations` each
 //   isa() -> the instructions both use: "avx512" or "avx2", the widest this CPU runs by
@@ -63,13 +66,18 @@ struct Probe {
     return total;
   }
 
-  // x[lo, hi) read as `streams` interleaved sequential streams, two vectors at a time
-  static inline double read(const float* x, int64_t lo, int64_t hi, int64_t streams) {
+  // x[lo, hi) read as `streams` interleaved sequential streams, two vectors at a time, each
+  // 64-byte line `ahead` floats on prefetched first (none when 0)
+  static inline double read(const float* x, int64_t lo, int64_t hi, int64_t streams,
+                            int64_t ahead) {
     const int64_t len = (hi - lo) / streams / (2 * W) * (2 * W);
     Vec a = splat(0.0f), b = splat(0.0f);
     for (int64_t i = 0; i < len; i += 2 * W)
       for (int64_t s = 0; s < streams; ++s) {
         const float* p = x + lo + s * len + i;
+        if (ahead) {  // (past the end of the share: a prefetch never faults)
+          for (int64_t line = 0; line < 2 * W; line += 16) __builtin_prefetch(p + ahead + line);
+        }
         a += load(p);
         b += load(p + W);
       }
@@ -94,12 +102,12 @@ struct Probe {
 };
 
 GF_AVX512 __attribute__((flatten)) double read_avx512(const float* x, int64_t lo, int64_t hi,
-                                                      int64_t streams) {
-  return Probe<16>::read(x, lo, hi, streams);
+                                                      int64_t streams, int64_t ahead) {
+  return Probe<16>::read(x, lo, hi, streams, ahead);
 }
 GF_AVX2 __attribute__((flatten)) double read_avx2(const float* x, int64_t lo, int64_t hi,
-                                                  int64_t streams) {
-  return Probe<8>::read(x, lo, hi, streams);
+                                                  int64_t streams, int64_t ahead) {
+  return Probe<8>::read(x, lo, hi, streams, ahead);
 }
 GF_AVX512 __attribute__((flatten)) double fmas_avx512(int64_t iterations) {
   return Probe<16>::fmas(iterations);
@@ -109,10 +117,11 @@ GF_AVX2 __attribute__((flatten)) double fmas_avx2(int64_t iterations) {
 }
 #endif
 
-double stream_read(const torch::Tensor& data, int64_t streams, int64_t threads) {
+double stream_read(const torch::Tensor& data, int64_t streams, int64_t threads, int64_t ahead) {
   TORCH_CHECK(data.scalar_type() == torch::kFloat32 && data.device().is_cpu() &&
-                  data.is_contiguous() && streams >= 1 && threads >= 1,
-              "stream_read: a contiguous float32 CPU tensor, streams >= 1 and threads >= 1");
+                  data.is_contiguous() && streams >= 1 && threads >= 1 && ahead >= 0,
+              "stream_read: a contiguous float32 CPU tensor, streams >= 1, threads >= 1 and "
+              "ahead >= 0");
   const std::string with = isa();
   TORCH_CHECK(with != "none", "stream_read: this CPU runs neither the avx512 nor the avx2 kernels");
 #if GF_PROBES
@@ -125,7 +134,9 @@ double stream_read(const torch::Tensor& data, int64_t streams, int64_t threads) 
   {
     const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
     const int64_t lo = n * tid / nth, hi = n * (tid + 1) / nth;
-    total += wide ? read_avx512(x, lo, hi, streams) : read_avx2(x, lo, hi, streams);
+    const int64_t floats_ahead = ahead / static_cast<int64_t>(sizeof(float));
+    total += wide ? read_avx512(x, lo, hi, streams, floats_ahead)
+                  : read_avx2(x, lo, hi, streams, floats_ahead);
   }
   return total;
 #else
@@ -156,8 +167,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "genlm_fast benchmark probes: the machine's memory and arithmetic floors";
   m.def("isa", &isa, "The instructions the probes use here: avx512, avx2 or none");
   m.def("stream_read", &stream_read,
-        "Sum of a float32 tensor read as `streams` sequential streams per thread",
-        pybind11::arg("data"), pybind11::arg("streams"), pybind11::arg("threads"));
+        "Sum of a float32 tensor read as `streams` sequential streams per thread, each line "
+        "`ahead` bytes on prefetched (0: none)",
+        pybind11::arg("data"), pybind11::arg("streams"), pybind11::arg("threads"),
+        pybind11::arg("ahead") = 0);
   m.def("fma_rate", &fma_rate, "FLOP/s of register-only float32 multiply-adds",
         pybind11::arg("iterations"), pybind11::arg("threads"));
 }

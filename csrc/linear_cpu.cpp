@@ -133,9 +133,9 @@ __attribute__((target("avx512f"))) void group_avx512(const float* x, int64_t ldx
 // two FMAs, which keeps the FMA units busier than one panel does.
 // Memory: while the G groups of rows walk a chunk, they fetch the next one (`next_a`,
 // `next_b`: its start), group g the g-th of G slices of it, so that the fetch is spread over
-// the whole chunk's arithmetic instead of stalling the first group. One row is the exception:
-// its arithmetic is so short that the hardware prefetcher keeps ahead of the two streams alone,
-// and the prefetch instructions only take load slots.
+// the whole chunk's arithmetic instead of stalling the first group. One row fetches too: the
+// hardware prefetcher alone keeps too little of a 16-bit panel in flight for the memory's full
+// bandwidth.
 template <class W, int R>
 __attribute__((target("avx512f"))) void pair_avx512(const float* x, int64_t ldx, const W* pa,
                                                     const W* pb, int64_t k0, int64_t k1,
@@ -143,17 +143,16 @@ __attribute__((target("avx512f"))) void pair_avx512(const float* x, int64_t ldx,
                                                     const W* next_a, const W* next_b, int64_t g,
                                                     int64_t groups) {
   __m512 a[R], b[R];
-  [[maybe_unused]] const int64_t len = k1 - k0;
+  const int64_t len = k1 - k0;
   for (int64_t b0 = k0; b0 < k1; b0 += kSumBlock) {
     const int64_t b1 = std::min(k1, b0 + kSumBlock);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_ps();
     for (int64_t k = b0; k < b1; k += kSteps<W>) {
-      if constexpr (R > 1) {
-        const int64_t ahead = ((k - k0) + g * len) / groups;
-        _mm_prefetch(reinterpret_cast<const char*>(next_a + ahead * kPanel), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(next_b + ahead * kPanel), _MM_HINT_T0);
-      }
+      // the next chunk's g-th slice, spread over this chunk's steps
+      const int64_t ahead = ((k - k0) + g * len) / groups;
+      _mm_prefetch(reinterpret_cast<const char*>(next_a + ahead * kPanel), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next_b + ahead * kPanel), _MM_HINT_T0);
       __m512 wa[kSteps<W>], wb[kSteps<W>];
       load_weights(pa + k * kPanel, wa);
       load_weights(pb + k * kPanel, wb);
@@ -254,8 +253,8 @@ void panel_dot2(const float* x, int64_t ldx, int64_t m, int64_t k, const W* pa, 
     // the next chunk being fetched and the rows' slices of x that leaves most of L1 (48 KB)
     // free; 16 KB chunks, which crowd it, were slower at 1 to 32 rows. The next chunk is what
     // is prefetched, so a chunk's bytes, not its values of k, are what keep enough of W in
-    // flight to cover the memory's latency: 4 KB chunks of 16-bit panels left 4 rows well
-    // short of the read bandwidth that 1 row reaches
+    // flight to cover the memory's latency (4 KB chunks of 16-bit panels left 4 rows short of
+    // the read bandwidth)
     constexpr int64_t chunk = kChunk / 4 * static_cast<int64_t>(sizeof(float) / sizeof(W));
     const int64_t groups = (m + 11) / 12;
     if (!next_a) next_a = pa + k * kPanel, next_b = pb + k * kPanel;

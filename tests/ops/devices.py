@@ -21,3 +21,10 @@ def require_cpu_extension():
 
     if not extension.has("cpu"):
         pytest.fail(f"the CPU extension is not available: {extension.why_missing('cpu')}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_extension_required():
+    """`require_cpu_extension` for every test of a module that imports this fixture (autouse
+    there)."""
+    require_cpu_extension()

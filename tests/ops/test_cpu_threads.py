@@ -16,13 +16,7 @@ import pytest
 import torch
 
 from genlm_fast.ops import extension
-from tests.ops.devices import require_cpu_extension
-
-
-@pytest.fixture(autouse=True)
-def _compiled_kernels():
-    require_cpu_extension()
-
+from tests.ops.devices import cpu_extension_required as cpu_extension_required  # autouse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from genlm_fast.ops import cpu_backend, extension, sources
+from tests.ops.devices import cpu_extension_required as cpu_extension_required  # autouse
 from tests.ops.extension_cases import (
     MODES,
     REDUCTIONS,
@@ -37,7 +38,6 @@ from tests.ops.extension_cases import (
     random_values,
     reference,
 )
-from tests.ops.extension_cases import cpu_extension_required as cpu_extension_required  # autouse
 
 # --------------------------------------------------------------------------- build / load
 

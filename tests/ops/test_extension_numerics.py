@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from genlm_fast.ops import cpu_backend, extension, trie_reduce
+from tests.ops.devices import cpu_extension_required as cpu_extension_required  # autouse
 from tests.ops.extension_cases import (
     MODES,
     REDUCTIONS,
@@ -30,7 +31,6 @@ from tests.ops.extension_cases import (
     raw_cpu,
     reference,
 )
-from tests.ops.extension_cases import cpu_extension_required as cpu_extension_required  # autouse
 
 # --------------------------------------------------------------------------- numerics
 

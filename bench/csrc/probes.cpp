@@ -129,12 +129,12 @@ double stream_read(const torch::Tensor& data, int64_t streams, int64_t threads, 
   const float* x = data.data_ptr<float>();
   const int64_t n = data.numel();
   const bool wide = with == "avx512";
+  const int64_t floats_ahead = ahead / static_cast<int64_t>(sizeof(float));
   double total = 0.0;
 #pragma omp parallel num_threads(static_cast<int>(threads)) reduction(+ : total)
   {
     const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
     const int64_t lo = n * tid / nth, hi = n * (tid + 1) / nth;
-    const int64_t floats_ahead = ahead / static_cast<int64_t>(sizeof(float));
     total += wide ? read_avx512(x, lo, hi, streams, floats_ahead)
                   : read_avx2(x, lo, hi, streams, floats_ahead);
   }
